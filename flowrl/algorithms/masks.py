@@ -1,0 +1,50 @@
+"""Masks and positions derived from lengths and the tokenizer, never from token values.
+
+Comparing ids with the pad id breaks when pad == eos (case C04: the real EOS must stay in the
+mask) and when the pad id occurs inside the text, so every mask here comes from lengths.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+def response_mask(response_ids: Tensor, response_lengths: Tensor,
+                  stop_token_ids: Sequence[int]) -> Tensor:
+    """Valid-token mask of right-padded responses.
+
+    A position is valid when it lies before ``response_lengths`` (tokens really generated) and at
+    or before the first stop token (the stop token is kept so the policy learns to stop).
+
+    Args:
+        response_ids: (B, R) int64, right-padded.
+        response_lengths: (B,) int64, number of generated tokens per row (0..R).
+        stop_token_ids: ids that end a response (EOS and any extra stop ids).
+
+    Returns:
+        (B, R) bool.
+
+    Reference: case C03/C04 of the project's rl_math cases.
+    """
+    B, R = response_ids.shape
+    pos = torch.arange(R, device=response_ids.device).expand(B, R)
+    within = pos < response_lengths.to(response_ids.device).unsqueeze(1)
+    if len(stop_token_ids):
+        stops = torch.tensor(list(stop_token_ids), device=response_ids.device)
+        is_stop = torch.isin(response_ids, stops) & within
+        # index of the first stop (R when none): everything after it is dropped
+        first = torch.where(is_stop, pos, torch.full_like(pos, R)).min(dim=1).values
+        within = within & (pos <= first.unsqueeze(1))
+    return within
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Position ids for a left-padded sequence: 0 at the first real token, counting real tokens.
+
+    attention_mask: (B, L) bool/int. Returns (B, L) int64; pads get position 0 (their value is never
+    used because they are masked). Needed by models with absolute position embeddings (case C09).
+    """
+    m = attention_mask.long()
+    return (m.cumsum(dim=1) - 1).clamp(min=0) * m

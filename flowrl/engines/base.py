@@ -1,0 +1,111 @@
+"""Typed seams between ops and the heavy engines (see DESIGN.md "Seams").
+
+Shapes: B = sequences in the batch, P = prompt width (left-padded), R = response width
+(right-padded). Masks are ``torch.bool``; logprobs/entropies are float32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Mapping, Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling parameters of one generate call.
+
+    ``temperature == 0`` means greedy decoding (then ``rollout_logprobs`` are taken at T=1).
+    ``stop_token_ids`` are stop ids in addition to the tokenizer's EOS; the stop token itself is kept
+    in the response (and in ``response_mask``).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class RolloutBatch:
+    """Output of :meth:`RolloutEngine.generate`.
+
+    Attributes:
+        response_ids: (B, R) int64, right-padded with the pad id after the response.
+        response_mask: (B, R) bool; True up to and including the first stop token, False after.
+        rollout_logprobs: (B, R) float32; log π_sampler(token) at the sampling temperature, 0 where
+            the mask is False.
+        truncated: (B,) bool; True when generation hit ``max_new_tokens`` without a stop token.
+    """
+
+    response_ids: Tensor
+    response_mask: Tensor
+    rollout_logprobs: Tensor
+    truncated: Tensor
+
+
+class RolloutEngine(Protocol):
+    """Generates responses. Implementations: ``engines/rollout/hf.py`` (vLLM later)."""
+
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingConfig,
+                 generator: torch.Generator | None = None) -> RolloutBatch:
+        """prompt_ids/prompt_mask: (B, P) left-padded. One response per row."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy full (unsharded) weights in place, e.g. after an actor update."""
+        ...
+
+    def sleep(self) -> None: ...  # give device memory back (colocated plans)
+
+    def wake(self) -> None: ...
+
+
+@dataclass
+class LogprobOutput:
+    """logprobs: (B, R) float32, 0 where response_mask is False. entropy: same shape or None."""
+
+    logprobs: Tensor
+    entropy: Tensor | None = None
+
+
+# loss_fn(micro_batch, logprobs (b, R), entropy (b, R) | None) -> (scalar loss, metrics).
+# The loss is already normalised by *global* mini-batch denominators, so the engine only sums the
+# micro-batch gradients (never averages them).
+LossFn = Callable[[Mapping[str, Tensor], Tensor, "Tensor | None"], tuple[Tensor, dict[str, float]]]
+
+
+class TrainEngine(Protocol):
+    """A trainable (actor, critic) or frozen (ref) model. Single-process now; FSDP2 next."""
+
+    def logprobs(self, batch: Mapping[str, Tensor], temperature: float,
+                 with_entropy: bool = False) -> LogprobOutput:
+        """batch holds prompt_ids, prompt_mask (B, P) and response_ids, response_mask (B, R)."""
+        ...
+
+    def train_step(self, batch: Mapping[str, Tensor], loss_fn: LossFn, temperature: float,
+                   with_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step over ``batch`` (a mini-batch), cut into micro-batches inside."""
+        ...
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]: ...
+
+    def offload(self) -> None: ...
+
+    def onload(self) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
