@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from .losses import POLICY_LOSSES
+
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_TYPES = ("k1", "k2", "k3")
 
@@ -27,6 +29,14 @@ class AlgorithmConfig:
         adv_eps: ε in (r - mean) / (std + ε).
         ppo_epochs: passes over each rollout batch.
         mini_batch_size: sequences per optimizer step (None = the whole rollout batch).
+        gamma / lam: discount and GAE λ (GAE, REINFORCE++ return-to-go).
+        whiten_advantages: GAE only — batch-whiten the advantages (PPO practice).
+        policy_loss: key of ``algorithms.losses.POLICY_LOSSES`` (ppo_clip, gspo, vanilla).
+        clip_range_value: PPO value-loss clip around the old values, None = unclipped.
+        vf_coef: weight of the value loss in the critic update.
+        kl_in_reward: subtract kl_coef·KL from the token rewards (True) instead of a KL loss term.
+        kl_target / kl_horizon: adaptive KL controller (Ziegler et al. 2019); kl_target None = fixed.
+        mask_truncated: drop truncated completions (no stop token) from the loss (DAPO overlong filter).
     """
 
     n: int = 4
@@ -42,6 +52,16 @@ class AlgorithmConfig:
     adv_eps: float = 1e-6
     ppo_epochs: int = 1
     mini_batch_size: Optional[int] = None
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    policy_loss: str = "ppo_clip"
+    clip_range_value: Optional[float] = 0.2
+    vf_coef: float = 0.5
+    kl_in_reward: bool = False
+    kl_target: Optional[float] = None
+    kl_horizon: int = 10000
+    mask_truncated: bool = False
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -63,3 +83,20 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.ppo_epochs must be >= 1, got {self.ppo_epochs}")
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
             raise ValueError(f"algorithm.mini_batch_size must be >= 1, got {self.mini_batch_size}")
+        for name in ("gamma", "lam"):
+            v = getattr(self, name)
+            if not 0 <= v <= 1:
+                raise ValueError(f"algorithm.{name} must be in [0, 1], got {v}")
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"algorithm.policy_loss must be one of {sorted(POLICY_LOSSES)}, "
+                             f"got {self.policy_loss!r}")
+        if self.clip_range_value is not None and self.clip_range_value <= 0:
+            raise ValueError(f"algorithm.clip_range_value must be > 0 or None, got {self.clip_range_value}")
+        if self.vf_coef < 0:
+            raise ValueError(f"algorithm.vf_coef must be >= 0, got {self.vf_coef}")
+        if self.kl_target is not None and self.kl_target <= 0:
+            raise ValueError(f"algorithm.kl_target must be > 0 or None, got {self.kl_target}")
+        if self.kl_horizon < 1:
+            raise ValueError(f"algorithm.kl_horizon must be >= 1, got {self.kl_horizon}")
+        if self.kl_clamp <= 0:
+            raise ValueError(f"algorithm.kl_clamp must be > 0, got {self.kl_clamp}")
