@@ -1,0 +1,86 @@
+"""``flowrl`` command line.
+
+    flowrl train [hydra overrides...]        run a job (Hydra: -m sweeps, --cfg job, ...)
+    flowrl plan  [hydra overrides...]        print the compiled execution plan; loads no model
+    flowrl graph validate FILE [FILE ...]    check graph files (exit 1 on the first invalid one)
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from flowrl.config import REPO_ROOT, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    from omegaconf import OmegaConf, open_dict
+
+    with open_dict(cfg):  # no Hydra run dir exists when only planning
+        cfg.trainer.output_dir = "(plan only)"
+    return cfg
+
+
+def plan_main(argv: list[str]) -> int:
+    from flowrl.train import prepare
+
+    cfg, plan = prepare(_compose(argv))
+    print(plan.format_text())
+    return 0
+
+
+def graph_main(argv: list[str]) -> int:
+    import argparse
+
+    from flowrl.graph import Graph, GraphError, UnusedOutputWarning, validate_graph
+
+    p = argparse.ArgumentParser(prog="flowrl graph")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("validate", help="check graph YAML files")
+    v.add_argument("files", nargs="+", type=Path)
+    args = p.parse_args(argv)
+    for f in args.files:
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", UnusedOutputWarning)
+                validate_graph(Graph.load(f))
+        except (GraphError, FileNotFoundError) as e:
+            print(f"{f}: {e}", file=sys.stderr)
+            return 1
+        for w in caught:
+            print(f"{f}: warning: {w.message}")
+        print(f"{f}: ok")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        from flowrl import train
+
+        sys.argv = [sys.argv[0] + " train", *rest]
+        train.main()
+        return 0
+    try:
+        if cmd == "plan":
+            return plan_main(rest)
+        if cmd == "graph":
+            return graph_main(rest)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"flowrl {cmd}: error: {e}", file=sys.stderr)
+        return 2
+    print(f"flowrl: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

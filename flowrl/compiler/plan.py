@@ -1,0 +1,294 @@
+"""Compile a Graph into an ExecutionPlan for one colocated pool.
+
+No engine is imported here: a plan is built and printed on a laptop with no model and no GPU.
+
+Steps: resolve ``when``/``params`` against the run config → prune disabled stages → validate →
+order stages (topological, grouping stages of the same model to cut onload/offload switches) →
+insert swap points (offload/onload) and weight-sync points → lifecycle table (for every
+intermediate: producer, consumers, last consumer).
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import networkx as nx
+from omegaconf import DictConfig, OmegaConf
+
+from flowrl.graph.graph import Graph, GraphError, Stage
+from flowrl.graph.roles import ROLES
+from flowrl.graph.validate import build_dag, validate_graph
+from flowrl.ops.registry import OPS
+
+
+@dataclass
+class Action:
+    """One entry of a pool's timeline. kind: run | onload | offload | sync."""
+
+    kind: str
+    stage: Optional[str] = None
+    role: Optional[str] = None
+    detail: str = ""
+
+
+@dataclass
+class TensorLife:
+    """Lifecycle of one intermediate ``key = "stage.output"``.
+
+    ``last_consumer`` is None for an output nobody consumes: it is released right after its
+    producer runs.
+    """
+
+    key: str
+    producer: str
+    consumers: list[str]
+    last_consumer: Optional[str]
+
+
+@dataclass
+class CompiledStage:
+    stage: Stage
+    config: Any  # the op's Config instance, params resolved
+
+
+@dataclass
+class ExecutionPlan:
+    """The compiler's output for one pool (placement ``colocated``).
+
+    Attributes:
+        graph: the source graph.
+        stages: compiled stages in execution order.
+        actions: the timeline of one step, swap and sync points included; ``resident_at_end`` is
+            what stays loaded going into the next step.
+        lifetimes: key → TensorLife.
+        release_after: stage → keys whose last consumer it is (freed right after it runs).
+        pruned: stages dropped because their ``when`` was false.
+        warnings: validator warnings (unused outputs).
+    """
+
+    graph: Graph
+    stages: list[CompiledStage]
+    actions: list[Action]
+    lifetimes: dict[str, TensorLife]
+    release_after: dict[str, list[str]]
+    pruned: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    placement: str = "colocated"
+    resident_at_end: list[str] = field(default_factory=list)
+
+    @property
+    def order(self) -> list[str]:
+        return [c.stage.name for c in self.stages]
+
+    @property
+    def roles(self) -> list[str]:
+        """Roles with a model, in first-use order."""
+        out: list[str] = []
+        for c in self.stages:
+            if c.stage.role and c.stage.role not in out:
+                out.append(c.stage.role)
+        return out
+
+    @property
+    def num_swaps(self) -> int:
+        return sum(a.kind == "onload" for a in self.actions)
+
+    def format_text(self) -> str:
+        from flowrl.compiler.render import format_plan
+
+        return format_plan(self)
+
+
+def _truthy(v: Any) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() not in ("", "0", "0.0", "false", "no", "off", "none", "null")
+    return bool(v)
+
+
+def resolve(graph: Graph, run_cfg: Mapping | DictConfig | None) -> Graph:
+    """Resolve ``${...}`` in ``when`` and ``params`` against the run config.
+
+    Raises:
+        GraphError: an interpolation that does not resolve, naming stage and field.
+    """
+    root = run_cfg if isinstance(run_cfg, DictConfig) else OmegaConf.create(dict(run_cfg or {}))
+    problems = []
+    out = Graph(name=graph.name, weight_sync=list(graph.weight_sync), description=graph.description)
+    for s in graph.stages:
+        fields = {"when": s.when, "params": s.params}
+        resolved = {}
+        for fld, val in fields.items():
+            try:
+                node = OmegaConf.create({"__root__": root, "v": val})
+                resolved[fld] = OmegaConf.to_container(node, resolve=True)["v"]
+            except Exception as e:  # omegaconf raises several types; all mean "cannot resolve"
+                problems.append((s.name, fld, f"cannot resolve {val!r}: {e}".split("\n")[0]))
+                resolved[fld] = val
+        out.stages.append(Stage(name=s.name, op=s.op, role=s.role, inputs=dict(s.inputs),
+                                params=resolved["params"] or {}, when=resolved["when"]))
+    if problems:
+        raise GraphError(problems)
+    return out
+
+
+def _rewrite_interpolations(graph: Graph) -> Graph:
+    """``${algorithm.x}`` → ``${__root__.algorithm.x}`` so resolution looks in the run config."""
+
+    def fix(v):
+        if isinstance(v, str):
+            return v.replace("${", "${__root__.").replace("${__root__.oc.", "${oc.")
+        if isinstance(v, dict):
+            return {k: fix(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [fix(x) for x in v]
+        return v
+
+    g = Graph(name=graph.name, weight_sync=list(graph.weight_sync), description=graph.description)
+    for s in graph.stages:
+        g.stages.append(Stage(name=s.name, op=s.op, role=s.role, inputs=dict(s.inputs),
+                              params=fix(s.params), when=fix(s.when)))
+    return g
+
+
+def prune(graph: Graph) -> tuple[Graph, list[str]]:
+    """Drop stages whose resolved ``when`` is false, and unbind optional inputs that referenced
+    them. Raises GraphError when a *required* input referenced a pruned stage."""
+    dropped = [s.name for s in graph.stages if s.when is not None and not _truthy(s.when)]
+    if not dropped:
+        return graph, []
+    problems = []
+    g = Graph(name=graph.name, description=graph.description,
+              weight_sync=[w for w in graph.weight_sync if w.src not in dropped and w.dst not in dropped])
+    for s in graph.stages:
+        if s.name in dropped:
+            continue
+        spec = OPS.get(s.op)
+        inputs = {}
+        for arg, ref in s.inputs.items():
+            if ref.split(".")[0] in dropped:
+                if spec is not None and arg in spec.inputs:
+                    problems.append((s.name, f"inputs.{arg}", f"required input references stage "
+                                     f"'{ref.split('.')[0]}', which is disabled by its 'when'"))
+                continue
+            inputs[arg] = ref
+        g.stages.append(Stage(name=s.name, op=s.op, role=s.role, inputs=inputs, params=s.params,
+                              when=None))
+    if problems:
+        raise GraphError(problems)
+    return g, dropped
+
+
+def order_stages(graph: Graph) -> list[str]:
+    """Topological order that keeps stages of one model together.
+
+    Among ready stages: one of the currently loaded role, else a role-less one, else the role with
+    the fewest remaining stages (finishing it frees its memory for good), ties by declared order.
+    """
+    dag = build_dag(graph)
+    role = {s.name: s.role for s in graph.stages}
+    pos = {s.name: i for i, s in enumerate(graph.stages)}
+    indeg = dict(dag.in_degree())
+    remaining: dict[Optional[str], int] = {}
+    for s in graph.stages:
+        remaining[s.role] = remaining.get(s.role, 0) + 1
+    current: Optional[str] = None
+    order: list[str] = []
+    ready = [n for n, d in indeg.items() if d == 0]
+    while ready:
+        def key(n: str):
+            r = role[n]
+            if r is not None and r == current:
+                rank = 0
+            elif r is None:
+                rank = 1
+            else:
+                rank = 2
+            return (rank, remaining[r] if rank == 2 else 0, pos[n])
+
+        ready.sort(key=key)
+        n = ready.pop(0)
+        order.append(n)
+        remaining[role[n]] -= 1
+        if role[n] is not None:
+            current = role[n]
+        for m in dag.successors(n):
+            indeg[m] -= 1
+            if indeg[m] == 0:
+                ready.append(m)
+    return order
+
+
+def _swap_actions(graph: Graph, order: list[str]) -> tuple[list[Action], list[str]]:
+    """Colocated policy: one model role resident at a time (its weights, grads, optimizer state).
+
+    The step starts with what the previous step left resident (the last role used), so the first
+    model stage of a step may offload it; sync points follow their source stage.
+    """
+    by_name = {s.name: s for s in graph.stages}
+    model_stages = [n for n in order if by_name[n].role]
+    resident: Optional[str] = by_name[model_stages[-1]].role if model_stages else None
+    actions: list[Action] = []
+    syncs = {}
+    for w in graph.weight_sync:
+        syncs.setdefault(w.src, []).append(w)
+    for n in order:
+        r = by_name[n].role
+        if r is not None and r != resident:
+            if resident is not None:
+                actions.append(Action("offload", role=resident, detail=f"before {n}"))
+            actions.append(Action("onload", role=r, detail=f"for {n}"))
+            resident = r
+        actions.append(Action("run", stage=n, role=r))
+        for w in syncs.get(n, []):
+            dst_role = by_name[w.dst].role
+            actions.append(Action("sync", stage=n, role=dst_role,
+                                  detail=f"weights {by_name[n].role} -> {dst_role} (staleness {w.staleness})"))
+    return actions, [resident] if resident else []
+
+
+def lifecycle(graph: Graph, order: list[str]) -> tuple[dict[str, TensorLife], dict[str, list[str]]]:
+    """For every op output: producer, consumers (in plan order) and the last consumer."""
+    pos = {n: i for i, n in enumerate(order)}
+    consumers: dict[str, list[str]] = {}
+    for s in graph.stages:
+        for _, src, out in s.input_refs():
+            consumers.setdefault(f"{src}.{out}", [])
+            if s.name not in consumers[f"{src}.{out}"]:
+                consumers[f"{src}.{out}"].append(s.name)
+    lifetimes: dict[str, TensorLife] = {}
+    release: dict[str, list[str]] = {n: [] for n in order}
+    for n in order:
+        s = graph[n]
+        for out in OPS[s.op].outputs:
+            key = f"{n}.{out}"
+            cons = sorted(consumers.get(key, []), key=pos.__getitem__)
+            last = cons[-1] if cons else None
+            lifetimes[key] = TensorLife(key, n, cons, last)
+            release[last or n].append(key)
+    return lifetimes, release
+
+
+def compile_plan(graph: Graph, run_cfg: Mapping | DictConfig | None = None,
+                 placement: str = "colocated") -> ExecutionPlan:
+    """Validate, resolve, prune, order and annotate a graph.
+
+    Raises:
+        GraphError: any validation problem (before any model is loaded).
+        ValueError: an unsupported placement.
+    """
+    if placement != "colocated":
+        raise ValueError(f"placement.mode={placement!r} is not supported yet; use 'colocated'")
+    with warnings.catch_warnings():  # warnings are reported once, after pruning
+        warnings.simplefilter("ignore")
+        validate_graph(graph, check_params=False)
+    g = resolve(_rewrite_interpolations(graph), run_cfg)
+    g, dropped = prune(g)
+    warns = validate_graph(g, check_params=True)
+    order = order_stages(g)
+    compiled = [CompiledStage(g[n], OPS[g[n].op].make_config(g[n].params, stage=n)) for n in order]
+    actions, resident = _swap_actions(g, order)
+    lifetimes, release = lifecycle(g, order)
+    return ExecutionPlan(graph=g, stages=compiled, actions=actions, lifetimes=lifetimes,
+                         release_after=release, pruned=dropped, warnings=warns,
+                         placement=placement, resident_at_end=resident)

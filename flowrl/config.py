@@ -1,0 +1,160 @@
+"""The run configuration: one typed dataclass per Hydra group, composed into ``TrainConfig``.
+
+Defaults live in these dataclasses (and the ones they import) once; ``conf/**.yaml`` only
+overrides. Validation runs in each ``__post_init__`` when the composed config is turned into
+objects (``to_train_config``), before any model loads, and errors name the field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from flowrl.algorithms.config import AlgorithmConfig
+from flowrl.data import DataConfig
+from flowrl.engines.base import SamplingConfig
+from flowrl.engines.rollout.hf import HFRolloutConfig
+from flowrl.engines.train.local import TrainEngineConfig
+from flowrl.models.loading import ModelConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class GraphConfig:
+    """path: graph YAML; relative paths are looked up in the CWD, then in the flowrl checkout."""
+
+    path: str = "graphs/grpo.yaml"
+
+    def resolve(self) -> Path:
+        p = Path(self.path).expanduser()
+        for cand in (p, REPO_ROOT / p):
+            if cand.is_file():
+                return cand.resolve()
+        raise FileNotFoundError(f"graph.path: no graph file at {self.path!r} "
+                                f"(looked in {Path.cwd()} and {REPO_ROOT})")
+
+
+@dataclass
+class RolloutConfig:
+    """backend: rollout engine (``hf``; ``vllm`` comes with its issue)."""
+
+    backend: str = "hf"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    hf: HFRolloutConfig = field(default_factory=HFRolloutConfig)
+
+    def __post_init__(self) -> None:
+        if self.backend != "hf":
+            raise ValueError(f"rollout.backend must be 'hf' (vLLM is not wired yet), got {self.backend!r}")
+
+
+@dataclass
+class PlacementConfig:
+    """mode: ``colocated`` (one pool, roles take turns). partitioned/auto come later."""
+
+    mode: str = "colocated"
+
+    def __post_init__(self) -> None:
+        if self.mode != "colocated":
+            raise ValueError(f"placement.mode={self.mode!r} is not supported yet; use 'colocated'")
+
+
+@dataclass
+class EvalConfig:
+    """Greedy accuracy on a fixed slice (the first ``limit`` items) of ``split``."""
+
+    split: str = "test"
+    limit: int = 32
+    batch_size: int = 32
+    max_new_tokens: int = 256
+    before: bool = True
+    after: bool = True
+
+    def __post_init__(self) -> None:
+        if self.limit < 0 or self.batch_size < 1 or self.max_new_tokens < 1:
+            raise ValueError("trainer.eval: limit must be >= 0, batch_size and max_new_tokens >= 1")
+
+
+@dataclass
+class TrainerConfig:
+    """Attributes:
+        total_steps: RL iterations (one rollout batch each).
+        prompts_per_step: prompts sampled per step; the batch holds prompts × algorithm.n samples.
+        seed: run seed (model init for tiny models, sampling, shuffling).
+        device: cpu | cuda | auto.
+        output_dir: run directory (metrics, TensorBoard, checkpoints); Hydra's run dir by default.
+        save_every: checkpoint every k steps (0 = only at the end).
+        keep_last: checkpoints kept on disk.
+        resume: continue from the newest complete checkpoint in ``output_dir`` (fresh start if none).
+        engine: optimizer / micro-batching of the training engine.
+    """
+
+    total_steps: int = 10
+    prompts_per_step: int = 4
+    seed: int = 0
+    device: str = "auto"
+    output_dir: str = "outputs/run"
+    save_every: int = 0
+    keep_last: int = 2
+    resume: bool = False
+    engine: TrainEngineConfig = field(default_factory=TrainEngineConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        if self.total_steps < 1:
+            raise ValueError(f"trainer.total_steps must be >= 1, got {self.total_steps}")
+        if self.prompts_per_step < 1:
+            raise ValueError(f"trainer.prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"trainer.device must be cpu, cuda or auto, got {self.device!r}")
+        if self.save_every < 0 or self.keep_last < 1:
+            raise ValueError("trainer.save_every must be >= 0 and trainer.keep_last >= 1")
+
+
+@dataclass
+class LoggerConfig:
+    """Where per-step metrics go. Console and progress bar print on rank 0 only."""
+
+    console: bool = True
+    progress: bool = True
+    jsonl: bool = True
+    tensorboard: bool = True
+    wandb: bool = False
+    mlflow: bool = False
+    project: str = "flowrl"
+
+
+@dataclass
+class TrainConfig:
+    graph: GraphConfig = field(default_factory=GraphConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def register_configs() -> None:
+    """Register the schema with Hydra's ConfigStore (``conf/train.yaml`` lists it first)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def to_train_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
+    """Composed (Dict)Config → validated TrainConfig objects.
+
+    Raises:
+        ValueError: a field a ``__post_init__`` rejects, or a type mismatch; the message names it.
+    """
+    base = OmegaConf.structured(TrainConfig)
+    try:
+        merged = OmegaConf.merge(base, cfg)
+        return OmegaConf.to_object(merged)
+    except Exception as e:  # omegaconf wraps __post_init__ errors; surface one clear line
+        msg = str(e).split("\n")[0]
+        raise ValueError(f"invalid config: {msg}") from e

@@ -1,0 +1,44 @@
+"""Log-probabilities of the sampled responses under a model role (old policy or reference)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flowrl.ops.context import StageContext
+from flowrl.ops.registry import register_op
+
+
+@dataclass
+class LogprobsConfig:
+    """with_entropy: also log the policy entropy (nats, mean over valid tokens)."""
+
+    with_entropy: bool = False
+
+
+@register_op("logprobs",
+             inputs=("prompt_ids", "prompt_mask", "response_ids", "response_mask"),
+             optional_inputs=("rollout_logprobs",), outputs=("logprobs",),
+             config=LogprobsConfig, roles=("actor", "ref"))
+def logprobs(ctx: StageContext, cfg: LogprobsConfig, *, prompt_ids, prompt_mask, response_ids,
+             response_mask, rollout_logprobs=None) -> dict:
+    """Recompute log π(response token) at the sampling temperature (case C08).
+
+    Output: logprobs (B, R) float32, 0 where response_mask is False.
+    When ``rollout_logprobs`` is bound, logs ``rollout/logprob_mismatch``: mean |rollout − this|
+    over valid tokens (≈0 for an on-policy setup whose sampler and trainer agree; a stale-weights
+    or temperature bug shows up here first).
+    """
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+             "response_ids": response_ids, "response_mask": response_mask}
+    temp = ctx.resource("sampling").temperature
+    out = ctx.engine.logprobs(batch, temperature=temp, with_entropy=cfg.with_entropy)
+    mask = response_mask
+    denom = mask.sum().clamp(min=1)
+    if rollout_logprobs is not None:
+        diff = torch.where(mask, (rollout_logprobs - out.logprobs).abs(), 0.0)
+        ctx.log(**{"rollout/logprob_mismatch": diff.sum() / denom,
+                   "rollout/logprob_mismatch_max": diff.max()})
+    if cfg.with_entropy and out.entropy is not None:
+        ctx.log(**{f"{ctx.stage}/entropy": torch.where(mask, out.entropy, 0.0).sum() / denom})
+    return {"logprobs": out.logprobs}

@@ -1,0 +1,30 @@
+"""Generation through the rollout role's engine (HF now, vLLM later: same seam)."""
+from __future__ import annotations
+
+import time
+
+from flowrl.ops.context import StageContext
+from flowrl.ops.registry import NoConfig, register_op
+
+
+@register_op("rollout.generate", inputs=("prompt_ids", "prompt_mask"),
+             outputs=("response_ids", "response_mask", "rollout_logprobs", "truncated"),
+             roles=("rollout",))
+def generate(ctx: StageContext, cfg: NoConfig, *, prompt_ids, prompt_mask) -> dict:
+    """One response per prompt row with the run's ``rollout.sampling`` settings.
+
+    Outputs: response_ids (B, R) int64 right-padded; response_mask (B, R) bool;
+    rollout_logprobs (B, R) float32 at the sampling temperature; truncated (B,) bool.
+    """
+    t0 = time.perf_counter()
+    out = ctx.engine.generate(prompt_ids, prompt_mask, ctx.resource("sampling"),
+                              generator=ctx.generator)
+    dt = time.perf_counter() - t0
+    lengths = out.response_mask.sum(-1).float()
+    ctx.log(**{
+        "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
+        "response/truncated_frac": out.truncated.float().mean(),
+        "perf/rollout_tokens_per_s": lengths.sum() / max(dt, 1e-9),
+    })
+    return {"response_ids": out.response_ids, "response_mask": out.response_mask,
+            "rollout_logprobs": out.rollout_logprobs, "truncated": out.truncated}

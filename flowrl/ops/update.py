@@ -1,0 +1,115 @@
+"""Policy update: PPO-style epochs × mini-batches over one rollout batch on the actor engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flowrl.ops.context import StageContext
+from flowrl.ops.registry import register_op
+
+_BATCH_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "old_logprobs",
+               "advantages", "ref_logprobs")
+
+
+@dataclass
+class PolicyUpdateConfig:
+    """policy_loss: key in ``algorithms.losses.POLICY_LOSSES`` (ppo_clip, gspo, ...)."""
+
+    policy_loss: str = "ppo_clip"
+
+    def __post_init__(self) -> None:
+        from flowrl.algorithms.losses import POLICY_LOSSES
+
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"policy_loss must be one of {sorted(POLICY_LOSSES)}, got {self.policy_loss!r}")
+
+
+def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: float,
+                        max_response_len: int):
+    """Build the engine's LossFn for one mini-batch.
+
+    The aggregation denominators (``num_tokens``, ``num_seqs``) are those of the whole mini-batch,
+    so summing micro-batch losses gives the mini-batch loss however it is cut (case C02).
+    loss = agg(policy) + kl_coef · agg(kl) − entropy_coef · agg(entropy).
+    """
+    from flowrl.algorithms.kl import kl_penalty
+    from flowrl.algorithms.losses import POLICY_LOSSES, aggregate_loss
+
+    loss_impl = POLICY_LOSSES[policy_loss]
+
+    def agg(x, mask):
+        return aggregate_loss(x, mask, algo.loss_agg_mode, num_tokens=num_tokens,
+                              num_seqs=num_seqs, max_response_len=max_response_len)
+
+    def loss_fn(mb, logprobs, entropy):
+        mask = mb["response_mask"]
+        per_tok, stats = loss_impl(logprobs, mb["old_logprobs"], mb["advantages"], mask,
+                                   clip_ratio_low=algo.clip_ratio_low,
+                                   clip_ratio_high=algo.clip_ratio_high,
+                                   clip_ratio_c=algo.clip_ratio_c)
+        pg = agg(per_tok, mask)
+        loss = pg
+        # metrics are token sums; the op divides by the mini-batch token count afterwards
+        metrics = {"actor/pg_loss": pg.item(),
+                   "actor/clipfrac_sum": torch.where(mask, stats["clipfrac"].float(), 0.0).sum().item()}
+        if algo.kl_coef > 0 and mb.get("ref_logprobs") is not None:
+            kl = kl_penalty(logprobs, mb["ref_logprobs"], kind=algo.kl_type, clamp=algo.kl_clamp)
+            kl = torch.where(mask, kl, 0.0)
+            kl_loss = agg(kl, mask)
+            loss = loss + algo.kl_coef * kl_loss
+            metrics["actor/kl_loss"] = kl_loss.item()
+        if entropy is not None:
+            ent = torch.where(mask, entropy, 0.0)
+            metrics["actor/entropy_sum"] = ent.sum().item()
+            if algo.entropy_coef:
+                loss = loss - algo.entropy_coef * agg(ent, mask)
+        return loss, metrics
+
+    return loss_fn
+
+
+@register_op("update.policy",
+             inputs=("prompt_ids", "prompt_mask", "response_ids", "response_mask",
+                     "old_logprobs", "advantages"),
+             optional_inputs=("ref_logprobs", "truncated"), outputs=(), config=PolicyUpdateConfig,
+             roles=("actor",))
+def update_policy(ctx: StageContext, cfg: PolicyUpdateConfig, **inputs) -> dict:
+    """``algorithm.ppo_epochs`` passes over the rollout batch in shuffled mini-batches of
+    ``algorithm.mini_batch_size`` sequences, one optimizer step each. old_logprobs are computed
+    once per rollout batch (by the upstream stage), not per epoch. Logs loss terms, KL, entropy,
+    clip fraction, grad norm and lr (means over optimizer steps)."""
+    algo = ctx.resource("algorithm")
+    temp = ctx.resource("sampling").temperature
+    batch = {k: v for k, v in inputs.items() if v is not None and k in _BATCH_KEYS}
+    truncated = inputs.get("truncated")
+    if getattr(algo, "mask_truncated", False) and truncated is not None:
+        # overlong completions leave both the loss numerator and its denominator
+        batch["response_mask"] = batch["response_mask"] & ~truncated.unsqueeze(-1)
+    B, R = batch["response_ids"].shape
+    mbs = algo.mini_batch_size or B
+    sums: dict[str, float] = {}
+    steps = 0
+    tokens_seen = 0.0
+    for _ in range(algo.ppo_epochs):
+        perm = torch.randperm(B, generator=ctx.generator)
+        for start in range(0, B, mbs):
+            idx = perm[start:start + mbs]
+            mb = {k: v[idx] for k, v in batch.items()}
+            num_tokens = float(mb["response_mask"].sum().item())
+            loss_fn = make_policy_loss_fn(algo, cfg.policy_loss, num_tokens=max(num_tokens, 1.0),
+                                          num_seqs=float(len(idx)), max_response_len=R)
+            m = ctx.engine.train_step(mb, loss_fn, temperature=temp, with_entropy=True)
+            steps += 1
+            tokens_seen += num_tokens
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+    out = {}
+    for k, v in sums.items():
+        if k.endswith("_sum"):  # token sums → per-token means over everything trained on
+            out[k[: -len("_sum")]] = v / max(tokens_seen, 1.0)
+        else:
+            out[k if "/" in k else f"actor/{k}"] = v / max(steps, 1)
+    out["actor/optimizer_steps"] = steps
+    ctx.log(**out)
+    return {}

@@ -1,0 +1,134 @@
+"""The per-rank controller: runs one ExecutionPlan step after step (SPMD: every rank runs this
+same loop on its own shard; world size 1 today).
+
+Dataflow of one GRPO step (colocated pool; ``[x]`` = role resident, ``→ free`` = lifecycle release)::
+
+    sample ──prompt_ids/mask, group_id, ground_truth──────────────────────────────────┐
+      │                                                                               │
+      ▼  [rollout]                                                                    │
+    rollout ──response_ids/mask, rollout_logprobs──► reward ──rewards──► advantage ───┤
+      │                                                                   (→ free     │
+      │  offload rollout / onload ref                                      rewards)   │
+      ▼  [ref]                                                                        │
+    ref_logprobs ──ref_logprobs────────────────────────────────────────────────────────┤
+      │  offload ref / onload actor                                                   │
+      ▼  [actor]                                                                      ▼
+    old_logprobs ──old_logprobs──────────────────────────────────────────────────► update
+                                                                 (→ free everything) │
+                                        sync weights actor → rollout (staleness 0) ◄──┘
+
+Each stage reads its inputs from the TensorStore, writes its outputs back, and the store frees every
+key whose last consumer (from the plan's lifecycle table) has just run.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from typing import Any, Mapping
+
+import torch
+
+from flowrl.compiler.plan import ExecutionPlan
+from flowrl.ops.context import DistInfo, StageContext
+from flowrl.ops.registry import OPS
+from flowrl.runtime.store import TensorStore
+
+log = logging.getLogger(__name__)
+
+
+def stage_seed(seed: int, step: int, stage: str) -> int:
+    """Deterministic per-(run, step, stage) seed, so a resumed run draws the same numbers."""
+    return (seed * 1_000_003 + step * 7919 + zlib.crc32(stage.encode())) % (2**63 - 1)
+
+
+class Executor:
+    """Runs an ExecutionPlan.
+
+    Args:
+        plan: the compiled plan.
+        engines: role → engine (TrainEngine for actor/ref/critic, RolloutEngine for rollout).
+        resources: shared objects handed to ops (tokenizer, prompts, algorithm, sampling, trainer).
+        seed: run seed; each stage run gets ``torch.Generator`` seeded by :func:`stage_seed`.
+
+    Raises:
+        KeyError: at construction, when a role of the plan has no engine.
+    """
+
+    def __init__(self, plan: ExecutionPlan, engines: Mapping[str, Any],
+                 resources: Mapping[str, Any], *, seed: int = 0, dist: DistInfo | None = None):
+        missing = [r for r in plan.roles if r not in engines]
+        if missing:
+            raise KeyError(f"plan needs engines for roles {missing}; have {sorted(engines)}")
+        self.plan = plan
+        self.engines = dict(engines)
+        self.resources = dict(resources)
+        self.seed = seed
+        self.dist = dist or DistInfo()
+        self.store = TensorStore(plan.release_after)
+        self._cfg = {c.stage.name: c.config for c in plan.stages}
+        self._resident: set[str] = set(plan.resident_at_end)
+
+    # ---- swap / sync points -----------------------------------------------------------------
+    def _offload(self, role: str) -> None:
+        eng = self.engines[role]
+        (eng.sleep if hasattr(eng, "sleep") and not hasattr(eng, "offload") else eng.offload)()
+        self._resident.discard(role)
+
+    def _onload(self, role: str) -> None:
+        eng = self.engines[role]
+        (eng.wake if hasattr(eng, "wake") and not hasattr(eng, "onload") else eng.onload)()
+        self._resident.add(role)
+
+    def _sync(self, src_role: str, dst_role: str) -> None:
+        self.engines[dst_role].load_weights(self.engines[src_role].named_weights())
+
+    # ---- one step ------------------------------------------------------------------------------
+    def run_step(self, step: int) -> dict[str, float]:
+        """Run every action of the plan once; return the step's metrics."""
+        metrics: dict[str, float] = {}
+        swap_s = sync_s = 0.0
+        t_step = time.perf_counter()
+        self.store.clear()
+        for a in self.plan.actions:
+            t0 = time.perf_counter()
+            if a.kind == "offload":
+                self._offload(a.role)
+                swap_s += time.perf_counter() - t0
+            elif a.kind == "onload":
+                self._onload(a.role)
+                swap_s += time.perf_counter() - t0
+            elif a.kind == "sync":
+                self._sync(self.plan.graph[a.stage].role, a.role)
+                sync_s += time.perf_counter() - t0
+            else:
+                metrics.update(self._run_stage(a.stage, step))
+                metrics[f"time/{a.stage}"] = time.perf_counter() - t0
+        leftover = list(self.store.keys())
+        if leftover:  # a plan bug, not a user error: the lifecycle table missed these
+            log.warning("step %d: store still holds %s at step end", step, leftover)
+        st = self.store.stats
+        metrics.update({
+            "perf/step_s": time.perf_counter() - t_step, "perf/swap_s": swap_s,
+            "perf/sync_s": sync_s, "store/peak_bytes": st.peak_bytes,
+            "store/keep_all_bytes": st.produced_bytes,
+            **{f"store/freed_bytes/{k}": v for k, v in st.freed_by_stage.items()},
+        })
+        return metrics
+
+    def _run_stage(self, name: str, step: int) -> dict[str, float]:
+        stage = self.plan.graph[name]
+        spec = OPS[stage.op]
+        inputs = {arg: self.store.get(ref) for arg, ref in stage.inputs.items()}
+        for arg in spec.optional_inputs:
+            inputs.setdefault(arg, None)
+        gen = torch.Generator().manual_seed(stage_seed(self.seed, step, name))
+        ctx = StageContext(stage=name, step=step, engine=self.engines.get(stage.role),
+                           resources=self.resources, dist=self.dist, generator=gen)
+        outputs = spec.fn(ctx, self._cfg[name], **inputs)
+        if set(outputs) != set(spec.outputs):
+            raise RuntimeError(f"stage '{name}': op '{spec.name}' returned {sorted(outputs)}, "
+                               f"declared {sorted(spec.outputs)}")
+        self.store.put(name, outputs)
+        self.store.release_after(name)
+        return ctx.metrics

@@ -1,0 +1,174 @@
+"""``flowrl train`` / ``python -m flowrl.train``: Hydra entry point of one training run.
+
+Order matters for "bad input loses nothing": the config is validated and the graph compiled
+(both can fail with a message naming the field or stage) before any model is loaded.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from flowrl.compiler.plan import ExecutionPlan, compile_plan
+from flowrl.config import TrainConfig, register_configs, to_train_config
+from flowrl.graph.graph import Graph
+from flowrl.runtime.checkpoint import CheckpointManager
+from flowrl.runtime.executor import Executor
+from flowrl.runtime.metrics import MetricsLogger
+
+log = logging.getLogger("flowrl")
+
+
+def prepare(raw: DictConfig | dict) -> tuple[TrainConfig, ExecutionPlan]:
+    """Validate the config and compile the graph; loads no model.
+
+    Raises:
+        ValueError / GraphError / FileNotFoundError with a message naming the field or stage.
+    """
+    raw = raw if isinstance(raw, DictConfig) else OmegaConf.create(raw)
+    cfg = to_train_config(raw)
+    plan = compile_plan(Graph.load(cfg.graph.resolve()), OmegaConf.to_container(raw, resolve=True),
+                        placement=cfg.placement.mode)
+    _check_estimators(plan, cfg)
+    return cfg, plan
+
+
+def _check_estimators(plan: ExecutionPlan, cfg: TrainConfig) -> None:
+    """Group-baseline estimators with n = 1 would train on all-zero advantages (case C01)."""
+    try:
+        from flowrl.algorithms.advantages import validate_estimator
+    except ImportError:
+        return
+    for c in plan.stages:
+        if c.stage.op.startswith("advantage."):
+            try:
+                validate_estimator(c.stage.op.split(".", 1)[1], cfg.algorithm.n)
+            except ValueError as e:
+                raise ValueError(f"stage '{c.stage.name}': {e}") from e
+
+
+def _device(cfg: TrainConfig) -> torch.device:
+    if cfg.trainer.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but no CUDA device is available")
+    return torch.device(cfg.trainer.device)
+
+
+def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer) -> dict[str, Any]:
+    """Load the model once and build the engine of every role the plan uses."""
+    from flowrl.engines.rollout.hf import HFRolloutEngine
+    from flowrl.engines.train.local import LocalTrainEngine
+    from flowrl.models.loading import load_model
+
+    model = load_model(cfg.model).to(_device(cfg))
+    engines: dict[str, Any] = {}
+    ref_copy = copy.deepcopy(model) if "ref" in plan.roles else None  # before any update
+    engines["actor"] = LocalTrainEngine(model, cfg.trainer.engine, trainable=True)
+    # colocated HF rollout shares the actor's module: the weight sync is free (no copy)
+    engines["rollout"] = HFRolloutEngine(model, tokenizer, cfg.rollout.hf)
+    if ref_copy is not None:
+        engines["ref"] = LocalTrainEngine(ref_copy, cfg.trainer.engine, trainable=False)
+    return engines
+
+
+def train(raw: DictConfig | dict) -> dict[str, Any]:
+    """Run a whole training job; returns the summary also written to ``summary.json``."""
+    from flowrl.data import PromptSource
+    from flowrl.models.loading import load_tokenizer
+    from flowrl.rewards import REWARD_FUNCTIONS
+    from flowrl.runtime.evaluate import evaluate_greedy
+
+    cfg, plan = prepare(raw)
+    out_dir = Path(cfg.trainer.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.trainer.seed)
+    (out_dir / "plan.txt").write_text(plan.format_text() + "\n")
+
+    tokenizer = load_tokenizer(cfg.model)
+    prompts = PromptSource(cfg.data, tokenizer)
+    t0 = time.perf_counter()
+    engines = build_engines(cfg, plan, tokenizer)
+    load_s = time.perf_counter() - t0
+    resources = {"tokenizer": tokenizer, "prompts": prompts, "algorithm": cfg.algorithm,
+                 "sampling": cfg.rollout.sampling, "trainer": cfg.trainer}
+    executor = Executor(plan, engines, resources, seed=cfg.trainer.seed)
+    actor = engines["actor"]
+    ckpts = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
+
+    start = 1
+    history: list[dict[str, Any]] = []
+    if cfg.trainer.resume:
+        latest = ckpts.latest()
+        if latest is not None:
+            tensors = {"actor": actor.state_dict(), "rng": {"torch": torch.get_rng_state()}}
+            meta = ckpts.load(latest, tensors)
+            actor.load_state_dict(tensors["actor"])
+            torch.set_rng_state(tensors["rng"]["torch"])
+            prompts.load_state_dict(meta["prompts"])
+            engines["rollout"].load_weights(actor.named_weights())
+            start = int(meta["step"]) + 1
+            history = meta.get("history", [])
+            log.info("resumed from %s: continuing at step %d", latest, start)
+        else:
+            log.info("trainer.resume=true but no checkpoint in %s: starting fresh", ckpts.root)
+
+    verifier = REWARD_FUNCTIONS["gsm8k"]
+    ev = cfg.trainer.eval
+    eval_kw = dict(split=ev.split, limit=ev.limit, batch_size=ev.batch_size,
+                   max_new_tokens=ev.max_new_tokens, stop_token_ids=cfg.rollout.sampling.stop_token_ids)
+    summary: dict[str, Any] = {"model_load_s": load_s, "plan_order": plan.order}
+    logger = MetricsLogger(out_dir, cfg.logger, cfg.trainer.total_steps,
+                           run_config=OmegaConf.to_container(OmegaConf.structured(cfg)))
+    with logger:
+        logger.print(f"[bold]flowrl[/bold] graph={plan.graph.name} steps={cfg.trainer.total_steps} "
+                     f"batch={cfg.trainer.prompts_per_step}x{cfg.algorithm.n} out={out_dir}")
+        if ev.before and start == 1:
+            before = evaluate_greedy(engines["rollout"], prompts, tokenizer, verifier, **eval_kw)
+            summary["eval_before"] = before
+            if before:
+                logger.log(0, before)
+                logger.print(f"eval before: accuracy {before['eval/accuracy']:.3f} on {before['eval/n']:.0f}")
+        logger.set_progress(start - 1)
+        for step in range(start, cfg.trainer.total_steps + 1):
+            m = executor.run_step(step)
+            gen_tokens = m.get("response/length_mean", 0.0) * cfg.trainer.prompts_per_step * cfg.algorithm.n
+            m["perf/tokens_per_s"] = gen_tokens / max(m["perf/step_s"], 1e-9)
+            logger.log(step, m)
+            history.append({"step": step, **{k: m[k] for k in ("reward/mean", "reward/accuracy",
+                                                                "perf/step_s") if k in m}})
+            last = step == cfg.trainer.total_steps
+            if last or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
+                t_s = time.perf_counter()
+                ckpts.save(step, {"actor": actor.state_dict(), "rng": {"torch": torch.get_rng_state()}},
+                           {"prompts": prompts.state_dict(), "history": history})
+                logger.log(step, {"perf/checkpoint_s": time.perf_counter() - t_s})
+        if ev.after:
+            after = evaluate_greedy(engines["rollout"], prompts, tokenizer, verifier, **eval_kw)
+            summary["eval_after"] = after
+            if after:
+                logger.log(cfg.trainer.total_steps, after)
+                logger.print(f"eval after: accuracy {after['eval/accuracy']:.3f} on {after['eval/n']:.0f}")
+    summary["history"] = history
+    summary["checkpoint"] = str(ckpts.latest())
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The compiled plan of graphs/grpo.yaml: order, swaps, pruning and the last-consumer table."""
+from pathlib import Path
+
+import pytest
+
+from flowrl.compiler.plan import compile_plan
+from flowrl.graph import Graph, GraphError
+
+GRPO = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
+
+
+def plan(kl_coef=0.0):
+    return compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": kl_coef}})
+
+
+def test_ref_stage_pruned_without_kl():
+    p = plan(0.0)
+    assert p.pruned == ["ref_logprobs"]
+    assert "ref_logprobs" not in p.graph["update"].inputs
+    assert p.order == ["sample", "rollout", "reward", "advantage", "old_logprobs", "update"]
+
+
+def test_order_groups_model_stages_with_kl():
+    p = plan(0.01)
+    # advantage (no model) runs while the rollout is still resident; ref is finished before the
+    # actor's two stages so the actor is loaded once
+    assert p.order == ["sample", "rollout", "reward", "advantage", "ref_logprobs", "old_logprobs",
+                       "update"]
+    swaps = [(a.kind, a.role) for a in p.actions if a.kind in ("onload", "offload")]
+    assert swaps == [("offload", "actor"), ("onload", "rollout"), ("offload", "rollout"),
+                     ("onload", "ref"), ("offload", "ref"), ("onload", "actor")]
+    assert p.num_swaps == 3
+    syncs = [a for a in p.actions if a.kind == "sync"]
+    assert len(syncs) == 1 and syncs[0].stage == "update" and syncs[0].role == "rollout"
+
+
+def test_last_consumer_table():
+    p = plan(0.01)
+    last = {k: t.last_consumer for k, t in p.lifetimes.items()}
+    assert last == {
+        "sample.prompt_ids": "update", "sample.prompt_mask": "update",
+        "sample.group_id": "advantage", "sample.ground_truth": "reward",
+        "rollout.response_ids": "update", "rollout.response_mask": "update",
+        "rollout.rollout_logprobs": "old_logprobs", "rollout.truncated": "update",
+        "reward.rewards": "advantage", "advantage.advantages": "update",
+        "ref_logprobs.logprobs": "update", "old_logprobs.logprobs": "update",
+    }
+    assert p.lifetimes["rollout.response_mask"].consumers == [
+        "reward", "advantage", "ref_logprobs", "old_logprobs", "update"]
+    assert sorted(p.release_after["advantage"]) == ["reward.rewards", "sample.group_id"]
+
+
+def test_plan_text_lists_everything():
+    text = plan(0.01).format_text()
+    for needle in ("old_logprobs", "role=actor", "onload  ref", "sync    weights actor -> rollout",
+                   "rollout.rollout_logprobs", "model switches per step: 3"):
+        assert needle in text, needle
+
+
+def test_required_input_on_pruned_stage_is_an_error():
+    g = Graph.load(GRPO)
+    g["old_logprobs"].when = "${algorithm.kl_coef}"
+    with pytest.raises(GraphError) as ei:
+        compile_plan(g, {"algorithm": {"kl_coef": 0.0}})
+    assert ("update", "inputs.old_logprobs") in [(s, f) for s, f, _ in ei.value.problems]
+
+
+def test_unresolvable_interpolation_names_stage():
+    with pytest.raises(GraphError) as ei:
+        compile_plan(Graph.load(GRPO), {"algorithm": {}})
+    assert ei.value.problems[0][:2] == ("ref_logprobs", "when")
+
+
+def test_unsupported_placement():
+    with pytest.raises(ValueError, match="placement.mode='partitioned'"):
+        compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": 0}}, placement="partitioned")
