@@ -80,8 +80,11 @@ def scorable(rewards: Optional[Tensor], response_mask: Tensor) -> Tensor:
     return ok if rewards is None else ok & torch.isfinite(rewards)
 
 
-def _dense_groups(group_id: Tensor) -> tuple[Tensor, Tensor, int, int]:
-    """Map samples to a (G, n_max) grid: returns (row (B,), col (B,), G, n_max); no sample loop."""
+def _group_grid(rewards: Tensor, ok: Tensor, group_id: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Lay the scorable rewards out on a (G, n_max) float64 grid, vectorised (no loop over samples).
+
+    Returns (x (G, n), valid (G, n) bool, row (B,), col (B,)): sample b sits at x[row[b], col[b]].
+    """
     _, row = torch.unique(group_id, return_inverse=True)
     G = int(row.max()) + 1 if row.numel() else 0
     counts = torch.bincount(row, minlength=G)
@@ -89,7 +92,12 @@ def _dense_groups(group_id: Tensor) -> tuple[Tensor, Tensor, int, int]:
     order = torch.argsort(row, stable=True)
     col = torch.empty_like(row)
     col[order] = torch.arange(row.numel(), device=row.device) - starts[row[order]]
-    return row, col, G, int(counts.max()) if G else 0
+    n = max(int(counts.max()) if G else 0, 1)
+    x = torch.zeros(G, n, dtype=torch.float64, device=rewards.device)
+    v = torch.zeros(G, n, dtype=torch.bool, device=rewards.device)
+    x[row, col] = torch.where(ok, rewards, 0.0).double()
+    v[row, col] = ok
+    return x, v, row, col
 
 
 def _set_stats(x: Tensor, valid: Tensor, dim: int = -1) -> tuple[Tensor, Tensor, Tensor]:
@@ -117,11 +125,7 @@ def group_center(rewards: Tensor, group_id: Tensor, response_mask: Tensor, *, ep
     Unscorable samples and groups with < 2 scorable samples get 0; a constant group gets exactly 0.
     """
     ok = scorable(rewards, response_mask)
-    row, col, G, n = _dense_groups(group_id)
-    x = torch.zeros(G, n, dtype=torch.float64, device=rewards.device)
-    v = torch.zeros(G, n, dtype=torch.bool, device=rewards.device)
-    x[row, col] = torch.where(ok, rewards, 0.0).double()
-    v[row, col] = ok
+    x, v, row, col = _group_grid(rewards, ok, group_id)
     cnt, mean, std = _set_stats(x, v)
     dev = torch.where(std[row] > 0, x[row, col] - mean[row], 0.0)  # constant group → exactly 0
     adv = dev / (std[row] + eps) if norm_by_std else dev
@@ -137,6 +141,8 @@ def whiten(x: Tensor, mask: Tensor, *, eps: float = 1e-6, shift_mean: bool = Tru
     Under data parallelism the caller must pass globally reduced statistics (not done here).
     """
     mask = mask.bool()
+    if not mask.any():
+        return torch.zeros(mask.shape, dtype=torch.float32, device=x.device)
     xd = x.double()
     _, mean, std = _set_stats(xd.flatten(), mask.flatten())
     out = (xd - mean) / (std + eps) if std > 0 else xd - mean
@@ -210,11 +216,8 @@ def rloo_advantages(rewards: Tensor, group_id: Tensor, response_mask: Tensor, *,
     _check(rewards, group_id, response_mask)
     mask = response_mask.bool()
     ok = scorable(rewards, mask)
-    row, col, G, n = _dense_groups(group_id)
-    x = torch.zeros(G, n, dtype=torch.float64, device=rewards.device)
-    v = torch.zeros(G, n, dtype=torch.bool, device=rewards.device)
-    x[row, col] = torch.where(ok, rewards, 0.0).double()
-    v[row, col] = ok
+    x, v, row, col = _group_grid(rewards, ok, group_id)
+    G, n = x.shape
     eye = torch.eye(n, dtype=torch.bool, device=rewards.device)
     others = v.unsqueeze(1) & ~eye  # (G, i, j): j is a scorable sibling of i
     cnt, mean, std = _set_stats(x.unsqueeze(1).expand(G, n, n), others)

@@ -181,3 +181,14 @@ def test_config_validation_names_fields():
                       ({"vf_coef": -1}, "algorithm.vf_coef"), ({"kl_clamp": 0}, "algorithm.kl_clamp")]:
         with pytest.raises(ValueError, match=field):
             AlgorithmConfig(**kw)
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
+def test_empty_batch_and_all_masked(name):
+    cfg = AlgorithmConfig()
+    for B in (0, 3):
+        kw = dict(rewards=torch.ones(B), group_id=torch.zeros(B, dtype=torch.long),
+                  response_mask=torch.zeros(B, 4, dtype=torch.bool), token_rewards=torch.ones(B, 4),
+                  values=torch.ones(B, 4), cfg=cfg)
+        adv, ret = ADVANTAGE_ESTIMATORS[name](**kw)
+        assert adv.shape == ret.shape == (B, 4) and torch.equal(adv, torch.zeros(B, 4))
