@@ -1,0 +1,325 @@
+"""Rollout engine on transformers' ``generate`` (the embedded default; vLLM is the production one).
+
+The engine either *shares* the actor's ``nn.Module`` (colocated, zero-copy: ``load_weights`` finds
+the same storage and copies nothing) or holds its own copy (``load_weights`` copies in place).
+
+Rollout logprobs are recorded *while* generating by a logits processor placed before the
+temperature/top-k/top-p warpers, so memory is one (B, V) row per step instead of the (steps, B, V)
+that ``output_logits=True`` keeps for the whole call.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Iterable, Literal, Optional
+
+import torch
+from torch import Tensor, nn
+from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList,
+                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+from flowrl.algorithms.logprobs import token_logprobs
+from flowrl.algorithms.masks import response_mask
+from flowrl.engines.base import RolloutBatch, SamplingConfig
+
+
+_CACHE_IMPLEMENTATIONS = (None, "static", "dynamic")
+
+
+@dataclass
+class HFRolloutConfig:
+    """Configuration of :class:`HFRolloutEngine`.
+
+    Attributes:
+        batch_size: most sequences per ``generate`` call; larger batches are cut into chunks.
+        cache_implementation: KV cache kind handed to transformers ("static", "dynamic", or None for
+            the model's default).
+        compile: let transformers compile the decoding forward. Needs the static cache; transformers
+            only compiles on accelerators (on CPU it is silently a no-op).
+        logprobs_mode: what ``rollout_logprobs`` holds, see :meth:`HFRolloutEngine.generate`.
+            "tempered" (default) = log softmax(logits / T) over the full vocabulary, the quantity the
+            trainer recomputes; "processed" = log-probability under the truncated (top-k/top-p),
+            renormalised distribution the token was actually drawn from.
+    """
+
+    batch_size: int = 64
+    cache_implementation: Optional[str] = None
+    compile: bool = False
+    logprobs_mode: Literal["tempered", "processed"] = "tempered"
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.cache_implementation not in _CACHE_IMPLEMENTATIONS:
+            raise ValueError(f"cache_implementation must be one of {_CACHE_IMPLEMENTATIONS}, "
+                             f"got {self.cache_implementation!r}")
+        if self.compile and self.cache_implementation != "static":
+            raise ValueError("compile=True needs cache_implementation='static' "
+                             f"(got {self.cache_implementation!r})")
+        if self.logprobs_mode not in ("tempered", "processed"):
+            raise ValueError(f"logprobs_mode must be 'tempered' or 'processed', "
+                             f"got {self.logprobs_mode!r}")
+
+
+class _LogprobRecorder(LogitsProcessor):
+    """Scores each sampled token under the distribution of the step that sampled it.
+
+    A logits processor sees step t's scores before the token is drawn; the token itself shows up as
+    the last column of ``input_ids`` at step t+1 (or of the final sequences, see :meth:`finish`).
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.pending: Optional[Tensor] = None  # (B, V) fp32 scores of the previous step
+        self.logprobs: list[Tensor] = []
+
+    def _score(self, tokens: Tensor) -> None:
+        if self.pending is not None:
+            lp = token_logprobs(self.pending.unsqueeze(1), tokens.unsqueeze(1), self.temperature)
+            self.logprobs.append(lp.squeeze(1))
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        self._score(input_ids[:, -1])
+        # clone: later processors may be (or become) in-place
+        self.pending = scores.detach().float().clone()
+        return scores
+
+    def finish(self, sequences: Tensor) -> Tensor:
+        """(B, R) float32 logprobs of the R generated tokens; sequences is generate's output."""
+        self._score(sequences[:, -1])
+        self.pending = None
+        return torch.stack(self.logprobs, dim=1)
+
+
+def _module_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+class HFRolloutEngine:
+    """:class:`flowrl.engines.base.RolloutEngine` on ``transformers`` ``generate``.
+
+    Args:
+        model: a causal LM (``PreTrainedModel`` with ``generate``). Pass the actor's module itself to
+            share weights (set ``shared=True``), or a separate copy.
+        tokenizer: gives ``eos_token_id`` (always a stop id) and ``pad_token_id`` (falls back to EOS).
+        cfg: engine configuration.
+        shared: True when ``model`` is the actor train engine's module. Then ``sleep``/``wake`` leave
+            its placement to the train engine's ``offload``/``onload`` and only free the cache.
+
+    Attributes:
+        last_timings: seconds of the last ``generate``/``load_weights``/``sleep``/``wake`` call, keyed
+            ``generate_s``, ``load_weights_s``, ``sleep_s``, ``wake_s``.
+        last_load_counts: ``{"copied": n, "shared": m}`` tensors of the last ``load_weights``;
+            ``shared`` counts tensors that already were this module's storage (zero-copy).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, cfg: HFRolloutConfig | None = None, *,
+                 shared: bool = False) -> None:
+        self.model = model
+        self.cfg = cfg or HFRolloutConfig()
+        self.shared = shared
+        self.eos_token_id = int(tokenizer.eos_token_id)
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad) if pad is not None else self.eos_token_id
+        self.device = _module_device(model)
+        self.last_timings: dict[str, float] = {}
+        self.last_load_counts: dict[str, int] = {"copied": 0, "shared": 0}
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingConfig,
+                 generator: torch.Generator | None = None) -> RolloutBatch:
+        """Sample one response per prompt.
+
+        Args:
+            prompt_ids: (B, P) int64, left-padded.
+            prompt_mask: (B, P) bool (or 0/1), the tokenizer's attention mask; each row must be
+                left-padded (no real token after a pad) and hold at least one real token.
+            params: sampling parameters; ``temperature == 0`` is greedy.
+            generator: source of the sampling seed. One 63-bit seed is drawn from it per call and the
+                whole call runs under ``torch.random.fork_rng`` seeded with it (transformers samples
+                from the global RNG), so the global RNG is left untouched and the same generator
+                state, inputs and ``cfg.batch_size`` give the same samples on the same device. With
+                ``None`` the global RNG is used (and advanced).
+
+        Returns:
+            :class:`RolloutBatch` on ``prompt_ids.device``; R = the longest response generated.
+            ``response_ids`` are right-padded with the pad id. A row's length is the position of its
+            first stop id (tokenizer EOS or ``params.stop_token_ids``) plus one, else R: exactly
+            the rule of transformers' EOS stopping criterion, which is what ends a row; ids are never
+            compared with the pad id (pad may equal EOS, case C04). ``truncated`` = no stop id
+            within ``max_new_tokens``. ``rollout_logprobs`` (0 where the mask is False):
+
+            - ``logprobs_mode="tempered"``: log softmax(logits / T)[token] over the full vocabulary
+              (T = 1 for greedy), computed by the same ``token_logprobs`` the trainer uses. With
+              top_p = 1 and top_k = 0 this is exactly the sampling distribution and equals the
+              trainer's recomputation up to kernel noise. With top-p/top-k the token was drawn from
+              the truncated, renormalised distribution; its true sampler logprob is this value minus
+              log(probability mass kept), i.e. higher; the tempered value is what stays comparable
+              with the trainer.
+            - ``logprobs_mode="processed"``: log softmax of the warped scores, the truncated,
+              renormalised sampler distribution (not reproducible by the trainer when truncating).
+
+        Raises:
+            ValueError: shape mismatch, or a prompt row that is empty or not left-padded.
+        """
+        if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
+            raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask "
+                             f"{tuple(prompt_mask.shape)} must both be (B, P)")
+        mask = prompt_mask.bool()
+        if not mask.any(dim=1).all():
+            raise ValueError("every prompt row needs at least one real token (prompt_mask row all False)")
+        # left-padded ⇔ once a row turns True it stays True
+        if (mask[:, :-1] & ~mask[:, 1:]).any():
+            raise ValueError("prompt_mask must be left-padded: a pad follows a real token")
+
+        t0 = time.perf_counter()
+        stops = [self.eos_token_id] + [int(s) for s in params.stop_token_ids if s != self.eos_token_id]
+        seed = None
+        if generator is not None:
+            seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator).item())
+        out_device = prompt_ids.device
+        B = prompt_ids.shape[0]
+        chunks = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self._rng(seed), torch.inference_mode():
+                for s in range(0, B, self.cfg.batch_size):
+                    chunks.append(self._generate_chunk(prompt_ids[s:s + self.cfg.batch_size],
+                                                       mask[s:s + self.cfg.batch_size], params, stops))
+        finally:
+            self.model.train(was_training)
+
+        R = max(ids.shape[1] for ids, _ in chunks)
+        ids = torch.full((B, R), self.pad_token_id, dtype=torch.long)
+        lps = torch.zeros(B, R, dtype=torch.float32)
+        row = 0
+        for c_ids, c_lps in chunks:
+            n, r = c_ids.shape
+            ids[row:row + n, :r] = c_ids.cpu()
+            lps[row:row + n, :r] = c_lps.cpu()
+            row += n
+        is_stop = torch.isin(ids, torch.tensor(stops))
+        pos = torch.arange(R).expand(B, R)
+        lengths = torch.where(is_stop, pos + 1, torch.full_like(pos, R)).min(dim=1).values
+        resp_mask = response_mask(ids, lengths, stops)
+        truncated = ~is_stop.any(dim=1)
+        lps = torch.where(resp_mask, lps, torch.zeros_like(lps))
+        self.last_timings = {"generate_s": time.perf_counter() - t0}
+        return RolloutBatch(response_ids=ids.to(out_device), response_mask=resp_mask.to(out_device),
+                            rollout_logprobs=lps.to(out_device), truncated=truncated.to(out_device))
+
+    def _rng(self, seed: Optional[int]):
+        if seed is None:
+            return contextlib.nullcontext()
+        devices = [self.device] if self.device.type == "cuda" else []
+
+        @contextlib.contextmanager
+        def forked():
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                yield
+        return forked()
+
+    def _generate_chunk(self, ids: Tensor, mask: Tensor, params: SamplingConfig,
+                        stops: list[int]) -> tuple[Tensor, Tensor]:
+        # columns that are padding in every row of this chunk only cost compute
+        first = int(mask.any(dim=0).long().argmax())
+        ids, mask = ids[:, first:].to(self.device), mask[:, first:].to(self.device)
+        sample = params.temperature > 0
+        recorder = _LogprobRecorder(params.temperature if sample else 1.0)
+        processors = LogitsProcessorList([recorder] if self.cfg.logprobs_mode == "tempered" else [])
+        if sample:
+            # our own warpers (transformers' classes, its order) so the recorder can sit before them
+            if params.temperature != 1.0:
+                processors.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k > 0:
+                processors.append(TopKLogitsWarper(params.top_k))
+            if params.top_p < 1.0:
+                processors.append(TopPLogitsWarper(params.top_p))
+        if self.cfg.logprobs_mode == "processed":
+            recorder.temperature = 1.0  # the warpers already divided by T
+            processors.append(recorder)
+        gen_cfg = self._generation_config(params, stops, sample)
+        # the model's own generation_config (e.g. a checkpoint's repetition_penalty or top_k=50
+        # fallback) would silently change the sampler and break rollout == trainer logprobs
+        saved = self.model.generation_config
+        self.model.generation_config = GenerationConfig()
+        try:
+            seqs = self.model.generate(input_ids=ids, attention_mask=mask.long(),
+                                       generation_config=gen_cfg, logits_processor=processors)
+        finally:
+            self.model.generation_config = saved
+        if isinstance(seqs, Tensor):
+            sequences = seqs
+        else:
+            sequences = seqs.sequences
+        return sequences[:, ids.shape[1]:], recorder.finish(sequences)
+
+    def _generation_config(self, params: SamplingConfig, stops: list[int], sample: bool
+                           ) -> GenerationConfig:
+        # sampling: neutral warper values so transformers adds none (ours sit in logits_processor);
+        # greedy: unset, since transformers warns about sampling flags when do_sample=False
+        neutral = dict(temperature=1.0, top_k=0, top_p=1.0) if sample else {}
+        kwargs = dict(
+            do_sample=sample, **neutral, min_p=None, typical_p=1.0, repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1, num_return_sequences=1,
+            max_new_tokens=params.max_new_tokens, min_new_tokens=0,
+            eos_token_id=stops, pad_token_id=self.pad_token_id, use_cache=True,
+            return_dict_in_generate=False, output_scores=False, output_logits=False,
+            disable_compile=not self.cfg.compile,
+        )
+        if self.cfg.cache_implementation is not None:
+            kwargs["cache_implementation"] = self.cfg.cache_implementation
+        return GenerationConfig(**kwargs)
+
+    # ------------------------------------------------------------------ weights / memory
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy full tensors in place by name (parameters and buffers; may be called per bucket).
+
+        A tensor that already *is* this module's storage (same ``data_ptr``, the colocated shared
+        module) is skipped: nothing is copied. Dtype/device are converted by ``copy_``.
+
+        Raises:
+            KeyError: a name this module does not have. ValueError: a shape mismatch.
+        """
+        t0 = time.perf_counter()
+        own = dict(self.model.named_parameters())
+        own.update(dict(self.model.named_buffers()))
+        copied = shared = 0
+        for name, src in named_tensors:
+            if name not in own:
+                raise KeyError(f"load_weights: rollout model has no tensor named {name!r}")
+            dst = own[name]
+            if dst.shape != src.shape:
+                raise ValueError(f"load_weights: {name} has shape {tuple(src.shape)}, "
+                                 f"expected {tuple(dst.shape)}")
+            if dst.data_ptr() == src.data_ptr() and dst.device == src.device:
+                shared += 1
+                continue
+            dst.copy_(src)
+            copied += 1
+        self.last_load_counts = {"copied": copied, "shared": shared}
+        self.last_timings = {"load_weights_s": time.perf_counter() - t0}
+
+    def sleep(self) -> None:
+        """Give device memory back: move a non-shared module to CPU and empty the CUDA cache.
+
+        On CPU (and for a shared module's weights) nothing moves; the call is still timed.
+        """
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            if not self.shared:
+                self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self.last_timings = {"sleep_s": time.perf_counter() - t0}
+
+    def wake(self) -> None:
+        """Inverse of :meth:`sleep`: put a non-shared module back on its device."""
+        t0 = time.perf_counter()
+        if self.device.type == "cuda" and not self.shared:
+            self.model.to(self.device)
+        self.last_timings = {"wake_s": time.perf_counter() - t0}

@@ -1,0 +1,339 @@
+"""Single-process train engine (actor, critic-free ref). The FSDP2 engine follows the same interface."""
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from transformers import get_scheduler
+
+from flowrl.algorithms.logprobs import entropy_from_logits, token_logprobs
+from flowrl.algorithms.masks import position_ids_from_mask
+from flowrl.engines.base import LogprobOutput, LossFn
+
+log = logging.getLogger(__name__)
+
+# transformers schedulers that need no total step count
+_NO_TOTAL = ("constant", "constant_with_warmup", "reduce_lr_on_plateau", "inverse_sqrt")
+
+
+@dataclass
+class TrainEngineConfig:
+    """Optimisation settings of :class:`LocalTrainEngine` (AdamW + a transformers scheduler).
+
+    Attributes:
+        lr, weight_decay, betas, eps: torch AdamW arguments (``betas`` a list for OmegaConf).
+        max_grad_norm: global grad-norm clip; <= 0 disables clipping (the norm is still reported).
+        micro_batch_size: sequences per forward/backward; a mini-batch is cut into these.
+        lr_scheduler: any name ``transformers.get_scheduler`` takes ("constant", "cosine", ...).
+        warmup_steps: scheduler warm-up steps (needs a scheduler with warm-up, not "constant").
+        total_steps: optimizer steps of the run; required by decaying schedulers.
+        gradient_checkpointing: recompute activations in backward (HF models only).
+        disable_dropout: zero every dropout probability of a trainable model. The policy-gradient
+            ratio compares two forwards of the same weights; dropout would make it != 1 at step 0.
+    """
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 4
+    lr_scheduler: str = "constant"
+    warmup_steps: int = 0
+    total_steps: Optional[int] = None
+    gradient_checkpointing: bool = False
+    disable_dropout: bool = True
+
+    def __post_init__(self) -> None:
+        if self.lr < 0:
+            raise ValueError(f"lr must be >= 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two values in [0, 1), got {list(self.betas)}")
+        if self.eps <= 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.warmup_steps > 0 and self.lr_scheduler == "constant":
+            raise ValueError("warmup_steps > 0 is ignored by lr_scheduler='constant'; "
+                             "use 'constant_with_warmup'")
+        if self.lr_scheduler not in _NO_TOTAL and self.total_steps is None:
+            raise ValueError(f"total_steps is required by lr_scheduler={self.lr_scheduler!r}")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
+
+
+def _module_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def _disable_dropout(model: nn.Module) -> None:
+    """Zero dropout modules and the float ``*dropout*`` attributes attention layers read directly."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        for name, v in list(vars(m).items()):
+            if "dropout" in name and isinstance(v, float):
+                setattr(m, name, 0.0)
+
+
+def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create Adam-family state now, as a first step would, but with ``step = 0``.
+
+    ``get_state_dict`` fills an empty optimizer state by running a real zero-lr step, which leaves
+    ``step = 1`` in the *live* optimizer and changes Adam's bias correction: a checkpoint taken before
+    the first update would alter training. Eager state with step 0 is what a fresh optimizer uses.
+    """
+    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    lrs = [g["lr"] for g in opt.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    opt.step()
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+    for st in opt.state.values():
+        if isinstance(st.get("step"), Tensor):
+            st["step"].zero_()
+        elif "step" in st:
+            st["step"] = 0
+    opt.zero_grad(set_to_none=True)
+
+
+def _slice_batch(batch: Mapping[str, Any], start: int, end: int, B: int) -> dict[str, Any]:
+    """Rows start:end of every tensor whose leading dim is the batch; other entries as they are."""
+    return {k: (v[start:end] if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == B else v)
+            for k, v in batch.items()}
+
+
+class LocalTrainEngine:
+    """:class:`flowrl.engines.base.TrainEngine` for one process.
+
+    Args:
+        model: causal LM called as ``model(input_ids=, attention_mask=, position_ids=[,
+            logits_to_keep=])`` returning an object with ``.logits`` (B, L, V).
+        cfg: optimisation settings (ignored when frozen).
+        trainable: False = frozen reference: no optimizer, ``requires_grad`` off, eval mode.
+
+    Attributes:
+        model: the module (share it with an :class:`HFRolloutEngine` for zero-copy colocation).
+        last_timings: seconds of the last ``offload``/``onload`` (``offload_s``/``onload_s``).
+    """
+
+    def __init__(self, model: nn.Module, cfg: TrainEngineConfig | None = None,
+                 trainable: bool = True) -> None:
+        self.model = model
+        self.cfg = cfg or TrainEngineConfig()
+        self.trainable = trainable
+        self.device = _module_device(model)
+        self.last_timings: dict[str, float] = {}
+        params = inspect.signature(model.forward).parameters
+        self._logits_to_keep = "logits_to_keep" in params
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.scheduler = None
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
+            return
+        model.train()
+        if self.cfg.disable_dropout:
+            _disable_dropout(model)
+        if self.cfg.gradient_checkpointing:
+            if not hasattr(model, "gradient_checkpointing_enable"):
+                raise ValueError("gradient_checkpointing=True needs a transformers model")
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=self.cfg.lr,
+            betas=tuple(self.cfg.betas), eps=self.cfg.eps, weight_decay=self.cfg.weight_decay)
+        _init_optimizer_state(self.optimizer)  # before the scheduler: it reads the live lr
+        self.scheduler = get_scheduler(self.cfg.lr_scheduler, self.optimizer,
+                                       num_warmup_steps=self.cfg.warmup_steps,
+                                       num_training_steps=self.cfg.total_steps)
+
+    # ------------------------------------------------------------------ forward
+    def _response_logits(self, mb: Mapping[str, Tensor]) -> Tensor:
+        """(b, R, V) logits predicting each response token (model output at the previous position)."""
+        p_ids, p_mask = mb["prompt_ids"], mb["prompt_mask"].bool()
+        r_ids, r_mask = mb["response_ids"], mb["response_mask"].bool()
+        P, R = p_ids.shape[1], r_ids.shape[1]
+        ids = torch.cat([p_ids, r_ids], dim=1).to(self.device)
+        attn = torch.cat([p_mask, r_mask], dim=1).to(self.device)
+        kwargs = dict(input_ids=ids, attention_mask=attn.long(),
+                      position_ids=position_ids_from_mask(attn))
+        if self._logits_to_keep:
+            # positions P-1 .. P+R-1 (the last predicts past the end and is dropped): the LM head
+            # runs on R+1 rows instead of P+R
+            logits = self.model(**kwargs, logits_to_keep=R + 1).logits
+            return logits[:, :R]
+        return self.model(**kwargs).logits[:, P - 1:P + R - 1]
+
+    def _logprobs(self, mb: Mapping[str, Tensor], temperature: float,
+                  with_entropy: bool) -> tuple[Tensor, Optional[Tensor]]:
+        logits = self._response_logits(mb)
+        mask = mb["response_mask"].bool().to(logits.device)
+        labels = mb["response_ids"].to(logits.device)
+        zero = torch.zeros((), device=logits.device)
+        lp = torch.where(mask, token_logprobs(logits, labels, temperature), zero)
+        ent = None
+        if with_entropy:
+            ent = torch.where(mask, entropy_from_logits(logits, temperature), zero)
+        return lp, ent
+
+    def logprobs(self, batch: Mapping[str, Tensor], temperature: float,
+                 with_entropy: bool = False) -> LogprobOutput:
+        """Log π(response token) at ``temperature`` (0 = greedy, scored at T=1), without grad.
+
+        Args:
+            batch: ``prompt_ids``/``prompt_mask`` (B, P) left-padded and ``response_ids``/
+                ``response_mask`` (B, R) right-padded. Position ids come from the joint mask, so
+                left padding does not shift absolute positions (case C09).
+        Returns:
+            :class:`LogprobOutput` with (B, R) float32 logprobs (and entropy), 0 where the mask is
+            False, on the model's device. Computed in micro-batches of ``cfg.micro_batch_size``.
+        """
+        B = batch["response_ids"].shape[0]
+        mbs = self.cfg.micro_batch_size
+        was_training = self.model.training
+        self.model.eval()  # dropout off: old logprobs must be deterministic
+        lps, ents = [], []
+        try:
+            with torch.no_grad():
+                for s in range(0, B, mbs):
+                    lp, ent = self._logprobs(_slice_batch(batch, s, s + mbs, B), temperature,
+                                             with_entropy)
+                    lps.append(lp)
+                    ents.append(ent)
+        finally:
+            self.model.train(was_training)
+        return LogprobOutput(torch.cat(lps), torch.cat(ents) if with_entropy else None)
+
+    # ------------------------------------------------------------------ update
+    def train_step(self, batch: Mapping[str, Tensor], loss_fn: LossFn, temperature: float,
+                   with_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step over the mini-batch ``batch``.
+
+        The batch is cut into micro-batches of ``cfg.micro_batch_size`` rows (every tensor whose
+        leading dim is B is sliced); for each, ``loss_fn(micro_batch, logprobs (b, R), entropy)``
+        gives a loss already normalised by global mini-batch denominators, so gradients are summed
+        (never averaged). Then clip, AdamW step, scheduler step, zero grad.
+
+        Returns:
+            ``loss`` (sum of micro-batch losses), ``grad_norm`` (before clipping), ``lr`` (used for
+            this step), ``skipped`` (0/1), plus loss_fn's metrics averaged over micro-batches.
+            When a loss or the grad norm is not finite, no parameter, optimizer or scheduler state
+            changes, grads are zeroed, a warning is logged and ``skipped`` is 1.
+
+        Raises:
+            RuntimeError: the engine is frozen (``trainable=False``).
+        """
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a frozen engine (trainable=False)")
+        B = batch["response_ids"].shape[0]
+        mbs = self.cfg.micro_batch_size
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.model.train()
+        sums: dict[str, float] = {}
+        n_mb = 0
+        total_loss = 0.0
+        finite = True
+        for s in range(0, B, mbs):
+            mb = _slice_batch(batch, s, s + mbs, B)
+            lp, ent = self._logprobs(mb, temperature, with_entropy)
+            loss, metrics = loss_fn(mb, lp, ent)
+            if not torch.isfinite(loss.detach()).all():
+                finite = False
+                log.warning("train_step: non-finite loss (%s) in micro-batch %d; skipping the "
+                            "optimizer step, weights unchanged", loss.item(), s // mbs)
+                break
+            loss.backward()
+            total_loss += float(loss.detach())
+            n_mb += 1
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        grad_norm = float("nan")
+        if finite:
+            max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                [p for p in self.model.parameters() if p.grad is not None], max_norm))
+            if not math.isfinite(grad_norm):
+                finite = False
+                log.warning("train_step: non-finite grad norm (%s); skipping the optimizer step, "
+                            "weights unchanged", grad_norm)
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        out = {k: v / max(n_mb, 1) for k, v in sums.items()}
+        out.update(loss=total_loss if finite else float("nan"), grad_norm=grad_norm, lr=lr,
+                   skipped=0.0 if finite else 1.0)
+        return out
+
+    # ------------------------------------------------------------------ weights / memory / state
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(name, full tensor) of every parameter (tied ones once), detached, on the model device."""
+        for name, p in self.model.named_parameters():
+            yield name, p.detach()
+
+    def _move(self, device: torch.device) -> None:
+        self.model.to(device)  # moves .grad with the parameters
+        if self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                for k, v in st.items():
+                    # Adam's scalar `step` lives on CPU unless capturable/fused; leave it there
+                    if isinstance(v, Tensor) and not (k == "step" and v.dim() == 0):
+                        st[k] = v.to(device)
+
+    def offload(self) -> None:
+        """Move parameters, grads and optimizer state to CPU (CUDA only; on CPU a timed no-op)."""
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            self._move(torch.device("cpu"))
+            torch.cuda.empty_cache()
+        self.last_timings = {"offload_s": time.perf_counter() - t0}
+
+    def onload(self) -> None:
+        """Inverse of :meth:`offload`."""
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            self._move(self.device)
+        self.last_timings = {"onload_s": time.perf_counter() - t0}
+
+    def state_dict(self) -> dict:
+        """``{"model", "optimizer", "scheduler"}`` in ``torch.distributed.checkpoint`` form.
+
+        Model/optimizer come from ``get_state_dict`` (FQN keys, works without a process group);
+        the tensors are *live* references, so save (or deep-copy) before the next step. Frozen
+        engines return only ``model``.
+        """
+        if self.optimizer is None:
+            return {"model": self.model.state_dict()}
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        return {"model": msd, "optimizer": osd, "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned: weights, AdamW moments/steps, scheduler position.
+
+        Raises:
+            KeyError: a trainable engine's state without ``optimizer``/``scheduler``.
+        """
+        if self.optimizer is None:
+            self.model.load_state_dict(state["model"])
+            return
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
