@@ -2,8 +2,9 @@
 
 Policy-loss registry calling convention (what ``ops/update.py`` does)::
 
-    per_token_loss, stats = POLICY_LOSSES[cfg.policy_loss](logprobs=..., old_logprobs=..., advantages=...,
-                                                           response_mask=..., cfg=algorithm_config)
+    per_token_loss, stats = POLICY_LOSSES[cfg.policy_loss](
+        logprobs, old_logprobs, advantages, response_mask,
+        clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c)
     loss = aggregate_loss(per_token_loss, response_mask, cfg.loss_agg_mode,
                           num_tokens=global_tokens, num_seqs=global_seqs, max_response_len=R_max)
 
@@ -14,7 +15,7 @@ NaN/inf garbage at masked positions reaches neither the loss nor the gradient.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -37,7 +38,8 @@ def _register(table: dict, name: str):
 
 
 def register_policy_loss(name: str):
-    """Decorator: register ``fn(*, logprobs, old_logprobs, advantages, response_mask, cfg)`` in POLICY_LOSSES."""
+    """Decorator: register ``fn(logprobs, old_logprobs, advantages, response_mask, *, clip_ratio_low,
+    clip_ratio_high, clip_ratio_c=None) -> (per_token_loss, stats)`` in :data:`POLICY_LOSSES`."""
     return _register(POLICY_LOSSES, name)
 
 
@@ -68,6 +70,7 @@ def _clipped_objective(ratio: Tensor, adv: Tensor, mask: Tensor, low: float, hig
     return z(loss), {"ratio": z(ratio.detach()), "clipfrac": z(clipped), "dual_clipfrac": z(dual)}
 
 
+@register_policy_loss("ppo_clip")
 def ppo_clip_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, *,
                   clip_ratio_low: float, clip_ratio_high: float,
                   clip_ratio_c: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
@@ -98,8 +101,10 @@ def ppo_clip_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, re
     return loss, stats
 
 
+@register_policy_loss("gspo")
 def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, *,
-              clip_ratio_low: float, clip_ratio_high: float) -> tuple[Tensor, dict[str, Tensor]]:
+              clip_ratio_low: float, clip_ratio_high: float,
+              clip_ratio_c: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO-token (Zheng et al. 2025, "Group Sequence Policy Optimization", eqs. 5–7 and 13–14).
 
     Sequence ratio s_i = exp(mean over valid tokens of log r_{i,t}); per-token
@@ -108,7 +113,10 @@ def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, respon
     ``seq-mean-token-mean`` for the paper's objective. The paper's ε are ~3e-4 / 4e-4.
 
     Shapes/returns as :func:`ppo_clip_loss` (stats: "ratio" = s_{i,t}, "clipfrac", "dual_clipfrac"=0).
+    Raises ValueError if ``clip_ratio_c`` is set (dual-clip is not defined for GSPO).
     """
+    if clip_ratio_c is not None:
+        raise ValueError("algorithm.clip_ratio_c (dual-clip) is not supported by policy_loss 'gspo'")
     mask = response_mask.bool()
     lr = masked_log_ratio(logprobs, old_logprobs, mask)
     seq_lr = lr.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
@@ -118,33 +126,19 @@ def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, respon
     return _clipped_objective(log_s.exp(), adv, mask, clip_ratio_low, clip_ratio_high, None)
 
 
-def vanilla_pg_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
-                    response_mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+@register_policy_loss("vanilla")
+def vanilla_pg_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, *,
+                    clip_ratio_low: float = 0.0, clip_ratio_high: float = 0.0,
+                    clip_ratio_c: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Unclipped importance-weighted policy gradient −A·r (Williams 1992, REINFORCE; on-policy r ≡ 1,
-    gradient −A∇logπ). Shapes/returns as :func:`ppo_clip_loss`."""
+    gradient −A∇logπ). The clip arguments are accepted for the uniform convention and ignored.
+    Shapes/returns as :func:`ppo_clip_loss`."""
     mask = response_mask.bool()
     ratio = masked_log_ratio(logprobs, old_logprobs, mask).exp()
     adv = torch.where(mask, advantages.float(), 0.0)
     zero = torch.zeros_like(adv)
     return torch.where(mask, -adv * ratio, 0.0), {"ratio": torch.where(mask, ratio.detach(), 0.0),
                                                  "clipfrac": zero, "dual_clipfrac": zero}
-
-
-@register_policy_loss("ppo_clip")
-def _ppo_clip(*, logprobs, old_logprobs, advantages, response_mask, cfg: Any):
-    return ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, clip_ratio_low=cfg.clip_ratio_low,
-                         clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c)
-
-
-@register_policy_loss("gspo")
-def _gspo(*, logprobs, old_logprobs, advantages, response_mask, cfg: Any):
-    return gspo_loss(logprobs, old_logprobs, advantages, response_mask, clip_ratio_low=cfg.clip_ratio_low,
-                     clip_ratio_high=cfg.clip_ratio_high)
-
-
-@register_policy_loss("vanilla")
-def _vanilla(*, logprobs, old_logprobs, advantages, response_mask, cfg: Any):
-    return vanilla_pg_loss(logprobs, old_logprobs, advantages, response_mask)
 
 
 # ----------------------------------------------------------------------------- aggregation

@@ -30,7 +30,9 @@ def test_nan_at_masked_positions_never_reaches_loss_or_grad(name, mode):
     logp, old, adv, mask = _garbage_batch()
     logp = logp.requires_grad_(True)
     cfg = AlgorithmConfig(clip_ratio_c=3.0, clip_ratio_high=0.28)
-    loss, stats = POLICY_LOSSES[name](logprobs=logp, old_logprobs=old, advantages=adv, response_mask=mask, cfg=cfg)
+    loss, stats = POLICY_LOSSES[name](logp, old, adv, mask, clip_ratio_low=cfg.clip_ratio_low,
+                                      clip_ratio_high=cfg.clip_ratio_high,
+                                      clip_ratio_c=cfg.clip_ratio_c if name != "gspo" else None)
     assert torch.isfinite(loss).all() and (loss[~mask] == 0).all()
     for k, v in stats.items():
         assert v.shape == mask.shape and torch.isfinite(v).all() and (v[~mask] == 0).all(), k
@@ -158,3 +160,11 @@ def test_entropy_bonus_only_valid_tokens():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     nt, ns = loss_denominators(mask)
     assert entropy_bonus(ent, mask, "token-mean", num_tokens=nt, num_seqs=ns).item() == pytest.approx(2.0)
+
+
+def test_registry_convention_and_gspo_rejects_dual_clip():
+    assert set(POLICY_LOSSES) == {"ppo_clip", "gspo", "vanilla"}
+    assert POLICY_LOSSES["ppo_clip"] is ppo_clip_loss and POLICY_LOSSES["gspo"] is gspo_loss
+    z, m = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="gspo"):
+        gspo_loss(z, z, z, m, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
