@@ -23,7 +23,7 @@ def grpo_graph() -> Graph:
     adv = g.stage("advantage", "advantage.grpo",
                   inputs={"rewards": reward["rewards"], "group_id": sample["group_id"],
                           "response_mask": rollout["response_mask"]})
-    update = g.stage("update", "update.policy", role="actor", params={"policy_loss": "ppo_clip"},
+    update = g.stage("update", "update.policy", role="actor",
                      inputs={**prompt, **response, "old_logprobs": old["logprobs"],
                              "advantages": adv["advantages"], "ref_logprobs": ref["logprobs"],
                              "truncated": rollout["truncated"]})

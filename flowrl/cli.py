@@ -11,25 +11,27 @@ import warnings
 from pathlib import Path
 
 
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
+def compose(overrides: list[str]):
+    """The run config Hydra would build for ``flowrl train <overrides>``, without running it.
+
+    ``trainer.output_dir`` still points at Hydra's run dir unless overridden; set it before use.
+    """
+    from hydra import compose as hydra_compose, initialize_config_dir
 
     from flowrl.config import REPO_ROOT, register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides)
-    from omegaconf import OmegaConf, open_dict
-
-    with open_dict(cfg):  # no Hydra run dir exists when only planning
-        cfg.trainer.output_dir = "(plan only)"
-    return cfg
+        return hydra_compose(config_name="train", overrides=overrides)
 
 
 def plan_main(argv: list[str]) -> int:
     from flowrl.train import prepare
 
-    cfg, plan = prepare(_compose(argv))
+    cfg = compose(argv)
+    if "${hydra:" in str(cfg.trainer._get_node("output_dir")._value()):
+        cfg.trainer.output_dir = "(none: plan only)"  # no Hydra run dir exists when planning
+    cfg, plan = prepare(cfg)
     print(plan.format_text())
     return 0
 

@@ -73,7 +73,7 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer) -> dict[str,
     ref_copy = copy.deepcopy(model) if "ref" in plan.roles else None  # before any update
     engines["actor"] = LocalTrainEngine(model, cfg.trainer.engine, trainable=True)
     # colocated HF rollout shares the actor's module: the weight sync is free (no copy)
-    engines["rollout"] = HFRolloutEngine(model, tokenizer, cfg.rollout.hf)
+    engines["rollout"] = HFRolloutEngine(model, tokenizer, cfg.rollout.hf, shared=True)
     if ref_copy is not None:
         engines["ref"] = LocalTrainEngine(ref_copy, cfg.trainer.engine, trainable=False)
     return engines

@@ -30,6 +30,7 @@ class Action:
     stage: Optional[str] = None
     role: Optional[str] = None
     detail: str = ""
+    keep_weights: bool = False  # offload: the next role serves these weights (rollout ← actor)
 
 
 @dataclass
@@ -236,7 +237,10 @@ def _swap_actions(graph: Graph, order: list[str]) -> tuple[list[Action], list[st
         r = by_name[n].role
         if r is not None and r != resident:
             if resident is not None:
-                actions.append(Action("offload", role=resident, detail=f"before {n}"))
+                shares = ROLES[r].weights_from == resident
+                actions.append(Action("offload", role=resident, keep_weights=shares,
+                                      detail=f"before {n}" + (f"; weights stay, {r} serves them"
+                                                              if shares else "")))
             actions.append(Action("onload", role=r, detail=f"for {n}"))
             resident = r
         actions.append(Action("run", stage=n, role=r))

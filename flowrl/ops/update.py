@@ -1,28 +1,13 @@
 """Policy update: PPO-style epochs × mini-batches over one rollout batch on the actor engine."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from flowrl.ops.context import StageContext
-from flowrl.ops.registry import register_op
+from flowrl.ops.registry import NoConfig, register_op
 
 _BATCH_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "old_logprobs",
                "advantages", "ref_logprobs")
-
-
-@dataclass
-class PolicyUpdateConfig:
-    """policy_loss: key in ``algorithms.losses.POLICY_LOSSES`` (ppo_clip, gspo, ...)."""
-
-    policy_loss: str = "ppo_clip"
-
-    def __post_init__(self) -> None:
-        from flowrl.algorithms.losses import POLICY_LOSSES
-
-        if self.policy_loss not in POLICY_LOSSES:
-            raise ValueError(f"policy_loss must be one of {sorted(POLICY_LOSSES)}, got {self.policy_loss!r}")
 
 
 def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: float,
@@ -54,8 +39,10 @@ def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: 
         metrics = {"actor/pg_loss": pg.item(),
                    "actor/clipfrac_sum": torch.where(mask, stats["clipfrac"].float(), 0.0).sum().item()}
         if algo.kl_coef > 0 and mb.get("ref_logprobs") is not None:
-            kl = kl_penalty(logprobs, mb["ref_logprobs"], kind=algo.kl_type, clamp=algo.kl_clamp)
-            kl = torch.where(mask, kl, 0.0)
+            # the mask goes in *before* the estimator: garbage at masked positions must not
+            # reach exp() (0 · NaN is still NaN in the backward pass)
+            kl = kl_penalty(logprobs, mb["ref_logprobs"], kind=algo.kl_type, clamp=algo.kl_clamp,
+                            response_mask=mask)
             kl_loss = agg(kl, mask)
             loss = loss + algo.kl_coef * kl_loss
             metrics["actor/kl_loss"] = kl_loss.item()
@@ -72,13 +59,16 @@ def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: 
 @register_op("update.policy",
              inputs=("prompt_ids", "prompt_mask", "response_ids", "response_mask",
                      "old_logprobs", "advantages"),
-             optional_inputs=("ref_logprobs", "truncated"), outputs=(), config=PolicyUpdateConfig,
+             optional_inputs=("ref_logprobs", "truncated"), outputs=(),
              roles=("actor",))
-def update_policy(ctx: StageContext, cfg: PolicyUpdateConfig, **inputs) -> dict:
+def update_policy(ctx: StageContext, cfg: NoConfig, **inputs) -> dict:
     """``algorithm.ppo_epochs`` passes over the rollout batch in shuffled mini-batches of
-    ``algorithm.mini_batch_size`` sequences, one optimizer step each. old_logprobs are computed
+    ``algorithm.mini_batch_size`` sequences, one optimizer step each, with the policy loss
+    ``algorithm.policy_loss`` (a key of ``algorithms.losses.POLICY_LOSSES``). old_logprobs are computed
     once per rollout batch (by the upstream stage), not per epoch. Logs loss terms, KL, entropy,
     clip fraction, grad norm and lr (means over optimizer steps)."""
+    from flowrl.algorithms.losses import loss_denominators
+
     algo = ctx.resource("algorithm")
     temp = ctx.resource("sampling").temperature
     batch = {k: v for k, v in inputs.items() if v is not None and k in _BATCH_KEYS}
@@ -96,9 +86,10 @@ def update_policy(ctx: StageContext, cfg: PolicyUpdateConfig, **inputs) -> dict:
         for start in range(0, B, mbs):
             idx = perm[start:start + mbs]
             mb = {k: v[idx] for k, v in batch.items()}
-            num_tokens = float(mb["response_mask"].sum().item())
-            loss_fn = make_policy_loss_fn(algo, cfg.policy_loss, num_tokens=max(num_tokens, 1.0),
-                                          num_seqs=float(len(idx)), max_response_len=R)
+            num_tokens, num_seqs = loss_denominators(mb["response_mask"])
+            num_tokens, num_seqs = float(num_tokens), float(num_seqs)
+            loss_fn = make_policy_loss_fn(algo, algo.policy_loss, num_tokens=max(num_tokens, 1.0),
+                                          num_seqs=max(num_seqs, 1.0), max_response_len=R)
             m = ctx.engine.train_step(mb, loss_fn, temperature=temp, with_entropy=True)
             steps += 1
             tokens_seen += num_tokens

@@ -70,9 +70,12 @@ class Executor:
         self._resident: set[str] = set(plan.resident_at_end)
 
     # ---- swap / sync points -----------------------------------------------------------------
-    def _offload(self, role: str) -> None:
+    def _offload(self, role: str, keep_weights: bool = False) -> None:
         eng = self.engines[role]
-        (eng.sleep if hasattr(eng, "sleep") and not hasattr(eng, "offload") else eng.offload)()
+        if hasattr(eng, "offload"):
+            eng.offload(keep_weights=keep_weights)
+        else:
+            eng.sleep()
         self._resident.discard(role)
 
     def _onload(self, role: str) -> None:
@@ -93,7 +96,7 @@ class Executor:
         for a in self.plan.actions:
             t0 = time.perf_counter()
             if a.kind == "offload":
-                self._offload(a.role)
+                self._offload(a.role, a.keep_weights)
                 swap_s += time.perf_counter() - t0
             elif a.kind == "onload":
                 self._onload(a.role)

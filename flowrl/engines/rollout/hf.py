@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Iterable, Literal, Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -46,7 +46,7 @@ class HFRolloutConfig:
     batch_size: int = 64
     cache_implementation: Optional[str] = None
     compile: bool = False
-    logprobs_mode: Literal["tempered", "processed"] = "tempered"
+    logprobs_mode: str = "tempered"  # "tempered" | "processed" (OmegaConf has no Literal)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:

@@ -234,7 +234,9 @@ class LocalTrainEngine:
 
         Returns:
             ``loss`` (sum of micro-batch losses), ``grad_norm`` (before clipping), ``lr`` (used for
-            this step), ``skipped`` (0/1), plus loss_fn's metrics averaged over micro-batches.
+            this step), ``skipped`` (0/1), plus loss_fn's metrics *summed* over micro-batches
+            (they are globally normalised loss terms or token sums, so the sum is the
+            mini-batch value however the batch was cut).
             When a loss or the grad norm is not finite, no parameter, optimizer or scheduler state
             changes, grads are zeroed, a warning is logged and ``skipped`` is 1.
 
@@ -278,7 +280,7 @@ class LocalTrainEngine:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        out = {k: v / max(n_mb, 1) for k, v in sums.items()}
+        out = dict(sums)
         out.update(loss=total_loss if finite else float("nan"), grad_norm=grad_norm, lr=lr,
                    skipped=0.0 if finite else 1.0)
         return out
@@ -289,8 +291,13 @@ class LocalTrainEngine:
         for name, p in self.model.named_parameters():
             yield name, p.detach()
 
-    def _move(self, device: torch.device) -> None:
-        self.model.to(device)  # moves .grad with the parameters
+    def _move(self, device: torch.device, *, weights: bool = True) -> None:
+        if weights:
+            self.model.to(device)  # moves .grad with the parameters
+        else:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad = p.grad.to(device)
         if self.optimizer is not None:
             for st in self.optimizer.state.values():
                 for k, v in st.items():
@@ -298,11 +305,15 @@ class LocalTrainEngine:
                     if isinstance(v, Tensor) and not (k == "step" and v.dim() == 0):
                         st[k] = v.to(device)
 
-    def offload(self) -> None:
-        """Move parameters, grads and optimizer state to CPU (CUDA only; on CPU a timed no-op)."""
+    def offload(self, keep_weights: bool = False) -> None:
+        """Move parameters, grads and optimizer state to CPU (CUDA only; on CPU a timed no-op).
+
+        keep_weights: leave the parameters on the device (a colocated rollout engine that shares
+        this module serves them next); only grads and optimizer state move.
+        """
         t0 = time.perf_counter()
         if self.device.type == "cuda":
-            self._move(torch.device("cpu"))
+            self._move(torch.device("cpu"), weights=not keep_weights)
             torch.cuda.empty_cache()
         self.last_timings = {"offload_s": time.perf_counter() - t0}
 
