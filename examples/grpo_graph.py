@@ -14,7 +14,7 @@ def grpo_graph() -> Graph:
     prompt = {"prompt_ids": sample["prompt_ids"], "prompt_mask": sample["prompt_mask"]}
     rollout = g.stage("rollout", "rollout.generate", role="rollout", inputs=prompt)
     response = {"response_ids": rollout["response_ids"], "response_mask": rollout["response_mask"]}
-    reward = g.stage("reward", "reward.rule", params={"verifier": "gsm8k"},
+    reward = g.stage("reward", "reward.rule", params={"verifier": "gsm8k", "format_score": 0.1},
                      inputs={**response, "ground_truth": sample["ground_truth"]})
     old = g.stage("old_logprobs", "logprobs", role="actor",
                   inputs={**prompt, **response, "rollout_logprobs": rollout["rollout_logprobs"]})

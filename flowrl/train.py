@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from flowrl.compiler.plan import ExecutionPlan, compile_plan
-from flowrl.config import TrainConfig, register_configs, to_train_config
+from flowrl.config import REPO_ROOT, TrainConfig, register_configs, to_train_config
 from flowrl.graph.graph import Graph
 from flowrl.runtime.checkpoint import CheckpointManager
 from flowrl.runtime.executor import Executor
@@ -165,7 +165,8 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
 register_configs()
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+# absolute: Hydra resolves a relative path against the package when this module is imported
+@hydra.main(version_base="1.3", config_path=str(REPO_ROOT / "conf"), config_name="train")
 def main(cfg: DictConfig) -> None:
     train(cfg)
 

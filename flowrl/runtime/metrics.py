@@ -20,7 +20,9 @@ _CONSOLE_KEYS = [
     ("actor/entropy", "ent", "{:.3f}"), ("actor/clipfrac", "clip", "{:.3f}"),
     ("actor/grad_norm", "gnorm", "{:.3f}"), ("rollout/logprob_mismatch", "Δlogp", "{:.1e}"),
     ("perf/step_s", "step_s", "{:.1f}"), ("perf/tokens_per_s", "tok/s", "{:.0f}"),
-    ("store/peak_bytes", "peakMB", "{:.1f}"),
+    ("store/peak_bytes", "peakMB", "{:.1f}"), ("eval/accuracy", "eval_acc", "{:.3f}"),
+    ("eval/reward_mean", "eval_reward", "{:.3f}"), ("eval/response_length_mean", "eval_len", "{:.0f}"),
+    ("eval/seconds", "eval_s", "{:.0f}"),
 ]
 
 
@@ -101,7 +103,8 @@ class MetricsLogger:
             mlflow.log_metrics({k.replace("/", "."): v for k, v in clean.items() if math.isfinite(v)}, step=step)
         if self.cfg.console:
             parts = [f"{short}={_fmt(k, clean[k], spec)}" for k, short, spec in _CONSOLE_KEYS if k in clean]
-            self.console.print(f"[dim]step {step:>4}[/dim] " + " ".join(parts))
+            if parts:
+                self.console.print(f"[dim]step {step:>4}[/dim] " + " ".join(parts))
         if self._progress is not None and "perf/step_s" in clean:
             self._progress.update(self._task, advance=1,
                                   reward=f"{clean.get('reward/mean', float('nan')):.3f}",
