@@ -38,6 +38,8 @@ def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: 
         # metrics are token sums; the op divides by the mini-batch token count afterwards
         metrics = {"actor/pg_loss": pg.item(),
                    "actor/clipfrac_sum": torch.where(mask, stats["clipfrac"].float(), 0.0).sum().item()}
+        if "approx_kl" in stats:  # KL(π_old‖π_θ), logged even without a reference model
+            metrics["actor/ppo_kl_sum"] = torch.where(mask, stats["approx_kl"], 0.0).sum().item()
         if algo.kl_coef > 0 and mb.get("ref_logprobs") is not None:
             # the mask goes in *before* the estimator: garbage at masked positions must not
             # reach exp() (0 · NaN is still NaN in the backward pass)
