@@ -88,7 +88,9 @@ class TrainerConfig:
         save_every: checkpoint every k steps (0 = only at the end).
         keep_last: checkpoints kept on disk.
         resume: continue from the newest complete checkpoint in ``output_dir`` (fresh start if none).
-        engine: optimizer / micro-batching of the training engine.
+        engine: optimizer / micro-batching of the training engine (actor; the critic too).
+        critic_lr: the critic's learning rate (PPO); None = ``engine.lr``. Every other critic
+            optimizer setting is ``engine``'s: one set of defaults, one knob PPO recipes change.
     """
 
     total_steps: int = 10
@@ -100,6 +102,7 @@ class TrainerConfig:
     keep_last: int = 2
     resume: bool = False
     engine: TrainEngineConfig = field(default_factory=TrainEngineConfig)
+    critic_lr: Optional[float] = None
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
@@ -109,6 +112,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.prompts_per_step must be >= 1, got {self.prompts_per_step}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"trainer.device must be cpu, cuda or auto, got {self.device!r}")
+        if self.critic_lr is not None and self.critic_lr < 0:
+            raise ValueError(f"trainer.critic_lr must be >= 0 or null, got {self.critic_lr}")
         if self.save_every < 0 or self.keep_last < 1:
             raise ValueError("trainer.save_every must be >= 0 and trainer.keep_last >= 1")
 

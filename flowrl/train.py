@@ -6,6 +6,7 @@ Order matters for "bad input loses nothing": the config is validated and the gra
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import time
@@ -37,6 +38,9 @@ def prepare(raw: DictConfig | dict) -> tuple[TrainConfig, ExecutionPlan]:
     plan = compile_plan(Graph.load(cfg.graph.resolve()), OmegaConf.to_container(raw, resolve=True),
                         placement=cfg.placement.mode)
     _check_estimators(plan, cfg)
+    from flowrl.ops.token_rewards import check_kl_in_reward
+
+    check_kl_in_reward(plan, cfg.algorithm)
     return cfg, plan
 
 
@@ -76,13 +80,27 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer) -> dict[str,
     engines["rollout"] = HFRolloutEngine(model, tokenizer, cfg.rollout.hf, shared=True)
     if ref_copy is not None:
         engines["ref"] = LocalTrainEngine(ref_copy, cfg.trainer.engine, trainable=False)
+    if "critic" in plan.roles:  # PPO: value head on the actor's (initial) base weights
+        from flowrl.engines.train.value import ValueTrainEngine, value_model_from_causal_lm
+
+        critic_cfg = cfg.trainer.engine if cfg.trainer.critic_lr is None else \
+            dataclasses.replace(cfg.trainer.engine, lr=cfg.trainer.critic_lr)
+        engines["critic"] = ValueTrainEngine(value_model_from_causal_lm(model), critic_cfg)
     return engines
+
+
+def _train_state(engines: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint holds as tensors: trainable engines (actor, critic) and the torch RNG."""
+    state = {r: engines[r].state_dict() for r in ("actor", "critic") if r in engines}
+    state["rng"] = {"torch": torch.get_rng_state()}
+    return state
 
 
 def train(raw: DictConfig | dict) -> dict[str, Any]:
     """Run a whole training job; returns the summary also written to ``summary.json``."""
     from flowrl.data import PromptSource
     from flowrl.models.loading import load_tokenizer
+    from flowrl.ops import token_rewards as token_rewards_op
     from flowrl.rewards import REWARD_FUNCTIONS
     from flowrl.runtime.evaluate import evaluate_greedy
 
@@ -99,6 +117,10 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     resources = {"tokenizer": tokenizer, "prompts": prompts, "algorithm": cfg.algorithm,
                  "sampling": cfg.rollout.sampling, "trainer": cfg.trainer}
+    if any(c.stage.op == token_rewards_op.OP_NAME for c in plan.stages):
+        # in-reward KL coefficient β: adaptive controllers change it, so it is checkpointed
+        resources[token_rewards_op.RESOURCE] = token_rewards_op.make_kl_controller(cfg.algorithm)
+    kl_ctrl = resources.get(token_rewards_op.RESOURCE)
     executor = Executor(plan, engines, resources, seed=cfg.trainer.seed)
     actor = engines["actor"]
     ckpts = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
@@ -108,9 +130,13 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     if cfg.trainer.resume:
         latest = ckpts.latest()
         if latest is not None:
-            tensors = {"actor": actor.state_dict(), "rng": {"torch": torch.get_rng_state()}}
+            tensors = _train_state(engines)
             meta = ckpts.load(latest, tensors)
             actor.load_state_dict(tensors["actor"])
+            if "critic" in engines:
+                engines["critic"].load_state_dict(tensors["critic"])
+            if kl_ctrl is not None and "kl_controller" in meta:
+                token_rewards_op.load_controller_state(kl_ctrl, meta["kl_controller"])
             torch.set_rng_state(tensors["rng"]["torch"])
             prompts.load_state_dict(meta["prompts"])
             engines["rollout"].load_weights(actor.named_weights())
@@ -147,8 +173,10 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
             last = step == cfg.trainer.total_steps
             if last or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
                 t_s = time.perf_counter()
-                ckpts.save(step, {"actor": actor.state_dict(), "rng": {"torch": torch.get_rng_state()}},
-                           {"prompts": prompts.state_dict(), "history": history})
+                extra = {} if kl_ctrl is None else {
+                    "kl_controller": token_rewards_op.controller_state(kl_ctrl)}
+                ckpts.save(step, _train_state(engines),
+                           {"prompts": prompts.state_dict(), "history": history, **extra})
                 logger.log(step, {"perf/checkpoint_s": time.perf_counter() - t_s})
         if ev.after:
             after = evaluate_greedy(engines["rollout"], prompts, tokenizer, verifier, **eval_kw)

@@ -11,7 +11,8 @@ Every estimator receives all five tensors (``None`` where the graph has none) pl
 masked positions. Estimators without a critic return ``returns = advantages`` (the reward signal
 the critic-less update would regress to; nothing downstream trains on it). ``est.needs_groups``
 marks group-baseline estimators (rejected for ``n < 2`` by :func:`validate_estimator`),
-``est.needs_values`` marks the critic-based ones.
+``est.needs_values`` marks the critic-based ones, ``est.produces_returns`` those whose ``returns``
+differ from ``advantages`` (a return-to-go or value target a graph may consume).
 
 Conventions (rl_math cases): a sample is *scorable* when its reward is finite and it has at least
 one valid token; only scorable samples enter group/batch statistics and the others get advantage
@@ -38,6 +39,7 @@ class AdvantageEstimator:
     fn: AdvantageFn
     needs_groups: bool = False
     needs_values: bool = False
+    produces_returns: bool = False
 
     def __call__(self, *, rewards: Optional[Tensor], group_id: Optional[Tensor], response_mask: Tensor,
                  token_rewards: Optional[Tensor] = None, values: Optional[Tensor] = None,
@@ -53,12 +55,14 @@ class AdvantageEstimator:
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
-def register_estimator(name: str, *, needs_groups: bool = False, needs_values: bool = False):
+def register_estimator(name: str, *, needs_groups: bool = False, needs_values: bool = False,
+                       produces_returns: bool = False):
     """Decorator: register ``fn`` under ``name`` in :data:`ADVANTAGE_ESTIMATORS`."""
     def deco(fn: AdvantageFn) -> AdvantageFn:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} registered twice")
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_groups, needs_values)
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_groups, needs_values,
+                                                        produces_returns)
         return fn
     return deco
 
@@ -318,19 +322,19 @@ def _rloo_std(*, rewards, group_id, response_mask, cfg, **_):
     return a, a
 
 
-@register_estimator("reinforce_pp")
+@register_estimator("reinforce_pp", produces_returns=True)
 def _reinforce_pp(*, rewards, response_mask, token_rewards, cfg, **_):
     tr = place_on_last_token(rewards, response_mask) if token_rewards is None else token_rewards
     return reinforce_pp_advantages(tr, response_mask, rewards=rewards, gamma=cfg.gamma, eps=cfg.adv_eps)
 
 
-@register_estimator("reinforce_pp_baseline", needs_groups=True)
+@register_estimator("reinforce_pp_baseline", needs_groups=True, produces_returns=True)
 def _reinforce_pp_baseline(*, rewards, group_id, response_mask, token_rewards, cfg, **_):
     return reinforce_pp_baseline_advantages(rewards, group_id, response_mask, token_rewards=token_rewards,
                                             gamma=cfg.gamma, eps=cfg.adv_eps)
 
 
-@register_estimator("gae", needs_values=True)
+@register_estimator("gae", needs_values=True, produces_returns=True)
 def _gae(*, response_mask, token_rewards, values, cfg, **_):
     adv, ret = gae(token_rewards, values, response_mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:

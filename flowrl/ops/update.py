@@ -16,7 +16,8 @@ def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: 
 
     The aggregation denominators (``num_tokens``, ``num_seqs``) are those of the whole mini-batch,
     so summing micro-batch losses gives the mini-batch loss however it is cut (case C02).
-    loss = agg(policy) + kl_coef · agg(kl) − entropy_coef · agg(entropy).
+    loss = agg(policy) + kl_coef · agg(kl) − entropy_coef · agg(entropy); the KL term is off when
+    ``algorithm.kl_in_reward`` is set (the penalty is then in the token rewards instead).
     """
     from flowrl.algorithms.kl import kl_penalty
     from flowrl.algorithms.losses import POLICY_LOSSES, aggregate_loss
@@ -37,10 +38,16 @@ def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: 
         loss = pg
         # metrics are token sums; the op divides by the mini-batch token count afterwards
         metrics = {"actor/pg_loss": pg.item(),
-                   "actor/clipfrac_sum": torch.where(mask, stats["clipfrac"].float(), 0.0).sum().item()}
+                   "actor/clipfrac_sum": torch.where(mask, stats["clipfrac"].float(), 0.0).sum().item(),
+                   # mean |r − 1|: exactly 0 on the first on-policy mini-batch, > 0 once the
+                   # weights moved (later mini-batches / epochs)
+                   "actor/ratio_abs_dev_sum": torch.where(mask, (stats["ratio"] - 1.0).abs(),
+                                                          0.0).sum().item()}
         if "approx_kl" in stats:  # KL(π_old‖π_θ), logged even without a reference model
             metrics["actor/ppo_kl_sum"] = torch.where(mask, stats["approx_kl"], 0.0).sum().item()
-        if algo.kl_coef > 0 and mb.get("ref_logprobs") is not None:
+        # with algorithm.kl_in_reward the KL is already in the token rewards (reward.token_rewards):
+        # a loss term as well would charge it twice
+        if algo.kl_coef > 0 and not algo.kl_in_reward and mb.get("ref_logprobs") is not None:
             # the mask goes in *before* the estimator: garbage at masked positions must not
             # reach exp() (0 · NaN is still NaN in the backward pass)
             kl = kl_penalty(logprobs, mb["ref_logprobs"], kind=algo.kl_type, clamp=algo.kl_clamp,
@@ -84,7 +91,9 @@ def update_policy(ctx: StageContext, cfg: NoConfig, **inputs) -> dict:
     steps = 0
     tokens_seen = 0.0
     for _ in range(algo.ppo_epochs):
-        perm = torch.randperm(B, generator=ctx.generator)
+        # one mini-batch: keep the rollout order, so the micro-batches are those of the old-logprob
+        # pass and the first ratio is exactly 1 (a shuffle would only change float summation order)
+        perm = torch.randperm(B, generator=ctx.generator) if mbs < B else torch.arange(B)
         for start in range(0, B, mbs):
             idx = perm[start:start + mbs]
             mb = {k: v[idx] for k, v in batch.items()}

@@ -1,0 +1,105 @@
+"""Critic stages for PPO: ``values`` (V of the state before each response token) and
+``update.critic`` (clipped value regression towards the estimator's ``returns``).
+
+Both run under the ``critic`` role, whose engine is a :class:`flowrl.engines.train.value.
+ValueTrainEngine` (value head on the actor's base model, its own AdamW; ``trainer.critic_lr``).
+"""
+from __future__ import annotations
+
+import torch
+
+from flowrl.ops.context import StageContext
+from flowrl.ops.registry import NoConfig, register_op
+
+_PROMPT_RESPONSE = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+
+
+@register_op("values", inputs=_PROMPT_RESPONSE, outputs=("values",), roles=("critic",))
+def values(ctx: StageContext, cfg: NoConfig, *, prompt_ids, prompt_mask, response_ids,
+           response_mask) -> dict:
+    """Critic values V(s_t) at the response positions, without grad.
+
+    Output: values (B, R) float32, 0 where response_mask is False; value t is the one of the state
+    before response token t is emitted (same position shift as ``logprobs``).
+    Logged: ``critic/values_mean`` over valid tokens.
+    """
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+             "response_mask": response_mask}
+    v = ctx.engine.values(batch)
+    mask = response_mask.bool().to(v.device)
+    ctx.log(**{"critic/values_mean": torch.where(mask, v, 0.0).sum() / mask.sum().clamp(min=1)})
+    return {"values": v}
+
+
+def make_value_loss_fn(algo, *, num_tokens: float, num_seqs: float, max_response_len: int):
+    """The critic engine's LossFn for one mini-batch:
+    loss = vf_coef · agg(½ max((V − G)², (V_old + clip(V − V_old, ±clip_range_value) − G)²))
+    (PPO value loss, ``algorithms.losses.value_loss``), aggregated with ``algorithm.loss_agg_mode``
+    over the whole mini-batch's denominators (so micro-batching does not change it)."""
+    from flowrl.algorithms.losses import aggregate_loss, value_loss
+
+    def loss_fn(mb, new_values, _entropy):
+        mask = mb["response_mask"].bool()
+        per_tok, stats = value_loss(new_values, mb["values"], mb["returns"], mask,
+                                    clip_range_value=algo.clip_range_value)
+        vf = aggregate_loss(per_tok, mask, algo.loss_agg_mode, num_tokens=num_tokens,
+                            num_seqs=num_seqs, max_response_len=max_response_len)
+        err = torch.where(mask, new_values.detach().float() - mb["returns"].float(), 0.0)
+        return algo.vf_coef * vf, {
+            "critic/vf_loss": vf.item(),
+            "critic/vf_clipfrac_sum": stats["vf_clipfrac"].sum().item(),
+            "critic/vpred_abs_err_sum": err.abs().sum().item(),
+        }
+
+    return loss_fn
+
+
+@register_op("update.critic", inputs=_PROMPT_RESPONSE + ("values", "returns"),
+             optional_inputs=("truncated",), outputs=(), roles=("critic",))
+def update_critic(ctx: StageContext, cfg: NoConfig, *, prompt_ids, prompt_mask, response_ids,
+                  response_mask, values, returns, truncated=None) -> dict:
+    """``algorithm.ppo_epochs`` passes of shuffled mini-batches of ``algorithm.mini_batch_size``
+    sequences (the same schedule as ``update.policy``), one critic optimizer step each.
+
+    Inputs: values (B, R) float32 from the ``values`` stage (the old values the clip is centred
+    on); returns (B, R) float32 from the advantage estimator (GAE: A + V_old). With
+    ``algorithm.mask_truncated`` and ``truncated`` bound, truncated rows leave the loss.
+    Logged (means over optimizer steps / valid tokens): ``critic/vf_loss``, ``critic/vf_clipfrac``,
+    ``critic/vpred_abs_err``, ``critic/grad_norm``, ``critic/lr``, ``critic/loss``,
+    ``critic/optimizer_steps``.
+    """
+    from flowrl.algorithms.losses import loss_denominators
+
+    algo = ctx.resource("algorithm")
+    mask = response_mask.bool()
+    if getattr(algo, "mask_truncated", False) and truncated is not None:
+        mask = mask & ~truncated.bool().unsqueeze(-1)
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+             "response_mask": mask, "values": values, "returns": returns}
+    B, R = response_ids.shape
+    mbs = algo.mini_batch_size or B
+    temp = ctx.resource("sampling").temperature  # unused by a value forward; the seam takes it
+    sums: dict[str, float] = {}
+    steps, tokens_seen = 0, 0.0
+    for _ in range(algo.ppo_epochs):
+        perm = torch.randperm(B, generator=ctx.generator) if mbs < B else torch.arange(B)
+        for start in range(0, B, mbs):
+            idx = perm[start:start + mbs]
+            mb = {k: v[idx] for k, v in batch.items()}
+            num_tokens, num_seqs = loss_denominators(mb["response_mask"])
+            loss_fn = make_value_loss_fn(algo, num_tokens=max(num_tokens, 1.0),
+                                         num_seqs=max(num_seqs, 1.0), max_response_len=R)
+            m = ctx.engine.train_step(mb, loss_fn, temperature=temp)
+            steps += 1
+            tokens_seen += num_tokens
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+    out = {}
+    for k, v in sums.items():
+        if k.endswith("_sum"):  # token sums → per-token means over everything trained on
+            out[k[: -len("_sum")]] = v / max(tokens_seen, 1.0)
+        else:
+            out[k if "/" in k else f"critic/{k}"] = v / max(steps, 1)
+    out["critic/optimizer_steps"] = steps
+    ctx.log(**out)
+    return {}
