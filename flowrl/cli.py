@@ -3,6 +3,9 @@
     flowrl train [hydra overrides...]        run a job (Hydra: -m sweeps, --cfg job, ...)
     flowrl plan  [hydra overrides...]        print the compiled execution plan; loads no model
     flowrl graph validate FILE [FILE ...]    check graph files (exit 1 on the first invalid one)
+    flowrl export CKPT OUT_DIR [overrides]   checkpoint -> plain HF model dir (save_pretrained)
+
+    flowrl train launcher.nproc=N ...        the same job on N processes (re-executes under torchrun)
 """
 from __future__ import annotations
 
@@ -69,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "train":
         from flowrl import train
 
+        from flowrl.launch import maybe_exec_torchrun
+
+        maybe_exec_torchrun(rest)  # launcher.nproc > 1: becomes torchrun, never returns
         sys.argv = [sys.argv[0] + " train", *rest]
         train.main()
         return 0
@@ -77,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             return plan_main(rest)
         if cmd == "graph":
             return graph_main(rest)
+        if cmd == "export":
+            from flowrl.export import export_main
+
+            return export_main(rest)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"flowrl {cmd}: error: {e}", file=sys.stderr)
         return 2

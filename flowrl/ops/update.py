@@ -6,6 +6,7 @@ import torch
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import NoConfig, register_op
 
+_RANK_INVARIANT = ("grad_norm", "lr", "skipped")
 _BATCH_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "old_logprobs",
                "advantages", "ref_logprobs")
 
@@ -77,6 +78,7 @@ def update_policy(ctx: StageContext, cfg: NoConfig, **inputs) -> dict:
     once per rollout batch (by the upstream stage), not per epoch. Logs loss terms, KL, entropy,
     clip fraction, grad norm and lr (means over optimizer steps)."""
     from flowrl.algorithms.losses import loss_denominators
+    from flowrl.runtime.distributed import all_reduce_floats
 
     algo = ctx.resource("algorithm")
     temp = ctx.resource("sampling").temperature
@@ -86,7 +88,12 @@ def update_policy(ctx: StageContext, cfg: NoConfig, **inputs) -> dict:
         # overlong completions leave both the loss numerator and its denominator
         batch["response_mask"] = batch["response_mask"] & ~truncated.unsqueeze(-1)
     B, R = batch["response_ids"].shape
-    mbs = algo.mini_batch_size or B
+    group = ctx.dist.group if ctx.dist.world_size > 1 else None
+    # algorithm.mini_batch_size counts sequences of the *global* batch; each rank takes its share
+    if algo.mini_batch_size and algo.mini_batch_size % ctx.dist.world_size:
+        raise ValueError(f"stage '{ctx.stage}': algorithm.mini_batch_size={algo.mini_batch_size} "
+                         f"must be a multiple of the world size {ctx.dist.world_size}")
+    mbs = algo.mini_batch_size // ctx.dist.world_size if algo.mini_batch_size else B
     sums: dict[str, float] = {}
     steps = 0
     tokens_seen = 0.0
@@ -98,7 +105,9 @@ def update_policy(ctx: StageContext, cfg: NoConfig, **inputs) -> dict:
             idx = perm[start:start + mbs]
             mb = {k: v[idx] for k, v in batch.items()}
             num_tokens, num_seqs = loss_denominators(mb["response_mask"])
-            num_tokens, num_seqs = float(num_tokens), float(num_seqs)
+            # global denominators: every rank normalises by the whole mini-batch's counts, so the
+            # summed (not averaged) FSDP gradient equals one rank's on the global batch (C02)
+            num_tokens, num_seqs = all_reduce_floats([num_tokens, num_seqs], "sum", group)
             loss_fn = make_policy_loss_fn(algo, algo.policy_loss, num_tokens=max(num_tokens, 1.0),
                                           num_seqs=max(num_seqs, 1.0), max_response_len=R)
             m = ctx.engine.train_step(mb, loss_fn, temperature=temp, with_entropy=True)
@@ -106,6 +115,11 @@ def update_policy(ctx: StageContext, cfg: NoConfig, **inputs) -> dict:
             tokens_seen += num_tokens
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
+    # each rank's loss terms and token sums are its share of global quantities: add the shares;
+    # grad_norm / lr / skipped come from the engine and are already the same on every rank
+    shared = [k for k in sorted(sums) if k not in _RANK_INVARIANT]
+    for k, v in zip(shared, all_reduce_floats([sums[k] for k in shared], "sum", group)):
+        sums[k] = v
     out = {}
     for k, v in sums.items():
         if k.endswith("_sum"):  # token sums → per-token means over everything trained on

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from transformers import get_scheduler
 
+from flowrl.algorithms.balance import inverse_permutation, token_budget_partitions
 from flowrl.algorithms.logprobs import entropy_from_logits, token_logprobs
 from flowrl.algorithms.masks import position_ids_from_mask
 from flowrl.engines.base import LogprobOutput, LossFn
@@ -37,6 +38,15 @@ class TrainEngineConfig:
         gradient_checkpointing: recompute activations in backward (HF models only).
         disable_dropout: zero every dropout probability of a trainable model. The policy-gradient
             ratio compares two forwards of the same weights; dropout would make it != 1 at step 0.
+        strategy: ``auto`` (FSDP2 when the world size is > 1, else local), ``local`` or ``fsdp``
+            (:class:`flowrl.engines.train.fsdp.FSDPTrainEngine`, also at world size 1).
+        max_tokens_per_micro_batch: dynamic micro-batching: cut a mini-batch into the fewest
+            micro-batches of at most this many valid (prompt + response) tokens, balanced by
+            Karmarkar–Karp (``algorithms/balance.py``); replaces ``micro_batch_size``. None = off.
+        mixed_precision: FSDP only. ``auto`` = bf16 parameters with fp32 gradient reduction on
+            CUDA, fp32 on CPU; ``bf16`` / ``fp32`` force it.
+        weight_bucket_mb: FSDP only. ``named_weights`` gathers full tensors in buckets of about this
+            many MiB, so the rollout hand-off never materialises the whole model at once.
     """
 
     lr: float = 1e-6
@@ -50,6 +60,10 @@ class TrainEngineConfig:
     total_steps: Optional[int] = None
     gradient_checkpointing: bool = False
     disable_dropout: bool = True
+    strategy: str = "auto"
+    max_tokens_per_micro_batch: Optional[int] = None
+    mixed_precision: str = "auto"
+    weight_bucket_mb: int = 512
 
     def __post_init__(self) -> None:
         if self.lr < 0:
@@ -71,6 +85,15 @@ class TrainEngineConfig:
             raise ValueError(f"total_steps is required by lr_scheduler={self.lr_scheduler!r}")
         if self.total_steps is not None and self.total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
+        if self.strategy not in ("auto", "local", "fsdp"):
+            raise ValueError(f"strategy must be auto, local or fsdp, got {self.strategy!r}")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ValueError(f"max_tokens_per_micro_batch must be >= 1 or None, "
+                             f"got {self.max_tokens_per_micro_batch}")
+        if self.mixed_precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"mixed_precision must be auto, bf16 or fp32, got {self.mixed_precision!r}")
+        if self.weight_bucket_mb < 1:
+            raise ValueError(f"weight_bucket_mb must be >= 1, got {self.weight_bucket_mb}")
 
 
 def _module_device(model: nn.Module) -> torch.device:
@@ -119,6 +142,31 @@ def _slice_batch(batch: Mapping[str, Any], start: int, end: int, B: int) -> dict
     """Rows start:end of every tensor whose leading dim is the batch; other entries as they are."""
     return {k: (v[start:end] if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == B else v)
             for k, v in batch.items()}
+
+
+def _take_rows(batch: Mapping[str, Any], rows: list[int], B: int) -> dict[str, Any]:
+    """``rows`` of every tensor whose leading dim is the batch (a contiguous run is a view)."""
+    if rows and rows == list(range(rows[0], rows[-1] + 1)):
+        return _slice_batch(batch, rows[0], rows[-1] + 1, B)
+    idx = torch.tensor(rows, dtype=torch.long)
+    return {k: (v[idx.to(v.device)] if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == B
+                else v) for k, v in batch.items()}
+
+
+def _trim_padding(mb: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Drop prompt columns that are padding in every row (left) and response columns past the
+    longest valid response (right), so a micro-batch of short sequences runs a short forward.
+    Position ids come from the mask, so values are unchanged (up to float summation order)."""
+    p_mask, r_mask = mb["prompt_mask"].bool(), mb["response_mask"].bool()
+    P, R = p_mask.shape[1], r_mask.shape[1]
+    p_keep = int(p_mask.any(0).nonzero().min()) if p_mask.any() else P - 1
+    r_keep = int(r_mask.any(0).nonzero().max()) + 1 if r_mask.any() else 1
+    out = dict(mb)
+    for k in ("prompt_ids", "prompt_mask"):
+        out[k] = mb[k][:, min(p_keep, P - 1):]
+    for k in ("response_ids", "response_mask"):
+        out[k] = mb[k][:, :r_keep]
+    return out
 
 
 class LocalTrainEngine:
@@ -184,15 +232,69 @@ class LocalTrainEngine:
 
     def _logprobs(self, mb: Mapping[str, Tensor], temperature: float,
                   with_entropy: bool) -> tuple[Tensor, Optional[Tensor]]:
+        R = mb["response_ids"].shape[1]
+        mb = _trim_padding(mb)
         logits = self._response_logits(mb)
         mask = mb["response_mask"].bool().to(logits.device)
         labels = mb["response_ids"].to(logits.device)
         zero = torch.zeros((), device=logits.device)
-        lp = torch.where(mask, token_logprobs(logits, labels, temperature), zero)
+        pad = (0, R - mask.shape[1])  # trimmed response columns come back as 0
+        lp = torch.nn.functional.pad(torch.where(mask, token_logprobs(logits, labels, temperature),
+                                                 zero), pad)
         ent = None
         if with_entropy:
-            ent = torch.where(mask, entropy_from_logits(logits, temperature), zero)
+            ent = torch.nn.functional.pad(
+                torch.where(mask, entropy_from_logits(logits, temperature), zero), pad)
         return lp, ent
+
+    # ------------------------------------------------------------------ micro-batching
+    # Hooks a data-parallel subclass overrides; here (one process) they are identities.
+    _lockstep = False  # True: every rank must run the same forwards/backwards (FSDP collectives)
+
+    def _agree_num_micro(self, k: int) -> int:
+        """The micro-batch count every rank uses (max over ranks); one process: ``k``."""
+        return k
+
+    def _all_true(self, flag: bool) -> bool:
+        """``flag`` on every rank (logical and); one process: ``flag``."""
+        return flag
+
+    def _backward(self, loss: Tensor, last: bool) -> None:
+        loss.backward()
+
+    def _partitions(self, batch: Mapping[str, Tensor]) -> list[list[int]]:
+        """Row indices of each micro-batch.
+
+        ``max_tokens_per_micro_batch`` set: Karmarkar–Karp bins of valid prompt + response tokens
+        (``algorithms/balance.token_budget_partitions``); else contiguous runs of
+        ``micro_batch_size`` rows. The count is agreed across ranks; a rank with fewer rows than
+        the agreed count gets empty lists (run as all-masked dummy micro-batches).
+        """
+        B = batch["response_ids"].shape[0]
+        budget = self.cfg.max_tokens_per_micro_batch
+        if budget is None:
+            k_local = math.ceil(B / self.cfg.micro_batch_size)
+            k = self._agree_num_micro(k_local)
+            if k == k_local:
+                step = self.cfg.micro_batch_size
+                return [list(range(s, min(s + step, B))) for s in range(0, B, step)]
+            return [c.tolist() for c in torch.arange(B).tensor_split(k)]
+        lengths = (batch["prompt_mask"].bool().sum(-1) + batch["response_mask"].bool().sum(-1)).tolist()
+        parts = token_budget_partitions(lengths, budget)
+        k = self._agree_num_micro(len(parts))
+        if k > len(parts):
+            parts = token_budget_partitions(lengths, budget, min_parts=min(k, B))
+        return parts + [[] for _ in range(k - len(parts))]
+
+    @staticmethod
+    def _micro_batch(batch: Mapping[str, Any], rows: list[int], B: int) -> dict[str, Any]:
+        """Rows of one micro-batch; an empty one becomes row 0 with an all-False response mask
+        (zero loss, zero gradient), so lockstep ranks still run the forward/backward."""
+        if rows:
+            return _take_rows(batch, rows, B)
+        mb = _take_rows(batch, [0], B)
+        mb["response_mask"] = torch.zeros_like(mb["response_mask"], dtype=torch.bool)
+        return mb
 
     def logprobs(self, batch: Mapping[str, Tensor], temperature: float,
                  with_entropy: bool = False) -> LogprobOutput:
@@ -207,20 +309,24 @@ class LocalTrainEngine:
             False, on the model's device. Computed in micro-batches of ``cfg.micro_batch_size``.
         """
         B = batch["response_ids"].shape[0]
-        mbs = self.cfg.micro_batch_size
+        parts = self._partitions(batch)
         was_training = self.model.training
         self.model.eval()  # dropout off: old logprobs must be deterministic
         lps, ents = [], []
         try:
             with torch.no_grad():
-                for s in range(0, B, mbs):
-                    lp, ent = self._logprobs(_slice_batch(batch, s, s + mbs, B), temperature,
+                for rows in parts:
+                    lp, ent = self._logprobs(self._micro_batch(batch, rows, B), temperature,
                                              with_entropy)
-                    lps.append(lp)
-                    ents.append(ent)
+                    if rows:  # a dummy (empty) micro-batch's output is dropped
+                        lps.append(lp)
+                        ents.append(ent)
         finally:
             self.model.train(was_training)
-        return LogprobOutput(torch.cat(lps), torch.cat(ents) if with_entropy else None)
+        # balanced bins reorder rows: put them back in the batch's order
+        inv = torch.tensor(inverse_permutation([i for rows in parts for i in rows]), dtype=torch.long)
+        inv = inv.to(lps[0].device)
+        return LogprobOutput(torch.cat(lps)[inv], torch.cat(ents)[inv] if with_entropy else None)
 
     # ------------------------------------------------------------------ update
     def train_step(self, batch: Mapping[str, Tensor], loss_fn: LossFn, temperature: float,
@@ -246,32 +352,36 @@ class LocalTrainEngine:
         if self.optimizer is None:
             raise RuntimeError("train_step on a frozen engine (trainable=False)")
         B = batch["response_ids"].shape[0]
-        mbs = self.cfg.micro_batch_size
+        parts = self._partitions(batch)
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.model.train()
         sums: dict[str, float] = {}
-        n_mb = 0
         total_loss = 0.0
         finite = True
-        for s in range(0, B, mbs):
-            mb = _slice_batch(batch, s, s + mbs, B)
+        for j, rows in enumerate(parts):
+            mb = self._micro_batch(batch, rows, B)
             lp, ent = self._logprobs(mb, temperature, with_entropy)
             loss, metrics = loss_fn(mb, lp, ent)
-            if not torch.isfinite(loss.detach()).all():
+            if finite and not torch.isfinite(loss.detach()).all():
                 finite = False
                 log.warning("train_step: non-finite loss (%s) in micro-batch %d; skipping the "
-                            "optimizer step, weights unchanged", loss.item(), s // mbs)
-                break
-            loss.backward()
+                            "optimizer step, weights unchanged", loss.item(), j)
+                if not self._lockstep:
+                    break
+            # lockstep ranks run every backward even after a NaN (the collectives inside must
+            # match on all ranks); the step is then skipped everywhere below
+            self._backward(loss, last=j == len(parts) - 1)
             total_loss += float(loss.detach())
-            n_mb += 1
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
+        finite = self._all_true(finite)
         grad_norm = float("nan")
         if finite:
             max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(
-                [p for p in self.model.parameters() if p.grad is not None], max_norm))
+            norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in self.model.parameters() if p.grad is not None], max_norm)
+            # sharded (DTensor) grads: the norm already covers every shard; materialise it
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             if not math.isfinite(grad_norm):
                 finite = False
                 log.warning("train_step: non-finite grad norm (%s); skipping the optimizer step, "

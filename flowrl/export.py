@@ -1,0 +1,80 @@
+"""``flowrl export CHECKPOINT OUT_DIR [model overrides]``: a DCP checkpoint → a plain HF model dir.
+
+    flowrl export outputs/run/checkpoints/step_000010 exported/        # model config from the ckpt
+    flowrl export ckpt/step_000010 exported/ model=tiny                 # or from Hydra overrides
+
+The result loads with ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` (safetensors + config +
+tokenizer). Works for checkpoints of any world size (DCP re-shards on load) in one process.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=None, *,
+                      role: str = "actor") -> Path:
+    """Load ``role``'s weights from a checkpoint and ``save_pretrained`` them with the tokenizer.
+
+    Args:
+        checkpoint: a ``step_XXXXXX`` folder written by :class:`CheckpointManager`.
+        out_dir: destination folder (created).
+        model_cfg: :class:`flowrl.models.loading.ModelConfig` of the architecture; default: the
+            ``model`` entry of the checkpoint's ``trainer_state.json``.
+        role: which trainable engine's weights (``actor``; ``critic`` is a value model, not a LM).
+
+    Returns: ``out_dir``.
+
+    Raises:
+        FileNotFoundError: not a complete checkpoint. ValueError: no model config anywhere.
+    """
+    import torch.distributed.checkpoint as dcp
+    from omegaconf import OmegaConf
+
+    from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
+    from flowrl.runtime.checkpoint import WeightsOnlyReader
+
+    ckpt = Path(checkpoint)
+    meta_path = ckpt / "trainer_state.json"
+    if not (meta_path.is_file() and (ckpt / ".metadata").is_file()):
+        raise FileNotFoundError(f"export: {ckpt} is not a complete flowrl checkpoint "
+                                "(needs trainer_state.json and .metadata)")
+    if model_cfg is None:
+        meta = json.loads(meta_path.read_text())
+        if "model" not in meta:
+            raise ValueError(f"export: {meta_path} records no model config; pass model overrides "
+                             "(flowrl export CKPT OUT model=...)")
+        model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                                                        meta["model"]))
+    model = load_model(model_cfg)  # the architecture; every weight is replaced below
+    state = {role: {"model": model.state_dict()}}
+    dcp.load(state, storage_reader=WeightsOnlyReader(ckpt))
+    model.load_state_dict(state[role]["model"])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    load_tokenizer(model_cfg).save_pretrained(out)
+    return out
+
+
+def export_main(argv: list[str]) -> int:
+    """CLI: ``flowrl export CHECKPOINT OUT_DIR [--role actor] [hydra overrides for model]``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="flowrl export", description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint", type=Path)
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--role", default="actor")
+    args, overrides = p.parse_known_args(argv)
+    model_cfg: Optional[object] = None
+    if overrides:
+        from flowrl.cli import compose
+        from flowrl.config import to_train_config
+
+        cfg = compose(overrides)
+        cfg.trainer.output_dir = str(args.out_dir)  # no Hydra run dir when composing
+        model_cfg = to_train_config(cfg).model
+    out = export_checkpoint(args.checkpoint, args.out_dir, model_cfg, role=args.role)
+    print(f"exported {args.checkpoint} ({args.role}) -> {out}")
+    return 0

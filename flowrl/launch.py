@@ -1,0 +1,96 @@
+"""``flowrl train launcher.nproc=N …``: re-execute the job under ``torchrun`` (no home-made launcher).
+
+    flowrl train launcher.nproc=2 model=tiny trainer=smoke
+      == torchrun --standalone --nproc_per_node=2 -m flowrl.train launcher.nproc=2 model=tiny trainer=smoke
+
+Multi-node (run the same command on every node; torchrun's c10d rendezvous pairs them up)::
+
+    flowrl train launcher.nproc=8 launcher.nnodes=2 launcher.rdzv_endpoint=node0:29500 \\
+        launcher.rdzv_id=job42 trainer.output_dir=/shared/runs/job42 ...
+
+``trainer.output_dir`` must then be on a file system every node sees (DCP checkpoints are written by
+all ranks into one folder). On Slurm: ``sbatch scripts/slurm.sbatch`` (one torchrun per node).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class LauncherConfig:
+    """How ``flowrl train`` starts its processes (ignored once running under torchrun).
+
+    Attributes:
+        nproc: processes (GPUs) per node; > 1 (or nnodes > 1) re-executes under torchrun.
+        nnodes: nodes taking part (torchrun ``--nnodes``; ``"MIN:MAX"`` elastic ranges are not used).
+        rdzv_endpoint: ``host:port`` of the c10d rendezvous (multi-node; any node's address).
+        rdzv_id: job id shared by all nodes of one run.
+        rdzv_backend: torchrun rendezvous backend (``c10d``).
+        max_restarts: torchrun worker-group restarts on failure (resume picks up the newest
+            complete checkpoint when ``trainer.resume=true``).
+        node_rank: fixed node rank (static rendezvous); None = assigned by the rendezvous.
+    """
+
+    nproc: int = 1
+    nnodes: int = 1
+    rdzv_endpoint: str = "localhost:29500"
+    rdzv_id: str = "flowrl"
+    rdzv_backend: str = "c10d"
+    max_restarts: int = 0
+    node_rank: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ValueError(f"launcher.nproc must be >= 1, got {self.nproc}")
+        if self.nnodes < 1:
+            raise ValueError(f"launcher.nnodes must be >= 1, got {self.nnodes}")
+        if self.max_restarts < 0:
+            raise ValueError(f"launcher.max_restarts must be >= 0, got {self.max_restarts}")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"launcher.node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+
+    @property
+    def distributed(self) -> bool:
+        return self.nproc > 1 or self.nnodes > 1
+
+
+def torchrun_argv(cfg: LauncherConfig, overrides: list[str]) -> list[str]:
+    """The argv that runs ``python -m flowrl.train <overrides>`` under torchrun for ``cfg``."""
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg.nproc}"]
+    if cfg.nnodes == 1:
+        argv.append("--standalone")  # a free local port; no endpoint to configure
+    else:
+        argv += [f"--nnodes={cfg.nnodes}", f"--rdzv_backend={cfg.rdzv_backend}",
+                 f"--rdzv_endpoint={cfg.rdzv_endpoint}", f"--rdzv_id={cfg.rdzv_id}"]
+        if cfg.node_rank is not None:
+            argv.append(f"--node_rank={cfg.node_rank}")
+    if cfg.max_restarts:
+        argv.append(f"--max_restarts={cfg.max_restarts}")
+    return argv + ["-m", "flowrl.train", *overrides]
+
+
+def maybe_exec_torchrun(overrides: list[str]) -> None:
+    """Replace this process with torchrun when the composed ``launcher`` asks for > 1 process.
+
+    Returns (and the caller runs the job in-process) when ``launcher`` is single-process, or when
+    this process already is a torchrun worker.
+
+    Raises:
+        ValueError: an invalid ``launcher.*`` value (from the config's validation).
+    """
+    if "LOCAL_RANK" in os.environ or not any(o.lstrip("+~").startswith("launcher") for o in overrides):
+        return
+    from omegaconf import OmegaConf
+
+    from flowrl.cli import compose
+
+    node = compose(overrides).launcher
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LauncherConfig), node))
+    if not cfg.distributed:
+        return
+    argv = torchrun_argv(cfg, overrides)
+    sys.stdout.flush()
+    os.execv(argv[0], argv)
