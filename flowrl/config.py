@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from flowrl.algorithms.config import AlgorithmConfig
 from flowrl.data import DataConfig
 from flowrl.engines.base import SamplingConfig
+from flowrl.engines.reward_model import RewardModelConfig
 from flowrl.engines.rollout.hf import HFRolloutConfig
 from flowrl.engines.train.local import TrainEngineConfig
 from flowrl.models.loading import ModelConfig
@@ -118,6 +119,49 @@ class TrainerConfig:
             raise ValueError("trainer.save_every must be >= 0 and trainer.keep_last >= 1")
 
 
+def as_model_config(value: Any, name: str) -> Optional[ModelConfig]:
+    """None, a ModelConfig or a mapping of its fields (``reward.genrm.model={path: smollm2}``).
+
+    Raises:
+        ValueError: anything else, or an unknown field, naming ``name``.
+    """
+    if value is None or isinstance(value, ModelConfig):
+        return value
+    if isinstance(value, (dict, DictConfig)):
+        try:
+            return ModelConfig(**OmegaConf.to_container(OmegaConf.create(dict(value))))
+        except TypeError as e:
+            raise ValueError(f"{name}: {e}") from e
+    raise ValueError(f"{name} must be null or a model section (path, tiny, dtype, ...), got {value!r}")
+
+
+@dataclass
+class GenRMRoleConfig:
+    """``reward.genrm``: the judge model of the ``genrm`` role (its stage params, e.g. ``k`` and
+    the template, are in the graph).
+
+    Attributes:
+        model: the judge; None = the run's ``model`` section (the default SmolLM2), loaded as its
+            own copy (a deep copy of the initial policy when the sections are equal).
+        hf: generation engine settings of the judge.
+    """
+
+    model: Any = None  # Optional[ModelConfig]; Any so a CLI/YAML dict can fill a None section
+    hf: HFRolloutConfig = field(default_factory=HFRolloutConfig)
+
+    def __post_init__(self) -> None:
+        self.model = as_model_config(self.model, "reward.genrm.model")
+
+
+@dataclass
+class RewardConfig:
+    """Reward models of the run: ``model`` for the ``reward_model`` role (classifier RM),
+    ``genrm`` for the ``genrm`` role (generative judge). Unused unless a graph stage has the role."""
+
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    genrm: GenRMRoleConfig = field(default_factory=GenRMRoleConfig)
+
+
 @dataclass
 class LoggerConfig:
     """Where per-step metrics go. Console and progress bar print on rank 0 only."""
@@ -141,6 +185,7 @@ class TrainConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
 
 
 def register_configs() -> None:

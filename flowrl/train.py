@@ -38,6 +38,9 @@ def prepare(raw: DictConfig | dict) -> tuple[TrainConfig, ExecutionPlan]:
     plan = compile_plan(Graph.load(cfg.graph.resolve()), OmegaConf.to_container(raw, resolve=True),
                         placement=cfg.placement.mode)
     _check_estimators(plan, cfg)
+    if "reward_model" in plan.roles and cfg.reward.model.model is None:
+        raise ValueError("the graph has a reward_model stage: set reward.model.model "
+                         "(a local sequence-classification checkpoint, or tiny for tests)")
     from flowrl.ops.token_rewards import check_kl_in_reward
 
     check_kl_in_reward(plan, cfg.algorithm)
@@ -70,7 +73,7 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer) -> dict[str,
     """Load the model once and build the engine of every role the plan uses."""
     from flowrl.engines.rollout.hf import HFRolloutEngine
     from flowrl.engines.train.local import LocalTrainEngine
-    from flowrl.models.loading import load_model
+    from flowrl.models.loading import load_model, load_tokenizer
 
     model = load_model(cfg.model).to(_device(cfg))
     engines: dict[str, Any] = {}
@@ -80,6 +83,16 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer) -> dict[str,
     engines["rollout"] = HFRolloutEngine(model, tokenizer, cfg.rollout.hf, shared=True)
     if ref_copy is not None:
         engines["ref"] = LocalTrainEngine(ref_copy, cfg.trainer.engine, trainable=False)
+    if "reward_model" in plan.roles:  # classifier RM, frozen
+        from flowrl.engines.reward_model import RewardModelEngine, load_reward_model
+
+        rm = load_reward_model(cfg.reward.model.model).to(_device(cfg))
+        engines["reward_model"] = RewardModelEngine(rm, pad_token_id=tokenizer.pad_token_id,
+                                                    batch_size=cfg.reward.model.batch_size)
+    if "genrm" in plan.roles:  # generative judge: its own model copy, never updated
+        judge_cfg = cfg.reward.genrm.model or cfg.model
+        judge = copy.deepcopy(model) if judge_cfg == cfg.model else load_model(judge_cfg).to(_device(cfg))
+        engines["genrm"] = HFRolloutEngine(judge, load_tokenizer(judge_cfg), cfg.reward.genrm.hf)
     if "critic" in plan.roles:  # PPO: value head on the actor's (initial) base weights
         from flowrl.engines.train.value import ValueTrainEngine, value_model_from_causal_lm
 
@@ -117,6 +130,8 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     resources = {"tokenizer": tokenizer, "prompts": prompts, "algorithm": cfg.algorithm,
                  "sampling": cfg.rollout.sampling, "trainer": cfg.trainer}
+    if "genrm" in plan.roles:
+        resources["genrm_tokenizer"] = load_tokenizer(cfg.reward.genrm.model or cfg.model)
     if any(c.stage.op == token_rewards_op.OP_NAME for c in plan.stages):
         # in-reward KL coefficient β: adaptive controllers change it, so it is checkpointed
         resources[token_rewards_op.RESOURCE] = token_rewards_op.make_kl_controller(cfg.algorithm)

@@ -48,6 +48,17 @@ class TensorLife:
 
 
 @dataclass
+class RefillSpec:
+    """A refill stage of the plan (run by ``flowrl.runtime.refill.run_refill``): ``upstream`` =
+    its ancestor stages in plan order, re-run on every attempt after the first."""
+
+    stage: str
+    upstream: list[str]
+    max_attempts: int
+    target_groups: int
+
+
+@dataclass
 class CompiledStage:
     stage: Stage
     config: Any  # the op's Config instance, params resolved
@@ -65,6 +76,8 @@ class ExecutionPlan:
         lifetimes: key → TensorLife.
         release_after: stage → keys whose last consumer it is (freed right after it runs).
         pruned: stages dropped because their ``when`` was false.
+        refill: refill stage (params ``refill: true``, DAPO dynamic sampling) → RefillSpec with the
+            upstream stages the executor re-runs until the stage has kept enough groups.
         warnings: validator warnings (unused outputs).
     """
 
@@ -77,6 +90,7 @@ class ExecutionPlan:
     warnings: list[str] = field(default_factory=list)
     placement: str = "colocated"
     resident_at_end: list[str] = field(default_factory=list)
+    refill: dict[str, "RefillSpec"] = field(default_factory=dict)
 
     @property
     def order(self) -> list[str]:
@@ -273,6 +287,48 @@ def lifecycle(graph: Graph, order: list[str]) -> tuple[dict[str, TensorLife], di
     return lifetimes, release
 
 
+def refill_specs(graph: Graph, order: list[str], compiled: list[CompiledStage]) -> dict[str, RefillSpec]:
+    """Find stages whose config has ``refill`` set and check they can be re-run safely.
+
+    A refill stage's ancestors (its upstream sub-graph) are re-run as a whole, so every output of
+    an upstream stage must be consumed only by upstream stages or the refill stage itself (a
+    later stage reading one would see the last attempt only, out of step with the refilled
+    batch); the op must output ``group_id`` and its config have ``max_attempts`` and
+    ``target_groups``. At most one refill stage per graph.
+
+    Raises:
+        GraphError: naming the stage and input that breaks a rule.
+    """
+    dag = build_dag(graph)
+    problems, specs = [], {}
+    for c in compiled:
+        if not getattr(c.config, "refill", False):
+            continue
+        name = c.stage.name
+        if not all(hasattr(c.config, f) for f in ("max_attempts", "target_groups")) or \
+                "group_id" not in OPS[c.stage.op].outputs or "group_id" not in c.stage.inputs:
+            problems.append((name, "params.refill", f"op '{c.stage.op}' does not support refill "
+                             "(needs group_id in and out, max_attempts, target_groups)"))
+            continue
+        upstream = set(nx.ancestors(dag, name))
+        for s in graph.stages:
+            if s.name in upstream or s.name == name:
+                continue
+            for arg, src, out in s.input_refs():
+                if src in upstream:
+                    problems.append((s.name, f"inputs.{arg}", f"reads '{src}.{out}' from the refill "
+                                     f"sub-graph of '{name}', which re-runs it; read the output "
+                                     f"of '{name}' instead"))
+        specs[name] = RefillSpec(name, [n for n in order if n in upstream], c.config.max_attempts,
+                                 c.config.target_groups)
+    if len(specs) > 1:
+        problems.append((sorted(specs)[1], "params.refill", f"only one refill stage per graph, "
+                         f"got {sorted(specs)}"))
+    if problems:
+        raise GraphError(problems)
+    return specs
+
+
 def compile_plan(graph: Graph, run_cfg: Mapping | DictConfig | None = None,
                  placement: str = "colocated") -> ExecutionPlan:
     """Validate, resolve, prune, order and annotate a graph.
@@ -295,4 +351,5 @@ def compile_plan(graph: Graph, run_cfg: Mapping | DictConfig | None = None,
     lifetimes, release = lifecycle(g, order)
     return ExecutionPlan(graph=g, stages=compiled, actions=actions, lifetimes=lifetimes,
                          release_after=release, pruned=dropped, warnings=warns,
-                         placement=placement, resident_at_end=resident)
+                         placement=placement, resident_at_end=resident,
+                         refill=refill_specs(g, order, compiled))

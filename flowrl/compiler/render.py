@@ -23,6 +23,11 @@ def format_plan(plan: "ExecutionPlan") -> str:
             frees = plan.release_after.get(a.stage, [])
             lines.append(f"  {i:>2}. run     {a.stage:<14} op={st.op:<18} role={a.role or '-':<8}"
                          + (f" then free {', '.join(frees)}" if frees else ""))
+            if a.stage in plan.refill:
+                r = plan.refill[a.stage]
+                target = r.target_groups or "one attempt's number of"
+                lines.append(f"      refill  re-run {' -> '.join(r.upstream)} -> {a.stage} until "
+                             f"{target} groups are kept (at most {r.max_attempts} attempts)")
         elif a.kind == "sync":
             lines.append(f"      sync    {a.detail}")
         else:

@@ -1,9 +1,16 @@
-"""Rule-based reward stage: decode the response only and score it with a verifier."""
+"""Reward stages: rule verifiers, user reward functions, the classifier reward model, DAPO
+overlong shaping and the weighted mix of named components.
+
+Every stage outputs ``rewards`` (B,) float32 where NaN marks an unscorable sample: it is counted
+in the metrics and excluded from its group's statistics by the advantage estimators.
+"""
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
@@ -13,6 +20,52 @@ from flowrl.ops.registry import register_op
 log = logging.getLogger(__name__)
 
 
+def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """Text of the valid response tokens only (never the prompt or the template's prefill)."""
+    return [tokenizer.decode(ids[m].tolist(), skip_special_tokens=True)
+            for ids, m in zip(response_ids, response_mask)]
+
+
+_QUESTIONS: "weakref.WeakKeyDictionary[Any, dict[tuple, str]]" = weakref.WeakKeyDictionary()
+
+
+def _question_index(source) -> dict[tuple, str]:
+    """Encoded prompt tokens → question text of the run's prompt source (built once). The tokens
+    of a rendered prompt determine its question; groups are still identified by group_id."""
+    if source not in _QUESTIONS:
+        tokens = getattr(source, "_tokens", None) or []
+        records = getattr(source, "records", None) or []
+        _QUESTIONS[source] = {tuple(t): r.get("question", "") for t, r in zip(tokens, records)}
+    return _QUESTIONS[source]
+
+
+def prompt_fields(ctx: StageContext, ground_truth, prompt_ids=None, prompt_mask=None) -> list[dict]:
+    """Per-sample prompt fields handed to reward functions and judges: ``ground_truth`` always;
+    ``prompt`` (rendered prompt text) and ``question`` when the prompt tokens are given and the
+    run's prompt source knows them."""
+    fields = [{"ground_truth": gt} for gt in ground_truth]
+    if prompt_ids is None or prompt_mask is None:
+        return fields
+    tok = ctx.resource("tokenizer")
+    index = _question_index(ctx.resources["prompts"]) if "prompts" in ctx.resources else {}
+    for f, ids, m in zip(fields, prompt_ids, prompt_mask):
+        toks = ids[m.bool()].tolist()
+        f["prompt"] = tok.decode(toks, skip_special_tokens=False)
+        if tuple(toks) in index:
+            f["question"] = index[tuple(toks)]
+    return fields
+
+
+def log_reward_stats(ctx: StageContext, rewards: torch.Tensor, prefix: str = "reward") -> None:
+    """``<prefix>/mean``, ``/std`` over scorable samples and ``/unscorable`` (NaN count)."""
+    ok = torch.isfinite(rewards)
+    valid = rewards[ok].double()
+    ctx.log(**{f"{prefix}/mean": valid.mean() if valid.numel() else float("nan"),
+               f"{prefix}/std": valid.std() if valid.numel() > 1 else 0.0,
+               f"{prefix}/unscorable": (~ok).sum()})
+
+
+# --------------------------------------------------------------------------- reward.rule
 @dataclass
 class RuleRewardConfig:
     """verifier: key in ``flowrl.rewards.REWARD_FUNCTIONS``; format_score: reward for a
@@ -27,12 +80,6 @@ class RuleRewardConfig:
 
         if self.verifier not in REWARD_FUNCTIONS:
             raise ValueError(f"verifier must be one of {sorted(REWARD_FUNCTIONS)}, got {self.verifier!r}")
-
-
-def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-    """Text of the valid response tokens only (never the prompt or the template's prefill)."""
-    return [tokenizer.decode(ids[m].tolist(), skip_special_tokens=True)
-            for ids, m in zip(response_ids, response_mask)]
 
 
 @register_op("reward.rule", inputs=("response_ids", "response_mask", "ground_truth"),
@@ -59,12 +106,202 @@ def rule_reward(ctx: StageContext, cfg: RuleRewardConfig, *, response_ids, respo
             log.warning("stage %s: verifier %s raised %r; sample marked unscorable", ctx.stage, cfg.verifier, e)
             scores.append(float("nan"))
     rewards = torch.tensor(scores, dtype=torch.float32)
-    ok = torch.isfinite(rewards)
-    valid = rewards[ok]
-    ctx.log(**{
-        "reward/mean": valid.mean() if valid.numel() else float("nan"),
-        "reward/std": valid.std() if valid.numel() > 1 else 0.0,
-        "reward/accuracy": (valid == 1.0).float().mean() if valid.numel() else 0.0,
-        "reward/unscorable": (~ok).sum(),
-    })
+    valid = rewards[torch.isfinite(rewards)]
+    log_reward_stats(ctx, rewards)
+    ctx.log(**{"reward/accuracy": (valid == 1.0).float().mean() if valid.numel() else 0.0})
     return {"rewards": rewards}
+
+
+# --------------------------------------------------------------------------- reward.function
+@dataclass
+class FunctionRewardConfig:
+    """A user reward function (contract: ``flowrl.rewards.function``).
+
+    Attributes:
+        path: ``"package.module:function"``; imported when the graph is compiled, so a bad path
+            fails before any model loads.
+        num_workers: 0 = call in the trainer process; >= 1 = a process pool of that size.
+        timeout_s: per-call limit in seconds (None or 0 = none); a call over it scores NaN.
+        weights: component name → weight for functions returning a dict (absent names: 1.0).
+    """
+
+    path: str = ""
+    num_workers: int = 0
+    timeout_s: Optional[float] = 30.0
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from flowrl.rewards.function import load_reward_function
+
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
+        if self.timeout_s is not None and self.timeout_s < 0:
+            raise ValueError(f"timeout_s must be >= 0 or null, got {self.timeout_s}")
+        load_reward_function(self.path)
+        self.weights = dict(self.weights)
+
+
+_RUNNERS: dict[tuple, Any] = {}
+
+
+def _runner(cfg: FunctionRewardConfig):
+    """One runner (and pool) per distinct config, reused across steps; closed at exit."""
+    import atexit
+
+    from flowrl.rewards.function import RewardFunctionRunner
+
+    key = (cfg.path, cfg.num_workers, cfg.timeout_s)
+    if key not in _RUNNERS:
+        _RUNNERS[key] = RewardFunctionRunner(cfg.path, cfg.num_workers, cfg.timeout_s)
+        atexit.register(_RUNNERS[key].close)
+    return _RUNNERS[key]
+
+
+@register_op("reward.function",
+             inputs=("response_ids", "response_mask", "ground_truth", "group_id"),
+             optional_inputs=("prompt_ids", "prompt_mask"),
+             outputs=("rewards",), config=FunctionRewardConfig)
+def function_reward(ctx: StageContext, cfg: FunctionRewardConfig, *, response_ids, response_mask,
+                    ground_truth, group_id, prompt_ids=None, prompt_mask=None) -> dict:
+    """Call the user's reward function on every response.
+
+    Output: rewards (B,) float32 (a dict return is combined with ``weights``); NaN where the call
+    raised, returned a non-number or non-finite value, or timed out. Logged: ``reward/mean``,
+    ``reward/std``, ``reward/unscorable`` (all NaN), ``reward/errors``, ``reward/nonfinite``,
+    ``reward/timeouts`` and ``reward/fn/<component>`` means. The run always continues.
+    """
+    from flowrl.rewards.function import ERROR, NONFINITE, OK, TIMEOUT, combine
+
+    texts = decode_responses(ctx.resource("tokenizer"), response_ids, response_mask)
+    fields = prompt_fields(ctx, ground_truth, prompt_ids, prompt_mask)
+    metas = [{"group_id": int(g), "index": i, "step": ctx.step} for i, g in enumerate(group_id.tolist())]
+    outcomes = _runner(cfg).score(texts, fields, metas)
+    rewards = torch.tensor([combine(o.components, cfg.weights) if o.status == OK else float("nan")
+                            for o in outcomes], dtype=torch.float32)
+    for o in outcomes:
+        if o.status == ERROR:
+            log.warning("stage %s: reward function %s failed (%s); sample unscorable",
+                        ctx.stage, cfg.path, o.detail)
+            break  # one line per step is enough; the count is in the metrics
+    comps: dict[str, list[float]] = {}
+    for o in outcomes:
+        for k, v in o.components.items():
+            comps.setdefault(k, []).append(v)
+    log_reward_stats(ctx, rewards)
+    ctx.log(**{"reward/errors": sum(o.status == ERROR for o in outcomes),
+               "reward/timeouts": sum(o.status == TIMEOUT for o in outcomes),
+               "reward/nonfinite": sum(o.status == NONFINITE for o in outcomes),
+               **{f"reward/fn/{k}": sum(v) / len(v) for k, v in comps.items()}})
+    return {"rewards": rewards}
+
+
+# --------------------------------------------------------------------------- reward.model
+@register_op("reward.model", inputs=("prompt_ids", "prompt_mask", "response_ids", "response_mask"),
+             outputs=("rewards",), roles=("reward_model",))
+def model_reward(ctx: StageContext, cfg, *, prompt_ids, prompt_mask, response_ids,
+                 response_mask) -> dict:
+    """Classifier reward model score of prompt + response (``engines/reward_model.py``).
+
+    Output: rewards (B,) float32, the head's raw scalar (NaN if the model produced one).
+    Logged: ``reward/model/mean``, ``/std``, ``/unscorable``.
+    """
+    rewards = ctx.engine.score(prompt_ids, prompt_mask, response_ids, response_mask).float()
+    rewards = torch.where(torch.isfinite(rewards), rewards, torch.full_like(rewards, float("nan")))
+    log_reward_stats(ctx, rewards, "reward/model")
+    return {"rewards": rewards}
+
+
+# --------------------------------------------------------------------------- reward.overlong
+@dataclass
+class OverlongConfig:
+    """DAPO soft overlong punishment (``flowrl.rewards.shaping.overlong_penalty``).
+
+    Attributes:
+        max_length: L_max in tokens; usually ``${rollout.sampling.max_new_tokens}``.
+        buffer_length: L_cache, the width of the linear penalty ramp before L_max (DAPO: 4096
+            of 20480); 0 = ``buffer_fraction * max_length`` (rounded, at least 1), so one graph
+            fits any generation length.
+        buffer_fraction: used when ``buffer_length`` is 0 (DAPO's ratio is 0.2).
+        penalty_factor: scale of the penalty (1.0 = the paper's).
+    """
+
+    max_length: int = 256
+    buffer_length: int = 0
+    buffer_fraction: float = 0.2
+    penalty_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.buffer_fraction <= 1:
+            raise ValueError(f"buffer_fraction must be in (0, 1], got {self.buffer_fraction}")
+        if self.max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {self.max_length}")
+        if self.buffer_length == 0:
+            self.buffer_length = max(1, round(self.buffer_fraction * self.max_length))
+        if not 1 <= self.buffer_length <= self.max_length:
+            raise ValueError(f"need 1 <= buffer_length <= max_length, got buffer_length="
+                             f"{self.buffer_length}, max_length={self.max_length}")
+        if self.penalty_factor < 0:
+            raise ValueError(f"penalty_factor must be >= 0, got {self.penalty_factor}")
+
+
+@register_op("reward.overlong", inputs=("response_mask",), outputs=("rewards",), config=OverlongConfig)
+def overlong_reward(ctx: StageContext, cfg: OverlongConfig, *, response_mask) -> dict:
+    """Length penalty component: rewards (B,) float32 in [-penalty_factor, 0] from the response
+    lengths (EOS included). Logged: ``reward/overlong/mean``, ``reward/overlong/penalised_frac``."""
+    from flowrl.rewards.shaping import overlong_penalty
+
+    r = overlong_penalty(response_mask.sum(-1), cfg.max_length, cfg.buffer_length, cfg.penalty_factor)
+    ctx.log(**{"reward/overlong/mean": r.mean(), "reward/overlong/penalised_frac": (r < 0).float().mean()})
+    return {"rewards": r}
+
+
+# --------------------------------------------------------------------------- reward.mix
+MIX_COMPONENTS = ("rule", "function", "model", "genrm", "format", "overlong")
+
+
+@dataclass
+class MixConfig:
+    """weights: component name (an input of ``reward.mix``) → weight. A bound component without
+    an entry weighs 1.0; an entry for an unbound component (e.g. a stage pruned by ``when``) is
+    ignored. Weight 0 leaves a component out of the sum (it is still logged)."""
+
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.weights = {str(k): float(v) for k, v in dict(self.weights).items()}
+        unknown = sorted(set(self.weights) - set(MIX_COMPONENTS))
+        if unknown:
+            raise ValueError(f"weights: unknown component(s) {unknown}; components: {list(MIX_COMPONENTS)}")
+
+
+@register_op("reward.mix", optional_inputs=MIX_COMPONENTS, outputs=("rewards",), config=MixConfig)
+def mix_reward(ctx: StageContext, cfg: MixConfig, **components) -> dict:
+    """Weighted sum of the bound reward components (``flowrl.rewards.shaping.mix_rewards``).
+
+    Output: rewards (B,) float32, NaN where any component with a non-zero weight is NaN.
+    Logged: ``reward/<component>/mean`` (over its scorable samples) for every component, and
+    ``reward/mean``, ``reward/std``, ``reward/unscorable`` of the mix.
+
+    Raises:
+        ValueError: no component bound, or components of different lengths.
+    """
+    from flowrl.rewards.shaping import mix_rewards
+
+    bound = {k: v.float() for k, v in components.items() if v is not None}
+    if not bound:
+        raise ValueError(f"stage '{ctx.stage}': reward.mix needs at least one bound component "
+                         f"of {list(MIX_COMPONENTS)}")
+    weights = {k: cfg.weights.get(k, 1.0) for k in bound}
+    try:
+        rewards = mix_rewards(bound, weights)
+    except ValueError as e:
+        raise ValueError(f"stage '{ctx.stage}': {e}") from e
+    for k, v in bound.items():
+        ok = torch.isfinite(v)
+        ctx.log(**{f"reward/{k}/mean": v[ok].mean() if ok.any() else float("nan")})
+    log_reward_stats(ctx, rewards)
+    return {"rewards": rewards}
+
+
+# the other reward-path op modules register when this one is imported by load_builtin_ops
+from flowrl.ops import filter as _filter, genrm as _genrm  # noqa: E402,F401

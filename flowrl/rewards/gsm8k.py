@@ -13,9 +13,11 @@ from typing import Optional
 MARKER = "####"
 
 # An optional sign (not a binary minus: no word character or ')' right before it), an optional
-# currency sign, then digits with optional thousands separators and an optional decimal part.
+# currency sign, then digits with optional thousands separators (groups of three only: "1,2,3" is
+# a list, not 123) and an optional decimal part.
 _NUMBER = re.compile(
-    r"(?:(?<![\w)\]])(?P<sign>[-+\u2212]))?\$?(?P<digits>\d(?:[\d,]*\d)?(?:\.\d+)?|\.\d+)")
+    r"(?:(?<![\w)\]])(?P<sign>[-+\u2212]))?\$?"
+    r"(?P<digits>(?:\d{1,3}(?:,\d{3})+(?![\d])|\d+)(?:\.\d+)?|\.\d+)")
 
 
 def _canonical(sign: str, digits: str) -> Optional[str]:

@@ -19,6 +19,8 @@ Dataflow of one GRPO step (colocated pool; ``[x]`` = role resident, ``→ free``
 
 Each stage reads its inputs from the TensorStore, writes its outputs back, and the store frees every
 key whose last consumer (from the plan's lifecycle table) has just run.
+A ``refill`` stage (DAPO dynamic sampling) re-runs the stages it depends on until it has kept
+enough groups (``flowrl/runtime/refill.py``; the plan lists them under ``plan.refill``).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from typing import Any, Mapping
 import torch
 
 from flowrl.compiler.plan import ExecutionPlan
+from flowrl.graph.roles import ROLES
 from flowrl.ops.context import DistInfo, StageContext
 from flowrl.ops.registry import OPS
 from flowrl.runtime.store import TensorStore
@@ -68,6 +71,7 @@ class Executor:
         self.store = TensorStore(plan.release_after)
         self._cfg = {c.stage.name: c.config for c in plan.stages}
         self._resident: set[str] = set(plan.resident_at_end)
+        self.stage_metrics: dict[str, dict[str, float]] = {}  # this step's, per stage
 
     # ---- swap / sync points -----------------------------------------------------------------
     def _offload(self, role: str, keep_weights: bool = False) -> None:
@@ -83,6 +87,15 @@ class Executor:
         (eng.wake if hasattr(eng, "wake") and not hasattr(eng, "onload") else eng.onload)()
         self._resident.add(role)
 
+    def ensure_resident(self, role: str) -> None:
+        """Make ``role`` the resident model (offloading the others), as the plan's swap points
+        would; used when a refill stage re-runs its upstream stages."""
+        if role in self._resident:
+            return
+        for r in list(self._resident):
+            self._offload(r, keep_weights=ROLES[role].weights_from == r)
+        self._onload(role)
+
     def _sync(self, src_role: str, dst_role: str) -> None:
         self.engines[dst_role].load_weights(self.engines[src_role].named_weights())
 
@@ -93,6 +106,7 @@ class Executor:
         swap_s = sync_s = 0.0
         t_step = time.perf_counter()
         self.store.clear()
+        self.stage_metrics.clear()
         for a in self.plan.actions:
             t0 = time.perf_counter()
             if a.kind == "offload":
@@ -104,6 +118,11 @@ class Executor:
             elif a.kind == "sync":
                 self._sync(self.plan.graph[a.stage].role, a.role)
                 sync_s += time.perf_counter() - t0
+            elif a.stage in self.plan.refill:  # re-runs its upstream stages until the batch is full
+                from flowrl.runtime.refill import run_refill
+
+                metrics.update(run_refill(self, self.plan.refill[a.stage], step))
+                metrics[f"time/{a.stage}"] = time.perf_counter() - t0  # its re-runs included
             else:
                 metrics.update(self._run_stage(a.stage, step))
                 metrics[f"time/{a.stage}"] = time.perf_counter() - t0
@@ -119,19 +138,27 @@ class Executor:
         })
         return metrics
 
-    def _run_stage(self, name: str, step: int) -> dict[str, float]:
+    def _run_stage(self, name: str, step: int, attempt: int = 1) -> dict[str, float]:
+        outputs, metrics = self._call_op(name, step, attempt)
+        self.store.put(name, outputs)
+        self.store.release_after(name)
+        self.stage_metrics[name] = metrics
+        return metrics
+
+    def _call_op(self, name: str, step: int, attempt: int = 1) -> tuple[dict[str, Any], dict[str, float]]:
+        """Run one stage's op on its inputs from the store; returns (outputs, metrics). A refill
+        attempt > 1 draws from its own seed, so it samples new responses."""
         stage = self.plan.graph[name]
         spec = OPS[stage.op]
         inputs = {arg: self.store.get(ref) for arg, ref in stage.inputs.items()}
         for arg in spec.optional_inputs:
             inputs.setdefault(arg, None)
-        gen = torch.Generator().manual_seed(stage_seed(self.seed, step, name))
+        key = name if attempt == 1 else f"{name}@attempt{attempt}"
+        gen = torch.Generator().manual_seed(stage_seed(self.seed, step, key))
         ctx = StageContext(stage=name, step=step, engine=self.engines.get(stage.role),
                            resources=self.resources, dist=self.dist, generator=gen)
         outputs = spec.fn(ctx, self._cfg[name], **inputs)
         if set(outputs) != set(spec.outputs):
             raise RuntimeError(f"stage '{name}': op '{spec.name}' returned {sorted(outputs)}, "
                                f"declared {sorted(spec.outputs)}")
-        self.store.put(name, outputs)
-        self.store.release_after(name)
-        return ctx.metrics
+        return outputs, ctx.metrics

@@ -1,0 +1,148 @@
+"""Classifier reward model (role ``reward_model``): a sequence-classification model with one
+output (``num_labels=1``) scoring prompt + response, the Bradley-Terry RM of InstructGPT
+(Ouyang et al. 2022, eq. 1) and of every RLHF framework.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
+
+from flowrl.models.loading import DTYPES, SMOLLM2, ModelConfig, load_tokenizer
+
+
+@dataclass
+class RewardModelConfig:
+    """``reward.model`` of the run config (used when a graph has a ``reward_model`` stage).
+
+    Attributes:
+        model: the RM checkpoint: ``path`` = a local HF directory holding a sequence-classification
+            model (its head is loaded with ``num_labels=1``), or ``tiny`` = a random one for tests.
+            ``path: smollm2`` alone is rejected: the causal LM has no trained reward head.
+        batch_size: sequences per forward pass.
+    """
+
+    model: Any = None  # Optional[ModelConfig]; Any so a CLI/YAML dict can fill a None section
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, Mapping):
+            try:
+                self.model = ModelConfig(**{str(k): v for k, v in self.model.items()})
+            except TypeError as e:
+                raise ValueError(f"reward.model.model: {e}") from e
+        if self.model is not None and not isinstance(self.model, ModelConfig):
+            raise ValueError(f"reward.model.model must be null or a model section, got {self.model!r}")
+        if self.batch_size < 1:
+            raise ValueError(f"reward.model.batch_size must be >= 1, got {self.batch_size}")
+        if self.model is not None and self.model.tiny is None and self.model.path == SMOLLM2:
+            raise ValueError("reward.model.model.path must be a local sequence-classification "
+                             "checkpoint directory (or set reward.model.model.tiny for tests); "
+                             "'smollm2' is a causal LM with no reward head")
+
+
+def load_reward_model(cfg: ModelConfig) -> PreTrainedModel:
+    """A ``num_labels=1`` sequence-classification model on CPU in ``cfg.dtype``, eval mode.
+
+    Tiny configs get the bundled tokenizer's vocabulary and pad id; a directory is loaded with
+    ``from_pretrained(num_labels=1)``.
+    """
+    dtype = DTYPES[cfg.dtype]
+    if cfg.tiny is not None:
+        tok = load_tokenizer(cfg)
+        tiny = dict(cfg.tiny)
+        kind = tiny.pop("model_type")
+        tiny.setdefault("vocab_size", len(tok))
+        for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+            tiny.setdefault(name, getattr(tok, name))
+        config = AutoConfig.for_model(kind, num_labels=1, **tiny)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = AutoModelForSequenceClassification.from_config(
+                config, dtype=dtype, attn_implementation=cfg.attn_implementation)
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            cfg.path, num_labels=1, dtype=dtype, attn_implementation=cfg.attn_implementation)
+    return model.eval()
+
+
+def join_left_padded(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                     response_mask: Tensor, pad_id: int) -> tuple[Tensor, Tensor]:
+    """Prompt + response of every row as one LEFT-padded sequence, so the last column is always
+    the last real token (the pooled position), whatever the token ids are (pad may equal EOS,
+    case C04).
+
+    Returns: ids (B, L) int64 and mask (B, L) bool, L = the longest prompt + response.
+    """
+    rows = [torch.cat([p[pm.bool()], r[rm.bool()]]) for p, pm, r, rm
+            in zip(prompt_ids, prompt_mask, response_ids, response_mask)]
+    width = max(len(x) for x in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, x in enumerate(rows):
+        ids[i, width - len(x):] = x
+        mask[i, width - len(x):] = True
+    return ids, mask
+
+
+class RewardModelEngine:
+    """Batched scoring with a sequence-classification model (frozen).
+
+    Args:
+        model: from :func:`load_reward_model` (any ``*ForSequenceClassification`` with one label).
+        pad_token_id: id used for left padding (its value never decides the pooled position).
+        batch_size: rows per forward pass.
+    """
+
+    def __init__(self, model: nn.Module, *, pad_token_id: int, batch_size: int = 8):
+        self.model = model.eval()
+        self.pad_token_id = int(pad_token_id)
+        self.batch_size = batch_size
+        self.device = next(model.parameters()).device
+        self.last_timings: dict[str, float] = {}
+
+    @torch.inference_mode()
+    def score(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+              response_mask: Tensor) -> Tensor:
+        """Reward of every (prompt, response) row.
+
+        transformers pools a classifier at "the last token that is not the pad id", a comparison
+        of VALUES that skips a real final EOS when pad == EOS. We pass ``inputs_embeds`` (then
+        it pools the last column) of left-padded rows, with position ids from the mask (absolute
+        position embeddings see the same positions as an unpadded run).
+
+        Args:
+            prompt_ids/prompt_mask: (B, P) left-padded. response_ids/response_mask: (B, R)
+                right-padded.
+
+        Returns:
+            (B,) float32 scalar rewards (the head's raw logit), on CPU.
+        """
+        t0 = time.perf_counter()
+        ids, mask = join_left_padded(prompt_ids, prompt_mask, response_ids, response_mask,
+                                     self.pad_token_id)
+        embed = self.model.get_input_embeddings()
+        out = []
+        for s in range(0, ids.shape[0], self.batch_size):
+            b_ids = ids[s:s + self.batch_size].to(self.device)
+            b_mask = mask[s:s + self.batch_size].to(self.device)
+            pos = (b_mask.long().cumsum(-1) - 1).clamp(min=0)
+            logits = self.model(inputs_embeds=embed(b_ids), attention_mask=b_mask.long(),
+                                position_ids=pos).logits
+            out.append(logits[:, 0].float().cpu())
+        self.last_timings = {"score_s": time.perf_counter() - t0}
+        return torch.cat(out)
+
+    def sleep(self) -> None:
+        """Give device memory back (colocated plans); a no-op on CPU."""
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to(self.device)

@@ -1,0 +1,88 @@
+"""Math verifier: the last ``\\boxed{...}`` (or ``\\fbox{...}``) of a response, checked for
+mathematical equivalence with the reference by the ``math-verify`` library (Hugging Face).
+
+Only the RESPONSE is scored (callers pass the decoded response tokens); a prompt's few-shot
+``\\boxed{}`` examples therefore never count.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def _closing_brace(text: str, start: int) -> Optional[int]:
+    """Index of the ``}`` closing the ``{`` just before ``start`` (escaped ``\\{``/``\\}`` are
+    literal characters, not braces), or None when it never closes."""
+    depth, i = 1, start
+    while i < len(text):
+        c = text[i]
+        if c == "\\":  # skip the escaped character (\{, \}, \\)
+            i += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    return None
+
+
+def extract_boxed(text: str) -> Optional[str]:
+    """Content of the LAST ``\\boxed{...}``/``\\fbox{...}`` of ``text``, braces balanced.
+
+    ``"so \\boxed{\\frac{1}{2}}."`` → ``"\\frac{1}{2}"``; a box whose brace never closes gives
+    None (a truncated response has no answer, whatever earlier boxes said), as does an empty box
+    (``\\boxed{ }``). Never raises.
+    """
+    last: Optional[str] = None
+    for m in _BOX.finditer(text):
+        end = _closing_brace(text, m.end())
+        # later boxes win, even an unclosed one: the response's final word is what counts
+        last = None if end is None else text[m.end():end].strip()
+    return last or None
+
+
+def _parse(expr: str):
+    from math_verify import parse
+
+    return parse(f"${expr}$")
+
+
+def math_reward(response_text: str, ground_truth: str, *, format_score: float = 0.0,
+                **_: object) -> float:
+    """Score a response whose final answer is boxed.
+
+    Args:
+        response_text: decoded RESPONSE tokens only.
+        ground_truth: reference answer as LaTeX or plain text (``"\\frac{1}{2}"``, ``"0.5"``,
+            ``"\\boxed{3}"`` — a boxed reference is unwrapped first).
+        format_score: reward for a boxed answer that is not equivalent (shaping, default 0).
+
+    Returns:
+        1.0 when ``math_verify.verify(gold, answer)`` holds (``\\frac{1}{2}`` = ``0.5``,
+        ``x=3`` = ``3``, ``\\{1,2\\}`` = ``\\{2,1\\}``), ``format_score`` for a boxed but wrong or
+        unparseable answer, 0.0 without a (closed) box.
+
+    Raises:
+        ValueError: ``ground_truth`` parses to nothing (a data error, not an unscorable sample).
+    """
+    from math_verify import verify
+
+    gold_text = extract_boxed(ground_truth) or ground_truth
+    gold = _parse(gold_text)
+    if not gold:
+        raise ValueError(f"math ground_truth must parse as an expression, got {ground_truth!r}")
+    answer = extract_boxed(response_text)
+    if answer is None:
+        return 0.0
+    pred = _parse(answer)
+    if pred and verify(gold, pred):
+        return 1.0
+    return float(format_score)
