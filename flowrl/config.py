@@ -18,6 +18,7 @@ from flowrl.engines.base import SamplingConfig
 from flowrl.engines.reward_model import RewardModelConfig
 from flowrl.engines.rollout.hf import HFRolloutConfig
 from flowrl.engines.train.local import TrainEngineConfig
+from flowrl.launch import LauncherConfig
 from flowrl.models.loading import ModelConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -89,6 +90,8 @@ class TrainerConfig:
         save_every: checkpoint every k steps (0 = only at the end).
         keep_last: checkpoints kept on disk.
         resume: continue from the newest complete checkpoint in ``output_dir`` (fresh start if none).
+        async_save: periodic checkpoints with ``dcp.async_save``: the step waits only for the copy
+            to host memory; the write finishes in the background (the final one is synchronous).
         engine: optimizer / micro-batching of the training engine (actor; the critic too).
         critic_lr: the critic's learning rate (PPO); None = ``engine.lr``. Every other critic
             optimizer setting is ``engine``'s: one set of defaults, one knob PPO recipes change.
@@ -102,6 +105,7 @@ class TrainerConfig:
     save_every: int = 0
     keep_last: int = 2
     resume: bool = False
+    async_save: bool = False
     engine: TrainEngineConfig = field(default_factory=TrainEngineConfig)
     critic_lr: Optional[float] = None
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -186,6 +190,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
 
 def register_configs() -> None:

@@ -76,11 +76,19 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer) -> dict[str,
     from flowrl.models.loading import load_model, load_tokenizer
 
     model = load_model(cfg.model).to(_device(cfg))
+    fsdp = _use_fsdp(cfg)
+    if fsdp:
+        from flowrl.engines.train.fsdp import broadcast_module, fsdp_variant
+
+        broadcast_module(model)  # one random init for every rank
+        LocalTrainEngine = fsdp_variant(LocalTrainEngine)  # noqa: N806 (the class used below)
     engines: dict[str, Any] = {}
     ref_copy = copy.deepcopy(model) if "ref" in plan.roles else None  # before any update
-    engines["actor"] = LocalTrainEngine(model, cfg.trainer.engine, trainable=True)
-    # colocated HF rollout shares the actor's module: the weight sync is free (no copy)
-    engines["rollout"] = HFRolloutEngine(model, tokenizer, cfg.rollout.hf, shared=True)
+    # FSDP shards the actor's own copy; `model` stays whole as the rollout engine's module and
+    # gets the gathered weights at every sync. One process: rollout shares the module (no copy).
+    engines["actor"] = LocalTrainEngine(copy.deepcopy(model) if fsdp else model, cfg.trainer.engine,
+                                        trainable=True)
+    engines["rollout"] = HFRolloutEngine(model, tokenizer, cfg.rollout.hf, shared=not fsdp)
     if ref_copy is not None:
         engines["ref"] = LocalTrainEngine(ref_copy, cfg.trainer.engine, trainable=False)
     if "reward_model" in plan.roles:  # classifier RM, frozen
@@ -96,10 +104,26 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer) -> dict[str,
     if "critic" in plan.roles:  # PPO: value head on the actor's (initial) base weights
         from flowrl.engines.train.value import ValueTrainEngine, value_model_from_causal_lm
 
+        if fsdp:
+            ValueTrainEngine = fsdp_variant(ValueTrainEngine)  # noqa: N806
         critic_cfg = cfg.trainer.engine if cfg.trainer.critic_lr is None else \
             dataclasses.replace(cfg.trainer.engine, lr=cfg.trainer.critic_lr)
         engines["critic"] = ValueTrainEngine(value_model_from_causal_lm(model), critic_cfg)
     return engines
+
+
+def _use_fsdp(cfg: TrainConfig) -> bool:
+    """FSDP2 engines when asked (``trainer.engine.strategy=fsdp``) or when running on > 1 rank.
+
+    Raises:
+        ValueError: ``strategy=local`` under a world size > 1 (ranks would train separate models).
+    """
+    from flowrl.runtime.distributed import dist_info
+
+    world, strategy = dist_info().world_size, cfg.trainer.engine.strategy
+    if world > 1 and strategy == "local":
+        raise ValueError(f"trainer.engine.strategy=local cannot run on {world} ranks; use auto or fsdp")
+    return strategy == "fsdp" or (strategy == "auto" and world > 1)
 
 
 def _train_state(engines: dict[str, Any]) -> dict[str, Any]:
@@ -117,14 +141,20 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     from flowrl.rewards import REWARD_FUNCTIONS
     from flowrl.runtime.evaluate import evaluate_greedy
 
+    from flowrl.runtime import distributed as fdist
+
     cfg, plan = prepare(raw)
-    out_dir = Path(cfg.trainer.output_dir)
+    dinfo = fdist.init_distributed(cfg.trainer.device)  # no-op without torchrun
+    rank0 = dinfo.rank == 0
+    # ranks' Hydra run dirs can differ by a timestamp second: all use rank 0's (DCP needs one dir)
+    out_dir = Path(fdist.broadcast_object(cfg.trainer.output_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.trainer.seed)
-    (out_dir / "plan.txt").write_text(plan.format_text() + "\n")
+    if rank0:
+        (out_dir / "plan.txt").write_text(plan.format_text() + "\n")
 
     tokenizer = load_tokenizer(cfg.model)
-    prompts = PromptSource(cfg.data, tokenizer)
+    prompts = PromptSource(cfg.data, tokenizer, rank=dinfo.rank, world_size=dinfo.world_size)
     t0 = time.perf_counter()
     engines = build_engines(cfg, plan, tokenizer)
     load_s = time.perf_counter() - t0
@@ -136,7 +166,9 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
         # in-reward KL coefficient β: adaptive controllers change it, so it is checkpointed
         resources[token_rewards_op.RESOURCE] = token_rewards_op.make_kl_controller(cfg.algorithm)
     kl_ctrl = resources.get(token_rewards_op.RESOURCE)
-    executor = Executor(plan, engines, resources, seed=cfg.trainer.seed)
+    # rank 0 keeps the run seed (world size 1 unchanged); other ranks sample their own streams
+    executor = Executor(plan, engines, resources, seed=cfg.trainer.seed + 1_000_003 * dinfo.rank,
+                        dist=dinfo)
     actor = engines["actor"]
     ckpts = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
 
@@ -153,7 +185,7 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
             if kl_ctrl is not None and "kl_controller" in meta:
                 token_rewards_op.load_controller_state(kl_ctrl, meta["kl_controller"])
             torch.set_rng_state(tensors["rng"]["torch"])
-            prompts.load_state_dict(meta["prompts"])
+            prompts.load_state_dict(_rescale_prompt_state(meta["prompts"], dinfo.world_size))
             engines["rollout"].load_weights(actor.named_weights())
             start = int(meta["step"]) + 1
             history = meta.get("history", [])
@@ -166,12 +198,12 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     eval_kw = dict(split=ev.split, limit=ev.limit, batch_size=ev.batch_size,
                    max_new_tokens=ev.max_new_tokens, stop_token_ids=cfg.rollout.sampling.stop_token_ids)
     summary: dict[str, Any] = {"model_load_s": load_s, "plan_order": plan.order}
-    logger = MetricsLogger(out_dir, cfg.logger, cfg.trainer.total_steps,
+    logger = MetricsLogger(out_dir, cfg.logger, cfg.trainer.total_steps, enabled=rank0,
                            run_config=OmegaConf.to_container(OmegaConf.structured(cfg)))
     with logger:
         logger.print(f"[bold]flowrl[/bold] graph={plan.graph.name} steps={cfg.trainer.total_steps} "
                      f"batch={cfg.trainer.prompts_per_step}x{cfg.algorithm.n} out={out_dir}")
-        if ev.before and start == 1:
+        if ev.before and start == 1 and rank0:  # rank 0's rollout engine holds full weights
             before = evaluate_greedy(engines["rollout"], prompts, tokenizer, verifier, **eval_kw)
             summary["eval_before"] = before
             if before:
@@ -179,8 +211,9 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
                 logger.print(f"eval before: accuracy {before['eval/accuracy']:.3f} on {before['eval/n']:.0f}")
         logger.set_progress(start - 1)
         for step in range(start, cfg.trainer.total_steps + 1):
-            m = executor.run_step(step)
-            gen_tokens = m.get("response/length_mean", 0.0) * cfg.trainer.prompts_per_step * cfg.algorithm.n
+            m = fdist.reduce_metrics(executor.run_step(step))  # sum/mean/max across ranks
+            gen_tokens = (m.get("response/length_mean", 0.0) * cfg.trainer.prompts_per_step
+                          * cfg.algorithm.n * dinfo.world_size)
             m["perf/tokens_per_s"] = gen_tokens / max(m["perf/step_s"], 1e-9)
             logger.log(step, m)
             history.append({"step": step, **{k: m[k] for k in ("reward/mean", "reward/accuracy",
@@ -191,9 +224,14 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
                 extra = {} if kl_ctrl is None else {
                     "kl_controller": token_rewards_op.controller_state(kl_ctrl)}
                 ckpts.save(step, _train_state(engines),
-                           {"prompts": prompts.state_dict(), "history": history, **extra})
+                           {"prompts": prompts.state_dict(), "history": history,
+                            "world_size": dinfo.world_size, "model": dataclasses.asdict(cfg.model),
+                            **extra}, async_save=cfg.trainer.async_save and not last)
+                # async: only the copy to host memory blocked the step
                 logger.log(step, {"perf/checkpoint_s": time.perf_counter() - t_s})
-        if ev.after:
+            ckpts.poll()
+        ckpts.wait()
+        if ev.after and rank0:
             after = evaluate_greedy(engines["rollout"], prompts, tokenizer, verifier, **eval_kw)
             summary["eval_after"] = after
             if after:
@@ -201,8 +239,23 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
                 logger.print(f"eval after: accuracy {after['eval/accuracy']:.3f} on {after['eval/n']:.0f}")
     summary["history"] = history
     summary["checkpoint"] = str(ckpts.latest())
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if rank0:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _rescale_prompt_state(state: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """A prompt-source state saved at another world size: the shards differ, so the sampler
+    restarts at the next epoch (every prompt seen again, in a new order); step and group-id
+    offset carry over, so group ids stay unique. Same world size: returned unchanged."""
+    saved = state["sampler"].get("world_size", world_size)
+    if saved == world_size:
+        return state
+    log.warning("resuming a world-size-%d run on %d ranks: the prompt sampler restarts at epoch %d",
+                saved, world_size, state["sampler"]["epoch"] + 1)
+    sampler = {**state["sampler"], "world_size": world_size,
+               "epoch": state["sampler"]["epoch"] + 1, "position": 0}
+    return {**state, "sampler": sampler}
 
 
 register_configs()
@@ -211,7 +264,12 @@ register_configs()
 # absolute: Hydra resolves a relative path against the package when this module is imported
 @hydra.main(version_base="1.3", config_path=str(REPO_ROOT / "conf"), config_name="train")
 def main(cfg: DictConfig) -> None:
-    train(cfg)
+    from flowrl.runtime.distributed import teardown
+
+    try:
+        train(cfg)
+    finally:
+        teardown()
 
 
 if __name__ == "__main__":

@@ -104,6 +104,7 @@ class Executor:
         """Run every action of the plan once; return the step's metrics."""
         metrics: dict[str, float] = {}
         swap_s = sync_s = 0.0
+        moved = {"offload": 0.0, "onload": 0.0}  # seconds per direction (colocated swaps)
         t_step = time.perf_counter()
         self.store.clear()
         self.stage_metrics.clear()
@@ -112,12 +113,17 @@ class Executor:
             if a.kind == "offload":
                 self._offload(a.role, a.keep_weights)
                 swap_s += time.perf_counter() - t0
+                moved["offload"] += time.perf_counter() - t0
             elif a.kind == "onload":
                 self._onload(a.role)
                 swap_s += time.perf_counter() - t0
+                moved["onload"] += time.perf_counter() - t0
             elif a.kind == "sync":
                 self._sync(self.plan.graph[a.stage].role, a.role)
                 sync_s += time.perf_counter() - t0
+                src = self.engines[self.plan.graph[a.stage].role]  # FSDP: bytes gathered
+                metrics["perf/weight_sync_bytes"] = float(
+                    getattr(src, "last_timings", {}).get("gather_bytes", 0.0))
             elif a.stage in self.plan.refill:  # re-runs its upstream stages until the batch is full
                 from flowrl.runtime.refill import run_refill
 
@@ -132,7 +138,8 @@ class Executor:
         st = self.store.stats
         metrics.update({
             "perf/step_s": time.perf_counter() - t_step, "perf/swap_s": swap_s,
-            "perf/sync_s": sync_s, "store/peak_bytes": st.peak_bytes,
+            "perf/sync_s": sync_s, "perf/offload_s": moved["offload"],
+            "perf/onload_s": moved["onload"], "store/peak_bytes": st.peak_bytes,
             "store/keep_all_bytes": st.produced_bytes,
             **{f"store/freed_bytes/{k}": v for k, v in st.freed_by_stage.items()},
         })
