@@ -17,7 +17,8 @@ def genrm_grpo_graph() -> Graph:
     rollout = g.stage("rollout", "rollout.generate", role="rollout", inputs=prompt)
     response = {"response_ids": rollout["response_ids"], "response_mask": rollout["response_mask"]}
     judge = g.stage("judge", "reward.genrm", role="genrm",
-                    params={"k": 2, "max_new_tokens": 48, "temperature": 0.7},
+                    params={"k": 2, "max_new_tokens": 16, "temperature": 0.7,
+                            "response_prefix": "Score (0-10): "},
                     inputs={**prompt, **response, "ground_truth": sample["ground_truth"]})
     rule = g.stage("reward", "reward.rule", params={"verifier": "gsm8k", "format_score": 0.1},
                    inputs={**response, "ground_truth": sample["ground_truth"]})

@@ -22,6 +22,9 @@ class GenRMConfig:
         template: judge prompt with ``{question}``, ``{response}``, ``{ground_truth}``
             (rendered through the judge tokenizer's chat template as the user turn).
         system_prompt: optional system message of the judge conversation.
+        response_prefix: text put at the start of the judge's turn (after the chat template's
+            generation prompt), e.g. ``"Score (0-10): "``: a small judge then writes the number
+            first instead of wandering; the parser reads prefix + judgement.
         k: judgements per response; their parseable scores are averaged.
         max_new_tokens: judgement length limit.
         temperature: judge sampling temperature (0 = greedy, then ``k`` > 1 repeats itself).
@@ -30,6 +33,7 @@ class GenRMConfig:
 
     template: str = ""
     system_prompt: Optional[str] = None
+    response_prefix: str = ""
     k: int = 1
     max_new_tokens: int = 128
     temperature: float = 0.7
@@ -75,13 +79,14 @@ def genrm_reward(ctx: StageContext, cfg: GenRMConfig, *, prompt_ids, prompt_mask
         if cfg.system_prompt is not None:
             messages.insert(0, {"role": "system", "content": cfg.system_prompt})
         rendered = judge_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        rendered += cfg.response_prefix
         tokens.append(judge_tok(rendered, add_special_tokens=False)["input_ids"])
     rows = [t for t in tokens for _ in range(cfg.k)]  # row i*k + j = judgement j of response i
     ids, mask = collate_prompts(rows, judge_tok.pad_token_id)
     params = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
     out = ctx.engine.generate(ids, mask, params, generator=ctx.generator)
     judgements = decode_responses(judge_tok, out.response_ids, out.response_mask)
-    scores = [parse_judge_score(j, scale=cfg.scale) for j in judgements]
+    scores = [parse_judge_score(cfg.response_prefix + j, scale=cfg.scale) for j in judgements]
     per_sample = [mean_of_judgements(scores[i * cfg.k:(i + 1) * cfg.k]) for i in range(len(tokens))]
     rewards = torch.tensor(per_sample, dtype=torch.float32)
     log_reward_stats(ctx, rewards, "reward/genrm")

@@ -3,7 +3,8 @@ the judge prompt template and a robust parser for the score the judge writes.
 
 The parser reads the LAST score statement of a judgement, normalised to [0, 1] by its scale:
 ``Score: 7/10`` → 0.7, ``[[7]]`` → 0.7 (MT-Bench's bracket format, default scale 10),
-``8 out of 10`` → 0.8, ``Rating: 4.5`` → 0.45 (default scale 10), ``4/5`` → 0.8. A bare
+``8 out of 10`` → 0.8, ``Rating: 4.5`` → 0.45 (default scale 10), ``4/5`` → 0.8,
+``Score (0-10): 9/10`` → 0.9 (a stated range is not a score). A bare
 fraction counts only over 5, 10 or 100 (``3/4 of the apples`` is reasoning, not a score). Anything
 it cannot read, or a value outside its scale, gives NaN (unscorable), never a guess.
 """
@@ -34,6 +35,11 @@ _PATTERNS: tuple[re.Pattern, ...] = (
 )
 
 
+# a scale's RANGE ("(0-10)", "on a scale of 1 to 10") holds numbers that are not the score
+_RANGES = re.compile(r"\(\s*\d+\s*(?:-|–|to)\s*\d+\s*\)|\bscale\s+(?:of|from)\s+\d+\s*(?:-|–|to)\s*\d+",
+                     re.IGNORECASE)
+
+
 def parse_judge_score(text: str, *, scale: float = 10.0) -> float:
     """The judge's score normalised to [0, 1], or NaN when there is none.
 
@@ -46,6 +52,7 @@ def parse_judge_score(text: str, *, scale: float = 10.0) -> float:
         ``value / scale`` as a float in [0, 1]; NaN for no score, a zero scale, or a value
         outside [0, scale]. Never raises.
     """
+    text = _RANGES.sub(" ", text)
     for pattern in _PATTERNS:
         matches = list(pattern.finditer(text))
         if not matches:

@@ -25,6 +25,10 @@ from flowrl.rewards.genrm import (DEFAULT_JUDGE_TEMPLATE, mean_of_judgements, pa
     ("Score: 3/10 ... on reflection, final Score: 6/10", 0.6),   # the last statement wins
     ("3/4 of 20 is 15, correct. Score: 8", 0.8),                 # reasoning fractions ignored
     ("Explanation [[2]] then Score: 9/10", 0.2),                  # [[x]] beats other forms
+    ("Score (0-10): 9/10\n\nReferee: 72", 0.9),                   # a stated range is no score
+    ("Score (0-10): 1\n\nRefer to this answer", 0.1),
+    ("On a scale of 1 to 10, my rating is 8.", 0.8),
+    ("Rating (1-5): 4", 0.4),                                     # default scale, not the range
 ])
 def test_parse_judge_score_table(text, score):
     assert parse_judge_score(text) == pytest.approx(score, abs=1e-12)
@@ -33,6 +37,8 @@ def test_parse_judge_score_table(text, score):
 @pytest.mark.parametrize("text", [
     "", "no idea", "The response is fine.", "took 3/4 of it", "Score: 12/10", "score -1",
     "score: 7/0", "7/10.5", "Steps 1/2 then rate it",
+    "Score (0-10): 72\n\n[Sender]",                                 # out of range: no guess
+    'the score is "Natalia sold 72 clips. 48 clips"',
 ])
 def test_unparseable_is_nan(text):
     assert math.isnan(parse_judge_score(text))
