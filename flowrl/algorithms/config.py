@@ -37,6 +37,11 @@ class AlgorithmConfig:
         kl_in_reward: subtract kl_coef·KL from the token rewards (True) instead of a KL loss term.
         kl_target / kl_horizon: adaptive KL controller (Ziegler et al. 2019); kl_target None = fixed.
         mask_truncated: drop truncated completions (no stop token) from the loss (DAPO overlong filter).
+        recompute_old_logprobs: run the old-logprob stage (graphs whose ``old_logprobs`` stage has
+            ``when: ${algorithm.recompute_old_logprobs}``). False is valid only with one optimizer
+            step per rollout batch (ppo_epochs 1, no mini_batch_size): π_old is then the current
+            policy and the update's own forward gives its logprobs, which saves a full forward pass
+            (TRL does the same when num_iterations = 1).
     """
 
     n: int = 4
@@ -62,8 +67,13 @@ class AlgorithmConfig:
     kl_target: Optional[float] = None
     kl_horizon: int = 10000
     mask_truncated: bool = False
+    recompute_old_logprobs: bool = True
 
     def __post_init__(self) -> None:
+        if not self.recompute_old_logprobs and (self.ppo_epochs > 1 or self.mini_batch_size):
+            raise ValueError("algorithm.recompute_old_logprobs=false needs one optimizer step per "
+                             f"rollout batch, got ppo_epochs={self.ppo_epochs}, "
+                             f"mini_batch_size={self.mini_batch_size}")
         if self.n < 1:
             raise ValueError(f"algorithm.n must be >= 1, got {self.n}")
         if self.kl_coef < 0:

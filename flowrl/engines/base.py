@@ -96,8 +96,9 @@ class TrainEngine(Protocol):
         ...
 
     def train_step(self, batch: Mapping[str, Tensor], loss_fn: LossFn, temperature: float,
-                   with_entropy: bool = False) -> dict[str, float]:
-        """One optimizer step over ``batch`` (a mini-batch), cut into micro-batches inside."""
+                   with_entropy: bool = False, entropy_grad: bool = True) -> dict[str, float]:
+        """One optimizer step over ``batch`` (a mini-batch), cut into micro-batches inside.
+        ``entropy_grad=False``: the entropy handed to loss_fn is a metric (no autograd graph)."""
         ...
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]: ...

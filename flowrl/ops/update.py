@@ -8,7 +8,7 @@ from flowrl.ops.registry import NoConfig, register_op
 
 _RANK_INVARIANT = ("grad_norm", "lr", "skipped")
 _BATCH_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "old_logprobs",
-               "advantages", "ref_logprobs")
+               "advantages", "ref_logprobs", "rollout_logprobs")
 
 
 def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: float,
@@ -31,7 +31,12 @@ def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: 
 
     def loss_fn(mb, logprobs, entropy):
         mask = mb["response_mask"]
-        per_tok, stats = loss_impl(logprobs, mb["old_logprobs"], mb["advantages"], mask,
+        # without an old_logprobs stage the update is the one on-policy step of this batch: π_old
+        # is the current policy, so its logprobs are this forward's (ratio exactly 1, gradient of
+        # the ratio = ∇ log π); the op checks that only one optimizer step is taken
+        old = mb.get("old_logprobs")
+        old = logprobs.detach() if old is None else old
+        per_tok, stats = loss_impl(logprobs, old, mb["advantages"], mask,
                                    clip_ratio_low=algo.clip_ratio_low,
                                    clip_ratio_high=algo.clip_ratio_high,
                                    clip_ratio_c=algo.clip_ratio_c)
@@ -44,6 +49,10 @@ def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: 
                    # weights moved (later mini-batches / epochs)
                    "actor/ratio_abs_dev_sum": torch.where(mask, (stats["ratio"] - 1.0).abs(),
                                                           0.0).sum().item()}
+        if mb.get("old_logprobs") is None and mb.get("rollout_logprobs") is not None:
+            # the old-logprob stage would have logged this; here the first forward is that pass
+            metrics["rollout/logprob_mismatch_sum"] = torch.where(
+                mask, (mb["rollout_logprobs"] - logprobs.detach()).abs(), 0.0).sum().item()
         if "approx_kl" in stats:  # KL(π_old‖π_θ), logged even without a reference model
             metrics["actor/ppo_kl_sum"] = torch.where(mask, stats["approx_kl"], 0.0).sum().item()
         # with algorithm.kl_in_reward the KL is already in the token rewards (reward.token_rewards):
@@ -67,16 +76,22 @@ def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: 
 
 
 @register_op("update.policy",
-             inputs=("prompt_ids", "prompt_mask", "response_ids", "response_mask",
-                     "old_logprobs", "advantages"),
-             optional_inputs=("ref_logprobs", "truncated"), outputs=(),
+             inputs=("prompt_ids", "prompt_mask", "response_ids", "response_mask", "advantages"),
+             optional_inputs=("old_logprobs", "ref_logprobs", "truncated", "rollout_logprobs"),
+             outputs=(),
              roles=("actor",))
 def update_policy(ctx: StageContext, cfg: NoConfig, **inputs) -> dict:
     """``algorithm.ppo_epochs`` passes over the rollout batch in shuffled mini-batches of
     ``algorithm.mini_batch_size`` sequences, one optimizer step each, with the policy loss
     ``algorithm.policy_loss`` (a key of ``algorithms.losses.POLICY_LOSSES``). old_logprobs are computed
-    once per rollout batch (by the upstream stage), not per epoch. Logs loss terms, KL, entropy,
-    clip fraction, grad norm and lr (means over optimizer steps)."""
+    once per rollout batch (by the upstream stage), not per epoch. Without old_logprobs (the stage
+    pruned by ``algorithm.recompute_old_logprobs=false``) exactly one optimizer step is allowed and
+    π_old is the current policy. Logs loss terms, KL, entropy, clip fraction, grad norm and lr
+    (means over optimizer steps).
+
+    Raises:
+        ValueError: no old_logprobs but more than one optimizer step per rollout batch.
+    """
     from flowrl.algorithms.losses import loss_denominators
     from flowrl.runtime.distributed import all_reduce_floats
 
@@ -94,6 +109,10 @@ def update_policy(ctx: StageContext, cfg: NoConfig, **inputs) -> dict:
         raise ValueError(f"stage '{ctx.stage}': algorithm.mini_batch_size={algo.mini_batch_size} "
                          f"must be a multiple of the world size {ctx.dist.world_size}")
     mbs = algo.mini_batch_size // ctx.dist.world_size if algo.mini_batch_size else B
+    if "old_logprobs" not in batch and (algo.ppo_epochs > 1 or mbs < B):
+        raise ValueError(f"stage '{ctx.stage}': inputs.old_logprobs is unbound but this update takes "
+                         f"{algo.ppo_epochs * -(-B // mbs)} optimizer steps; later steps need the "
+                         "old policy's logprobs (set algorithm.recompute_old_logprobs=true)")
     sums: dict[str, float] = {}
     steps = 0
     tokens_seen = 0.0
@@ -110,7 +129,9 @@ def update_policy(ctx: StageContext, cfg: NoConfig, **inputs) -> dict:
             num_tokens, num_seqs = all_reduce_floats([num_tokens, num_seqs], "sum", group)
             loss_fn = make_policy_loss_fn(algo, algo.policy_loss, num_tokens=max(num_tokens, 1.0),
                                           num_seqs=max(num_seqs, 1.0), max_response_len=R)
-            m = ctx.engine.train_step(mb, loss_fn, temperature=temp, with_entropy=True)
+            # entropy is a metric unless it is in the loss: then only it needs a backward graph
+            m = ctx.engine.train_step(mb, loss_fn, temperature=temp, with_entropy=True,
+                                      entropy_grad=bool(algo.entropy_coef))
             steps += 1
             tokens_seen += num_tokens
             for k, v in m.items():

@@ -109,3 +109,21 @@ def test_hydra_multirun_sweep(tmp_path):
         assert f"algorithm.kl_coef={kl:g}" in cfg
     assert "time/ref_logprobs" not in read_metrics(runs[0])[1]
     assert "time/ref_logprobs" in read_metrics(runs[1])[1]
+
+
+def test_skipping_old_logprobs_gives_the_same_update(tmp_path):
+    """One on-policy update: π_old = current policy, so the recomputed old logprobs add nothing —
+    the weights after the step and the mismatch metric must match the run that recomputes them."""
+    off = ["trainer.total_steps=1", "trainer.eval.before=false", "trainer.eval.after=false"]
+    run(tmp_path / "recompute", *off)
+    run(tmp_path / "skip", *off, "algorithm.recompute_old_logprobs=false")
+    a, b = read_metrics(tmp_path / "recompute")[1], read_metrics(tmp_path / "skip")[1]
+    assert "time/old_logprobs" in a and "time/old_logprobs" not in b
+    assert b["rollout/logprob_mismatch"] < 1e-4
+    for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    assert b["actor/ratio_abs_dev"] == 0.0
+    wa = weights(tmp_path / "recompute" / "checkpoints/step_000001")
+    wb = weights(tmp_path / "skip" / "checkpoints/step_000001")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)

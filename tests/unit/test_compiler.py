@@ -10,7 +10,8 @@ GRPO = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
 
 
 def plan(kl_coef=0.0):
-    return compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": kl_coef}})
+    return compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": kl_coef,
+                                                         "recompute_old_logprobs": True}})
 
 
 def test_ref_stage_pruned_without_kl():
@@ -41,13 +42,21 @@ def test_last_consumer_table():
         "sample.prompt_ids": "update", "sample.prompt_mask": "update",
         "sample.group_id": "advantage", "sample.ground_truth": "reward",
         "rollout.response_ids": "update", "rollout.response_mask": "update",
-        "rollout.rollout_logprobs": "old_logprobs", "rollout.truncated": "update",
+        "rollout.rollout_logprobs": "update", "rollout.truncated": "update",
         "reward.rewards": "advantage", "advantage.advantages": "update",
         "ref_logprobs.logprobs": "update", "old_logprobs.logprobs": "update",
     }
     assert p.lifetimes["rollout.response_mask"].consumers == [
         "reward", "advantage", "ref_logprobs", "old_logprobs", "update"]
     assert sorted(p.release_after["advantage"]) == ["reward.rewards", "sample.group_id"]
+
+
+def test_old_logprobs_stage_pruned_for_a_single_on_policy_update():
+    p = compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": 0.0,
+                                                      "recompute_old_logprobs": False}})
+    assert p.order == ["sample", "rollout", "reward", "advantage", "update"]
+    assert "old_logprobs" not in p.graph["update"].inputs
+    assert p.lifetimes["rollout.rollout_logprobs"].last_consumer == "update"
 
 
 def test_plan_text_lists_everything():
@@ -59,18 +68,19 @@ def test_plan_text_lists_everything():
 
 def test_required_input_on_pruned_stage_is_an_error():
     g = Graph.load(GRPO)
-    g["old_logprobs"].when = "${algorithm.kl_coef}"
+    g["advantage"].when = "${algorithm.kl_coef}"
     with pytest.raises(GraphError) as ei:
-        compile_plan(g, {"algorithm": {"kl_coef": 0.0}})
-    assert ("update", "inputs.old_logprobs") in [(s, f) for s, f, _ in ei.value.problems]
+        compile_plan(g, {"algorithm": {"kl_coef": 0.0, "recompute_old_logprobs": True}})
+    assert ("update", "inputs.advantages") in [(s, f) for s, f, _ in ei.value.problems]
 
 
 def test_unresolvable_interpolation_names_stage():
     with pytest.raises(GraphError) as ei:
         compile_plan(Graph.load(GRPO), {"algorithm": {}})
-    assert ei.value.problems[0][:2] == ("ref_logprobs", "when")
+    assert [p[:2] for p in ei.value.problems] == [("old_logprobs", "when"), ("ref_logprobs", "when")]
 
 
 def test_unsupported_placement():
     with pytest.raises(ValueError, match="placement.mode='partitioned'"):
-        compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": 0}}, placement="partitioned")
+        compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": 0, "recompute_old_logprobs": True}},
+                     placement="partitioned")

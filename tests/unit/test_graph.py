@@ -22,7 +22,7 @@ def test_python_builder_matches_yaml_file():
 
 
 def test_yaml_opens_with_run_command():
-    first = GRPO.read_text().splitlines()[:3]
+    first = GRPO.read_text().splitlines()[:4]
     assert all(line.startswith("#") for line in first)
     assert any("flowrl train graph=grpo" in line for line in first)
 

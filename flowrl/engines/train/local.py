@@ -231,7 +231,7 @@ class LocalTrainEngine:
         return self.model(**kwargs).logits[:, P - 1:P + R - 1]
 
     def _logprobs(self, mb: Mapping[str, Tensor], temperature: float,
-                  with_entropy: bool) -> tuple[Tensor, Optional[Tensor]]:
+                  with_entropy: bool, entropy_grad: bool = True) -> tuple[Tensor, Optional[Tensor]]:
         R = mb["response_ids"].shape[1]
         mb = _trim_padding(mb)
         logits = self._response_logits(mb)
@@ -243,8 +243,11 @@ class LocalTrainEngine:
                                                  zero), pad)
         ent = None
         if with_entropy:
-            ent = torch.nn.functional.pad(
-                torch.where(mask, entropy_from_logits(logits, temperature), zero), pad)
+            # as a metric only, entropy needs no autograd graph (a (b, R, V) softmax saved for
+            # backward otherwise)
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ent = torch.nn.functional.pad(
+                    torch.where(mask, entropy_from_logits(logits, temperature), zero), pad)
         return lp, ent
 
     # ------------------------------------------------------------------ micro-batching
@@ -330,7 +333,7 @@ class LocalTrainEngine:
 
     # ------------------------------------------------------------------ update
     def train_step(self, batch: Mapping[str, Tensor], loss_fn: LossFn, temperature: float,
-                   with_entropy: bool = False) -> dict[str, float]:
+                   with_entropy: bool = False, entropy_grad: bool = True) -> dict[str, float]:
         """One optimizer step over the mini-batch ``batch``.
 
         The batch is cut into micro-batches of ``cfg.micro_batch_size`` rows (every tensor whose
@@ -360,7 +363,7 @@ class LocalTrainEngine:
         finite = True
         for j, rows in enumerate(parts):
             mb = self._micro_batch(batch, rows, B)
-            lp, ent = self._logprobs(mb, temperature, with_entropy)
+            lp, ent = self._logprobs(mb, temperature, with_entropy, entropy_grad)
             loss, metrics = loss_fn(mb, lp, ent)
             if finite and not torch.isfinite(loss.detach()).all():
                 finite = False
