@@ -34,8 +34,10 @@ from _common import (REPO_ROOT, command_line, git_revision, machine_info, markdo
 
 FRAMEWORKS = ("flowrl", "trl")
 # stages TRL's GRPOTrainer also performs; any other stage in the graph has no TRL counterpart
+# TRL with num_iterations=1 runs no old-logprob pass (π_old = π_θ.detach()); flowrl does the same
+# work with algorithm.recompute_old_logprobs=false, which prunes that stage
 _TRL_STAGES = {"sample": "data.sample", "rollout": "rollout.generate", "reward": "reward.rule",
-               "old_logprobs": "logprobs", "advantage": "advantage.grpo", "update": "update.policy"}
+               "advantage": "advantage.grpo", "update": "update.policy"}
 
 
 @dataclass
@@ -79,6 +81,7 @@ def flowrl_overrides(bc: BenchConfig, out_dir: str) -> list[str]:
     return [*(["model=tiny"] if bc.model == "tiny" else []),
             f"trainer.total_steps={bc.steps}", f"trainer.prompts_per_step={bc.prompts_per_step}",
             f"algorithm.n={bc.n}", "algorithm.kl_coef=0.0", "algorithm.adv_eps=1e-4",
+            "algorithm.recompute_old_logprobs=false",
             f"rollout.sampling.max_new_tokens={bc.max_new_tokens}",
             f"rollout.sampling.temperature={bc.temperature}", f"rollout.sampling.top_p={bc.top_p}",
             "rollout.sampling.top_k=0", f"rollout.hf.batch_size={bc.batch}",
@@ -352,9 +355,10 @@ NOTES = """\
   different RNG streams, so completions (and their lengths) differ; tokens/s normalises for length,
   step time does not (compare the completion length column).
 - **Old-logprob pass.** With one optimizer step per batch TRL skips the old-policy forward pass and
-  uses the detached current logprobs (ratio ≡ 1). flowrl's graph always runs its `old_logprobs`
-  stage (a no-grad forward over the batch; it also checks sampler/trainer agreement). Same
-  gradient, extra cost on flowrl's side (see the per-stage seconds).
+  uses the detached current logprobs (ratio ≡ 1). flowrl does the same here with
+  `algorithm.recompute_old_logprobs=false` (its default recomputes them in a separate stage); the
+  update's own forward then also gives the sampler/trainer mismatch metric. Same gradient, same
+  work.
 - **LM head.** TRL 1.16 patches the model with a chunked fused LM head that returns logprobs and
   entropy without materialising (B, L, V) logits; off Triton devices (this CPU) it scores every
   position of prompt+completion. flowrl materialises logits for the R+1 completion positions only.
