@@ -146,10 +146,11 @@ class Executor:
         return metrics
 
     def _run_stage(self, name: str, step: int, attempt: int = 1) -> dict[str, float]:
+        t0 = time.perf_counter()
         outputs, metrics = self._call_op(name, step, attempt)
         self.store.put(name, outputs)
         self.store.release_after(name)
-        self.stage_metrics[name] = metrics
+        self.stage_metrics[name] = {**metrics, f"time/{name}": time.perf_counter() - t0}
         return metrics
 
     def _call_op(self, name: str, step: int, attempt: int = 1) -> tuple[dict[str, Any], dict[str, float]]:
