@@ -29,7 +29,7 @@ def add_dynamic_sampling(g: Graph) -> Graph:
         Stage("filter", "filter.dynamic_sampling",
               inputs={"rewards": "mix.rewards", "filter_by": "reward.rewards",
                       **{f: f"{src.get(f, 'rollout')}.{f}" for f in FILTERED}},
-              params={"refill": True, "max_attempts": 4}),
+              params={"refill": True, "max_attempts": 16}),
     ]
     redirect = {f"{src.get(f, 'rollout')}.{f}": f"filter.{f}" for f in FILTERED}
     redirect["reward.rewards"] = "filter.rewards"

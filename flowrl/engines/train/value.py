@@ -78,7 +78,7 @@ class ValueTrainEngine(LocalTrainEngine):
         return torch.where(r_mask.to(v.device), v, torch.zeros((), device=v.device))
 
     def _logprobs(self, mb: Mapping[str, Tensor], temperature: float,
-                  with_entropy: bool) -> tuple[Tensor, Optional[Tensor]]:
+                  with_entropy: bool, entropy_grad: bool = True) -> tuple[Tensor, Optional[Tensor]]:
         # the forward LocalTrainEngine.train_step differentiates: for a critic, the values
         return self._values(mb), None
 
