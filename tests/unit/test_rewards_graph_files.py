@@ -40,7 +40,7 @@ def test_dapo_plan_has_overlong_mix_and_refill(capsys):
     assert main(["plan", "graph=dapo", "trainer.output_dir=/tmp/x"]) == 0
     out = capsys.readouterr().out
     assert ("refill  re-run sample -> rollout -> reward -> overlong -> mix -> filter until one "
-            "attempt's number of groups are kept (at most 4 attempts)") in out
+            "attempt's number of groups are kept (at most 16 attempts)") in out
     _, plan = prepare(compose(["graph=dapo", "trainer.output_dir=/tmp/x",
                                "rollout.sampling.max_new_tokens=100"]))
     overlong = next(c for c in plan.stages if c.stage.name == "overlong").config
