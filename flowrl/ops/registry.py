@@ -105,6 +105,6 @@ def load_builtin_ops() -> None:
     """Import flowrl's op modules so their ``register_op`` calls run (idempotent)."""
     import importlib
 
-    for mod in ("sample", "rollout", "reward", "token_rewards", "logprobs", "critic", "advantage",
-                "update"):
+    for mod in ("sample", "rollout", "reward", "genrm", "filter", "token_rewards", "logprobs",
+                "critic", "advantage", "update"):
         importlib.import_module(f"flowrl.ops.{mod}")
