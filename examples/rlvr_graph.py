@@ -12,7 +12,8 @@ def critic_free_graph(name: str, description: str, estimator: str, *,
     """sample -> rollout -> reward -> old/ref logprobs [-> token_rewards] -> advantage.<estimator>
     -> update.policy, with the weight sync update -> rollout (on-policy).
 
-    The ref stage runs only when ``algorithm.kl_coef > 0``. ``token_rewards=True`` adds
+    The ref stage runs only when ``algorithm.kl_coef > 0``; the old-logprob stage unless
+    ``algorithm.recompute_old_logprobs=false`` (one on-policy update per batch). ``token_rewards=True`` adds
     ``reward.token_rewards`` (reward on the last token, minus β·KL when ``algorithm.kl_in_reward``)
     and feeds it to the estimator (REINFORCE++). Which algorithm knobs apply (loss aggregation,
     clip ratios, policy loss, KL placement) is the matching ``conf/graph/<name>.yaml``.
@@ -25,6 +26,7 @@ def critic_free_graph(name: str, description: str, estimator: str, *,
     reward = g.stage("reward", "reward.rule", params={"verifier": "gsm8k", "format_score": 0.1},
                      inputs={**response, "ground_truth": sample["ground_truth"]})
     old = g.stage("old_logprobs", "logprobs", role="actor",
+                  when="${algorithm.recompute_old_logprobs}",
                   inputs={**prompt, **response, "rollout_logprobs": rollout["rollout_logprobs"]})
     ref = g.stage("ref_logprobs", "logprobs", role="ref", when="${algorithm.kl_coef}",
                   inputs={**prompt, **response})
@@ -40,6 +42,7 @@ def critic_free_graph(name: str, description: str, estimator: str, *,
     update = g.stage("update", "update.policy", role="actor",
                      inputs={**prompt, **response, "old_logprobs": old["logprobs"],
                              "advantages": adv["advantages"], "ref_logprobs": ref["logprobs"],
-                             "truncated": rollout["truncated"]})
+                             "truncated": rollout["truncated"],
+                             "rollout_logprobs": rollout["rollout_logprobs"]})
     g.sync(update, rollout, staleness=0)
     return g

@@ -68,7 +68,7 @@ def update_critic(ctx: StageContext, cfg: NoConfig, *, prompt_ids, prompt_mask, 
     ``critic/vpred_abs_err``, ``critic/grad_norm``, ``critic/lr``, ``critic/loss``,
     ``critic/optimizer_steps``.
     """
-    from flowrl.algorithms.losses import loss_denominators
+    from flowrl.ops.update import run_minibatches
 
     algo = ctx.resource("algorithm")
     mask = response_mask.bool()
@@ -76,30 +76,7 @@ def update_critic(ctx: StageContext, cfg: NoConfig, *, prompt_ids, prompt_mask, 
         mask = mask & ~truncated.bool().unsqueeze(-1)
     batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
              "response_mask": mask, "values": values, "returns": returns}
-    B, R = response_ids.shape
-    mbs = algo.mini_batch_size or B
-    temp = ctx.resource("sampling").temperature  # unused by a value forward; the seam takes it
-    sums: dict[str, float] = {}
-    steps, tokens_seen = 0, 0.0
-    for _ in range(algo.ppo_epochs):
-        perm = torch.randperm(B, generator=ctx.generator) if mbs < B else torch.arange(B)
-        for start in range(0, B, mbs):
-            idx = perm[start:start + mbs]
-            mb = {k: v[idx] for k, v in batch.items()}
-            num_tokens, num_seqs = loss_denominators(mb["response_mask"])
-            loss_fn = make_value_loss_fn(algo, num_tokens=max(num_tokens, 1.0),
-                                         num_seqs=max(num_seqs, 1.0), max_response_len=R)
-            m = ctx.engine.train_step(mb, loss_fn, temperature=temp)
-            steps += 1
-            tokens_seen += num_tokens
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-    out = {}
-    for k, v in sums.items():
-        if k.endswith("_sum"):  # token sums → per-token means over everything trained on
-            out[k[: -len("_sum")]] = v / max(tokens_seen, 1.0)
-        else:
-            out[k if "/" in k else f"critic/{k}"] = v / max(steps, 1)
-    out["critic/optimizer_steps"] = steps
-    ctx.log(**out)
+    # the temperature is unused by a value forward; the engine seam takes it
+    ctx.log(**run_minibatches(ctx, batch, lambda **den: make_value_loss_fn(algo, **den),
+                              prefix="critic", temperature=ctx.resource("sampling").temperature))
     return {}

@@ -75,6 +75,67 @@ def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: 
     return loss_fn
 
 
+def global_mini_batch(ctx: StageContext, algo, local_batch: int) -> int:
+    """Rows of this rank per optimizer step. ``algorithm.mini_batch_size`` counts sequences of the
+    *global* batch; each rank takes its share. Raises ValueError when it does not divide."""
+    if algo.mini_batch_size and algo.mini_batch_size % ctx.dist.world_size:
+        raise ValueError(f"stage '{ctx.stage}': algorithm.mini_batch_size={algo.mini_batch_size} "
+                         f"must be a multiple of the world size {ctx.dist.world_size}")
+    return algo.mini_batch_size // ctx.dist.world_size if algo.mini_batch_size else local_batch
+
+
+def run_minibatches(ctx: StageContext, batch: dict, make_loss_fn, *, prefix: str,
+                    **train_kwargs) -> dict[str, float]:
+    """The PPO update schedule shared by the policy and the critic: ``algorithm.ppo_epochs``
+    passes over ``batch`` in shuffled mini-batches, one ``ctx.engine.train_step`` each.
+
+    ``make_loss_fn(num_tokens=, num_seqs=, max_response_len=)`` builds each mini-batch's LossFn
+    from its *global* denominators (valid tokens and sequences all-reduced across data-parallel
+    ranks), so the summed (not averaged) gradient equals one rank's on the global batch (C02).
+    Returns metrics: keys ending in ``_sum`` become per-token means over everything trained on,
+    the rest means over optimizer steps (bare engine keys get ``prefix/``), plus
+    ``<prefix>/optimizer_steps``.
+    """
+    from flowrl.algorithms.losses import loss_denominators
+    from flowrl.runtime.distributed import all_reduce_floats
+
+    algo = ctx.resource("algorithm")
+    B, R = batch["response_ids"].shape
+    group = ctx.dist.group if ctx.dist.world_size > 1 else None
+    mbs = global_mini_batch(ctx, algo, B)
+    sums: dict[str, float] = {}
+    steps, tokens_seen = 0, 0.0
+    for _ in range(algo.ppo_epochs):
+        # one mini-batch: keep the rollout order, so the micro-batches are those of the old-logprob
+        # pass and the first ratio is exactly 1 (a shuffle would only change float summation order)
+        perm = torch.randperm(B, generator=ctx.generator) if mbs < B else torch.arange(B)
+        for start in range(0, B, mbs):
+            idx = perm[start:start + mbs]
+            mb = {k: v[idx] for k, v in batch.items()}
+            num_tokens, num_seqs = loss_denominators(mb["response_mask"])
+            num_tokens, num_seqs = all_reduce_floats([num_tokens, num_seqs], "sum", group)
+            loss_fn = make_loss_fn(num_tokens=max(num_tokens, 1.0), num_seqs=max(num_seqs, 1.0),
+                                   max_response_len=R)
+            m = ctx.engine.train_step(mb, loss_fn, **train_kwargs)
+            steps += 1
+            tokens_seen += num_tokens
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+    # each rank's loss terms and token sums are its share of global quantities: add the shares;
+    # grad_norm / lr / skipped come from the engine and are already the same on every rank
+    shared = [k for k in sorted(sums) if k not in _RANK_INVARIANT]
+    for k, v in zip(shared, all_reduce_floats([sums[k] for k in shared], "sum", group)):
+        sums[k] = v
+    out = {}
+    for k, v in sums.items():
+        if k.endswith("_sum"):
+            out[k[: -len("_sum")]] = v / max(tokens_seen, 1.0)
+        else:
+            out[k if "/" in k else f"{prefix}/{k}"] = v / max(steps, 1)
+    out[f"{prefix}/optimizer_steps"] = steps
+    return out
+
+
 @register_op("update.policy",
              inputs=("prompt_ids", "prompt_mask", "response_ids", "response_mask", "advantages"),
              optional_inputs=("old_logprobs", "ref_logprobs", "truncated", "rollout_logprobs"),
@@ -92,9 +153,6 @@ def update_policy(ctx: StageContext, cfg: NoConfig, **inputs) -> dict:
     Raises:
         ValueError: no old_logprobs but more than one optimizer step per rollout batch.
     """
-    from flowrl.algorithms.losses import loss_denominators
-    from flowrl.runtime.distributed import all_reduce_floats
-
     algo = ctx.resource("algorithm")
     temp = ctx.resource("sampling").temperature
     batch = {k: v for k, v in inputs.items() if v is not None and k in _BATCH_KEYS}
@@ -102,51 +160,16 @@ def update_policy(ctx: StageContext, cfg: NoConfig, **inputs) -> dict:
     if getattr(algo, "mask_truncated", False) and truncated is not None:
         # overlong completions leave both the loss numerator and its denominator
         batch["response_mask"] = batch["response_mask"] & ~truncated.unsqueeze(-1)
-    B, R = batch["response_ids"].shape
-    group = ctx.dist.group if ctx.dist.world_size > 1 else None
-    # algorithm.mini_batch_size counts sequences of the *global* batch; each rank takes its share
-    if algo.mini_batch_size and algo.mini_batch_size % ctx.dist.world_size:
-        raise ValueError(f"stage '{ctx.stage}': algorithm.mini_batch_size={algo.mini_batch_size} "
-                         f"must be a multiple of the world size {ctx.dist.world_size}")
-    mbs = algo.mini_batch_size // ctx.dist.world_size if algo.mini_batch_size else B
+    B = batch["response_ids"].shape[0]
+    mbs = global_mini_batch(ctx, algo, B)
     if "old_logprobs" not in batch and (algo.ppo_epochs > 1 or mbs < B):
         raise ValueError(f"stage '{ctx.stage}': inputs.old_logprobs is unbound but this update takes "
                          f"{algo.ppo_epochs * -(-B // mbs)} optimizer steps; later steps need the "
                          "old policy's logprobs (set algorithm.recompute_old_logprobs=true)")
-    sums: dict[str, float] = {}
-    steps = 0
-    tokens_seen = 0.0
-    for _ in range(algo.ppo_epochs):
-        # one mini-batch: keep the rollout order, so the micro-batches are those of the old-logprob
-        # pass and the first ratio is exactly 1 (a shuffle would only change float summation order)
-        perm = torch.randperm(B, generator=ctx.generator) if mbs < B else torch.arange(B)
-        for start in range(0, B, mbs):
-            idx = perm[start:start + mbs]
-            mb = {k: v[idx] for k, v in batch.items()}
-            num_tokens, num_seqs = loss_denominators(mb["response_mask"])
-            # global denominators: every rank normalises by the whole mini-batch's counts, so the
-            # summed (not averaged) FSDP gradient equals one rank's on the global batch (C02)
-            num_tokens, num_seqs = all_reduce_floats([num_tokens, num_seqs], "sum", group)
-            loss_fn = make_policy_loss_fn(algo, algo.policy_loss, num_tokens=max(num_tokens, 1.0),
-                                          num_seqs=max(num_seqs, 1.0), max_response_len=R)
-            # entropy is a metric unless it is in the loss: then only it needs a backward graph
-            m = ctx.engine.train_step(mb, loss_fn, temperature=temp, with_entropy=True,
-                                      entropy_grad=bool(algo.entropy_coef))
-            steps += 1
-            tokens_seen += num_tokens
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-    # each rank's loss terms and token sums are its share of global quantities: add the shares;
-    # grad_norm / lr / skipped come from the engine and are already the same on every rank
-    shared = [k for k in sorted(sums) if k not in _RANK_INVARIANT]
-    for k, v in zip(shared, all_reduce_floats([sums[k] for k in shared], "sum", group)):
-        sums[k] = v
-    out = {}
-    for k, v in sums.items():
-        if k.endswith("_sum"):  # token sums → per-token means over everything trained on
-            out[k[: -len("_sum")]] = v / max(tokens_seen, 1.0)
-        else:
-            out[k if "/" in k else f"actor/{k}"] = v / max(steps, 1)
-    out["actor/optimizer_steps"] = steps
+    out = run_minibatches(
+        ctx, batch, lambda **den: make_policy_loss_fn(algo, algo.policy_loss, **den),
+        prefix="actor", temperature=temp, with_entropy=True,
+        # entropy is a metric unless it is in the loss: then only it needs a backward graph
+        entropy_grad=bool(algo.entropy_coef))
     ctx.log(**out)
     return {}

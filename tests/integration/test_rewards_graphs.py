@@ -79,8 +79,14 @@ def test_dapo_graph_filters_and_refills(tmp_path, monkeypatch):
 def test_dapo_graph_gives_up_with_a_clear_error(tmp_path, monkeypatch):
     from flowrl.rewards import REWARD_FUNCTIONS
 
+    from flowrl.graph import Graph
+
     monkeypatch.setitem(REWARD_FUNCTIONS, "gsm8k", lambda text, gt, **_: 0.0)
-    cfg = compose(BASE + [f"trainer.output_dir={tmp_path}", "graph=dapo", "trainer.total_steps=1"])
+    g = Graph.load(Path(__file__).resolve().parents[2] / "graphs" / "dapo.yaml")
+    g["filter"].params["max_attempts"] = 4  # the shipped 16 would only make the test slower
+    g.save(tmp_path / "dapo4.yaml")
+    cfg = compose(BASE + [f"trainer.output_dir={tmp_path}", "graph=dapo", "trainer.total_steps=1",
+                          f"graph.path={tmp_path / 'dapo4.yaml'}"])
     with pytest.raises(RuntimeError, match=r"stage 'filter': dynamic sampling kept 0 of the 2 "
                        r"groups it needs after 4 attempts \(8 groups sampled"):
         train(cfg)
