@@ -1,4 +1,4 @@
-"""``flowrl`` command line.
+"""flowrl: declarative dataflow-graph RL post-training. Commands:
 
     flowrl train [hydra overrides...]        run a job (Hydra: -m sweeps, --cfg job, ...)
     flowrl plan  [hydra overrides...]        print the compiled execution plan; loads no model

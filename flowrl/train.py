@@ -27,12 +27,24 @@ from flowrl.runtime.metrics import MetricsLogger
 log = logging.getLogger("flowrl")
 
 
+class ConfigError(ValueError):
+    """The run was rejected before any model loaded (bad config, graph or file); nothing ran."""
+
+
 def prepare(raw: DictConfig | dict) -> tuple[TrainConfig, ExecutionPlan]:
     """Validate the config and compile the graph; loads no model.
 
     Raises:
-        ValueError / GraphError / FileNotFoundError with a message naming the field or stage.
+        ConfigError: with a message naming the field or stage (wraps ValueError / GraphError /
+            FileNotFoundError of the checks).
     """
+    try:
+        return _prepare(raw)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from e
+
+
+def _prepare(raw: DictConfig | dict) -> tuple[TrainConfig, ExecutionPlan]:
     raw = raw if isinstance(raw, DictConfig) else OmegaConf.create(raw)
     cfg = to_train_config(raw)
     plan = compile_plan(Graph.load(cfg.graph.resolve()), OmegaConf.to_container(raw, resolve=True),
@@ -174,6 +186,7 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
 
     start = 1
     history: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {}
     if cfg.trainer.resume:
         latest = ckpts.latest()
         if latest is not None:
@@ -189,6 +202,8 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
             engines["rollout"].load_weights(actor.named_weights())
             start = int(meta["step"]) + 1
             history = meta.get("history", [])
+            if (out_dir / "summary.json").is_file():  # keep the record of the earlier part
+                summary = json.loads((out_dir / "summary.json").read_text())
             log.info("resumed from %s: continuing at step %d", latest, start)
         else:
             log.info("trainer.resume=true but no checkpoint in %s: starting fresh", ckpts.root)
@@ -197,7 +212,8 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     ev = cfg.trainer.eval
     eval_kw = dict(split=ev.split, limit=ev.limit, batch_size=ev.batch_size,
                    max_new_tokens=ev.max_new_tokens, stop_token_ids=cfg.rollout.sampling.stop_token_ids)
-    summary: dict[str, Any] = {"model_load_s": load_s, "plan_order": plan.order}
+    summary.update({"model_load_s": load_s, "plan_order": plan.order})
+    finished = start > cfg.trainer.total_steps  # resumed a run that had already completed
     logger = MetricsLogger(out_dir, cfg.logger, cfg.trainer.total_steps, enabled=rank0,
                            run_config=OmegaConf.to_container(OmegaConf.structured(cfg)))
     with logger:
@@ -231,7 +247,10 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
                 logger.log(step, {"perf/checkpoint_s": time.perf_counter() - t_s})
             ckpts.poll()
         ckpts.wait()
-        if ev.after and rank0:
+        if finished:
+            logger.print(f"run already complete at step {start - 1} (trainer.total_steps="
+                         f"{cfg.trainer.total_steps}); raise trainer.total_steps to train further")
+        if ev.after and rank0 and not finished:
             after = evaluate_greedy(engines["rollout"], prompts, tokenizer, verifier, **eval_kw)
             summary["eval_after"] = after
             if after:
@@ -264,10 +283,20 @@ register_configs()
 # absolute: Hydra resolves a relative path against the package when this module is imported
 @hydra.main(version_base="1.3", config_path=str(REPO_ROOT / "conf"), config_name="train")
 def main(cfg: DictConfig) -> None:
+    import sys
+
     from flowrl.runtime.distributed import teardown
 
     try:
         train(cfg)
+    except ConfigError as e:  # rejected before any model loaded: one clear line, no traceback
+        print(f"flowrl train: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"\nflowrl train: interrupted. Continue from the last checkpoint with: flowrl train "
+              f"hydra.run.dir={cfg.trainer.output_dir} trainer.resume=true (plus your overrides)",
+              file=sys.stderr)
+        sys.exit(130)
     finally:
         teardown()
 

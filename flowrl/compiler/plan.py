@@ -138,7 +138,8 @@ def resolve(graph: Graph, run_cfg: Mapping | DictConfig | None) -> Graph:
                 node = OmegaConf.create({"__root__": root, "v": val})
                 resolved[fld] = OmegaConf.to_container(node, resolve=True)["v"]
             except Exception as e:  # omegaconf raises several types; all mean "cannot resolve"
-                problems.append((s.name, fld, f"cannot resolve {val!r}: {e}".split("\n")[0]))
+                msg = f"cannot resolve {val!r}: {e}".split("\n")[0].replace("__root__.", "")
+                problems.append((s.name, fld, msg))
                 resolved[fld] = val
         out.stages.append(Stage(name=s.name, op=s.op, role=s.role, inputs=dict(s.inputs),
                                 params=resolved["params"] or {}, when=resolved["when"]))
