@@ -3,6 +3,7 @@
 Run: python examples/ppo_graph.py > graphs/ppo.yaml
 """
 from flowrl.graph import Graph
+from rlvr_graph import sample_rollout_reward
 
 
 def ppo_graph() -> Graph:
@@ -12,12 +13,7 @@ def ppo_graph() -> Graph:
         "(reward on the last token - kl_coef * KL(old||ref)) -> advantage.gae (returns too)\n"
         "-> update.policy (actor) + update.critic (clipped value loss). Knobs: conf/graph/ppo.yaml.\n"
         "Run: flowrl train graph=ppo    Plan only: flowrl plan graph=ppo"))
-    sample = g.stage("sample", "data.sample")
-    prompt = {"prompt_ids": sample["prompt_ids"], "prompt_mask": sample["prompt_mask"]}
-    rollout = g.stage("rollout", "rollout.generate", role="rollout", inputs=prompt)
-    response = {"response_ids": rollout["response_ids"], "response_mask": rollout["response_mask"]}
-    reward = g.stage("reward", "reward.rule", params={"verifier": "gsm8k", "format_score": 0.1},
-                     inputs={**response, "ground_truth": sample["ground_truth"]})
+    sample, prompt, rollout, response, reward = sample_rollout_reward(g)
     old = g.stage("old_logprobs", "logprobs", role="actor",
                   inputs={**prompt, **response, "rollout_logprobs": rollout["rollout_logprobs"]})
     ref = g.stage("ref_logprobs", "logprobs", role="ref", when="${algorithm.kl_coef}",

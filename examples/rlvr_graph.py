@@ -7,6 +7,18 @@ the builder output equals the file. PPO (actor + critic + ref) is ``examples/ppo
 from flowrl.graph import Graph
 
 
+def sample_rollout_reward(g: Graph):
+    """The stages every GSM8K graph starts with; returns (sample, prompt refs, rollout, response
+    refs, reward)."""
+    sample = g.stage("sample", "data.sample")
+    prompt = {"prompt_ids": sample["prompt_ids"], "prompt_mask": sample["prompt_mask"]}
+    rollout = g.stage("rollout", "rollout.generate", role="rollout", inputs=prompt)
+    response = {"response_ids": rollout["response_ids"], "response_mask": rollout["response_mask"]}
+    reward = g.stage("reward", "reward.rule", params={"verifier": "gsm8k", "format_score": 0.1},
+                     inputs={**response, "ground_truth": sample["ground_truth"]})
+    return sample, prompt, rollout, response, reward
+
+
 def critic_free_graph(name: str, description: str, estimator: str, *,
                       token_rewards: bool = False) -> Graph:
     """sample -> rollout -> reward -> old/ref logprobs [-> token_rewards] -> advantage.<estimator>
@@ -19,12 +31,7 @@ def critic_free_graph(name: str, description: str, estimator: str, *,
     clip ratios, policy loss, KL placement) is the matching ``conf/graph/<name>.yaml``.
     """
     g = Graph(name, description=description)
-    sample = g.stage("sample", "data.sample")
-    prompt = {"prompt_ids": sample["prompt_ids"], "prompt_mask": sample["prompt_mask"]}
-    rollout = g.stage("rollout", "rollout.generate", role="rollout", inputs=prompt)
-    response = {"response_ids": rollout["response_ids"], "response_mask": rollout["response_mask"]}
-    reward = g.stage("reward", "reward.rule", params={"verifier": "gsm8k", "format_score": 0.1},
-                     inputs={**response, "ground_truth": sample["ground_truth"]})
+    sample, prompt, rollout, response, reward = sample_rollout_reward(g)
     old = g.stage("old_logprobs", "logprobs", role="actor",
                   when="${algorithm.recompute_old_logprobs}",
                   inputs={**prompt, **response, "rollout_logprobs": rollout["rollout_logprobs"]})

@@ -10,9 +10,9 @@ from typing import Any, Mapping
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
+from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
-from flowrl.models.loading import DTYPES, SMOLLM2, ModelConfig, load_tokenizer
+from flowrl.models.loading import DTYPES, SMOLLM2, ModelConfig, build_tiny
 
 
 @dataclass
@@ -53,17 +53,7 @@ def load_reward_model(cfg: ModelConfig) -> PreTrainedModel:
     """
     dtype = DTYPES[cfg.dtype]
     if cfg.tiny is not None:
-        tok = load_tokenizer(cfg)
-        tiny = dict(cfg.tiny)
-        kind = tiny.pop("model_type")
-        tiny.setdefault("vocab_size", len(tok))
-        for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
-            tiny.setdefault(name, getattr(tok, name))
-        config = AutoConfig.for_model(kind, num_labels=1, **tiny)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            model = AutoModelForSequenceClassification.from_config(
-                config, dtype=dtype, attn_implementation=cfg.attn_implementation)
+        model = build_tiny(cfg, dtype, AutoModelForSequenceClassification, num_labels=1)
     else:
         model = AutoModelForSequenceClassification.from_pretrained(
             cfg.path, num_labels=1, dtype=dtype, attn_implementation=cfg.attn_implementation)

@@ -155,18 +155,22 @@ def _clear_quantization_flags(model: PreTrainedModel) -> None:
                 del module.hf_quantizer
 
 
-def _build_tiny(cfg: ModelConfig, dtype: torch.dtype) -> PreTrainedModel:
+def build_tiny(cfg: ModelConfig, dtype: torch.dtype, auto_cls=AutoModelForCausalLM,
+               **config_extra: Any) -> PreTrainedModel:
+    """Random-init ``auto_cls`` model from ``cfg.tiny`` (vocabulary and special ids taken from the
+    bundled tokenizer), seeded by ``cfg.seed`` without touching the global RNG. ``config_extra``
+    goes to the config (e.g. ``num_labels=1`` for a reward model)."""
     tok = load_tokenizer(cfg)
     tiny = dict(cfg.tiny)
     model_type = tiny.pop("model_type")
     tiny.setdefault("vocab_size", len(tok))
     for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
         tiny.setdefault(name, getattr(tok, name))
-    config = AutoConfig.for_model(model_type, **tiny)
+    config = AutoConfig.for_model(model_type, **config_extra, **tiny)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                 attn_implementation=cfg.attn_implementation)
+        model = auto_cls.from_config(config, dtype=dtype,
+                                     attn_implementation=cfg.attn_implementation)
     return model
 
 
@@ -181,7 +185,7 @@ def load_model(cfg: ModelConfig) -> PreTrainedModel:
     """
     dtype = DTYPES[cfg.dtype]
     if cfg.tiny is not None:
-        model = _build_tiny(cfg, dtype)
+        model = build_tiny(cfg, dtype)
     else:
         folder = smollm2_dir() if cfg.path == SMOLLM2 else Path(cfg.path)
         kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": cfg.attn_implementation}
