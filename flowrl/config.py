@@ -13,6 +13,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from flowrl.algorithms.config import AlgorithmConfig
+from flowrl.compiler.placement import PlacementConfig
 from flowrl.data import DataConfig
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.reward_model import RewardModelConfig
@@ -50,17 +51,6 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.backend != "hf":
             raise ValueError(f"rollout.backend must be 'hf' (vLLM is not wired yet), got {self.backend!r}")
-
-
-@dataclass
-class PlacementConfig:
-    """mode: ``colocated`` (one pool, roles take turns). partitioned/auto come later."""
-
-    mode: str = "colocated"
-
-    def __post_init__(self) -> None:
-        if self.mode != "colocated":
-            raise ValueError(f"placement.mode={self.mode!r} is not supported yet; use 'colocated'")
 
 
 @dataclass

@@ -338,8 +338,8 @@ def compile_plan(graph: Graph, run_cfg: Mapping | DictConfig | None = None,
         GraphError: any validation problem (before any model is loaded).
         ValueError: an unsupported placement.
     """
-    if placement != "colocated":
-        raise ValueError(f"placement.mode={placement!r} is not supported yet; use 'colocated'")
+    if placement not in ("colocated", "partitioned", "auto"):  # pools: compiler/placement.py
+        raise ValueError(f"placement.mode must be colocated, partitioned or auto, got {placement!r}")
     with warnings.catch_warnings():  # warnings are reported once, after pruning
         warnings.simplefilter("ignore")
         validate_graph(graph, check_params=False)

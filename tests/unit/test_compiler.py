@@ -81,6 +81,6 @@ def test_unresolvable_interpolation_names_stage():
 
 
 def test_unsupported_placement():
-    with pytest.raises(ValueError, match="placement.mode='partitioned'"):
+    with pytest.raises(ValueError, match="placement.mode must be"):
         compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": 0, "recompute_old_logprobs": True}},
-                     placement="partitioned")
+                     placement="spread")

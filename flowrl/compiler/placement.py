@@ -1,0 +1,290 @@
+"""Placement: which pool of ranks runs which stage of a compiled plan.
+
+* ``colocated``: one pool holding every rank; every role takes its turn on the same devices and
+  the plan's swap points offload/onload between phases (the ExecutionPlan as compiled).
+* ``partitioned``: two disjoint pools. The *rollout pool* runs the rollout side of the graph
+  (``sample -> rollout -> reward`` and every role-less stage that depends only on them); the *train
+  pool* runs the rest (logprobs, advantage when it needs the critic, update). The rollout pool sends
+  the tensors the train pool reads point-to-point (``transfers``) and frees them once sent; after
+  each update the train pool broadcasts the actor's weights to the rollout pool, which may run at
+  most ``staleness`` weight versions behind.
+* ``auto``: a cost model picks one of the above (``flowrl/compiler/cost.py``).
+
+No engine is imported here: ``flowrl plan placement=partitioned`` works on a laptop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from flowrl.compiler.plan import Action, CompiledStage, ExecutionPlan, TensorLife, _swap_actions
+from flowrl.graph.graph import Graph
+from flowrl.ops.registry import OPS
+
+MODES = ("colocated", "partitioned", "auto")
+TRAIN_POOL, ROLLOUT_POOL = "train", "rollout"
+# where each role lives unless placement.roles says otherwise
+DEFAULT_ROLE_POOL = {"actor": TRAIN_POOL, "ref": TRAIN_POOL, "critic": TRAIN_POOL,
+                     "rollout": ROLLOUT_POOL, "reward_model": ROLLOUT_POOL, "genrm": ROLLOUT_POOL}
+
+
+class PlacementError(ValueError):
+    """An impossible placement; the message names the ``placement.*`` field. Raised before any
+    model loads."""
+
+
+@dataclass
+class AutoConfig:
+    """``placement=auto``: profile ``profile_steps`` colocated steps, then pick the placement (and
+    pool split) the cost model predicts fastest. ``min_gain``: partitioned must be predicted at
+    least this much faster (ratio) to be chosen over colocated, since it costs a model copy."""
+
+    profile_steps: int = 2
+    min_gain: float = 1.05
+
+    def __post_init__(self) -> None:
+        if self.profile_steps < 1:
+            raise ValueError(f"placement.auto.profile_steps must be >= 1, got {self.profile_steps}")
+        if self.min_gain < 1.0:
+            raise ValueError(f"placement.auto.min_gain must be >= 1.0, got {self.min_gain}")
+
+
+@dataclass
+class PlacementConfig:
+    """Attributes:
+        mode: colocated | partitioned | auto.
+        pools: partitioned: pool name → global ranks, e.g. ``{train: [0], rollout: [1]}``. Empty =
+            the first half of the ranks train (rounded up), the rest roll out.
+        roles: role → pool name, overriding :data:`DEFAULT_ROLE_POOL` (e.g. ``{ref: rollout}``).
+        staleness: weight versions the rollout pool may run behind the trainer (0 = the next rollout
+            waits for the new weights; 1 = one-step off-policy). None = the graph's
+            ``weight_sync.staleness``.
+        bucket_mb: weight broadcast bucket size (MiB) from the train pool to the rollout pool.
+        auto: settings of ``mode=auto``.
+    """
+
+    mode: str = "colocated"
+    pools: dict[str, list[int]] = field(default_factory=dict)
+    roles: dict[str, str] = field(default_factory=dict)
+    staleness: Optional[int] = None
+    bucket_mb: int = 256
+    auto: AutoConfig = field(default_factory=AutoConfig)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"placement.mode must be one of {MODES}, got {self.mode!r}")
+        if self.staleness is not None and self.staleness < 0:
+            raise ValueError(f"placement.staleness must be >= 0 or null, got {self.staleness}")
+        if self.bucket_mb < 1:
+            raise ValueError(f"placement.bucket_mb must be >= 1, got {self.bucket_mb}")
+        for name, ranks in self.pools.items():
+            if not ranks or any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
+                raise ValueError(f"placement.pools.{name} must be a non-empty list of distinct "
+                                 f"ranks >= 0, got {list(ranks)}")
+        for role, pool in self.roles.items():
+            if role not in DEFAULT_ROLE_POOL:
+                raise ValueError(f"placement.roles.{role}: unknown role (roles: "
+                                 f"{sorted(DEFAULT_ROLE_POOL)})")
+
+
+@dataclass
+class PoolPlan:
+    """One pool's part of a step.
+
+    Attributes:
+        name: pool name (``all`` when colocated).
+        ranks: global ranks of the pool; the pool's data-parallel rank is the index in this list.
+        plan: the pool's own ExecutionPlan: its stages in order, its swap points, and its lifecycle
+            (``release_after`` counts only local consumers; keys in ``sends`` are freed at send).
+        sends: keys ``"stage.output"`` sent to the other pool after this pool's stages ran.
+        recvs: keys received from the other pool before this pool's first stage reads them.
+    """
+
+    name: str
+    ranks: list[int]
+    plan: ExecutionPlan
+    sends: list[str] = field(default_factory=list)
+    recvs: list[str] = field(default_factory=list)
+
+    @property
+    def roles(self) -> list[str]:
+        return self.plan.roles
+
+
+@dataclass
+class PlacementPlan:
+    """The compiler's placement output.
+
+    Attributes:
+        mode: ``colocated`` or ``partitioned`` (``auto`` is resolved to one of them).
+        world_size: ranks in the job.
+        pools: pool name → PoolPlan (colocated: one pool ``all``).
+        transfers: keys crossing from the rollout pool to the train pool, every step.
+        staleness: max weight-version lag of the rollout pool (partitioned only).
+        weight_sync: (source role, destination role) pairs synced after each update.
+        notes: why this placement (auto's predicted step times, defaults taken).
+        full: the whole-graph plan both pools were cut from.
+    """
+
+    mode: str
+    world_size: int
+    pools: dict[str, PoolPlan]
+    full: ExecutionPlan
+    transfers: list[str] = field(default_factory=list)
+    staleness: int = 0
+    weight_sync: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def pool_of(self, rank: int) -> PoolPlan:
+        """The pool holding global ``rank``. Raises KeyError when no pool holds it."""
+        for p in self.pools.values():
+            if rank in p.ranks:
+                return p
+        raise KeyError(f"rank {rank} is in no pool of {sorted(self.pools)}")
+
+
+def default_pools(world_size: int) -> dict[str, list[int]]:
+    """First ceil(W/2) ranks train, the rest roll out (W=2: train [0], rollout [1])."""
+    n_train = (world_size + 1) // 2
+    return {TRAIN_POOL: list(range(n_train)), ROLLOUT_POOL: list(range(n_train, world_size))}
+
+
+def colocated(plan: ExecutionPlan, world_size: int) -> PlacementPlan:
+    pool = PoolPlan("all", list(range(world_size)), plan)
+    syncs = [(plan.graph[w.src].role, plan.graph[w.dst].role) for w in plan.graph.weight_sync]
+    return PlacementPlan("colocated", world_size, {"all": pool}, full=plan, weight_sync=syncs)
+
+
+def assign_stages(plan: ExecutionPlan, role_pool: dict[str, str]) -> dict[str, str]:
+    """stage → pool. A stage with a role goes to its role's pool; a role-less stage goes to the
+    rollout pool when every stage it reads from is there (``sample``, rule rewards, GRPO's
+    advantage), else to the train pool (GAE needs the critic's values)."""
+    where: dict[str, str] = {}
+    for c in plan.stages:  # plan order is topological
+        s = c.stage
+        if s.role:
+            where[s.name] = role_pool[s.role]
+        else:
+            srcs = {src for _, src, _ in s.input_refs()}
+            where[s.name] = ROLLOUT_POOL if all(where[x] == ROLLOUT_POOL for x in srcs) else TRAIN_POOL
+    return where
+
+
+def _pool_plan(full: ExecutionPlan, name: str, ranks: list[int], stages: list[str],
+               sends: list[str], recvs: list[str]) -> ExecutionPlan:
+    """The ExecutionPlan of one pool: its stages, swap points among its own roles, and a lifecycle
+    in which a key leaves the pool's store after its last *local* consumer — or, if it is sent,
+    at the send."""
+    g = full.graph
+    sub = Graph(name=g.name, stages=[g[n] for n in stages], description=g.description)
+    actions, resident = _swap_actions(sub, stages)
+    mine = set(stages)
+    lifetimes: dict[str, TensorLife] = {}
+    release: dict[str, list[str]] = {n: [] for n in stages}
+    for key, life in full.lifetimes.items():
+        if life.producer not in mine and key not in recvs:
+            continue
+        cons = [c for c in life.consumers if c in mine]
+        last = cons[-1] if cons else None
+        lifetimes[key] = TensorLife(key, life.producer if life.producer in mine else "recv", cons, last)
+        if key in sends:
+            continue  # freed by the executor right after it is sent
+        if last is not None:
+            release[last].append(key)
+        elif life.producer in mine:
+            release[life.producer].append(key)
+    compiled: list[CompiledStage] = [c for c in full.stages if c.stage.name in mine]
+    return ExecutionPlan(graph=g, stages=compiled, actions=actions, lifetimes=lifetimes,
+                         release_after=release, pruned=full.pruned, warnings=full.warnings,
+                         placement=f"partitioned:{name}", resident_at_end=resident,
+                         refill={k: v for k, v in full.refill.items() if k in mine})
+
+
+def partitioned(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int) -> PlacementPlan:
+    """Cut ``plan`` into a rollout pool and a train pool.
+
+    Raises:
+        PlacementError: fewer than 2 ranks, pools that overlap, leave a rank out or name ranks
+            beyond the world, not exactly two pools, a role in no pool, actor and rollout in the
+            same pool, or a rollout-pool stage that reads a train-pool output (the cut must be
+            one-way: only weights flow back).
+    """
+    if world_size < 2:
+        raise PlacementError(f"placement.mode=partitioned needs >= 2 ranks (launcher.nproc), "
+                             f"got {world_size}")
+    pools = {k: list(v) for k, v in (cfg.pools or default_pools(world_size)).items()}
+    notes = [] if cfg.pools else [f"placement.pools not set: default split {pools}"]
+    if sorted(pools) != sorted([TRAIN_POOL, ROLLOUT_POOL]):
+        raise PlacementError(f"placement.pools must name exactly the pools '{TRAIN_POOL}' and "
+                             f"'{ROLLOUT_POOL}', got {sorted(pools)}")
+    seen: dict[int, str] = {}
+    for name, ranks in pools.items():
+        for r in ranks:
+            if r >= world_size:
+                raise PlacementError(f"placement.pools.{name}: rank {r} >= world size {world_size}")
+            if r in seen:
+                raise PlacementError(f"placement.pools: rank {r} is in both '{seen[r]}' and "
+                                     f"'{name}' (partitioned pools must not overlap)")
+            seen[r] = name
+    if missing := sorted(set(range(world_size)) - set(seen)):
+        raise PlacementError(f"placement.pools: ranks {missing} are in no pool")
+    role_pool = {**DEFAULT_ROLE_POOL, **cfg.roles}
+    for role in plan.roles:
+        if role_pool[role] not in pools:
+            raise PlacementError(f"placement.roles.{role}: pool '{role_pool[role]}' does not exist "
+                                 f"(pools: {sorted(pools)})")
+    if role_pool["actor"] == role_pool["rollout"]:
+        raise PlacementError("placement.roles: actor and rollout share a pool; use "
+                             "placement=colocated for that")
+    if role_pool["actor"] != TRAIN_POOL:
+        raise PlacementError(f"placement.roles.actor must be '{TRAIN_POOL}', got {role_pool['actor']!r}")
+    where = assign_stages(plan, role_pool)
+    g = plan.graph
+    for c in plan.stages:
+        s = c.stage
+        if where[s.name] == ROLLOUT_POOL:
+            for arg, src, out in s.input_refs():
+                if where[src] == TRAIN_POOL:
+                    raise PlacementError(
+                        f"placement.roles: stage '{s.name}' (pool {ROLLOUT_POOL}) reads "
+                        f"'{src}.{out}' from pool {TRAIN_POOL}; only weights may flow back — "
+                        f"move role '{s.role or g[src].role}' to the {TRAIN_POOL} pool")
+    transfers = [k for k, life in plan.lifetimes.items()
+                 if where[life.producer] == ROLLOUT_POOL
+                 and any(where[c] == TRAIN_POOL for c in life.consumers)]
+    order = {p: [n for n in plan.order if where[n] == p] for p in (ROLLOUT_POOL, TRAIN_POOL)}
+    pp = {
+        ROLLOUT_POOL: PoolPlan(ROLLOUT_POOL, pools[ROLLOUT_POOL],
+                               _pool_plan(plan, ROLLOUT_POOL, pools[ROLLOUT_POOL],
+                                          order[ROLLOUT_POOL], transfers, []), sends=transfers),
+        TRAIN_POOL: PoolPlan(TRAIN_POOL, pools[TRAIN_POOL],
+                             _pool_plan(plan, TRAIN_POOL, pools[TRAIN_POOL], order[TRAIN_POOL],
+                                        [], transfers), recvs=transfers),
+    }
+    graph_k = max([w.staleness for w in g.weight_sync], default=0)
+    k = graph_k if cfg.staleness is None else cfg.staleness
+    syncs = [(g[w.src].role, g[w.dst].role) for w in g.weight_sync]
+    return PlacementPlan("partitioned", world_size, pp, full=plan, transfers=transfers,
+                         staleness=k, weight_sync=syncs, notes=notes)
+
+
+def place(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int) -> PlacementPlan:
+    """colocated/partitioned by ``cfg.mode``. ``auto`` needs measured or modelled stage costs:
+    see ``flowrl.compiler.cost.choose_placement``.
+
+    Raises:
+        PlacementError: see :func:`partitioned`; pools/roles set under ``colocated``.
+    """
+    if cfg.mode == "colocated":
+        if cfg.pools or cfg.roles:
+            raise PlacementError("placement.pools/roles are for placement.mode=partitioned; "
+                                 "colocated uses every rank for every role")
+        return colocated(plan, world_size)
+    if cfg.mode == "partitioned":
+        return partitioned(plan, cfg, world_size)
+    raise PlacementError("placement.mode=auto is resolved by flowrl.compiler.cost.choose_placement")
+
+
+__all__ = ["Action", "AutoConfig", "DEFAULT_ROLE_POOL", "PlacementConfig", "PlacementError",
+           "PlacementPlan", "PoolPlan", "assign_stages", "colocated", "default_pools",
+           "partitioned", "place"]
