@@ -2,6 +2,7 @@
 
     flowrl train [hydra overrides...]        run a job (Hydra: -m sweeps, --cfg job, ...)
     flowrl plan  [hydra overrides...]        print the compiled execution plan; loads no model
+                 [--format text|mermaid|dot]  placement=auto: explains the choice without training
     flowrl graph validate FILE [FILE ...]    check graph files (exit 1 on the first invalid one)
     flowrl export CKPT OUT_DIR [overrides]   checkpoint -> plain HF model dir (save_pretrained)
 
@@ -29,13 +30,37 @@ def compose(overrides: list[str]):
 
 
 def plan_main(argv: list[str]) -> int:
-    from flowrl.train import prepare
+    """``flowrl plan [--format text|mermaid|dot] [overrides]``: the placement plan (per-pool
+    timelines, transfers, predicted step time and memory; ``placement=auto``: the choice and why)."""
+    from flowrl.compiler.render import FORMATS, format_placement
+    from flowrl.train import prepare, prepare_placement, role_parallelism, world_size
 
-    cfg = compose(argv)
+    fmt, rest = "text", []
+    it = iter(argv)
+    for a in it:
+        if a == "--format":
+            fmt = next(it, "")
+        elif a.startswith("--format="):
+            fmt = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    if fmt not in FORMATS:
+        raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}")
+    cfg = compose(rest)
     if "${hydra:" in str(cfg.trainer._get_node("output_dir")._value()):
         cfg.trainer.output_dir = "(none: plan only)"  # no Hydra run dir exists when planning
     cfg, plan = prepare(cfg)
-    print(plan.format_text())
+    w = world_size(cfg)
+    pp = prepare_placement(cfg, plan, w)
+    if pp.estimate is None:  # auto attached its own; a missing model file only loses predictions
+        from flowrl.compiler.cost import StageCosts, estimate
+
+        try:
+            pp.estimate = estimate(pp, StageCosts.from_config(plan, cfg, w,
+                                                              parallelism=role_parallelism(cfg)))
+        except (FileNotFoundError, OSError, ValueError) as e:
+            pp.notes.append(f"no predictions: {e}")
+    print(format_placement(pp, fmt))
     return 0
 
 

@@ -15,7 +15,7 @@ No engine is imported here: ``flowrl plan placement=partitioned`` works on a lap
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from flowrl.compiler.plan import Action, CompiledStage, ExecutionPlan, TensorLife, _swap_actions
 from flowrl.graph.graph import Graph
@@ -37,16 +37,21 @@ class PlacementError(ValueError):
 class AutoConfig:
     """``placement=auto``: profile ``profile_steps`` colocated steps, then pick the placement (and
     pool split) the cost model predicts fastest. ``min_gain``: partitioned must be predicted at
-    least this much faster (ratio) to be chosen over colocated, since it costs a model copy."""
+    least this much faster (ratio) to be chosen over colocated, since it costs a model copy.
+    ``device``: throughput profile of the cost model (``flowrl.compiler.cost.DEVICES``: cpu, h200;
+    ``auto`` = h200 when training on CUDA, else cpu)."""
 
     profile_steps: int = 2
     min_gain: float = 1.05
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.profile_steps < 1:
             raise ValueError(f"placement.auto.profile_steps must be >= 1, got {self.profile_steps}")
         if self.min_gain < 1.0:
             raise ValueError(f"placement.auto.min_gain must be >= 1.0, got {self.min_gain}")
+        if self.device not in ("auto", "cpu", "h200"):
+            raise ValueError(f"placement.auto.device must be auto, cpu or h200, got {self.device!r}")
 
 
 @dataclass
@@ -124,6 +129,8 @@ class PlacementPlan:
         weight_sync: (source role, destination role) pairs synced after each update.
         notes: why this placement (auto's predicted step times, defaults taken).
         full: the whole-graph plan both pools were cut from.
+        estimate: ``flowrl.compiler.cost.PlacementEstimate`` (predicted step time, memory per
+            pool, bytes moved) when a cost model was run (``placement=auto``, ``flowrl plan``).
     """
 
     mode: str
@@ -134,6 +141,7 @@ class PlacementPlan:
     staleness: int = 0
     weight_sync: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    estimate: Optional[Any] = None
 
     def pool_of(self, rank: int) -> PoolPlan:
         """The pool holding global ``rank``. Raises KeyError when no pool holds it."""
@@ -147,6 +155,49 @@ def default_pools(world_size: int) -> dict[str, list[int]]:
     """First ceil(W/2) ranks train, the rest roll out (W=2: train [0], rollout [1])."""
     n_train = (world_size + 1) // 2
     return {TRAIN_POOL: list(range(n_train)), ROLLOUT_POOL: list(range(n_train, world_size))}
+
+
+def split_candidates(world_size: int, rollout_tp: int = 1) -> list[int]:
+    """Rollout-pool sizes r (train gets W - r) that pass :func:`check_pool_sizes`: 1 <= r < W, r a
+    multiple of the rollout tensor-parallel size, max(r, W-r) a multiple of min(r, W-r).
+    W=8, tp=1 → [1, 2, 4, 6, 7]."""
+    return [r for r in range(1, world_size)
+            if r % rollout_tp == 0 and max(r, world_size - r) % min(r, world_size - r) == 0]
+
+
+def check_parallelism(pool_sizes: dict[str, int], role_pool: dict[str, str], roles: list[str],
+                      role_parallelism: dict[str, int]) -> None:
+    """Every role's pool size must be a multiple of its tensor-parallel size (``role_parallelism``,
+    default 1), e.g. a vLLM engine with tensor_parallel_size=2 needs 2, 4, ... rollout ranks.
+
+    Raises:
+        PlacementError: naming ``placement.pools.<pool>`` (or ``launcher.nproc`` when colocated).
+    """
+    for role in roles:
+        tp = role_parallelism.get(role, 1)
+        pool = role_pool[role]
+        n = pool_sizes[pool]
+        if tp > 1 and n % tp:
+            field_name = "launcher.nproc" if pool == "all" else f"placement.pools.{pool}"
+            raise PlacementError(f"{field_name}: pool '{pool}' has {n} rank(s), too few for role "
+                                 f"'{role}' (tensor_parallel_size {tp}): the size must be a "
+                                 f"multiple of {tp}")
+
+
+def check_pool_sizes(n_rollout: int, n_train: int) -> None:
+    """Data-parallel routing: rollout rank i sends its rows to train rank i mod n_train (more
+    rollout ranks), or splits them over train ranks j ≡ i (mod n_rollout) (more train ranks), so
+    the larger pool's size must be a multiple of the smaller's.
+
+    Raises:
+        PlacementError: naming ``placement.pools``.
+    """
+    lo, hi = sorted((n_rollout, n_train))
+    if hi % lo:
+        raise PlacementError(f"placement.pools: rollout has {n_rollout} rank(s) and train "
+                             f"{n_train}; the larger pool's size must be a multiple of the "
+                             f"smaller's (samples route rollout rank i -> train rank i mod "
+                             f"{n_train})")
 
 
 def colocated(plan: ExecutionPlan, world_size: int) -> PlacementPlan:
@@ -200,14 +251,16 @@ def _pool_plan(full: ExecutionPlan, name: str, ranks: list[int], stages: list[st
                          refill={k: v for k, v in full.refill.items() if k in mine})
 
 
-def partitioned(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int) -> PlacementPlan:
+def partitioned(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int,
+                role_parallelism: Optional[dict[str, int]] = None) -> PlacementPlan:
     """Cut ``plan`` into a rollout pool and a train pool.
 
     Raises:
         PlacementError: fewer than 2 ranks, pools that overlap, leave a rank out or name ranks
             beyond the world, not exactly two pools, a role in no pool, actor and rollout in the
             same pool, or a rollout-pool stage that reads a train-pool output (the cut must be
-            one-way: only weights flow back).
+            one-way: only weights flow back); a pool whose size is not a multiple of its roles'
+            tensor-parallel size (``role_parallelism``), or pool sizes neither dividing the other.
     """
     if world_size < 2:
         raise PlacementError(f"placement.mode=partitioned needs >= 2 ranks (launcher.nproc), "
@@ -238,6 +291,9 @@ def partitioned(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int) -> P
                              "placement=colocated for that")
     if role_pool["actor"] != TRAIN_POOL:
         raise PlacementError(f"placement.roles.actor must be '{TRAIN_POOL}', got {role_pool['actor']!r}")
+    check_parallelism({k: len(v) for k, v in pools.items()}, role_pool, plan.roles,
+                      role_parallelism or {})
+    check_pool_sizes(len(pools[ROLLOUT_POOL]), len(pools[TRAIN_POOL]))
     where = assign_stages(plan, role_pool)
     g = plan.graph
     for c in plan.stages:
@@ -268,23 +324,34 @@ def partitioned(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int) -> P
                          staleness=k, weight_sync=syncs, notes=notes)
 
 
-def place(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int) -> PlacementPlan:
+def place(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int,
+          role_parallelism: Optional[dict[str, int]] = None) -> PlacementPlan:
     """colocated/partitioned by ``cfg.mode``. ``auto`` needs measured or modelled stage costs:
     see ``flowrl.compiler.cost.choose_placement``.
 
+    Args:
+        role_parallelism: role → tensor-parallel size of its engine (e.g. ``{"rollout": 2}``);
+            a pool must hold a multiple of it. Missing roles: 1.
+
     Raises:
-        PlacementError: see :func:`partitioned`; pools/roles set under ``colocated``.
+        PlacementError: see :func:`partitioned`; pools/roles set under ``colocated``; a world
+            size < 1 or not a multiple of a role's tensor-parallel size under ``colocated``.
     """
+    if world_size < 1:
+        raise PlacementError(f"launcher.nproc: world size must be >= 1, got {world_size}")
     if cfg.mode == "colocated":
         if cfg.pools or cfg.roles:
             raise PlacementError("placement.pools/roles are for placement.mode=partitioned; "
                                  "colocated uses every rank for every role")
+        check_parallelism({"all": world_size}, {r: "all" for r in plan.roles}, plan.roles,
+                          role_parallelism or {})
         return colocated(plan, world_size)
     if cfg.mode == "partitioned":
-        return partitioned(plan, cfg, world_size)
+        return partitioned(plan, cfg, world_size, role_parallelism)
     raise PlacementError("placement.mode=auto is resolved by flowrl.compiler.cost.choose_placement")
 
 
 __all__ = ["Action", "AutoConfig", "DEFAULT_ROLE_POOL", "PlacementConfig", "PlacementError",
            "PlacementPlan", "PoolPlan", "assign_stages", "colocated", "default_pools",
-           "partitioned", "place"]
+           "partitioned", "place", "split_candidates", "check_parallelism",
+           "check_pool_sizes"]

@@ -1,9 +1,11 @@
-"""Text rendering of an ExecutionPlan (what ``flowrl plan`` prints)."""
+"""Rendering of plans (what ``flowrl plan`` prints): an ExecutionPlan as text, a PlacementPlan as
+text, Mermaid or Graphviz DOT (written directly: it is output formatting, no extra dependency)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from flowrl.compiler.placement import PlacementPlan
     from flowrl.compiler.plan import ExecutionPlan
 
 
@@ -46,3 +48,175 @@ def format_plan(plan: "ExecutionPlan") -> str:
         lines.append("")
         lines += [f"warning: {m}" for m in plan.warnings]
     return "\n".join(lines)
+
+
+# --- placement: per-pool timelines (text, Mermaid, Graphviz DOT) -----------------------------
+FORMATS = ("text", "mermaid", "dot")
+
+
+def _fmt_bytes(n: float) -> str:
+    from flowrl.compiler.footprint import fmt_bytes
+
+    return fmt_bytes(n)
+
+
+def pool_timeline(pp: "PlacementPlan", name: str) -> list[tuple[str, str]]:
+    """One pool's step as (kind, text) entries in order. kinds: wait (weights, before the rollout
+    stage), recv (before the first stage reading the key), run, onload, offload, sync, send (after
+    the pool's stages; the key is freed once sent), broadcast (weights after the update)."""
+    pool, est = pp.pools[name], pp.estimate
+    plan, g = pool.plan, pool.plan.graph
+    xfer = est.transfers if est is not None else {}
+    other = next((p for p in pp.pools if p != name), None)
+    size = lambda k: f" ({_fmt_bytes(xfer[k])})" if k in xfer else ""  # noqa: E731
+    out: list[tuple[str, str]] = []
+    pending = list(pool.recvs)
+    for a in plan.actions:
+        if a.kind == "run":
+            stage = g[a.stage]
+            if pp.mode == "partitioned" and any(d == stage.role for _, d in pp.weight_sync):
+                src = ", ".join(s for s, d in pp.weight_sync if d == stage.role)
+                out.append(("wait", f"weights {src} -> {stage.role} from pool {other}: at most "
+                                    f"{pp.staleness} version(s) behind (staleness {pp.staleness})"))
+            reads = {f"{src}.{o}" for _, src, o in stage.input_refs()}
+            for k in [k for k in pending if k in reads]:
+                out.append(("recv", f"{k} from pool {other}{size(k)}"))
+                pending.remove(k)
+            frees = plan.release_after.get(a.stage, [])
+            out.append(("run", f"{a.stage} op={stage.op} role={a.role or '-'}"
+                               + (f" then free {', '.join(frees)}" if frees else "")))
+            if pp.mode == "partitioned" and name == "train":
+                for s, d in pp.weight_sync:
+                    if s == a.role and a.stage in {w.src for w in pp.full.graph.weight_sync}:
+                        out.append(("broadcast", f"weights {s} -> {d} to pool {other} "
+                                                 f"(buckets; new version each update)"))
+        elif a.kind == "sync":
+            out.append(("sync", a.detail))
+        else:
+            out.append((a.kind, f"{a.role} ({a.detail})"))
+    out += [("send", f"{k} to pool {other}{size(k)}, then free") for k in pool.sends]
+    return out
+
+
+def _text(pp: "PlacementPlan") -> str:
+    g, est = pp.full.graph, pp.estimate
+    lines = [f"PlacementPlan  graph={g.name}  mode={pp.mode}  world={pp.world_size}"
+             + (f"  staleness={pp.staleness}" if pp.mode == "partitioned" else "")]
+    for name, pool in pp.pools.items():
+        lines.append("")
+        lines.append(f"Pool {name}  ranks {pool.ranks}  roles: {', '.join(pool.roles) or '-'}")
+        for i, (kind, text) in enumerate(pool_timeline(pp, name), 1):
+            lines.append(f"  {i:>2}. {kind:<9} {text}")
+    if pp.transfers:
+        r, t = len(pp.pools["rollout"].ranks), len(pp.pools["train"].ranks)
+        route = (f"rollout rank i -> train rank i mod {t}" if r >= t
+                 else f"rollout rank i -> train ranks j with j mod {r} = i")
+        lines += ["", f"Transfers rollout -> train per step ({route}):"]
+        total = 0
+        for k in pp.transfers:
+            b = est.transfers.get(k) if est is not None else None
+            total += b or 0
+            lines.append(f"  {k:<28} {_fmt_bytes(b) if b is not None else '?'}")
+        if est is not None:
+            lines.append(f"  {'total':<28} {_fmt_bytes(total)}")
+    if pp.weight_sync and pp.mode == "partitioned":
+        wb = f", {_fmt_bytes(est.sync_bytes)} per update" if est is not None else ""
+        lines.append("")
+        lines.append("Weight sync: " + ", ".join(f"{s} -> {d}" for s, d in pp.weight_sync)
+                     + f" broadcast train -> rollout after each update{wb}")
+    lines += _estimate_lines(pp)
+    if pp.notes:
+        lines += ["", "Notes:"] + [f"  {n}" for n in pp.notes]
+    return "\n".join(lines)
+
+
+def _estimate_lines(pp: "PlacementPlan") -> list[str]:
+    est = pp.estimate
+    if est is None:
+        return []
+    out = ["", f"Predicted (cost model, device profile {est.device}): step {est.step_s:.3g} s"]
+    if pp.mode == "partitioned":
+        sides = " ".join(f"{k}={v:.3g}s" for k, v in est.sides.items())
+        how = "sum" if pp.staleness == 0 else "max"
+        out.append(f"  = {how}({sides}) + weight sync {est.sync_s:.3g}s + transfers {est.transfer_s:.3g}s")
+    out.append("Predicted peak memory per device: " + "; ".join(
+        f"pool {k} {_fmt_bytes(b)} ({role or '-'})" for k, (b, role) in est.memory.items()))
+    return out
+
+
+def _ident(s: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in s)
+
+
+def _edges(pp: "PlacementPlan") -> tuple[dict[str, list[tuple[str, str, str]]], list[tuple[str, str, str, bool]]]:
+    """Nodes per pool (id, kind, label) and edges (src, dst, label, dashed): each pool's timeline
+    is a chain; sends feed the other pool's recvs; the broadcast feeds the weight wait."""
+    nodes, edges = {}, []
+    for name in pp.pools:
+        tl = pool_timeline(pp, name)
+        nodes[name] = [(f"{_ident(name)}_{i}", k, t) for i, (k, t) in enumerate(tl)]
+        edges += [(a[0], b[0], "", False) for a, b in zip(nodes[name], nodes[name][1:])]
+    by_kind = lambda pool, kind: [n for n in nodes.get(pool, []) if n[1] == kind]  # noqa: E731
+    sizes = pp.estimate.transfers if pp.estimate is not None else {}
+    for s in by_kind("rollout", "send"):
+        key = s[2].split(" ")[0]
+        label = key + (f" {_fmt_bytes(sizes[key])}" if key in sizes else "")
+        for r in by_kind("train", "recv"):
+            if r[2].split(" ")[0] == key:
+                edges.append((s[0], r[0], label, False))
+    for b in by_kind("train", "broadcast"):
+        for w in by_kind("rollout", "wait"):
+            edges.append((b[0], w[0], f"weights (staleness {pp.staleness})", True))
+    return nodes, edges
+
+
+def _mermaid(pp: "PlacementPlan") -> str:
+    q = lambda s: s.replace('"', "'")  # noqa: E731
+    nodes, edges = _edges(pp)
+    lines = ["flowchart TB"]
+    for name, ns in nodes.items():
+        pool = pp.pools[name]
+        lines.append(f'  subgraph {_ident(name)}["pool {name} ranks {pool.ranks}"]')
+        lines += [f'    {i}["{q(k)}: {q(t)}"]' for i, k, t in ns]
+        lines.append("  end")
+    for a, b, label, dashed in edges:
+        arrow = "-.->" if dashed else "-->"
+        lines.append(f"  {a} {arrow}" + (f'|"{q(label)}"| ' if label else " ") + b)
+    return "\n".join(lines)
+
+
+def _dot(pp: "PlacementPlan") -> str:
+    q = lambda s: s.replace("\\", "\\\\").replace('"', '\\"')  # noqa: E731
+    nodes, edges = _edges(pp)
+    lines = [f'digraph "{q(pp.full.graph.name)}" {{', "  rankdir=TB;", "  node [shape=box];"]
+    for name, ns in nodes.items():
+        lines.append(f"  subgraph cluster_{_ident(name)} {{")
+        lines.append(f'    label="pool {name} ranks {pp.pools[name].ranks}";')
+        lines += [f'    {i} [label="{q(k)}: {q(t)}"];' for i, k, t in ns]
+        lines.append("  }")
+    for a, b, label, dashed in edges:
+        attrs = ([f'label="{q(label)}"'] if label else []) + (["style=dashed"] if dashed else [])
+        lines.append(f"  {a} -> {b}" + (f" [{', '.join(attrs)}]" if attrs else "") + ";")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def format_placement(pp: "PlacementPlan", fmt: str = "text") -> str:
+    """What ``flowrl plan`` prints. text: colocated = :func:`format_plan` (unchanged) + the cost
+    model's predictions; partitioned = one timeline per pool, transfers, weight sync, predictions
+    and notes. mermaid / dot: each pool a subgraph holding its timeline as a chain; solid edges
+    for transfers, dashed for the weight broadcast.
+
+    Raises:
+        ValueError: unknown ``fmt``.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}")
+    if fmt == "mermaid":
+        return _mermaid(pp)
+    if fmt == "dot":
+        return _dot(pp)
+    if pp.mode == "colocated":
+        extra = _estimate_lines(pp) + ((["", "Notes:"] + [f"  {n}" for n in pp.notes]) if pp.notes else [])
+        return format_plan(pp.pools["all"].plan) + "\n" + "\n".join(extra)
+    return _text(pp)
