@@ -56,7 +56,41 @@ def _prepare(raw: DictConfig | dict) -> tuple[TrainConfig, ExecutionPlan]:
     from flowrl.ops.token_rewards import check_kl_in_reward
 
     check_kl_in_reward(plan, cfg.algorithm)
+    prepare_placement(cfg, plan, world_size(cfg))  # an impossible placement fails here
     return cfg, plan
+
+
+def world_size(cfg: TrainConfig) -> int:
+    """Ranks of the job: ``WORLD_SIZE`` under torchrun, else launcher.nproc × launcher.nnodes."""
+    import os
+
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return cfg.launcher.nproc * cfg.launcher.nnodes
+
+
+def role_parallelism(cfg: TrainConfig) -> dict[str, int]:
+    """role → tensor-parallel size of its engine: the rollout backend's ``tensor_parallel_size``
+    (``rollout.<backend>.tensor_parallel_size``; 1 when the backend has none)."""
+    backend_cfg = getattr(cfg.rollout, cfg.rollout.backend, None)
+    return {"rollout": int(getattr(backend_cfg, "tensor_parallel_size", 1) or 1)}
+
+
+def prepare_placement(cfg: TrainConfig, plan: ExecutionPlan, world_size: int):
+    """The PlacementPlan of ``placement.mode`` on ``world_size`` ranks; loads no model
+    (``auto``: the cost model reads model sizes from configs/GGUF metadata and picks one).
+
+    Raises:
+        PlacementError (a ValueError): an impossible placement, naming the ``placement.*`` field.
+    """
+    from flowrl.compiler.placement import place
+
+    if cfg.placement.mode == "auto":
+        from flowrl.compiler.cost import StageCosts, choose_placement
+
+        costs = StageCosts.from_config(plan, cfg, world_size, parallelism=role_parallelism(cfg))
+        return choose_placement(plan, cfg, world_size, costs, role_parallelism(cfg))
+    return place(plan, cfg.placement, world_size, role_parallelism(cfg))
 
 
 def _check_estimators(plan: ExecutionPlan, cfg: TrainConfig) -> None:
