@@ -1,0 +1,147 @@
+"""Placement compiler: every impossible placement is rejected with a message naming the
+``placement.*`` field, before any model loads; valid splits cut the plan as documented; ``flowrl
+plan`` renders per-pool timelines as text, Mermaid and DOT."""
+from pathlib import Path
+
+import pytest
+
+from flowrl.cli import compose, main
+from flowrl.compiler.placement import (PlacementConfig, PlacementError, place, split_candidates)
+from flowrl.compiler.plan import compile_plan
+from flowrl.graph.graph import Graph
+from flowrl.train import ConfigError, prepare
+
+GRPO = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
+
+
+def grpo(kl_coef=0.01):
+    return compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": kl_coef,
+                                                         "recompute_old_logprobs": True}})
+
+
+def part(pools=None, roles=None, **kw):
+    return PlacementConfig(mode="partitioned", pools=pools or {}, roles=roles or {}, **kw)
+
+
+@pytest.mark.parametrize("cfg, world, msg", [
+    (part(roles={"ref": "judge"}), 2,
+     "placement.roles.ref: pool 'judge' does not exist (pools: ['rollout', 'train'])"),
+    (part({"train": [0, 1], "rollout": [1]}), 2,
+     "placement.pools: rank 1 is in both 'train' and 'rollout' (partitioned pools must not overlap)"),
+    (part({"train": [0], "rollout": [2]}), 2, "placement.pools.rollout: rank 2 >= world size 2"),
+    (part({"train": [0], "rollout": [1]}), 3, "placement.pools: ranks [2] are in no pool"),
+    (part(roles={"rollout": "train"}), 2,
+     "placement.roles: actor and rollout share a pool; use placement=colocated for that"),
+    (part(), 1, "placement.mode=partitioned needs >= 2 ranks (launcher.nproc), got 1"),
+    (part({"train": [0, 1], "rollout": [2, 3, 4]}), 5,
+     "placement.pools: rollout has 3 rank(s) and train 2; the larger pool's size must be a "
+     "multiple of the smaller's (samples route rollout rank i -> train rank i mod 2)"),
+    (part({"train": [0], "rollout": [1, 2, 3]}), 4, None),  # 3 and 1: fine
+    (part({"cpu": [0], "rollout": [1]}), 2,
+     "placement.pools must name exactly the pools 'train' and 'rollout', got ['cpu', 'rollout']"),
+])
+def test_impossible_placements_are_rejected(cfg, world, msg):
+    if msg is None:
+        pp = place(grpo(), cfg, world)
+        assert [len(p.ranks) for p in pp.pools.values()] == [3, 1]
+        return
+    with pytest.raises(PlacementError) as e:
+        place(grpo(), cfg, world)
+    assert str(e.value) == msg
+
+
+def test_pool_too_small_for_tensor_parallel_rollout():
+    cfg = part({"train": [0], "rollout": [1]})
+    with pytest.raises(PlacementError) as e:
+        place(grpo(), cfg, 2, role_parallelism={"rollout": 2})
+    assert str(e.value) == ("placement.pools.rollout: pool 'rollout' has 1 rank(s), too few for "
+                            "role 'rollout' (tensor_parallel_size 2): the size must be a multiple of 2")
+    pp = place(grpo(), part({"train": [0, 1], "rollout": [2, 3]}), 4, role_parallelism={"rollout": 2})
+    assert pp.pools["rollout"].ranks == [2, 3]
+    with pytest.raises(PlacementError, match=r"^launcher.nproc: pool 'all' has 3 rank\(s\)"):
+        place(grpo(), PlacementConfig(), 3, role_parallelism={"rollout": 2})
+
+
+def test_rollout_pool_stage_reading_train_output():
+    _, ppo = prepare(compose(["graph=ppo", "trainer.output_dir=/tmp/x", "algorithm.kl_coef=0.01"]))
+    with pytest.raises(PlacementError) as e:
+        place(ppo, part(roles={"critic": "rollout"}), 2)
+    assert str(e.value) == ("placement.roles: stage 'update_critic' (pool rollout) reads "
+                            "'advantage.returns' from pool train; only weights may flow back — "
+                            "move role 'critic' to the train pool")
+
+
+def test_split_candidates():
+    assert split_candidates(2) == [1]
+    assert split_candidates(8) == [1, 2, 4, 6, 7]
+    assert split_candidates(8, rollout_tp=2) == [2, 4, 6]
+    assert split_candidates(1) == []
+
+
+def test_six_two_split_cuts_grpo():
+    pp = place(grpo(), part({"train": [6, 7], "rollout": [0, 1, 2, 3, 4, 5]}), 8)
+    assert pp.pools["rollout"].plan.order == ["sample", "rollout", "reward", "advantage"]
+    assert pp.pools["train"].plan.order == ["ref_logprobs", "old_logprobs", "update"]
+    assert pp.transfers == ["sample.prompt_ids", "sample.prompt_mask", "rollout.response_ids",
+                            "rollout.response_mask", "rollout.rollout_logprobs",
+                            "rollout.truncated", "advantage.advantages"]
+    assert pp.pool_of(7).name == "train" and pp.pool_of(0).name == "rollout"
+    assert pp.staleness == 0 and pp.weight_sync == [("actor", "rollout")]
+
+
+def test_train_rejects_bad_placement_before_loading(tmp_path, capsys):
+    cfg = compose(["placement=partitioned", f"trainer.output_dir={tmp_path}"])  # 1 rank
+    with pytest.raises(ConfigError, match="placement.mode=partitioned needs >= 2 ranks"):
+        prepare(cfg)
+    assert main(["plan", "placement=partitioned", "launcher.nproc=3",
+                 f"trainer.output_dir={tmp_path}"]) == 2  # default pools [0] / [1]: rank 2 left out
+    assert "placement.pools: ranks [2] are in no pool" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written: no run started
+
+
+def plan_output(capsys, *args):
+    assert main(["plan", "trainer.output_dir=/tmp/x", "model=tiny", "trainer=smoke", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_plan_partitioned_text(capsys):
+    out = plan_output(capsys, "placement=partitioned", "launcher.nproc=2")
+    assert out.startswith("PlacementPlan  graph=grpo  mode=partitioned  world=2  staleness=0\n")
+    assert "Pool rollout  ranks [1]  roles: rollout\n" in out
+    assert "Pool train  ranks [0]  roles: actor\n" in out
+    # tiny smoke config: B = 2 prompts x 4 samples x 2 ranks = 16 rows, R = 16 new tokens
+    assert "   8. send      rollout.response_ids to pool train (2.0 KiB), then free\n" in out
+    assert "   3. recv      rollout.response_ids from pool rollout (2.0 KiB)\n" in out
+    assert "broadcast weights actor -> rollout to pool rollout" in out
+    assert "wait      weights actor -> rollout from pool train: at most 0 version(s) behind" in out
+    assert "Transfers rollout -> train per step (rollout rank i -> train rank i mod 1):" in out
+    assert "Weight sync: actor -> rollout broadcast train -> rollout after each update, 24.3 MiB" in out
+    assert "Predicted peak memory per device: pool rollout " in out
+
+
+def test_plan_colocated_keeps_text_and_adds_memory(capsys):
+    out = plan_output(capsys)
+    assert out.startswith("ExecutionPlan  graph=grpo  placement=colocated  pool=[rank 0]\n")
+    # tiny llama: 6,365,504 fp32 params; actor alone: weights + grads + 2 AdamW moments = 97.1 MiB
+    assert "Predicted peak memory per device: pool all 97.1 MiB (actor)\n" in out
+
+
+def test_plan_mermaid_and_dot(capsys):
+    out = plan_output(capsys, "placement=partitioned", "launcher.nproc=2", "--format", "mermaid")
+    assert out.startswith("flowchart TB\n")
+    assert '  subgraph rollout["pool rollout ranks [1]"]\n' in out
+    assert '  subgraph train["pool train ranks [0]"]\n' in out
+    assert '  rollout_7 -->|"rollout.response_ids 2.0 KiB"| train_2\n' in out
+    assert '  train_9 -.->|"weights (staleness 0)"| rollout_1\n' in out
+    out = plan_output(capsys, "placement=partitioned", "launcher.nproc=2", "--format=dot")
+    assert out.startswith('digraph "grpo" {\n')
+    assert "  subgraph cluster_train {\n" in out
+    assert '  train_9 -> rollout_1 [label="weights (staleness 0)", style=dashed];\n' in out
+    assert main(["plan", "--format", "svg"]) == 2
+
+
+def test_plan_auto_explains_choice(capsys):
+    out = plan_output(capsys, "placement=auto", "launcher.nproc=2")
+    assert "auto: device profile cpu; workload B=16 rows, P=256, R=16 tokens" in out
+    assert "colocated W=2" in out and "partitioned rollout=1 train=1 k=0" in out
+    assert "\n  chose " in out
