@@ -380,7 +380,32 @@ def choose_placement(full_plan: Any, cfg: Any, world_size: int, costs: StageCost
     return chosen
 
 
+def refine_and_choose(full_plan: Any, cfg: Any, world_size: int, costs: StageCosts,
+                      profile_metrics: Sequence[Mapping[str, float]],
+                      role_parallelism: Optional[dict[str, int]] = None) -> PlacementPlan:
+    """The runtime's ``placement=auto`` switch point: after ``placement.auto.profile_steps``
+    colocated steps on ``world_size`` ranks, fit ``costs`` to their metrics and choose again."""
+    costs.refine(profile_metrics, ranks=world_size)
+    pp = choose_placement(full_plan, cfg, world_size, costs, role_parallelism)
+    pp.notes.insert(0, f"auto: refined from {len(profile_metrics)} measured colocated step(s)")
+    return pp
+
+
+def predicted_vs_measured(pp: PlacementPlan, step_metrics: Sequence[Mapping[str, float]]) -> str:
+    """One line for the log: the plan's predicted step time next to the mean measured
+    ``perf/step_s`` of ``step_metrics``, e.g. ``placement partitioned rollout=[2, 3] train=[0, 1]:
+    predicted step 89 s, measured 95 s (+6.7%)``."""
+    pools = " ".join(f"{k}={v.ranks}" for k, v in pp.pools.items())
+    vals = [float(m["perf/step_s"]) for m in step_metrics if "perf/step_s" in m]
+    pred = pp.estimate.step_s if pp.estimate is not None else None
+    line = f"placement {pp.mode} {pools}: predicted step " + (f"{pred:.3g} s" if pred else "?")
+    if vals:
+        meas = sum(vals) / len(vals)
+        line += f", measured {meas:.3g} s" + (f" ({(meas / pred - 1) * 100:+.1f}%)" if pred else "")
+    return line
+
+
 __all__ = ["DEVICES", "DeviceProfile", "KIND_SECONDS", "OP_KIND", "PlacementEstimate",
            "StageCosts", "Workload", "choose_placement", "decode_seconds", "estimate",
-           "forward_seconds", "resolve_device", "stage_kind", "sync_bytes", "ternary_search",
+           "forward_seconds", "predicted_vs_measured", "refine_and_choose", "resolve_device", "stage_kind", "sync_bytes", "ternary_search",
            "train_seconds", "transfer_bytes"]

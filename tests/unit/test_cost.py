@@ -138,3 +138,17 @@ def test_choose_placement_explains():
                             "fast, below placement.auto.min_gain 1.5")
     assert choose_placement(grpo_plan(), cfg, 1, costs()).notes[-1] == \
         "chose colocated: no valid partitioned split of 1 rank(s)"
+
+
+def test_runtime_seam_refine_then_choose():
+    from flowrl.compiler.cost import predicted_vs_measured, refine_and_choose
+
+    cfg = SimpleNamespace(placement=PlacementConfig(mode="auto", staleness=1))
+    # measured: the update is 4x slower than modelled on 4 colocated ranks (24 -> 96 s), so the
+    # train side needs more ranks: 3 train / 1 rollout wins: max(96, (32 + 4·96)/3) + 1.053
+    pp = refine_and_choose(grpo_plan(), cfg, 4, costs(), [{"time/update": 96.0}])
+    assert pp.notes[0] == "auto: refined from 1 measured colocated step(s)"
+    assert (pp.mode, pp.pools["train"].ranks) == ("partitioned", [0, 1, 2])
+    assert pp.estimate.step_s == pytest.approx((32 + 4 * 96) / 3 + 1 + 212 / 4000)
+    assert predicted_vs_measured(pp, [{"perf/step_s": 150.0}, {"perf/step_s": 130.0}]) == \
+        "placement partitioned rollout=[3] train=[0, 1, 2]: predicted step 140 s, measured 140 s (+0.2%)"
