@@ -17,7 +17,9 @@ from flowrl.compiler.placement import PlacementConfig
 from flowrl.data import DataConfig
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.reward_model import RewardModelConfig
+from flowrl.engines.rollout import ROLLOUT_BACKENDS
 from flowrl.engines.rollout.hf import HFRolloutConfig
+from flowrl.engines.rollout.vllm import VLLMRolloutConfig
 from flowrl.engines.train.local import TrainEngineConfig
 from flowrl.launch import LauncherConfig
 from flowrl.models.loading import ModelConfig
@@ -42,15 +44,20 @@ class GraphConfig:
 
 @dataclass
 class RolloutConfig:
-    """backend: rollout engine (``hf``; ``vllm`` comes with its issue)."""
+    """backend: rollout engine, ``hf`` (transformers generate) or ``vllm`` (its section ``vllm``;
+    needs the vllm package). ``sampling`` is shared by both."""
 
     backend: str = "hf"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     hf: HFRolloutConfig = field(default_factory=HFRolloutConfig)
+    vllm: VLLMRolloutConfig = field(default_factory=VLLMRolloutConfig)
 
     def __post_init__(self) -> None:
-        if self.backend != "hf":
-            raise ValueError(f"rollout.backend must be 'hf' (vLLM is not wired yet), got {self.backend!r}")
+        if self.backend not in ROLLOUT_BACKENDS:
+            raise ValueError(f"rollout.backend must be one of {sorted(ROLLOUT_BACKENDS)}, "
+                             f"got {self.backend!r}")
+        if self.backend == "vllm":
+            self.vllm.check_sampling(self.sampling)
 
 
 @dataclass

