@@ -145,3 +145,12 @@ def test_plan_auto_explains_choice(capsys):
     assert "auto: device profile cpu; workload B=16 rows, P=256, R=16 tokens" in out
     assert "colocated W=2" in out and "partitioned rollout=1 train=1 k=0" in out
     assert "\n  chose " in out
+
+
+def test_vllm_tensor_parallel_size_sizes_the_rollout_pool(tmp_path):
+    cfg = compose(["model=tiny", "trainer=smoke", "rollout=vllm", "placement=partitioned",
+                   "launcher.nproc=2", "rollout.vllm.tensor_parallel_size=2",
+                   f"trainer.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"^placement.pools.rollout: pool 'rollout' has 1 rank\(s\), "
+                                          r"too few for role 'rollout' \(tensor_parallel_size 2\)"):
+        prepare(cfg)
