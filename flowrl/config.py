@@ -19,7 +19,7 @@ from flowrl.engines.base import SamplingConfig
 from flowrl.engines.reward_model import RewardModelConfig
 from flowrl.engines.rollout import ROLLOUT_BACKENDS
 from flowrl.engines.rollout.hf import HFRolloutConfig
-from flowrl.engines.rollout.vllm import VLLMRolloutConfig
+from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
 from flowrl.engines.train.local import TrainEngineConfig
 from flowrl.launch import LauncherConfig
 from flowrl.models.loading import ModelConfig

@@ -8,7 +8,7 @@ from flowrl.cli import compose
 from flowrl.config import to_train_config
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.rollout import ROLLOUT_BACKENDS, build_rollout_engine
-from flowrl.engines.rollout.vllm import VLLMRolloutConfig, check_model_for_vllm
+from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig, check_model_for_vllm
 
 
 @pytest.mark.parametrize("field, value", [

@@ -21,127 +21,18 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
 
 from flowrl.algorithms.masks import response_mask
 from flowrl.engines.base import RolloutBatch, SamplingConfig
+from flowrl.engines.rollout.vllm_config import (  # noqa: F401 (re-exported)
+    CPU_HEAD_SIZES, LOGPROBS_MODES, VLLM_DTYPES, VLLMRolloutConfig, check_model_for_vllm)
 
 log = logging.getLogger(__name__)
-
-VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
-LOGPROBS_MODES = ("tempered", "processed")
-# head sizes vLLM 0.32's CPU attention kernel accepts (vllm/v1/attention/backends/cpu_attn.py)
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-@dataclass
-class VLLMRolloutConfig:
-    """Configuration of :class:`VLLMRolloutEngine` (``conf/rollout/vllm.yaml``, ``rollout.vllm``).
-
-    Attributes:
-        gpu_memory_utilization: fraction of the device memory vLLM may take for weights, activations
-            and KV cache (CUDA). Colocated with a trainer, keep it well below 1.
-        kv_cache_memory_gb: fixed KV-cache size in GiB; overrides ``gpu_memory_utilization`` for the
-            cache (and is what sizes the cache on CPU). None = vLLM's own sizing.
-        tensor_parallel_size: ranks one engine spans (the placement compiler sizes the rollout
-            pool by it). In-process colocated engines on CPU use 1.
-        max_num_seqs: most sequences vLLM runs in one engine step.
-        max_num_batched_tokens: most tokens in one engine step (None = vLLM's default).
-        max_model_len: longest prompt + response in tokens (None = the model config's
-            ``max_position_embeddings``). A request longer than this finishes as truncated.
-        enforce_eager: True = no CUDA graphs (slower decode, faster start, less memory).
-        dtype: weights/activations dtype: ``auto`` (= the exported model's dtype), ``float32``,
-            ``bfloat16``, ``float16``.
-        enable_prefix_caching: the ``n`` samples of a prompt (one request with ``n`` children)
-            share the prompt's KV blocks instead of each prefilling it.
-        sleep_level: what a colocated swap point does: 0 = never sleep, 1 = weights to host memory +
-            KV cache dropped, 2 = weights and KV cache dropped (refilled by the next weight load).
-        logprobs_mode: what ``rollout_logprobs`` holds, as ``HFRolloutConfig.logprobs_mode``:
-            "tempered" = log softmax(logits / T) over the full vocabulary (what the trainer
-            recomputes); "processed" = under the top-k/top-p truncated, renormalised distribution.
-            Both read vLLM's ``processed_logprobs``; without truncation they are the same number,
-            so "tempered" refuses sampling settings that truncate (see :meth:`check_sampling`).
-        seed: vLLM's engine seed (requests without a generator).
-        model_dir: where the HF export of the initial model is written; None = a temporary
-            directory removed by :meth:`VLLMRolloutEngine.close`.
-    """
-
-    gpu_memory_utilization: float = 0.5
-    kv_cache_memory_gb: Optional[float] = None
-    tensor_parallel_size: int = 1
-    max_num_seqs: int = 256
-    max_num_batched_tokens: Optional[int] = None
-    max_model_len: Optional[int] = None
-    enforce_eager: bool = False
-    dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    sleep_level: int = 1
-    logprobs_mode: str = "tempered"  # "tempered" | "processed" (OmegaConf has no Literal)
-    seed: int = 0
-    model_dir: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"rollout.vllm.gpu_memory_utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization}")
-        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
-            raise ValueError(f"rollout.vllm.kv_cache_memory_gb must be > 0 or null, "
-                             f"got {self.kv_cache_memory_gb}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"rollout.vllm.tensor_parallel_size must be >= 1, "
-                             f"got {self.tensor_parallel_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"rollout.vllm.max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        for name in ("max_num_batched_tokens", "max_model_len"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"rollout.vllm.{name} must be >= 1 or null, got {v}")
-        if self.dtype not in VLLM_DTYPES:
-            raise ValueError(f"rollout.vllm.dtype must be one of {VLLM_DTYPES}, got {self.dtype!r}")
-        if self.sleep_level not in (0, 1, 2):
-            raise ValueError(f"rollout.vllm.sleep_level must be 0, 1 or 2, got {self.sleep_level}")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"rollout.vllm.logprobs_mode must be one of {LOGPROBS_MODES}, "
-                             f"got {self.logprobs_mode!r}")
-
-    def check_sampling(self, params: SamplingConfig) -> None:
-        """Reject sampling settings whose "tempered" logprobs vLLM cannot return.
-
-        vLLM's processed logprobs are taken after top-k/top-p masking; with truncation they are
-        log p_tempered − log(kept mass), not the trainer's tempered value.
-
-        Raises:
-            ValueError: ``logprobs_mode="tempered"`` with ``temperature > 0`` and ``top_p < 1`` or
-                ``top_k > 0``.
-        """
-        truncates = params.temperature > 0 and (params.top_p < 1.0 or params.top_k > 0)
-        if self.logprobs_mode == "tempered" and truncates:
-            raise ValueError(
-                "rollout.vllm.logprobs_mode='tempered' needs untruncated sampling (rollout.sampling."
-                f"top_p=1, top_k=0; got top_p={params.top_p}, top_k={params.top_k}): vLLM returns "
-                "logprobs of the truncated distribution. Set rollout.vllm.logprobs_mode=processed.")
-
-
-def check_model_for_vllm(hf_config, on_cpu: bool) -> None:
-    """Fail before vLLM starts when its CPU attention kernel cannot run this model.
-
-    Raises:
-        ValueError: on CPU, a head size (``head_dim`` or hidden/heads) vLLM's CPU kernel lacks.
-    """
-    if not on_cpu:
-        return
-    heads = getattr(hf_config, "num_attention_heads", None)
-    head = getattr(hf_config, "head_dim", None) or (hf_config.hidden_size // heads if heads else None)
-    if head is not None and head not in CPU_HEAD_SIZES:
-        raise ValueError(f"vLLM's CPU backend supports head sizes {CPU_HEAD_SIZES}; the model has "
-                         f"{head}. For a tiny model set e.g. model.tiny.num_attention_heads=2 "
-                         "model.tiny.num_key_value_heads=1 (hidden 64 / 2 heads = 32)")
-
 
 def import_vllm():
     """Import vllm for in-process use (sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` first).
