@@ -50,8 +50,11 @@ class AutoConfig:
             raise ValueError(f"placement.auto.profile_steps must be >= 1, got {self.profile_steps}")
         if self.min_gain < 1.0:
             raise ValueError(f"placement.auto.min_gain must be >= 1.0, got {self.min_gain}")
-        if self.device not in ("auto", "cpu", "h200"):
-            raise ValueError(f"placement.auto.device must be auto, cpu or h200, got {self.device!r}")
+        from flowrl.compiler.cost import DEVICES  # cost.py imports this module: import late
+
+        if self.device != "auto" and self.device not in DEVICES:
+            raise ValueError(f"placement.auto.device must be auto or one of {sorted(DEVICES)}, "
+                             f"got {self.device!r}")
 
 
 @dataclass
