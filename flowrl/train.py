@@ -89,8 +89,14 @@ def prepare_placement(cfg: TrainConfig, plan: ExecutionPlan, world_size: int):
         from flowrl.compiler.cost import StageCosts, choose_placement
 
         costs = StageCosts.from_config(plan, cfg, world_size, parallelism=role_parallelism(cfg))
-        return choose_placement(plan, cfg, world_size, costs, role_parallelism(cfg))
-    return place(plan, cfg.placement, world_size, role_parallelism(cfg))
+        placement = choose_placement(plan, cfg, world_size, costs, role_parallelism(cfg))
+    else:
+        placement = place(plan, cfg.placement, world_size, role_parallelism(cfg))
+    if placement.mode == "partitioned":  # k >= 1 needs the trainer's old logprobs
+        from flowrl.runtime.partitioned_train import check_staleness
+
+        check_staleness(placement, cfg)
+    return placement
 
 
 def _check_estimators(plan: ExecutionPlan, cfg: TrainConfig) -> None:
@@ -115,15 +121,17 @@ def _device(cfg: TrainConfig) -> torch.device:
     return torch.device(cfg.trainer.device)
 
 
-def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer) -> dict[str, Any]:
-    """Load the model once and build the engine of every role the plan uses."""
+def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer,
+                  world_size: int | None = None) -> dict[str, Any]:
+    """Load the model once and build the engine of every role the plan uses (a partitioned
+    pool's plan: only that pool's roles; ``world_size`` = the pool's ranks)."""
     from flowrl.engines.rollout import build_rollout_engine
     from flowrl.engines.rollout.hf import HFRolloutEngine
     from flowrl.engines.train.local import LocalTrainEngine
     from flowrl.models.loading import load_model, load_tokenizer
 
     model = load_model(cfg.model).to(_device(cfg))
-    fsdp = _use_fsdp(cfg)
+    fsdp = _use_fsdp(cfg, world_size)
     if fsdp:
         from flowrl.engines.train.fsdp import broadcast_module, fsdp_variant
 
@@ -133,9 +141,12 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer) -> dict[str,
     ref_copy = copy.deepcopy(model) if "ref" in plan.roles else None  # before any update
     # FSDP shards the actor's own copy; `model` stays whole as the rollout engine's module and
     # gets the gathered weights at every sync. One process: rollout shares the module (no copy).
-    engines["actor"] = LocalTrainEngine(copy.deepcopy(model) if fsdp else model, cfg.trainer.engine,
-                                        trainable=True)
-    engines["rollout"] = build_rollout_engine(cfg.rollout, model, tokenizer, shared=not fsdp)
+    if "actor" in plan.roles:
+        engines["actor"] = LocalTrainEngine(copy.deepcopy(model) if fsdp else model,
+                                            cfg.trainer.engine, trainable=True)
+    if "rollout" in plan.roles:  # partitioned rollout pool: its own copy, no actor
+        engines["rollout"] = build_rollout_engine(cfg.rollout, model, tokenizer,
+                                                  shared=not fsdp and "actor" in engines)
     if ref_copy is not None:
         engines["ref"] = LocalTrainEngine(ref_copy, cfg.trainer.engine, trainable=False)
     if "reward_model" in plan.roles:  # classifier RM, frozen
@@ -159,7 +170,7 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer) -> dict[str,
     return engines
 
 
-def _use_fsdp(cfg: TrainConfig) -> bool:
+def _use_fsdp(cfg: TrainConfig, world: int | None = None) -> bool:
     """FSDP2 engines when asked (``trainer.engine.strategy=fsdp``) or when running on > 1 rank.
 
     Raises:
@@ -167,7 +178,7 @@ def _use_fsdp(cfg: TrainConfig) -> bool:
     """
     from flowrl.runtime.distributed import dist_info
 
-    world, strategy = dist_info().world_size, cfg.trainer.engine.strategy
+    world, strategy = world or dist_info().world_size, cfg.trainer.engine.strategy
     if world > 1 and strategy == "local":
         raise ValueError(f"trainer.engine.strategy=local cannot run on {world} ranks; use auto or fsdp")
     return strategy == "fsdp" or (strategy == "auto" and world > 1)
@@ -196,6 +207,14 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     # ranks' Hydra run dirs can differ by a timestamp second: all use rank 0's (DCP needs one dir)
     out_dir = Path(fdist.broadcast_object(cfg.trainer.output_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.placement.mode != "colocated":
+        placement = prepare_placement(cfg, plan, dinfo.world_size)
+        if placement.mode == "partitioned":  # each rank runs its pool's half of the plan
+            from flowrl.runtime.partitioned_train import train_partitioned
+
+            if rank0:
+                (out_dir / "plan.txt").write_text(plan.format_text() + "\n")
+            return train_partitioned(cfg, plan, placement, dinfo, out_dir)
     torch.manual_seed(cfg.trainer.seed)
     if rank0:
         (out_dir / "plan.txt").write_text(plan.format_text() + "\n")

@@ -101,7 +101,9 @@ def run_minibatches(ctx: StageContext, batch: dict, make_loss_fn, *, prefix: str
 
     algo = ctx.resource("algorithm")
     B, R = batch["response_ids"].shape
-    group = ctx.dist.group if ctx.dist.world_size > 1 else None
+    # the pool's group (partitioned: the train pool only; never the world, which holds the
+    # rollout pool too); None without a process group
+    group = ctx.dist.group
     mbs = global_mini_batch(ctx, algo, B)
     sums: dict[str, float] = {}
     steps, tokens_seen = 0, 0.0

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -38,6 +38,9 @@ from flowrl.ops.registry import OPS
 from flowrl.runtime.store import TensorStore
 
 log = logging.getLogger(__name__)
+
+
+SEND = "_send"  # store release point of a partitioned pool's outgoing keys
 
 
 # seconds of the rollout engine's swap/sync actions per step (colocated vLLM: sleep, wake_up and
@@ -59,13 +62,16 @@ class Executor:
         engines: role → engine (TrainEngine for actor/ref/critic, RolloutEngine for rollout).
         resources: shared objects handed to ops (tokenizer, prompts, algorithm, sampling, trainer).
         seed: run seed; each stage run gets ``torch.Generator`` seeded by :func:`stage_seed`.
+        sends: partitioned placement: keys (``"stage.output"``) this pool hands to the other pool
+            at the end of each step (``PoolPlan.sends``); freed from the store once sent.
 
     Raises:
         KeyError: at construction, when a role of the plan has no engine.
     """
 
     def __init__(self, plan: ExecutionPlan, engines: Mapping[str, Any],
-                 resources: Mapping[str, Any], *, seed: int = 0, dist: DistInfo | None = None):
+                 resources: Mapping[str, Any], *, seed: int = 0, dist: DistInfo | None = None,
+                 sends: list[str] | tuple[str, ...] = ()):
         missing = [r for r in plan.roles if r not in engines]
         if missing:
             raise KeyError(f"plan needs engines for roles {missing}; have {sorted(engines)}")
@@ -74,7 +80,9 @@ class Executor:
         self.resources = dict(resources)
         self.seed = seed
         self.dist = dist or DistInfo()
-        self.store = TensorStore(plan.release_after)
+        self.sends = list(sends)
+        # the pseudo-stage SEND releases what was handed to the other pool
+        self.store = TensorStore({**plan.release_after, SEND: self.sends})
         self._cfg = {c.stage.name: c.config for c in plan.stages}
         self._resident: set[str] = set(plan.resident_at_end)
         self.stage_metrics: dict[str, dict[str, float]] = {}  # this step's, per stage
@@ -106,15 +114,26 @@ class Executor:
         self.engines[dst_role].load_weights(self.engines[src_role].named_weights())
 
     # ---- one step ------------------------------------------------------------------------------
-    def run_step(self, step: int) -> dict[str, float]:
-        """Run every action of the plan once; return the step's metrics."""
+    def run_step(self, step: int, received: Mapping[str, Any] | None = None,
+                 send: Callable[[dict[str, Any]], None] | None = None) -> dict[str, float]:
+        """Run every action of the plan once; return the step's metrics.
+
+        Partitioned pools: ``received`` (``"stage.output"`` → value, from the other pool) enters
+        the store before the first stage; after the last one, ``send`` is called with the keys of
+        ``sends`` and they leave the store (lifecycle: freed on the sender once sent).
+        """
         metrics: dict[str, float] = {}
         swap_s = sync_s = 0.0
         moved = {"offload": 0.0, "onload": 0.0}  # seconds per direction (colocated swaps)
         t_step = time.perf_counter()
         self.store.clear()
         self.stage_metrics.clear()
+        for key, value in (received or {}).items():
+            stage, out = key.split(".", 1)
+            self.store.put(stage, {out: value})
         for a in self.plan.actions:
+            if a.role is not None and a.role not in self.engines and a.kind != "run":
+                continue  # a role of the other pool: its weights arrive by broadcast
             t0 = time.perf_counter()
             if a.kind == "offload":
                 self._offload(a.role, a.keep_weights)
@@ -141,6 +160,11 @@ class Executor:
             if a.role == "rollout" and a.kind in ROLLOUT_TIMERS:  # sleep / wake / weight load
                 key = ROLLOUT_TIMERS[a.kind]
                 metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - t0
+        if self.sends:
+            if send is None:
+                raise RuntimeError(f"step {step}: the plan sends {self.sends} but no send was given")
+            send({k: self.store.get(k) for k in self.sends})
+            self.store.release_after(SEND)
         leftover = list(self.store.keys())
         if leftover:  # a plan bug, not a user error: the lifecycle table missed these
             log.warning("step %d: store still holds %s at step end", step, leftover)

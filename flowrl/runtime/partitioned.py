@@ -1,0 +1,266 @@
+"""Partitioned execution: the rollout pool and the train pool run their halves of the plan
+concurrently, connected by a queue of depth ``staleness`` (k).
+
+Timeline of step ``s`` (versions count updates; the initial weights are version ``start - 1``)::
+
+    rollout pool rank i                         train pool rank (i mod n_train)
+    ───────────────────                         ───────────────────────────────
+    wait until version >= s-1-k  ◄──bcast v──┐  recv batch s (tagged with its version v_b)
+    sample → rollout → reward → advantage     │  lag = version − v_b   (raise if lag > k)
+    isend batch s (tagged version) ──────────►│  old_logprobs → update;  version += 1
+    (store frees the sent keys at once)       └─ broadcast weights v (if a later rollout needs it)
+
+k = 0: the rollout of step s waits for the update of step s−1 (same weights as colocated).
+k = 1: rollout s+1 runs while the trainer updates on batch s; after warm-up every lag is exactly 1.
+Batches move point-to-point (``transport.send_batch``), weights by bucketed broadcast on a group of
+train-pool rank 0 and the rollout ranks (``transport.WeightBroadcaster``); every wait has a timeout
+and a dead peer raises ``PoolPeerError`` naming its pool and rank.
+
+Metrics: each rollout rank ships its step metrics with the batch; the train rank merges them
+(``store/*`` and ``perf/*`` get a ``/rollout`` suffix, its own a ``/train`` one) so train-pool
+rank 0 logs both pools, including ``perf/busy_s/<pool>`` (seconds spent in stages and weight
+transfers) for the busy fraction ``busy_s / perf/step_s``.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from flowrl.compiler.placement import ROLLOUT_POOL, TRAIN_POOL, PlacementError, PlacementPlan, PoolPlan
+from flowrl.ops.context import DistInfo
+from flowrl.runtime.distributed import metric_rule, reduce_metrics
+from flowrl.runtime.transport import PendingSend, WeightBroadcaster, recv_batch, send_batch
+
+
+# fault injection for tests: a rollout rank exits abruptly (no teardown) after sending this step
+FAULT_EXIT_AFTER = int(os.environ.get("FLOWRL_FAULT_ROLLOUT_EXIT_AFTER", "0") or 0)
+
+
+class StalenessError(RuntimeError):
+    """A batch reached the trainer more than ``placement.staleness`` weight versions old."""
+
+
+@dataclass
+class PoolContext:
+    """This rank's place in a partitioned job.
+
+    Attributes:
+        placement: the whole placement; pool: this rank's PoolPlan.
+        rank: global rank; dist: this pool's data-parallel rank/size and its process group.
+        peers: rollout rank → [its train rank]; train rank → the rollout ranks it receives from.
+        broadcaster: weight broadcast (train-pool rank 0 sends; rollout ranks receive; None on
+            other train ranks).
+    """
+
+    placement: PlacementPlan
+    pool: PoolPlan
+    rank: int
+    dist: DistInfo
+    peers: list[int]
+    broadcaster: WeightBroadcaster | None
+
+    @property
+    def is_train(self) -> bool:
+        return self.pool.name == TRAIN_POOL
+
+
+def check_partitioned(placement: PlacementPlan) -> None:
+    """Pool shapes this runtime runs. Raises PlacementError naming ``placement.pools``."""
+    n_train = len(placement.pools[TRAIN_POOL].ranks)
+    n_roll = len(placement.pools[ROLLOUT_POOL].ranks)
+    if n_train > 1:
+        raise PlacementError(f"placement.pools.train: {n_train} ranks; the partitioned runtime "
+                             "trains on one rank per train pool for now (FSDP over a pool "
+                             "sub-mesh is not implemented): give the train pool one rank")
+    if n_roll % n_train:
+        raise PlacementError(f"placement.pools: the rollout pool ({n_roll} ranks) must be a "
+                             f"multiple of the train pool ({n_train} ranks)")
+
+
+def pool_context(placement: PlacementPlan, rank: int, *, bucket_mb: int, device: torch.device,
+                 timeout_s: float) -> PoolContext:
+    """Create the pool groups (collective: every rank of the job calls this, in the same order)."""
+    train = placement.pools[TRAIN_POOL].ranks
+    roll = placement.pools[ROLLOUT_POOL].ranks
+    groups = {TRAIN_POOL: dist.new_group(train), ROLLOUT_POOL: dist.new_group(roll)}
+    wgroup = dist.new_group(sorted({train[0], *roll}))
+    pool = placement.pool_of(rank)
+    info = DistInfo(rank=pool.ranks.index(rank), world_size=len(pool.ranks), group=groups[pool.name])
+    if pool.name == TRAIN_POOL:
+        peers = [r for i, r in enumerate(roll) if i % len(train) == info.rank]
+    else:
+        peers = [train[info.rank % len(train)]]
+    bc = None
+    if rank in (train[0], *roll):
+        bc = WeightBroadcaster(wgroup, train[0], bucket_mb=bucket_mb,
+                               device=device if device.type == "cuda" else "cpu", timeout_s=timeout_s,
+                               receivers=f"{ROLLOUT_POOL} pool ranks {roll}")
+    return PoolContext(placement, pool, rank, info, peers, bc)
+
+
+def pool_metrics(metrics: Mapping[str, float], pool: str) -> dict[str, float]:
+    """One pool's step metrics under their merged names: ``store/*`` and ``perf/*`` get the pool
+    suffix; ``perf/busy_s/<pool>`` = the stages' summed times (``time/*``) plus weight transfers."""
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        out[f"{k}/{pool}" if k.startswith(("store/", "perf/")) else k] = v
+    busy = sum(v for k, v in metrics.items() if k.startswith("time/"))
+    out[f"perf/busy_s/{pool}"] = busy + metrics.get("perf/weight_sync_s", 0.0)
+    return out
+
+
+def merge_rank_metrics(dicts: list[Mapping[str, float]]) -> dict[str, float]:
+    """Combine several ranks' metric dicts by :func:`flowrl.runtime.distributed.metric_rule`."""
+    out: dict[str, float] = {}
+    for key in sorted({k for d in dicts for k in d}):
+        vals = [float(d[key]) for d in dicts if key in d]
+        rule = metric_rule(key)
+        out[key] = (sum(vals) if rule == "sum" else max(vals) if rule == "max"
+                    else min(vals) if rule == "min" else sum(vals) / len(vals))
+    return out
+
+
+def concat_batches(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Concatenate batches from several rollout ranks along dim 0. Tensors of different widths
+    are padded with zeros/False: ``prompt_*`` on the left (prompts are left-padded), everything
+    else on the right. Lists (e.g. ``ground_truth``) are joined."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    out: dict[str, Any] = {}
+    for key in parts[0]:
+        vals = [p[key] for p in parts]
+        if not isinstance(vals[0], torch.Tensor):
+            out[key] = [x for v in vals for x in v]
+            continue
+        if vals[0].dim() >= 2:
+            width = max(v.shape[1] for v in vals)
+            left = key.split(".", 1)[1].startswith("prompt_")
+            vals = [torch.nn.functional.pad(v, (width - v.shape[1], 0) if left else
+                                            (0, width - v.shape[1])) for v in vals]
+        out[key] = torch.cat(vals)
+    return out
+
+
+class RolloutPool:
+    """The rollout side: waits for the weights it needs, runs its stages, isends the batch.
+
+    Args:
+        executor: Executor of ``ctx.pool.plan`` with ``sends=ctx.pool.sends``.
+        ctx: this rank's PoolContext; engines: role → engine (the weight-sync destinations load
+            each received version).
+    """
+
+    def __init__(self, executor, ctx: PoolContext, *, staleness: int, timeout_s: float,
+                 device: torch.device):
+        self.executor, self.ctx, self.k = executor, ctx, staleness
+        self.timeout_s, self.device = timeout_s, device
+        dsts = {dst for _, dst in ctx.placement.weight_sync} or {"rollout"}
+        self.sync_roles = [r for r in dsts if r in executor.engines]
+        self.version = -1
+        self.pending: list[PendingSend] = []
+
+    def receive_weights(self) -> float:
+        """Receive the next broadcast version into every sync destination; returns seconds."""
+        t0 = time.perf_counter()
+        version, named = self.ctx.broadcaster.recv()
+        if self.version >= 0 and version != self.version + 1:
+            raise RuntimeError(f"rollout pool rank {self.ctx.rank}: received weight version "
+                               f"{version} after {self.version}")
+        for role in self.sync_roles:
+            self.executor.engines[role].load_weights(named)
+        self.version = version
+        return time.perf_counter() - t0
+
+    def step(self, step: int) -> None:
+        wait_s = 0.0
+        while self.version < step - 1 - self.k:
+            wait_s += self.receive_weights()
+        outgoing: dict[str, Any] = {}
+        m = self.executor.run_step(step, send=outgoing.update)
+        self.pending = [p for p in self.pending if not p.done()]
+        m = pool_metrics(m, ROLLOUT_POOL)
+        m[f"perf/weight_wait_s/{ROLLOUT_POOL}"] = wait_s
+        m["placement/rollout_version"] = float(self.version)
+        self.pending.append(send_batch(
+            outgoing, version=self.version, step=step, dst=self.ctx.peers[0], metrics=m,
+            device=self.device if self.device.type == "cuda" else "cpu",
+            timeout_s=self.timeout_s, peer=f"{TRAIN_POOL} pool",
+            state=self.executor.resources["prompts"].state_dict()))
+        outgoing.clear()
+        if step == FAULT_EXIT_AFTER:  # fault injection (tests): die without any teardown
+            self.finish()
+            # exit status 0, or torchrun would SIGTERM the train pool before it can notice
+            os._exit(0)
+
+    def finish(self) -> None:
+        """Wait until the train pool took every batch (the sender's last references go)."""
+        for p in self.pending:
+            p.wait()
+        self.pending = []
+
+
+class TrainPool:
+    """The train side: receives a batch, checks its version lag, runs its stages, broadcasts."""
+
+    def __init__(self, executor, ctx: PoolContext, *, staleness: int, timeout_s: float,
+                 device: torch.device, total_steps: int):
+        self.executor, self.ctx, self.k = executor, ctx, staleness
+        self.timeout_s, self.total_steps = timeout_s, total_steps
+        self.device = device if device.type == "cuda" else torch.device("cpu")
+        self.src_role = ctx.placement.weight_sync[0][0] if ctx.placement.weight_sync else "actor"
+        self.version = -1
+        self.lags: list[int] = []
+        self.rollout_state: Any = None  # rollout pool rank 0's prompt-sampler state, last batch
+
+    def send_weights(self, version: int) -> dict[str, float]:
+        """Broadcast the actor's weights as ``version`` (only train-pool rank 0 sends)."""
+        t0 = time.perf_counter()
+        named = self.executor.engines[self.src_role].named_weights()  # FSDP: collective gather
+        bc = self.ctx.broadcaster
+        if bc is not None:
+            bc.send(named, version)
+        self.version = version
+        return {"perf/weight_sync_s": time.perf_counter() - t0,
+                "perf/weight_sync_bytes": float(bc.last_bytes if bc else 0)}
+
+    def step(self, step: int) -> dict[str, float]:
+        """One training step; returns the merged metrics of both pools (this train rank's view,
+        reduced over the train pool)."""
+        t_step = time.perf_counter()
+        got = [recv_batch(src, device=self.device, timeout_s=self.timeout_s,
+                          peer=f"{ROLLOUT_POOL} pool") for src in self.ctx.peers]
+        recv_s = time.perf_counter() - t_step
+        for b in got:
+            if b.step != step:
+                raise RuntimeError(f"train pool: expected the batch of step {step} from rank "
+                                   f"{b.src}, got step {b.step}")
+        lag = self.version - min(b.version for b in got)
+        if lag > self.k:
+            raise StalenessError(f"step {step}: batch of weight version {min(b.version for b in got)}"
+                                 f" is {lag} versions behind the trainer's {self.version}; "
+                                 f"placement.staleness={self.k}")
+        self.lags.append(lag)
+        self.rollout_state = got[0].state
+        m = self.executor.run_step(step, received=concat_batches([b.data for b in got]))
+        # a later rollout step needs this version only if step + 1 + k <= total_steps
+        if step <= self.total_steps - 1 - self.k:
+            m.update(self.send_weights(self.version + 1))
+        else:
+            self.version += 1
+        m["perf/recv_wait_s"] = recv_s
+        out = pool_metrics(m, TRAIN_POOL)
+        out.update(merge_rank_metrics([b.metrics for b in got]))
+        out["placement/version_lag"] = float(lag)
+        out["store/peak_bytes"] = max(out.get(f"store/peak_bytes/{p}", 0.0)
+                                      for p in (TRAIN_POOL, ROLLOUT_POOL))
+        out["perf/step_s"] = time.perf_counter() - t_step
+        return reduce_metrics(out, group=self.ctx.dist.group)
+
+
+__all__ = ["PoolContext", "RolloutPool", "StalenessError", "TrainPool", "check_partitioned",
+           "concat_batches", "merge_rank_metrics", "pool_context", "pool_metrics"]
