@@ -50,8 +50,8 @@ class VLLMRolloutConfig:
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_gb: Optional[float] = None
     tensor_parallel_size: int = 1
-    max_num_seqs: int = 256
-    max_num_batched_tokens: Optional[int] = None
+    max_num_seqs: int = 2048  # benchmarks/results/rollout_h200.md: a whole RL step in flight at once
+    max_num_batched_tokens: Optional[int] = 32768
     max_model_len: Optional[int] = None
     enforce_eager: bool = False
     dtype: str = "auto"
