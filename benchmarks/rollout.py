@@ -1,0 +1,395 @@
+"""Rollout throughput of flowrl's HF engine and of vLLM on a Qwen2.5-0.5B-shaped model, plus the
+colocated switch cost (sleep + wake + in-place weight load) of vLLM.
+
+    python benchmarks/rollout.py --variants hf-dynamic,hf-static,vllm-default,vllm-tuned \\
+        --batches 256,2048 --json-out r.json
+    python benchmarks/rollout.py --report r.json [more.json ...] --md-out benchmarks/results/rollout_h200.md
+
+Model: random weights, transformers ``Qwen2Config`` (hidden 896, 24 layers, 14 heads, 2 KV heads,
+intermediate 4864, vocab 151936, tied embeddings; 494M parameters) in bf16, saved once to
+``--model-dir`` so that both engines load the same checkpoint. Workload: ``B`` random 128-token
+prompts, temperature 1, ``--new-tokens`` (256) new tokens each, the sampled token's logprob recorded
+per token (what flowrl's trainer needs). Every response runs the full length: vLLM gets
+``ignore_eos=True``; the HF engine always stops at EOS, which a random model samples with
+probability ~1/151936 per token, and ``generate`` keeps decoding the batch until its last row ends,
+so its time is that of B × 256 tokens either way (tokens counted are the ones returned).
+
+Each variant runs in its own child process (clean GPU memory, isolated failures); a variant
+measures every batch size after one short warm-up generate at that size (full length for compiled
+HF, whose static cache shape is part of the compiled graph). Reported: response tokens / wall
+seconds of ``generate`` up to (B, R) logprob tensors on the host.
+
+vLLM settings (``VLLM_VARIANTS``) and sampling options (``SAMPLING``) are an ablation; ``--gc-freeze``
+runs vLLM's ``generate`` with Python's GC frozen and off; ``--switch`` adds the colocated switch cost
+(in-process engine only) to a vLLM variant. Results and their reading: benchmarks/results/rollout_h200.md. ``--smoke`` runs a 2-layer model on CPU (numbers
+meaningless; the CPU test of this script uses it).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import (command_line, git_revision, machine_info, markdown_table,  # noqa: E402
+                                text_table, utc_now, versions)
+
+PEAK_FLOPS = 790e12  # bf16 matmul measured on this H200 (KINDS.md: 769-798 TFLOP/s)
+PEAK_BW = 4.3e12     # device-to-device copy measured on this H200 (bytes read + written / s)
+EOS = 151643
+
+HF_VARIANTS = {  # name -> HFRolloutConfig fields (batch_size is always B: one generate call)
+    "hf-dynamic": dict(cache_implementation="dynamic"),
+    "hf-static": dict(cache_implementation="static"),
+    "hf-static-compile": dict(cache_implementation="static", compile=True),
+}
+# Settings every vLLM variant shares: what flowrl needs (bf16, token ids in/out, sleep mode for the
+# colocated switch, the sampler without the checkpoint's generation_config overrides).
+VLLM_BASE = dict(dtype="bfloat16", seed=0, skip_tokenizer_init=True, generation_config="vllm",
+                 enable_sleep_mode=True)
+_TUNED = dict(max_num_seqs=2048, max_cudagraph_capture_size=2048, max_num_batched_tokens=32768)
+VLLM_VARIANTS = {  # name -> (extra LLM kwargs, extra environment)
+    "vllm-default": ({}, {}),  # on an H200: max_num_seqs 1024, batched tokens 16384, graphs <= 512
+    "vllm-seqs2048": (dict(max_num_seqs=2048), {}),  # concurrency alone, graphs still <= 512
+    "vllm-graphs1024": (dict(max_cudagraph_capture_size=1024), {}),  # graphs cover 1024 seqs
+    "vllm-tuned": (_TUNED, {}),
+    "vllm-tuned-noasync": ({**_TUNED, "async_scheduling": False}, {}),
+    "vllm-tuned-noprefix": ({**_TUNED, "enable_prefix_caching": False}, {}),
+    "vllm-tuned-throughput": ({**_TUNED, "performance_mode": "throughput"}, {}),
+    "vllm-tuned-mp": (_TUNED, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),  # engine core in a 2nd process
+}
+SAMPLING = {  # name -> SamplingParams fields beyond temperature/max_tokens/ignore_eos/detokenize
+    "lp": dict(logprobs=0),                        # per-token dict[int, Logprob] objects
+    "lp-flat": dict(logprobs=0, flat_logprobs=True),  # flat primitive lists (FlatLogprobs)
+    "nolp": dict(logprobs=None),                   # no logprobs: the cost of having them
+}
+
+
+def build_model(smoke: bool, seed: int = 0):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    shape = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, intermediate_size=4864, vocab_size=151936)
+    if smoke:
+        shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=128, vocab_size=1024)
+    cfg = transformers.Qwen2Config(**shape, tie_word_embeddings=True, max_position_embeddings=4096,
+                                   eos_token_id=EOS if not smoke else 1, bos_token_id=None)
+    return transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+
+
+def prompts_for(B: int, P: int, vocab: int):
+    import torch
+
+    g = torch.Generator().manual_seed(B)
+    return torch.randint(0, min(vocab, 151000), (B, P), generator=g)
+
+
+def floor_tokens_per_s(B: int, P: int, R: int, n_params: int, cfg) -> float:
+    """Conservative hardware floor: per decode step, matmul FLOPs at PEAK_FLOPS *plus* bytes at
+    PEAK_BW (no overlap): bf16 weights once, the KV cache at mean context P + R/2, fp32 logits written
+    and read once; plus the prefill's FLOPs. FLOPs/token = 2·N + 4·L·d·ctx (attention)."""
+    L, d = cfg.num_hidden_layers, cfg.hidden_size
+    kv_bytes = 2 * L * cfg.num_key_value_heads * (d // cfg.num_attention_heads) * 2  # K+V, bf16
+    ctx = P + R / 2
+    step = (B * (2 * n_params + 4 * L * d * ctx) / PEAK_FLOPS
+            + (2 * n_params + B * ctx * kv_bytes + 2 * 4 * B * cfg.vocab_size) / PEAK_BW)
+    prefill = B * P * (2 * n_params + 4 * L * d * P / 2) / PEAK_FLOPS
+    return B * R / (R * step + prefill)
+
+
+# ---------------------------------------------------------------------------------------- workers
+def _sync():
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_hf(args, variant: str) -> list[dict]:
+    import torch
+    import transformers
+
+    from flowrl.engines.base import SamplingConfig
+    from flowrl.engines.rollout.hf import HFRolloutConfig, HFRolloutEngine
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = transformers.Qwen2ForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16).to(dev)
+    tok = type("Tok", (), {"eos_token_id": model.config.eos_token_id,
+                           "pad_token_id": model.config.eos_token_id})()
+    rows = []
+    for B in args.batches:
+        eng = HFRolloutEngine(model, tok, HFRolloutConfig(batch_size=B, **HF_VARIANTS[variant]))
+        ids = prompts_for(B, args.prompt_len, model.config.vocab_size)
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        warm = args.new_tokens if eng.cfg.compile else min(8, args.new_tokens)
+        eng.generate(ids, mask, SamplingConfig(max_new_tokens=warm), torch.Generator().manual_seed(1))
+        _sync()
+        t0 = time.perf_counter()
+        out = eng.generate(ids, mask, SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens),
+                           torch.Generator().manual_seed(0))
+        _sync()
+        dt = time.perf_counter() - t0
+        n = int(out.response_mask.sum())
+        assert torch.isfinite(out.rollout_logprobs).all()
+        rows.append(dict(variant=variant, batch=B, sampling="lp", tokens=n, seconds=dt,
+                         tokens_per_s=n / dt, settings=HF_VARIANTS[variant]))
+        print(f"{variant} B={B}: {n / dt:,.0f} tok/s ({dt:.2f} s)", flush=True)
+    return rows
+
+
+def _vllm_logprobs(o, flat: bool) -> list[float]:
+    if flat:  # logprobs=0: one entry (the sampled token) per position
+        return list(o.logprobs.logprobs)
+    return [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
+
+
+def run_vllm(args, variant: str) -> list[dict]:
+    import torch
+    from vllm import LLM, SamplingParams
+
+    extra, _ = VLLM_VARIANTS[variant]
+    P, R = args.prompt_len, args.new_tokens
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model_dir, max_model_len=P + R, **VLLM_BASE, **extra)
+    init_s = time.perf_counter() - t0
+    sched = llm.llm_engine.vllm_config.scheduler_config
+    comp = llm.llm_engine.vllm_config.compilation_config
+    effective = dict(max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+                     async_scheduling=sched.async_scheduling,
+                     max_cudagraph_capture_size=comp.max_cudagraph_capture_size, init_s=round(init_s, 1))
+    print(f"{variant}: init {init_s:.1f} s, effective {effective}", flush=True)
+    rows = []
+    for B in args.batches:
+        prompts = [{"prompt_token_ids": p} for p in prompts_for(B, P, 151936).tolist()]
+        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False),
+                     use_tqdm=False)
+        for s in args.sampling:
+            sp = SamplingParams(temperature=1.0, max_tokens=R, ignore_eos=True, detokenize=False,
+                                **SAMPLING[s])
+            _sync()
+            t0 = time.perf_counter()
+            with _gc_frozen(args.gc_freeze):
+                outs = llm.generate(prompts, sp, use_tqdm=False)
+            ids = torch.tensor([o.outputs[0].token_ids for o in outs])
+            lps = (torch.tensor([_vllm_logprobs(o.outputs[0], "flat" in s) for o in outs])
+                   if SAMPLING[s]["logprobs"] is not None else None)
+            dt = time.perf_counter() - t0
+            n = ids.numel()
+            assert ids.shape == (B, R) and (lps is None or bool(torch.isfinite(lps).all()))
+            rows.append(dict(variant=variant, batch=B, sampling=s + ("+gc-freeze" if args.gc_freeze else ""),
+                             tokens=n, seconds=dt,
+                             tokens_per_s=n / dt, settings={**extra, **VLLM_VARIANTS[variant][1]},
+                             effective=effective))
+            print(f"{variant} B={B} {s}: {n / dt:,.0f} tok/s ({dt:.2f} s)", flush=True)
+    if args.switch and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        rows.append(switch_cost(args, llm))  # in-place load needs the model in this process
+    return rows
+
+
+@contextlib.contextmanager
+def _gc_frozen(on: bool):
+    """Python's cyclic GC off during generate: every engine step allocates per-request objects, and
+    with ~10^6 live ones (outputs, logprob lists) each gen-2 collection walks them all."""
+    if not on:
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def switch_cost(args, llm) -> dict:
+    """sleep + wake + in-place load of a training-side module's full (gathered) bf16 tensors."""
+    import torch
+    from vllm import SamplingParams
+
+    train_side = build_model(False, seed=1).cuda()  # different weights: the load must show
+    engine = llm.llm_engine
+    executor = getattr(engine, "model_executor", None) or engine.engine_core.engine_core.model_executor
+    runner = executor.driver_worker.worker.model_runner
+    times: dict[str, list[float]] = {}
+
+    def timed(key, fn):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.setdefault(key, []).append(time.perf_counter() - t0)
+
+    def load():
+        runner.model.load_weights(train_side.named_parameters())
+        llm.reset_prefix_cache()
+
+    for _ in range(3):  # level 1: weights kept in pinned CPU memory, KV cache dropped
+        timed("sleep1_s", lambda: llm.sleep(level=1))
+        timed("wake1_s", lambda: llm.wake_up())
+        timed("load_s", load)
+    for _ in range(3):  # level 2: weights dropped too (they are replaced anyway)
+        timed("sleep2_s", lambda: llm.sleep(level=2))
+        timed("wake2_weights_s", lambda: llm.wake_up(tags=["weights"]))
+        timed("load2_s", load)
+        timed("wake2_kv_s", lambda: llm.wake_up(tags=["kv_cache"]))
+    emb = runner.model.model.embed_tokens.weight
+    diff = float((emb - train_side.model.embed_tokens.weight.detach()).abs().max())
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts_for(256, args.prompt_len, 151936).tolist()],
+                        SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False, logprobs=0,
+                                       flat_logprobs=True), use_tqdm=False)
+    ok = all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    print(f"switch: {med} load max|diff| {diff} generate-after-switch ok {ok}", flush=True)
+    return dict(variant="switch", batch=0, sampling="", tokens=0, seconds=0.0, tokens_per_s=0.0,
+                switch=med, all_times=times, load_max_abs_diff=diff, generate_after_switch_ok=ok,
+                weight_gb=sum(p.numel() * 2 for p in train_side.parameters()) / 1e9)
+
+
+# ---------------------------------------------------------------------------------------- driver
+def worker_main(args) -> None:
+    rows = run_hf(args, args.worker) if args.worker in HF_VARIANTS else run_vllm(args, args.worker)
+    Path(args.worker_out).write_text(json.dumps(rows))
+
+
+def run_variants(args) -> dict:
+    import torch
+
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").exists():
+        build_model(args.smoke).save_pretrained(model_dir)
+    rows, errors = [], {}
+    for v in args.variants:
+        out = Path(args.model_dir) / f"_rows_{v}.json"
+        out.unlink(missing_ok=True)
+        if args.in_process:
+            worker_main(argparse.Namespace(**{**vars(args), "worker": v, "worker_out": str(out)}))
+            rc = 0
+        else:
+            env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **VLLM_VARIANTS.get(v, ({}, {}))[1]}
+            cmd = [sys.executable, __file__, "--worker", v, "--worker-out", str(out), *args.argv]
+            try:
+                rc = subprocess.run(cmd, env=env, timeout=args.child_timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        if out.exists():
+            rows += json.loads(out.read_text())
+        else:
+            errors[v] = f"child exit {rc}"
+    import transformers
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in build_model(args.smoke).parameters())
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)"
+    return dict(command=command_line([__file__, *args.argv]), date=utc_now(), git=git_revision(), machine=machine_info(),
+                gpu=gpu, versions=versions(["torch", "transformers", "vllm"]), prompt_len=args.prompt_len,
+                new_tokens=args.new_tokens, n_params=n_params, rows=rows, errors=errors,
+                floor={str(B): floor_tokens_per_s(B, args.prompt_len, args.new_tokens, n_params, cfg)
+                       for B in args.batches})
+
+
+def report(results: list[dict], notes: str = "", this_command: str = "") -> str:
+    """Markdown: commands, machine, the throughput table with ratios, the switch cost, notes."""
+    first = results[0]
+    lines = ["# Rollout throughput: HF engine vs vLLM (Qwen2.5-0.5B-shaped, bf16)", "",
+             f"Measured {first['date']} on {first['gpu']} ({first['machine']['cpu']}, "
+             f"{first['machine']['logical_cpus']} CPUs), " +
+             ", ".join(f"{k} {v}" for k, v in first["versions"].items()) + f", flowrl {first['git']}.",
+             f"Random {first['n_params'] / 1e6:.0f}M-parameter model, {first['prompt_len']}-token random "
+             f"prompts, {first['new_tokens']} new tokens per sequence at temperature 1, sampled-token "
+             "logprob per token; every sequence runs the full length (vLLM `ignore_eos=True`; the HF "
+             "engine decodes the batch until its last row ends). Tokens/s = response tokens / wall "
+             "seconds of one warm `generate` up to (B, R) tensors on the host.", "", "Commands:", ""]
+    lines += [f"    {r['command']}" for r in results]
+    if this_command:
+        lines += ["", "This file was written from the runs' JSON (`benchmarks/results/rollout_h200/`) by:", "",
+                  f"    {this_command}"]
+    rows = [r for res in results for r in res["rows"] if r["variant"] != "switch"]
+    floor = {k: v for res in results for k, v in res["floor"].items()}
+    base = {r["batch"]: r["tokens_per_s"] for r in rows if r["variant"] == "hf-static"}
+    head = ["variant", "sampling", "sequences", "tok/s", "seconds", "× hf-static", "% of floor", "settings"]
+    table = []
+    for r in sorted(rows, key=lambda r: (r["batch"], -r["tokens_per_s"])):
+        b = base.get(r["batch"])
+        f = floor.get(str(r["batch"]))
+        table.append([r["variant"], r["sampling"], r["batch"], f"{r['tokens_per_s']:,.0f}",
+                      f"{r['seconds']:.2f}", f"{r['tokens_per_s'] / b:.2f}" if b else "-",
+                      f"{100 * r['tokens_per_s'] / f:.1f}" if f else "-",
+                      json.dumps(r.get("effective", r["settings"]), separators=(",", ":"))])
+    lines += ["", "## Throughput", "", markdown_table(head, table), "",
+              "Floor (conservative, `floor_tokens_per_s`): per decode step matmul FLOPs at "
+              f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s plus bytes (bf16 weights, KV cache at mean context, "
+              f"fp32 logits written and read) at {PEAK_BW / 1e12:.1f} TB/s, no overlap: " +
+              ", ".join(f"{float(v):,.0f} tok/s at {k}" for k, v in sorted(floor.items(), key=lambda kv: int(kv[0]))) + "."]
+    sw = [r for res in results for r in res["rows"] if r["variant"] == "switch"]
+    if sw:
+        s = sw[-1]
+        lines += ["", "## Colocated switch cost per step (median of 3)", "",
+                  markdown_table(["phase", "seconds"], [[k, f"{v:.3f}"] for k, v in s["switch"].items()]),
+                  "", f"Weights loaded: {s['weight_gb']:.2f} GB bf16 from a training-side module on the "
+                  f"same GPU (`model.load_weights(named_parameters())` + `reset_prefix_cache`); max |vLLM − "
+                  f"source| after load {s['load_max_abs_diff']:g}; generate after the switch ok: "
+                  f"{s['generate_after_switch_ok']}."]
+    errs = {k: v for res in results for k, v in res["errors"].items()}
+    if errs:
+        lines += ["", "Failed variants: " + ", ".join(f"{k} ({v})" for k, v in errs.items())]
+    if notes:
+        lines += ["", notes.strip()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--variants", default="hf-dynamic,hf-static,vllm-default,vllm-tuned",
+                   type=lambda s: s.split(","), help=f"of {list(HF_VARIANTS) + list(VLLM_VARIANTS)}")
+    p.add_argument("--batches", default="256,2048", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--sampling", default="lp", type=lambda s: s.split(","), help=f"of {list(SAMPLING)} (vLLM)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--switch", action="store_true", help="measure the switch cost in each vLLM variant")
+    p.add_argument("--gc-freeze", action="store_true", help="vLLM generate with Python's GC frozen+off")
+    p.add_argument("--model-dir", default="/tmp/flowrl_bench_qwen05b")
+    p.add_argument("--smoke", action="store_true", help="2-layer model (CPU check of the script)")
+    p.add_argument("--in-process", action="store_true", help="run variants in this process")
+    p.add_argument("--child-timeout", type=float, default=480)
+    p.add_argument("--json-out", default=None)
+    p.add_argument("--report", nargs="+", default=None, help="result JSONs -> markdown")
+    p.add_argument("--md-out", default=None)
+    p.add_argument("--notes", default=None, help="markdown file appended to the report")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    unknown = [v for v in args.variants if v not in HF_VARIANTS and v not in VLLM_VARIANTS]
+    bad_s = [s for s in args.sampling if s not in SAMPLING]
+    if unknown or bad_s:
+        p.error(f"unknown variants {unknown} / sampling {bad_s}")
+    if args.worker:
+        return worker_main(args)
+    if args.report:
+        results = [json.loads(Path(f).read_text()) for f in args.report]
+    else:
+        results = [run_variants(args)]
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(results[0], indent=1))
+    rows = [r for res in results for r in res["rows"] if r["variant"] != "switch"]
+    print(text_table(["variant", "sampling", "B", "tok/s", "s"],
+                     [[r["variant"], r["sampling"], r["batch"], f"{r['tokens_per_s']:,.0f}",
+                       f"{r['seconds']:.2f}"] for r in rows]))
+    if args.md_out:
+        notes = Path(args.notes).read_text() if args.notes else ""
+        Path(args.md_out).write_text(report(results, notes, command_line([__file__, *args.argv]) if args.report else ""))
+
+
+if __name__ == "__main__":
+    main()
