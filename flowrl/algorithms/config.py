@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .losses import POLICY_LOSSES
+from .losses import POLICY_LOSSES, ROLLOUT_IS
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_TYPES = ("k1", "k2", "k3")
@@ -42,6 +42,10 @@ class AlgorithmConfig:
             step per rollout batch (ppo_epochs 1, no mini_batch_size): π_old is then the current
             policy and the update's own forward gives its logprobs, which saves a full forward pass
             (TRL does the same when num_iterations = 1).
+        rollout_is: correction of the rollout-vs-trainer policy mismatch, a key of
+            ``algorithms.losses.ROLLOUT_IS``: ``none`` or ``tis`` (truncated importance sampling,
+            Yao et al. 2025); needs the batch's rollout_logprobs.
+        rollout_is_cap: C of ``tis``: per-token weight min(π_old/π_rollout, C), C >= 1.
     """
 
     n: int = 4
@@ -68,6 +72,8 @@ class AlgorithmConfig:
     kl_horizon: int = 10000
     mask_truncated: bool = False
     recompute_old_logprobs: bool = True
+    rollout_is: str = "none"
+    rollout_is_cap: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.recompute_old_logprobs and (self.ppo_epochs > 1 or self.mini_batch_size):
@@ -108,5 +114,10 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.kl_target must be > 0 or None, got {self.kl_target}")
         if self.kl_horizon < 1:
             raise ValueError(f"algorithm.kl_horizon must be >= 1, got {self.kl_horizon}")
+        if self.rollout_is not in ROLLOUT_IS:
+            raise ValueError(f"algorithm.rollout_is must be one of {sorted(ROLLOUT_IS)}, "
+                             f"got {self.rollout_is!r}")
+        if self.rollout_is_cap < 1:
+            raise ValueError(f"algorithm.rollout_is_cap must be >= 1, got {self.rollout_is_cap}")
         if self.kl_clamp <= 0:
             raise ValueError(f"algorithm.kl_clamp must be > 0, got {self.kl_clamp}")

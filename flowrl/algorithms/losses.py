@@ -193,6 +193,39 @@ def aggregate_loss(per_token_loss: Tensor, response_mask: Tensor, mode: str, *, 
     return LOSS_AGGREGATIONS[mode](x, mask, float(num_tokens) or 1.0, float(num_seqs) or 1.0, max_response_len)
 
 
+RolloutISFn = Callable[[Tensor, float], Optional[Tensor]]
+ROLLOUT_IS: dict[str, RolloutISFn] = {}
+
+
+def register_rollout_is(name: str):
+    """Decorator: register ``fn(ratio, cap) -> per-token weight (B, R) or None`` in
+    :data:`ROLLOUT_IS` (``algorithm.rollout_is``)."""
+    return _register(ROLLOUT_IS, name)
+
+
+def rollout_is_ratio(old_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor) -> Tensor:
+    """Token-level importance ratio between the trainer's and the sampler's policy,
+    π_old(y_t) / π_rollout(y_t) = exp(old_logprobs − rollout_logprobs): 1 when the rollout engine
+    ran the trainer's weights with the same numerics; off-policy batches (placement staleness
+    k ≥ 1) and sampler/trainer kernel mismatches move it away from 1.
+    Returns (B, R) float32, detached, 1 at masked positions (log clamped to ±LOG_RATIO_CLAMP)."""
+    return masked_log_ratio(old_logprobs.detach(), rollout_logprobs.detach(), response_mask).exp()
+
+
+@register_rollout_is("none")
+def no_rollout_is(ratio: Tensor, cap: float) -> Optional[Tensor]:
+    """No correction: the loss treats rollout samples as drawn from π_old."""
+    return None
+
+
+@register_rollout_is("tis")
+def truncated_is(ratio: Tensor, cap: float) -> Optional[Tensor]:
+    """Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+    You Off-Policy RL Training", eq. 3): each token's loss is weighted by min(π_old/π_rollout, C),
+    the ratio detached, C = ``algorithm.rollout_is_cap``. Returns (B, R) float32."""
+    return ratio.clamp(max=cap)
+
+
 def loss_denominators(response_mask: Tensor) -> tuple[float, float]:
     """(valid-token count, count of sequences with ≥ 1 valid token) of a (B, R) bool mask. Sum these over
     micro-batches and ranks (all-reduce) to get the global ``num_tokens`` / ``num_seqs``."""

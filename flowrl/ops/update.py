@@ -21,7 +21,7 @@ def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: 
     ``algorithm.kl_in_reward`` is set (the penalty is then in the token rewards instead).
     """
     from flowrl.algorithms.kl import kl_penalty
-    from flowrl.algorithms.losses import POLICY_LOSSES, aggregate_loss
+    from flowrl.algorithms.losses import POLICY_LOSSES, ROLLOUT_IS, aggregate_loss, rollout_is_ratio
 
     loss_impl = POLICY_LOSSES[policy_loss]
 
@@ -40,6 +40,14 @@ def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: 
                                    clip_ratio_low=algo.clip_ratio_low,
                                    clip_ratio_high=algo.clip_ratio_high,
                                    clip_ratio_c=algo.clip_ratio_c)
+        if mb.get("rollout_logprobs") is not None:  # sampler vs trainer policy (off-policy k >= 1)
+            weight = ROLLOUT_IS[algo.rollout_is](rollout_is_ratio(old, mb["rollout_logprobs"], mask),
+                                                 algo.rollout_is_cap)
+            if weight is not None:
+                per_tok = per_tok * weight
+        elif algo.rollout_is != "none":
+            raise ValueError(f"algorithm.rollout_is={algo.rollout_is} needs the batch's "
+                             "rollout_logprobs: bind update.inputs.rollout_logprobs")
         pg = agg(per_tok, mask)
         loss = pg
         # metrics are token sums; the op divides by the mini-batch token count afterwards
@@ -168,6 +176,14 @@ def update_policy(ctx: StageContext, cfg: NoConfig, **inputs) -> dict:
         raise ValueError(f"stage '{ctx.stage}': inputs.old_logprobs is unbound but this update takes "
                          f"{algo.ppo_epochs * -(-B // mbs)} optimizer steps; later steps need the "
                          "old policy's logprobs (set algorithm.recompute_old_logprobs=true)")
+    if "old_logprobs" in batch and "rollout_logprobs" in batch:
+        # rollout-vs-trainer importance ratio π_old/π_rollout over this rank's valid tokens
+        from flowrl.algorithms.losses import rollout_is_ratio
+
+        mask = batch["response_mask"].bool()
+        ratio = rollout_is_ratio(batch["old_logprobs"], batch["rollout_logprobs"], mask)[mask]
+        if ratio.numel():
+            ctx.log(**{"rollout/is_ratio_mean": ratio.mean(), "rollout/is_ratio_max": ratio.max()})
     out = run_minibatches(
         ctx, batch, lambda **den: make_policy_loss_fn(algo, algo.policy_loss, **den),
         prefix="actor", temperature=temp, with_entropy=True,

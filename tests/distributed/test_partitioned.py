@@ -71,6 +71,8 @@ def test_k0_matches_colocated_weights(tmp_path):
         # the rollout pool freed exactly what it sent: nothing stays behind on the sender
         assert row["store/freed_bytes/_send/rollout"] > 0
         assert row["rollout/logprob_mismatch"] < 1e-4  # same weights on both pools (k = 0)
+        assert row["rollout/is_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert row["rollout/is_ratio_max"] == pytest.approx(1.0, abs=1e-3)
     colo_m = metrics(colo)
     for s in (1, 2, 3):
         assert m[s]["reward/mean"] == colo_m[s]["reward/mean"]
@@ -80,7 +82,7 @@ def test_k0_matches_colocated_weights(tmp_path):
 
 def test_k1_version_lags_are_exactly_one_after_warmup(tmp_path):
     out = tmp_path / "k1"
-    torchrun(out, "placement.staleness=1", "trainer.total_steps=4")
+    torchrun(out, "placement.staleness=1", "trainer.total_steps=4", "algorithm.rollout_is=tis")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["version_lags"] == [0, 1, 1, 1]
     m = metrics(out)
@@ -88,6 +90,7 @@ def test_k1_version_lags_are_exactly_one_after_warmup(tmp_path):
     assert [m[s]["placement/rollout_version"] for s in (1, 2, 3, 4)] == [0.0, 0.0, 1.0, 2.0]
     # off-policy batches: the trainer's recomputed old logprobs differ from the sampler's
     assert m[3]["rollout/logprob_mismatch"] > 1e-4
+    assert m[3]["rollout/is_ratio_max"] > 1.0 + 1e-4  # what truncated IS caps at 2
 
 
 def test_dead_producer_raises_on_the_consumer(tmp_path):
