@@ -1,0 +1,68 @@
+"""Opt-in CUDA checks of the vLLM engine (``pytest -m "vllm and gpu"`` where ``vllm`` and a GPU
+exist): real sleep levels and bf16 logprob agreement. Skipped without CUDA.
+
+bf16 tolerance: the rollout (vLLM, bf16) and the trainer recomputation (HF, bf16) round every
+matmul/softmax input to an 8-bit mantissa (~4e-3 relative); on logits of magnitude ~10 that is a few
+1e-2 nats per token, so the *mean* |Δ logprob| is held to 5e-2 (fp32 on CPU: max 1e-4), and a stale
+policy must sit at least 10× above the fresh mismatch. ``initializer_range=0.5`` gives the random
+model peaked distributions, so a weight change moves logprobs by O(1) and not only by noise.
+"""
+import pytest
+import torch
+
+from flowrl.engines.base import SamplingConfig
+from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+TINY = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 512, "initializer_range": 0.5}
+MEAN_TOL = 5e-2
+
+
+def mean_gap(a, b, mask):
+    return float(torch.where(mask, (a - b).abs(), 0.0).sum() / mask.sum())
+
+
+def test_bf16_sleep_levels_and_weight_load_on_cuda():
+    from flowrl.engines.rollout.vllm import VLLMRolloutConfig, VLLMRolloutEngine
+
+    mcfg = ModelConfig(tiny=TINY, dtype="bfloat16")
+    tok = load_tokenizer(mcfg)
+    model = load_model(mcfg).cuda()
+    eng = VLLMRolloutEngine(model, tok, VLLMRolloutConfig(kv_cache_memory_gb=1.0, max_model_len=256,
+                                                          gpu_memory_utilization=0.3))
+    try:
+        assert eng.sleep_supported
+        enc = tok(["Hello world", "What is 2+2?"], return_tensors="pt", padding=True,
+                  padding_side="left")
+        ids, mask = enc.input_ids.cuda(), enc.attention_mask.bool().cuda()
+        greedy = SamplingConfig(temperature=0.0, max_new_tokens=16)
+        before = eng.generate(ids, mask, greedy)
+
+        free0 = torch.cuda.mem_get_info()[0]
+        eng.sleep(1)
+        assert torch.cuda.mem_get_info()[0] > free0  # weights + KV cache left the device
+        eng.wake()
+        assert torch.equal(eng.generate(ids, mask, greedy).response_ids, before.response_ids)
+
+        new = load_model(ModelConfig(tiny=TINY, dtype="bfloat16", seed=1)).cuda()
+        params = SamplingConfig(temperature=1.0, max_new_tokens=16)
+        trainer = LocalTrainEngine(new, TrainEngineConfig(), trainable=False)
+
+        def gap(out):
+            b = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": out.response_ids,
+                 "response_mask": out.response_mask}
+            return mean_gap(out.rollout_logprobs, trainer.logprobs(b, temperature=1.0).logprobs,
+                            out.response_mask)
+
+        stale = gap(eng.generate(ids, mask, params, generator=torch.Generator().manual_seed(0)))
+        eng.sleep(2)  # weights discarded: the load refills them
+        eng.load_weights((n, p.detach()) for n, p in new.named_parameters())
+        eng.wake()
+        fresh = gap(eng.generate(ids, mask, params, generator=torch.Generator().manual_seed(0)))
+        assert fresh < MEAN_TOL and stale > 10 * fresh, (fresh, stale)
+    finally:
+        eng.close()
