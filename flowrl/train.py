@@ -131,7 +131,8 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer,
     from flowrl.models.loading import load_model, load_tokenizer
 
     model = load_model(cfg.model).to(_device(cfg))
-    fsdp = _use_fsdp(cfg, world_size)
+    # a partitioned rollout pool trains nothing: no FSDP, no world collectives
+    fsdp = _use_fsdp(cfg, world_size) and bool({"actor", "critic"} & set(plan.roles))
     if fsdp:
         from flowrl.engines.train.fsdp import broadcast_module, fsdp_variant
 
