@@ -60,6 +60,14 @@ def test_greedy_matches_hf_engine_token_for_token(setup):
     assert max_mismatch(v.rollout_logprobs, h.rollout_logprobs, v.response_mask) < TOL
 
 
+def test_greedy_groups_repeat_the_same_response(setup):
+    eng, _, _, ids, mask = setup  # vLLM refuses n > 1 greedy: each row is its own request
+    out = eng.generate(ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0),
+                       SamplingConfig(temperature=0.0, max_new_tokens=5))
+    single = eng.generate(ids, mask, SamplingConfig(temperature=0.0, max_new_tokens=5))
+    assert torch.equal(out.response_ids, single.response_ids.repeat_interleave(3, 0))
+
+
 def test_stop_token_shapes_masks_and_truncation(setup):
     eng, _, tok, ids, mask = setup
     free = eng.generate(ids, mask, SamplingConfig(temperature=0.0, max_new_tokens=8))

@@ -210,12 +210,13 @@ class VLLMRolloutEngine:
             timings["wake_s"] = self.last_timings["wake_s"]
         t0 = time.perf_counter()
         stops = [self.eos_token_id] + [int(s) for s in params.stop_token_ids if s != self.eos_token_id]
-        groups = _groups(rows)
+        greedy = params.temperature == 0
+        # vLLM refuses n > 1 when greedy; identical greedy requests still share the prefix cache
+        groups = [(r, 1) for r in rows] if greedy else _groups(rows)
         seeds = [None] * len(groups)
         if generator is not None:
             seeds = torch.randint(0, 2**62, (len(groups),), generator=generator).tolist()
         SamplingParams = self._vllm.SamplingParams  # noqa: N806
-        greedy = params.temperature == 0
         requests = [{"prompt_token_ids": p} for p, _ in groups]
         sps = [SamplingParams(
             n=k, temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
