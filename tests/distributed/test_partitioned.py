@@ -106,3 +106,43 @@ def test_dead_producer_raises_on_the_consumer(tmp_path):
     # while broadcasting the weights it would have needed)
     assert "rollout pool" in line[-1] and "rank" in line[-1] and "[1]" in line[-1] or \
         "rollout pool rank 1 stopped sending (" in line[-1], line
+
+
+@pytest.mark.slow
+def test_resume_continues_like_an_uninterrupted_run(tmp_path):
+    """Checkpoint at step 2, resume to 3 (the rollout pool gets the resumed weights by broadcast
+    and the prompt sampler's state from the checkpoint) = 3 colocated steps."""
+    colo, part = tmp_path / "colocated", tmp_path / "partitioned"
+    train(compose(ARGS + [f"trainer.output_dir={colo}"]))
+    torchrun(part, "trainer.total_steps=2")
+    torchrun(part, "trainer.resume=true")
+    assert sorted(metrics(part)) == [1, 2, 3]
+    a = actor_weights(colo / "checkpoints" / "step_000003")
+    b = actor_weights(part / "checkpoints" / "step_000003")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=k)
+
+
+@pytest.mark.slow
+def test_two_rollout_ranks_feed_one_trainer_like_two_colocated_ranks(tmp_path):
+    """rollout pool [1, 2] → train pool [0]: each rollout rank draws what colocated rank i draws
+    (pool rank seeds, prompt shards); the trainer concatenates both shards and its loss
+    denominators cover them, so one trainer = 2 FSDP ranks on the same global batch."""
+    colo, part = tmp_path / "colocated", tmp_path / "partitioned"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "flowrl.train",
+           *ARGS, f"trainer.output_dir={colo}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "-m", "flowrl.train",
+           *ARGS, *PARTITIONED, "placement.pools.train=[0]", "placement.pools.rollout=[1,2]",
+           f"trainer.output_dir={part}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    mc, mp_ = metrics(colo), metrics(part)
+    for s in (1, 2, 3):
+        assert mp_[s]["data/prompts"] == mc[s]["data/prompts"] == 4
+        assert mp_[s]["response/length_mean"] == pytest.approx(mc[s]["response/length_mean"])
+    a = actor_weights(colo / "checkpoints" / "step_000003")
+    b = actor_weights(part / "checkpoints" / "step_000003")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=k)
