@@ -126,10 +126,14 @@ def train_partitioned(cfg, plan, placement: PlacementPlan, dinfo, out_dir: Path)
     n_roll = len(placement.pools["rollout"].ranks)
     logger = MetricsLogger(out_dir, cfg.logger, T, enabled=logs,
                            run_config=OmegaConf.to_container(OmegaConf.structured(cfg)))
+    evaluate = _evaluator(cfg, engines, prompts, tokenizer) if logs else None
     with logger:
         logger.print(f"[bold]flowrl[/bold] graph={plan.graph.name} placement=partitioned "
                      f"train={placement.pools['train'].ranks} rollout={placement.pools['rollout'].ranks}"
                      f" staleness={k} steps={T} out={out_dir}")
+        if evaluate and cfg.trainer.eval.before and start == 1:
+            summary["eval_before"] = evaluate()
+            logger.log(0, summary["eval_before"])
         logger.set_progress(start - 1)
         for step in range(start, T + 1):
             m = pool.step(step)
@@ -141,10 +145,30 @@ def train_partitioned(cfg, plan, placement: PlacementPlan, dinfo, out_dir: Path)
                 "reward/mean", "reward/accuracy", "perf/step_s", "placement/version_lag") if k_ in m}})
             if step in save_steps:
                 save(step, _train_state(engines), pool.rollout_state)
+        if evaluate and cfg.trainer.eval.after and start <= T:
+            summary["eval_after"] = evaluate()
+            logger.log(T, summary["eval_after"])
     summary.update(history=history, version_lags=pool.lags, checkpoint=str(ckpts.latest()))
     if logs:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _evaluator(cfg, engines, prompts, tokenizer):
+    """Greedy eval on train-pool rank 0 with an HF engine over the actor's own module (shared, no
+    copy): the trainer holds the newest weights; the rollout pool keeps generating meanwhile."""
+    from flowrl.engines.rollout.hf import HFRolloutEngine
+    from flowrl.rewards import REWARD_FUNCTIONS
+    from flowrl.runtime.evaluate import evaluate_greedy
+
+    ev = cfg.trainer.eval
+    if not (ev.before or ev.after) or ev.limit == 0:
+        return None
+    engine = HFRolloutEngine(engines["actor"].model, tokenizer, cfg.rollout.hf, shared=True)
+    return lambda: evaluate_greedy(
+        engine, prompts, tokenizer, REWARD_FUNCTIONS["gsm8k"], split=ev.split, limit=ev.limit,
+        batch_size=ev.batch_size, max_new_tokens=ev.max_new_tokens,
+        stop_token_ids=cfg.rollout.sampling.stop_token_ids)
 
 
 __all__ = ["POOL_TIMEOUT_S", "check_staleness", "train_partitioned"]
