@@ -209,7 +209,14 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     out_dir = Path(fdist.broadcast_object(cfg.trainer.output_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     if cfg.placement.mode != "colocated":
-        placement = prepare_placement(cfg, plan, dinfo.world_size)
+        try:  # rejected before any model loads (ConfigError: main prints one line)
+            placement = prepare_placement(cfg, plan, dinfo.world_size)
+            if placement.mode == "partitioned":
+                from flowrl.runtime.partitioned import check_partitioned
+
+                check_partitioned(placement)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
         if placement.mode == "partitioned":  # each rank runs its pool's half of the plan
             from flowrl.runtime.partitioned_train import train_partitioned
 

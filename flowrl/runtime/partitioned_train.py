@@ -59,7 +59,7 @@ def train_partitioned(cfg, plan, placement: PlacementPlan, dinfo, out_dir: Path)
     from flowrl.runtime.metrics import MetricsLogger
     from flowrl.train import _device, _train_state, build_engines
 
-    check_partitioned(placement)
+    check_partitioned(placement)  # flowrl.train checked both already; direct callers get them too
     check_staleness(placement, cfg)
     device = _device(cfg)
     ctx = pool_context(placement, dinfo.rank, bucket_mb=cfg.placement.bucket_mb, device=device,
