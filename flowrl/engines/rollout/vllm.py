@@ -16,6 +16,7 @@ cache, and after a level-2 sleep ``generate`` refuses to run until weights were 
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -152,6 +153,9 @@ class VLLMRolloutEngine:
         )
         if self.cfg.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.cfg.max_num_batched_tokens
+        if self.on_cuda and not self.cfg.enforce_eager:
+            kwargs["max_cudagraph_capture_size"] = (self.cfg.max_cudagraph_capture_size
+                                                    or self.cfg.max_num_seqs)
         if self.cfg.kv_cache_memory_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(self.cfg.kv_cache_memory_gb * 2**30)
         # vLLM's CPU worker sets torch to 1 thread and replaces torch.set_num_threads with a no-op
@@ -222,8 +226,19 @@ class VLLMRolloutEngine:
             n=k, temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
             top_k=0 if greedy else params.top_k, max_tokens=params.max_new_tokens,
             stop_token_ids=stops, logprobs=0, detokenize=False, seed=seed,
+            flat_logprobs=True,  # a few flat lists per request instead of a dict per token
         ) for (_, k), seed in zip(groups, seeds)]
-        outs = self.llm.generate(requests, sps, use_tqdm=False)
+        # vLLM allocates Python objects per running request per step; a GC pass over the
+        # engine's heap mid-generate cost 1.5x with logprobs at 2,048 sequences (rollout_h200.md)
+        gc_was_enabled = gc.isenabled()
+        gc.freeze()
+        gc.disable()
+        try:
+            outs = self.llm.generate(requests, sps, use_tqdm=False)
+        finally:
+            gc.unfreeze()
+            if gc_was_enabled:
+                gc.enable()
         samples = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
         B = len(rows)
         R = max(1, max(len(c.token_ids) for c in samples))
@@ -236,7 +251,7 @@ class VLLMRolloutEngine:
                 raise RuntimeError(f"vLLM finished sample {i} with reason {c.finish_reason!r}")
             n = len(c.token_ids)
             ids[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
-            lps[i, :n] = torch.tensor([d[t].logprob for t, d in zip(c.token_ids, c.logprobs)])
+            lps[i, :n] = torch.tensor(_sampled_logprobs(c.token_ids, c.logprobs))
             lengths[i] = n
             truncated[i] = c.finish_reason == "length"
         mask = response_mask(ids, lengths, stops)
@@ -344,3 +359,18 @@ class VLLMRolloutEngine:
             self.llm = None
         if self._tmp:
             shutil.rmtree(self.model_dir, ignore_errors=True)
+
+
+def _sampled_logprobs(token_ids, logprobs) -> list[float]:
+    """The sampled token's logprob at each position, from vLLM's ``FlatLogprobs`` (``logprobs=0``:
+    the entry at each position's start index is the sampled token) or a list of dicts."""
+    if hasattr(logprobs, "start_indices"):
+        flat = logprobs
+        out = []
+        for pos, t in enumerate(token_ids):
+            j = flat.start_indices[pos]
+            if flat.token_ids[j] != t:  # defensive: the sampled token must lead its position
+                j = flat.token_ids.index(t, j, flat.end_indices[pos])
+            out.append(flat.logprobs[j])
+        return out
+    return [d[t].logprob for t, d in zip(token_ids, logprobs)]

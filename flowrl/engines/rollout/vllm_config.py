@@ -31,6 +31,10 @@ class VLLMRolloutConfig:
         max_model_len: longest prompt + response in tokens (None = the model config's
             ``max_position_embeddings``). A request longer than this finishes as truncated.
         enforce_eager: True = no CUDA graphs (slower decode, faster start, less memory).
+        max_cudagraph_capture_size: largest decode batch captured as a CUDA graph; None = up to
+            ``max_num_seqs``. vLLM's own default stops at 512, and a larger decode batch then runs
+            eagerly: on the H200 benchmark that cap alone cost 1.6x at 2,048 sequences
+            (benchmarks/results/rollout_h200.md). Ignored on CPU and with ``enforce_eager``.
         dtype: weights/activations dtype: ``auto`` (= the exported model's dtype), ``float32``,
             ``bfloat16``, ``float16``.
         enable_prefix_caching: the ``n`` samples of a prompt (one request with ``n`` children)
@@ -54,6 +58,7 @@ class VLLMRolloutConfig:
     max_num_batched_tokens: Optional[int] = 32768
     max_model_len: Optional[int] = None
     enforce_eager: bool = False
+    max_cudagraph_capture_size: Optional[int] = None
     dtype: str = "auto"
     enable_prefix_caching: bool = True
     sleep_level: int = 1
@@ -73,7 +78,7 @@ class VLLMRolloutConfig:
                              f"got {self.tensor_parallel_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"rollout.vllm.max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        for name in ("max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_batched_tokens", "max_model_len", "max_cudagraph_capture_size"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"rollout.vllm.{name} must be >= 1 or null, got {v}")
