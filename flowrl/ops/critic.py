@@ -10,6 +10,7 @@ import torch
 
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import NoConfig, register_op
+from flowrl.runtime.rebalance import balance_rows
 
 _PROMPT_RESPONSE = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
@@ -25,7 +26,8 @@ def values(ctx: StageContext, cfg: NoConfig, *, prompt_ids, prompt_mask, respons
     """
     batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
              "response_mask": response_mask}
-    v = ctx.engine.values(batch)
+    bal = balance_rows(ctx, batch)  # equal rows / tokens per rank; values return in row order
+    v = bal.restore(ctx.engine.values(bal.batch))
     mask = response_mask.bool().to(v.device)
     ctx.log(**{"critic/values_mean": torch.where(mask, v, 0.0).sum() / mask.sum().clamp(min=1)})
     return {"values": v}

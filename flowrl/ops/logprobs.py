@@ -7,6 +7,7 @@ import torch
 
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import register_op
+from flowrl.runtime.rebalance import balance_rows
 
 
 @dataclass
@@ -32,13 +33,16 @@ def logprobs(ctx: StageContext, cfg: LogprobsConfig, *, prompt_ids, prompt_mask,
     batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
              "response_ids": response_ids, "response_mask": response_mask}
     temp = ctx.resource("sampling").temperature
-    out = ctx.engine.logprobs(batch, temperature=temp, with_entropy=cfg.with_entropy)
+    # equal rows / tokens per data-parallel rank; outputs come back in this rank's row order
+    bal = balance_rows(ctx, batch)
+    out = ctx.engine.logprobs(bal.batch, temperature=temp, with_entropy=cfg.with_entropy)
+    lp, ent = bal.restore(out.logprobs), bal.restore(out.entropy)
     mask = response_mask
     denom = mask.sum().clamp(min=1)
     if rollout_logprobs is not None:
-        diff = torch.where(mask, (rollout_logprobs - out.logprobs).abs(), 0.0)
+        diff = torch.where(mask, (rollout_logprobs - lp).abs(), 0.0)
         ctx.log(**{"rollout/logprob_mismatch": diff.sum() / denom,
                    "rollout/logprob_mismatch_max": diff.max()})
-    if cfg.with_entropy and out.entropy is not None:
-        ctx.log(**{f"{ctx.stage}/entropy": torch.where(mask, out.entropy, 0.0).sum() / denom})
-    return {"logprobs": out.logprobs}
+    if cfg.with_entropy and ent is not None:
+        ctx.log(**{f"{ctx.stage}/entropy": torch.where(mask, ent, 0.0).sum() / denom})
+    return {"logprobs": lp}

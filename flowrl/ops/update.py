@@ -106,8 +106,13 @@ def run_minibatches(ctx: StageContext, batch: dict, make_loss_fn, *, prefix: str
     """
     from flowrl.algorithms.losses import loss_denominators
     from flowrl.runtime.distributed import all_reduce_floats
+    from flowrl.runtime.rebalance import balance_rows
 
     algo = ctx.resource("algorithm")
+    # before the shuffle: every rank then has the same B (and nearly the same tokens); the
+    # old-logprob stage saw the same rows (same lengths → same assignment), so ratio 1 still holds
+    bal = balance_rows(ctx, batch)
+    batch = bal.batch
     B, R = batch["response_ids"].shape
     # the pool's group (partitioned: the train pool only; never the world, which holds the
     # rollout pool too); None without a process group
@@ -143,6 +148,7 @@ def run_minibatches(ctx: StageContext, batch: dict, make_loss_fn, *, prefix: str
         else:
             out[k if "/" in k else f"{prefix}/{k}"] = v / max(steps, 1)
     out[f"{prefix}/optimizer_steps"] = steps
+    out.update(bal.metrics)
     return out
 
 

@@ -47,6 +47,10 @@ class TrainEngineConfig:
             CUDA, fp32 on CPU; ``bf16`` / ``fp32`` force it.
         weight_bucket_mb: FSDP only. ``named_weights`` gathers full tensors in buckets of about this
             many MiB, so the rollout hand-off never materialises the whole model at once.
+        balance_across_ranks: before each forward stage (logprobs, values, updates) the pool's
+            ranks swap rows so each holds as many rows with nearly equal tokens
+            (``runtime/rebalance.py``); outputs return to their rows' owners in order. No-op at
+            world size 1.
     """
 
     lr: float = 1e-6
@@ -64,6 +68,7 @@ class TrainEngineConfig:
     max_tokens_per_micro_batch: Optional[int] = None
     mixed_precision: str = "auto"
     weight_bucket_mb: int = 512
+    balance_across_ranks: bool = True
 
     def __post_init__(self) -> None:
         if self.lr < 0:
