@@ -90,6 +90,12 @@ class Executor:
     # ---- swap / sync points -----------------------------------------------------------------
     def _offload(self, role: str, keep_weights: bool = False) -> None:
         eng = self.engines[role]
+        # the plan keeps the weights when the next role serves them; that saves a copy only if
+        # the serving engine really reads this module (HF rollout with shared=True), not when it
+        # holds its own copy (vLLM, FSDP): then the weights leave the device too
+        keep_weights = keep_weights and any(
+            getattr(e, "shared", False) for r, e in self.engines.items()
+            if r in ROLES and ROLES[r].weights_from == role)
         if hasattr(eng, "offload"):
             eng.offload(keep_weights=keep_weights)
         else:
