@@ -18,7 +18,9 @@ How (every rank runs the same steps on the same gathered ints, so all agree with
 3. every field is padded to the pool's widest P (left: prompts are left-padded) / R (right), a row's
    fields are packed as bytes, and each pair of ranks exchanges one message each way
    (``torch.distributed.batch_isend_irecv``; gloo and NCCL);
-4. :meth:`Balanced.restore` sends per-row outputs (logprobs, entropy, values) back the same way,
+4. the rows a rank ends up with run longest first: the engine's fixed-size micro-batches then
+   hold rows of similar length (a padded forward costs rows × longest row, not valid tokens);
+5. :meth:`Balanced.restore` sends per-row outputs (logprobs, entropy, values) back the same way,
    puts them in the original order (inverse permutation) and trims them to the rank's own R.
 
 Disabled by ``trainer.engine.balance_across_ranks=false``; a no-op at world size 1.
@@ -236,6 +238,7 @@ class Balanced:
     device: torch.device | None = None
     widths: tuple[int, int] = (0, 0)  # this rank's own (P, R) before padding
     pool_R: int = 0
+    order: list[int] = field(default_factory=list)  # batch row j = exchanged row order[j]
 
     def restore(self, out: Tensor | None) -> Tensor | None:
         """Per-row output of :attr:`batch` — (B_bal,) or response-aligned (B_bal, R_pool, ...) —
@@ -244,7 +247,8 @@ class Balanced:
         if out is None or self.exchange is None:
             return out
         ex, dev = self.exchange, out.device
-        local = out.detach().to(self.device)
+        inv = torch.tensor(inverse_permutation(self.order), dtype=torch.long, device=self.device)
+        local = out.detach().to(self.device)[inv]
         packed = pack_rows([local])
         back = _p2p({s: pack_rows([t]) for s, t in ex.outgoing_back(local).items()},
                     {d: len(rows) for d, rows in ex.send.items()}, packed.shape[1], self.group,
@@ -274,7 +278,8 @@ def balance_rows(ctx, batch: Mapping[str, Tensor], pad_id: int | None = None) ->
             tokenizer's pad id when the run has one, else 0.
 
     Returns:
-        :class:`Balanced`; identity (same tensors, no metrics) when :func:`enabled` is false.
+        :class:`Balanced`: this rank's assigned rows, longest (valid tokens) first, ties by
+        global row id; identity (same tensors, no metrics) when :func:`enabled` is false.
 
     Raises:
         TypeError / ValueError: see :func:`check_batch` (checked at every world size).
@@ -310,12 +315,14 @@ def balance_rows(ctx, batch: Mapping[str, Tensor], pad_id: int | None = None) ->
                          False if batch[k].dtype == torch.bool else pad_id if k.endswith("_ids") else 0,
                          left=k.startswith("prompt_")) for k in keys]
     packed = pack_rows(fields)
-    received = _p2p(ex.outgoing(packed), ex.recv, packed.shape[1],
-                    group, device)
-    out_fields = unpack_rows(ex.assemble(packed, received), fields)
+    received = _p2p(ex.outgoing(packed), ex.recv, packed.shape[1], group, device)
+    flat = [x for rows in per_rank for x in rows]
+    mine = [flat[g] for g in sorted(assignment[rank])]  # exchanged rows: ascending global id
+    order = sorted(range(len(mine)), key=lambda j: (-mine[j], j))  # longest first
+    exchanged = ex.assemble(packed, received)[torch.tensor(order, dtype=torch.long, device=device)]
+    out_fields = unpack_rows(exchanged, fields)
     src_dev = {k: batch[k].device for k in keys}
 
-    flat = [x for rows in per_rank for x in rows]
     before = [sum(rows) for rows in per_rank]
     after = [sum(flat[g] for g in rows) for rows in assignment]
     mean = sum(before) / W
@@ -330,4 +337,4 @@ def balance_rows(ctx, batch: Mapping[str, Tensor], pad_id: int | None = None) ->
                "balance/tokens_max_over_mean_after": ratio(after),
                "balance/rows_moved": float(moved)}
     return Balanced({k: v.to(src_dev[k]) for k, v in zip(keys, out_fields)}, metrics, ex, group,
-                    device, (P, R), R_max)
+                    device, (P, R), R_max, order)

@@ -40,7 +40,7 @@ def test_rows_and_tokens_after_balancing(ranks):
     # Karmarkar–Karp (equal size) gives {0, 3, 4, 5} = 28 and {1, 2, 6, 7} = 29
     assert [tokens(ranks[r]["batch"]) for r in range(2)] == [[12, 10, 12, 8], [5, 3, 5, 2]]
     got = [tokens(ranks[r]["on"]["balanced_rows"]) for r in range(2)]
-    assert got == [[12, 8, 5, 3], [10, 12, 5, 2]]
+    assert got == [[12, 8, 5, 3], [12, 10, 5, 2]]  # each rank's rows run longest first
     assert [sum(t) for t in got] == [28, 29]
     # KK's bound for equal-size bins: the spread is at most the largest row
     assert abs(sum(got[0]) - sum(got[1])) <= 12
@@ -54,7 +54,7 @@ def test_rows_and_tokens_after_balancing(ranks):
             "balance/tokens_max_over_mean_before": pytest.approx(42 / 28.5, abs=1e-12),
             "balance/tokens_max_over_mean_after": pytest.approx(29 / 28.5, abs=1e-12),
             "balance/rows_moved": 4.0}
-    # the rows that moved arrive intact: rank 1's short row 4 (global) is rank 0's third row
+    # the rows that moved arrive intact: global row 4 (rank 1's first) is rank 0's third row
     src = ranks[1]["batch"]
     torch.testing.assert_close(ranks[0]["on"]["balanced_rows"]["response_ids"][2, :2],
                                src["response_ids"][0], rtol=0, atol=0)
