@@ -208,6 +208,14 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     # ranks' Hydra run dirs can differ by a timestamp second: all use rank 0's (DCP needs one dir)
     out_dir = Path(fdist.broadcast_object(cfg.trainer.output_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.placement.mode == "auto" and dinfo.world_size > 1:
+        try:  # an impossible auto config is still rejected before any model loads
+            prepare_placement(cfg, plan, dinfo.world_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        from flowrl.runtime.auto import train_auto  # profile colocated, choose, continue
+
+        return train_auto(raw, cfg, plan, dinfo, out_dir, run=train)
     if cfg.placement.mode != "colocated":
         try:  # rejected before any model loads (ConfigError: main prints one line)
             placement = prepare_placement(cfg, plan, dinfo.world_size)

@@ -57,7 +57,7 @@ def train_partitioned(cfg, plan, placement: PlacementPlan, dinfo, out_dir: Path)
     from flowrl.runtime.distributed import broadcast_object
     from flowrl.runtime.executor import Executor
     from flowrl.runtime.metrics import MetricsLogger
-    from flowrl.train import _device, _train_state, build_engines
+    from flowrl.train import _device, _rescale_prompt_state, _train_state, build_engines
 
     check_partitioned(placement)  # flowrl.train checked both already; direct callers get them too
     check_staleness(placement, cfg)
@@ -93,8 +93,9 @@ def train_partitioned(cfg, plan, placement: PlacementPlan, dinfo, out_dir: Path)
             if "critic" in engines:
                 engines["critic"].load_state_dict(tensors["critic"])
             torch.set_rng_state(tensors["rng"]["torch"])
-        else:
-            prompts.load_state_dict(meta["prompts"])
+        else:  # a checkpoint of another sampler layout (e.g. placement=auto's colocated
+            # profile on every rank) restarts the sampler's epoch; see _rescale_prompt_state
+            prompts.load_state_dict(_rescale_prompt_state(meta["prompts"], ctx.dist.world_size))
         start, history = int(meta["step"]) + 1, meta.get("history", [])
         log.info("resumed from %s: continuing at step %d", latest, start)
     save_steps = [s for s in range(start, T + 1)

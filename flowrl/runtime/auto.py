@@ -1,0 +1,145 @@
+"""``flowrl train placement=auto launcher.nproc=N``: profile, choose, continue.
+
+    phase 1  colocated on all N ranks, ``placement.auto.profile_steps`` real training steps
+             (checkpointed at the last one; their ``time/<stage>`` metrics are the profile)
+       │
+       ▼     cost.refine_and_choose: the cost model fitted to the measured stage times predicts
+             colocated and every valid rollout/train split; the fastest wins (partitioned only
+             by placement.auto.min_gain)
+    phase 2  the chosen placement resumes from that checkpoint (DCP reshards the actor onto the
+             train pool) and runs to ``trainer.total_steps``; then the predicted step time is
+             printed next to the measured one.
+
+The global batch stays the same across the switch: colocated ranks each sample
+``trainer.prompts_per_step`` prompts; a partitioned rollout pool of r ranks samples
+``prompts_per_step × N / r`` per rank (a split that does not divide it is skipped).
+The decision is written to ``<output_dir>/placement_auto.json``; a resumed auto run reuses it.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("flowrl")
+DECISION_FILE = "placement_auto.json"
+
+
+def _derive(raw: DictConfig | dict, out_dir: Path, **overrides: Any) -> DictConfig:
+    """A copy of the run config with dotted-key ``overrides`` (``trainer__total_steps=2``) and the
+    output dir pinned (Hydra's ``${hydra:...}`` cannot resolve in a derived config)."""
+    base = raw if isinstance(raw, DictConfig) else OmegaConf.create(raw)
+    cfg = OmegaConf.create(OmegaConf.to_container(base, resolve=False))
+    OmegaConf.update(cfg, "trainer.output_dir", str(out_dir), merge=False)
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key.replace("__", "."), value, merge=False)
+    return cfg
+
+
+def read_step_metrics(out_dir: Path, first: int, last: int) -> list[dict[str, float]]:
+    """Rows of ``metrics.jsonl`` (rank 0's, already reduced over ranks) for steps first..last
+    that carry a step time (eval rows do not)."""
+    path = out_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows: dict[int, dict[str, float]] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if first <= row.get("step", -1) <= last:
+            rows.setdefault(row["step"], {}).update({k: v for k, v in row.items() if v is not None})
+    return [r for _, r in sorted(rows.items()) if "perf/step_s" in r]
+
+
+def decide(cfg, plan, world_size: int, profile: list[dict[str, float]]) -> dict[str, Any]:
+    """The refined choice as a plain dict: ``mode``, ``pools`` (partitioned), ``prompts_per_step``
+    of each sampling rank, ``predicted_step_s`` and the cost model's ``notes``."""
+    from flowrl.compiler.cost import StageCosts, refine_and_choose
+    from flowrl.train import role_parallelism
+
+    rp = role_parallelism(cfg)
+    costs = StageCosts.from_config(plan, cfg, world_size, parallelism=rp)
+    # the first step pays one-time costs (allocator warm-up, compilation): leave it out if we can
+    measured = profile[1:] if len(profile) > 1 else profile
+    pp = refine_and_choose(plan, cfg, world_size, costs, measured, rp)
+    out: dict[str, Any] = {"mode": pp.mode, "notes": list(pp.notes),
+                           "predicted_step_s": pp.estimate.step_s if pp.estimate else None,
+                           "prompts_per_step": cfg.trainer.prompts_per_step,
+                           "profile_steps": len(profile)}
+    if pp.mode == "partitioned":
+        pools = {k: list(v.ranks) for k, v in pp.pools.items()}
+        n_roll = len(pools["rollout"])
+        global_prompts = cfg.trainer.prompts_per_step * world_size
+        if global_prompts % n_roll:
+            out.update(mode="colocated", notes=out["notes"] + [
+                f"kept colocated: {global_prompts} prompts per step do not split over "
+                f"{n_roll} rollout ranks"])
+        else:
+            out.update(pools=pools, prompts_per_step=global_prompts // n_roll)
+    return out
+
+
+def train_auto(raw: DictConfig | dict, cfg, plan, dinfo, out_dir: Path,
+               run: Callable[[DictConfig], dict[str, Any]]) -> dict[str, Any]:
+    """Run a ``placement=auto`` job (see the module docstring). ``run`` is ``flowrl.train.train``.
+
+    Returns the summary of the whole run with ``placement_auto``: the decision, the predicted
+    and the measured mean step time after the switch.
+    """
+    from flowrl.runtime.distributed import broadcast_object
+
+    P = cfg.placement.auto.profile_steps
+    T = cfg.trainer.total_steps
+    decision_path = out_dir / DECISION_FILE
+    decision = broadcast_object(json.loads(decision_path.read_text())
+                                if dinfo.rank == 0 and decision_path.is_file() else None)
+    if decision is None:
+        run(_derive(raw, out_dir, placement__mode="colocated", placement__pools={},
+                    placement__roles={}, trainer__total_steps=min(P, T),
+                    trainer__eval__after=False))
+        _free_memory()
+        if T <= P:  # the whole job fit in the profile
+            return json.loads((out_dir / "summary.json").read_text()) if dinfo.rank == 0 else {}
+        decision = None
+        if dinfo.rank == 0:
+            decision = decide(cfg, plan, dinfo.world_size, read_step_metrics(out_dir, 1, P))
+            decision_path.write_text(json.dumps(decision, indent=1))
+            print("\n".join(decision["notes"]), flush=True)
+        decision = broadcast_object(decision)
+    over: dict[str, Any] = {"placement__mode": decision["mode"], "trainer__resume": True,
+                            "trainer__eval__before": False}
+    if decision["mode"] == "partitioned":
+        over.update(placement__pools=decision["pools"],
+                    trainer__prompts_per_step=decision["prompts_per_step"])
+    else:
+        over.update(placement__pools={}, placement__roles={})
+    summary = run(_derive(raw, out_dir, **over))
+    _free_memory()
+    if dinfo.rank == 0:
+        after = read_step_metrics(out_dir, decision["profile_steps"] + 1, T)
+        after = after[1:] if len(after) > 1 else after  # first step after the switch warms up
+        measured = sum(r["perf/step_s"] for r in after) / len(after) if after else None
+        pred = decision["predicted_step_s"]
+        line = f"placement=auto chose {decision['mode']}"
+        if decision["mode"] == "partitioned":
+            line += f" {decision['pools']}"
+        line += f": predicted step {pred:.3g} s" if pred else ": no prediction"
+        if measured is not None:
+            line += f", measured {measured:.3g} s" + (
+                f" ({(measured / pred - 1) * 100:+.1f}%)" if pred else "")
+        print(line, flush=True)
+        summary["placement_auto"] = {**decision, "measured_step_s": measured, "line": line}
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _free_memory() -> None:
+    """Engines of the finished phase are unreachable once ``run`` returned; give their memory
+    back before the next phase loads its own."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
