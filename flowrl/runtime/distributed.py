@@ -206,9 +206,14 @@ def reduce_metrics(metrics: Mapping[str, float], group: Any = None) -> dict[str,
         return dict(metrics)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, dict(metrics), group=group)
+    return combine_metrics(gathered)
+
+
+def combine_metrics(dicts: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Several ranks' metric dicts (key sets may differ) → one, each key by :func:`metric_rule`."""
     out: dict[str, float] = {}
-    for key in sorted({k for m in gathered for k in m}):
-        vals = [float(m[key]) for m in gathered if key in m]
+    for key in sorted({k for m in dicts for k in m}):
+        vals = [float(m[key]) for m in dicts if key in m]
         rule = metric_rule(key)
         out[key] = (sum(vals) if rule == "sum" else max(vals) if rule == "max"
                     else min(vals) if rule == "min" else sum(vals) / len(vals))
