@@ -122,9 +122,10 @@ def _device(cfg: TrainConfig) -> torch.device:
 
 
 def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer,
-                  world_size: int | None = None) -> dict[str, Any]:
+                  world_size: int | None = None, group: Any = None) -> dict[str, Any]:
     """Load the model once and build the engine of every role the plan uses (a partitioned
-    pool's plan: only that pool's roles; ``world_size`` = the pool's ranks)."""
+    pool's plan: only that pool's roles; ``world_size`` = the pool's ranks, ``group`` = the pool's
+    process group: FSDP engines shard over it and run their collectives on it, never the world)."""
     from flowrl.engines.rollout import build_rollout_engine
     from flowrl.engines.rollout.hf import HFRolloutEngine
     from flowrl.engines.train.local import LocalTrainEngine
@@ -132,24 +133,29 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer,
 
     model = load_model(cfg.model).to(_device(cfg))
     # a partitioned rollout pool trains nothing: no FSDP, no world collectives
-    fsdp = _use_fsdp(cfg, world_size) and bool({"actor", "critic"} & set(plan.roles))
+    fsdp = bool({"actor", "critic"} & set(plan.roles)) and _use_fsdp(cfg, world_size)
+    kw: dict[str, Any] = {}
     if fsdp:
-        from flowrl.engines.train.fsdp import broadcast_module, fsdp_variant
+        from flowrl.engines.train.fsdp import broadcast_module, fsdp_variant, pool_mesh
 
-        broadcast_module(model)  # one random init for every rank
+        broadcast_module(model, group=group)  # one random init for every rank of the pool
         LocalTrainEngine = fsdp_variant(LocalTrainEngine)  # noqa: N806 (the class used below)
+        if group is not None:
+            kw["mesh"] = pool_mesh(group, _device(cfg))
     engines: dict[str, Any] = {}
     ref_copy = copy.deepcopy(model) if "ref" in plan.roles else None  # before any update
     # FSDP shards the actor's own copy; `model` stays whole as the rollout engine's module and
     # gets the gathered weights at every sync. One process: rollout shares the module (no copy).
+    # A partitioned train pool with no later reader of `model` shards it in place (no copy).
     if "actor" in plan.roles:
-        engines["actor"] = LocalTrainEngine(copy.deepcopy(model) if fsdp else model,
-                                            cfg.trainer.engine, trainable=True)
+        later = {"rollout", "critic", "genrm"} & set(plan.roles)
+        engines["actor"] = LocalTrainEngine(copy.deepcopy(model) if fsdp and later else model,
+                                            cfg.trainer.engine, trainable=True, **kw)
     if "rollout" in plan.roles:  # partitioned rollout pool: its own copy, no actor
         engines["rollout"] = build_rollout_engine(cfg.rollout, model, tokenizer,
                                                   shared=not fsdp and "actor" in engines)
     if ref_copy is not None:
-        engines["ref"] = LocalTrainEngine(ref_copy, cfg.trainer.engine, trainable=False)
+        engines["ref"] = LocalTrainEngine(ref_copy, cfg.trainer.engine, trainable=False, **kw)
     if "reward_model" in plan.roles:  # classifier RM, frozen
         from flowrl.engines.reward_model import RewardModelEngine, load_reward_model
 
@@ -167,7 +173,7 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer,
             ValueTrainEngine = fsdp_variant(ValueTrainEngine)  # noqa: N806
         critic_cfg = cfg.trainer.engine if cfg.trainer.critic_lr is None else \
             dataclasses.replace(cfg.trainer.engine, lr=cfg.trainer.critic_lr)
-        engines["critic"] = ValueTrainEngine(value_model_from_causal_lm(model), critic_cfg)
+        engines["critic"] = ValueTrainEngine(value_model_from_causal_lm(model), critic_cfg, **kw)
     return engines
 
 

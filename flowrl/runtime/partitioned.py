@@ -3,8 +3,8 @@ concurrently, connected by a queue of depth ``staleness`` (k).
 
 Timeline of step ``s`` (versions count updates; the initial weights are version ``start - 1``)::
 
-    rollout pool rank i                         train pool rank (i mod n_train)
-    ───────────────────                         ───────────────────────────────
+    rollout pool rank i                         its train pool rank(s) (see routing below)
+    ───────────────────                         ──────────────────────────────────────────
     wait until version >= s-1-k  ◄──bcast v──┐  recv batch s (tagged with its version v_b)
     sample → rollout → reward → advantage     │  lag = version − v_b   (raise if lag > k)
     isend batch s (tagged version) ──────────►│  old_logprobs → update;  version += 1
@@ -12,8 +12,18 @@ Timeline of step ``s`` (versions count updates; the initial weights are version 
 
 k = 0: the rollout of step s waits for the update of step s−1 (same weights as colocated).
 k = 1: rollout s+1 runs while the trainer updates on batch s; after warm-up every lag is exactly 1.
+
+Routing (``n_roll`` rollout ranks, ``n_train`` train ranks, one a multiple of the other): rollout
+rank i and train rank j are peers iff i ≡ j (mod min(n_roll, n_train)). More rollout ranks: a
+train rank concatenates its peers' whole batches. More train ranks: rollout rank i cuts its rows
+into n_train / n_roll contiguous near-equal chunks, chunk c to its c-th peer. The train pool is an
+FSDP2 group of its own (``FSDPMixin(mesh=)`` over the pool's process group) when it has several
+ranks: every collective of the update (loss denominators, micro-batch agreement, gradient
+reduce-scatter, weight gathers) stays inside the pool, and the global denominators make the update
+equal to one rank's on the whole batch.
 Batches move point-to-point (``transport.send_batch``), weights by bucketed broadcast on a group of
-train-pool rank 0 and the rollout ranks (``transport.WeightBroadcaster``); every wait has a timeout
+train-pool rank 0 and the rollout ranks (``transport.WeightBroadcaster``; every train rank takes
+part in the FSDP gather before it, only rank 0 sends); every wait has a timeout
 and a dead peer raises ``PoolPeerError`` naming its pool and rank.
 
 Metrics: each rollout rank ships its step metrics with the batch; the train rank merges them
@@ -31,7 +41,8 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from flowrl.compiler.placement import ROLLOUT_POOL, TRAIN_POOL, PlacementError, PlacementPlan, PoolPlan
+from flowrl.compiler.placement import (ROLLOUT_POOL, TRAIN_POOL, PlacementPlan, PoolPlan,
+                                      check_pool_sizes)
 from flowrl.ops.context import DistInfo
 from flowrl.runtime.distributed import metric_rule, reduce_metrics
 from flowrl.runtime.transport import PendingSend, WeightBroadcaster, recv_batch, send_batch
@@ -52,7 +63,9 @@ class PoolContext:
     Attributes:
         placement: the whole placement; pool: this rank's PoolPlan.
         rank: global rank; dist: this pool's data-parallel rank/size and its process group.
-        peers: rollout rank → [its train rank]; train rank → the rollout ranks it receives from.
+        peers: global ranks of this rank's peers in the other pool, in chunk / concatenation
+            order (rollout rank → the train ranks it sends to; train rank → those it receives
+            from). See the module docstring for the routing.
         broadcaster: weight broadcast (train-pool rank 0 sends; rollout ranks receive; None on
             other train ranks).
     """
@@ -70,16 +83,48 @@ class PoolContext:
 
 
 def check_partitioned(placement: PlacementPlan) -> None:
-    """Pool shapes this runtime runs. Raises PlacementError naming ``placement.pools``."""
-    n_train = len(placement.pools[TRAIN_POOL].ranks)
-    n_roll = len(placement.pools[ROLLOUT_POOL].ranks)
-    if n_train > 1:
-        raise PlacementError(f"placement.pools.train: {n_train} ranks; the partitioned runtime "
-                             "trains on one rank per train pool for now (FSDP over a pool "
-                             "sub-mesh is not implemented): give the train pool one rank")
-    if n_roll % n_train:
-        raise PlacementError(f"placement.pools: the rollout pool ({n_roll} ranks) must be a "
-                             f"multiple of the train pool ({n_train} ranks)")
+    """Pool shapes this runtime runs: the larger pool a multiple of the smaller (see
+    :func:`flowrl.compiler.placement.check_pool_sizes`). Raises PlacementError naming
+    ``placement.pools``."""
+    check_pool_sizes(len(placement.pools[ROLLOUT_POOL].ranks), len(placement.pools[TRAIN_POOL].ranks))
+
+
+def pool_peers(pool: str, index: int, n_roll: int, n_train: int) -> list[int]:
+    """Pool-local indices of the other pool's ranks that pool rank ``index`` exchanges batches
+    with: rollout i and train j are peers iff i ≡ j (mod min(n_roll, n_train)), in rank order.
+
+    >>> pool_peers("rollout", 0, 1, 2), pool_peers("train", 1, 4, 2), pool_peers("rollout", 3, 4, 2)
+    ([0, 1], [1, 3], [1])
+    """
+    m = min(n_roll, n_train)
+    other = n_train if pool == ROLLOUT_POOL else n_roll
+    return [j for j in range(other) if j % m == index % m]
+
+
+def split_batch(data: Mapping[str, Any], parts: int) -> list[dict[str, Any]]:
+    """Cut a batch's rows into ``parts`` contiguous near-equal chunks (``tensor_split`` sizes).
+
+    Rows = the leading dim of the first tensor with ``dim >= 1`` (B = prompts × n); every tensor
+    and list/tuple of that length is cut, anything else is copied into every chunk.
+
+    Raises:
+        ValueError: fewer rows than ``parts`` (a train rank would get none): raise
+            ``trainer.prompts_per_step``.
+    """
+    if parts == 1:
+        return [dict(data)]
+    B = next((v.shape[0] for v in data.values() if isinstance(v, torch.Tensor) and v.dim()), None)
+    if B is None or B < parts:
+        raise ValueError(f"partitioned: a rollout rank's batch has {B} rows for {parts} train "
+                         "ranks; raise trainer.prompts_per_step (or give the rollout pool more ranks)")
+    bounds = [0] + [int(c[-1]) + 1 for c in torch.arange(B).tensor_split(parts)]
+    out: list[dict[str, Any]] = [{} for _ in range(parts)]
+    for key, v in data.items():
+        rowwise = (isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == B) or \
+            (isinstance(v, (list, tuple)) and len(v) == B)
+        for c in range(parts):
+            out[c][key] = v[bounds[c]:bounds[c + 1]] if rowwise else v
+    return out
 
 
 def pool_context(placement: PlacementPlan, rank: int, *, bucket_mb: int, device: torch.device,
@@ -91,10 +136,8 @@ def pool_context(placement: PlacementPlan, rank: int, *, bucket_mb: int, device:
     wgroup = dist.new_group(sorted({train[0], *roll}))
     pool = placement.pool_of(rank)
     info = DistInfo(rank=pool.ranks.index(rank), world_size=len(pool.ranks), group=groups[pool.name])
-    if pool.name == TRAIN_POOL:
-        peers = [r for i, r in enumerate(roll) if i % len(train) == info.rank]
-    else:
-        peers = [train[info.rank % len(train)]]
+    other = roll if pool.name == TRAIN_POOL else train
+    peers = [other[j] for j in pool_peers(pool.name, info.rank, len(roll), len(train))]
     bc = None
     if rank in (train[0], *roll):
         bc = WeightBroadcaster(wgroup, train[0], bucket_mb=bucket_mb,
@@ -186,11 +229,13 @@ class RolloutPool:
         m = pool_metrics(m, ROLLOUT_POOL)
         m[f"perf/weight_wait_s/{ROLLOUT_POOL}"] = wait_s
         m["placement/rollout_version"] = float(self.version)
-        self.pending.append(send_batch(
-            outgoing, version=self.version, step=step, dst=self.ctx.peers[0], metrics=m,
-            device=self.device if self.device.type == "cuda" else "cpu",
-            timeout_s=self.timeout_s, peer=f"{TRAIN_POOL} pool",
-            state=self.executor.resources["prompts"].state_dict()))
+        state = self.executor.resources["prompts"].state_dict()
+        for c, (dst, part) in enumerate(zip(self.ctx.peers, split_batch(outgoing, len(self.ctx.peers)))):
+            # the step metrics travel once (with chunk 0): the train pool sums counts over ranks
+            self.pending.append(send_batch(
+                part, version=self.version, step=step, dst=dst, metrics=m if c == 0 else {},
+                device=self.device if self.device.type == "cuda" else "cpu",
+                timeout_s=self.timeout_s, peer=f"{TRAIN_POOL} pool", state=state))
         outgoing.clear()
         if step == FAULT_EXIT_AFTER:  # fault injection (tests): die without any teardown
             self.finish()
@@ -218,12 +263,18 @@ class TrainPool:
         self.rollout_state: Any = None  # rollout pool rank 0's prompt-sampler state, last batch
 
     def send_weights(self, version: int) -> dict[str, float]:
-        """Broadcast the actor's weights as ``version`` (only train-pool rank 0 sends)."""
+        """Broadcast the actor's weights as ``version`` (only train-pool rank 0 sends).
+
+        Several train ranks (FSDP): ``named_weights`` all-gathers each tensor over the train pool,
+        so every train rank iterates it to the end; the others drop the full tensors."""
         t0 = time.perf_counter()
         named = self.executor.engines[self.src_role].named_weights()  # FSDP: collective gather
         bc = self.ctx.broadcaster
         if bc is not None:
             bc.send(named, version)
+        else:
+            for _ in named:
+                pass
         self.version = version
         return {"perf/weight_sync_s": time.perf_counter() - t0,
                 "perf/weight_sync_bytes": float(bc.last_bytes if bc else 0)}
@@ -245,7 +296,7 @@ class TrainPool:
                                  f" is {lag} versions behind the trainer's {self.version}; "
                                  f"placement.staleness={self.k}")
         self.lags.append(lag)
-        self.rollout_state = got[0].state
+        self.rollout_state = got[0].state  # a chunk of rollout pool rank 0's batch on train rank 0
         m = self.executor.run_step(step, received=concat_batches([b.data for b in got]))
         # a later rollout step needs this version only if step + 1 + k <= total_steps
         if step <= self.total_steps - 1 - self.k:
@@ -263,4 +314,5 @@ class TrainPool:
 
 
 __all__ = ["PoolContext", "RolloutPool", "StalenessError", "TrainPool", "check_partitioned",
-           "concat_batches", "merge_rank_metrics", "pool_context", "pool_metrics"]
+           "concat_batches", "merge_rank_metrics", "pool_context", "pool_metrics", "pool_peers",
+           "split_batch"]

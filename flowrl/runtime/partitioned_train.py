@@ -3,7 +3,9 @@ placement (``flowrl.train.train`` hands over here once the placement is known).
 
 Each rank builds only its pool's engines: the rollout pool a rollout engine on its own model copy
 (weights arrive by broadcast, version ``start - 1`` first), the train pool the actor (+ ref,
-critic) and no rollout engine. Seeds and prompt shards follow the *pool* data-parallel rank, so
+critic) and no rollout engine; a train pool of several ranks shards them with FSDP2 over the
+pool's own process group (``build_engines(group=)``), so the rollout ranks never join a training
+collective. Seeds and prompt shards follow the *pool* data-parallel rank, so
 pool rank 0 draws what rank 0 of a colocated run draws: with ``staleness=0`` a partitioned run
 trains the same weights as a colocated one on the same seeds.
 
@@ -70,7 +72,8 @@ def train_partitioned(cfg, plan, placement: PlacementPlan, dinfo, out_dir: Path)
     tokenizer = load_tokenizer(cfg.model)
     prompts = PromptSource(cfg.data, tokenizer, rank=ctx.dist.rank, world_size=ctx.dist.world_size)
     t0 = time.perf_counter()
-    engines = build_engines(cfg, ctx.pool.plan, tokenizer, world_size=ctx.dist.world_size)
+    engines = build_engines(cfg, ctx.pool.plan, tokenizer, world_size=ctx.dist.world_size,
+                            group=ctx.dist.group)
     load_s = time.perf_counter() - t0
     resources = {"tokenizer": tokenizer, "prompts": prompts, "algorithm": cfg.algorithm,
                  "sampling": cfg.rollout.sampling, "trainer": cfg.trainer}
@@ -127,14 +130,15 @@ def train_partitioned(cfg, plan, placement: PlacementPlan, dinfo, out_dir: Path)
     n_roll = len(placement.pools["rollout"].ranks)
     logger = MetricsLogger(out_dir, cfg.logger, T, enabled=logs,
                            run_config=OmegaConf.to_container(OmegaConf.structured(cfg)))
-    evaluate = _evaluator(cfg, engines, prompts, tokenizer) if logs else None
+    evaluate = _evaluator(cfg, engines, prompts, tokenizer, rank0=logs)
     with logger:
         logger.print(f"[bold]flowrl[/bold] graph={plan.graph.name} placement=partitioned "
                      f"train={placement.pools['train'].ranks} rollout={placement.pools['rollout'].ranks}"
                      f" staleness={k} steps={T} out={out_dir}")
         if evaluate and cfg.trainer.eval.before and start == 1:
-            summary["eval_before"] = evaluate()
-            logger.log(0, summary["eval_before"])
+            summary["eval_before"] = evaluate()  # None on train ranks > 0
+            if logs:
+                logger.log(0, summary["eval_before"])
         logger.set_progress(start - 1)
         for step in range(start, T + 1):
             m = pool.step(step)
@@ -148,16 +152,20 @@ def train_partitioned(cfg, plan, placement: PlacementPlan, dinfo, out_dir: Path)
                 save(step, _train_state(engines), pool.rollout_state)
         if evaluate and cfg.trainer.eval.after and start <= T:
             summary["eval_after"] = evaluate()
-            logger.log(T, summary["eval_after"])
+            if logs:
+                logger.log(T, summary["eval_after"])
     summary.update(history=history, version_lags=pool.lags, checkpoint=str(ckpts.latest()))
     if logs:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
-def _evaluator(cfg, engines, prompts, tokenizer):
-    """Greedy eval on train-pool rank 0 with an HF engine over the actor's own module (shared, no
-    copy): the trainer holds the newest weights; the rollout pool keeps generating meanwhile."""
+def _evaluator(cfg, engines, prompts, tokenizer, *, rank0: bool):
+    """Greedy eval on train-pool rank 0 (the trainer holds the newest weights; the rollout pool
+    keeps generating meanwhile). One train rank: an HF engine over the actor's own module (shared,
+    no copy). Several (FSDP): the module is sharded, so every train rank joins the gather of the
+    actor's weights and rank 0 evaluates a full model copy it loads for the eval and then drops.
+    Returns a callable for every train rank (it returns None on ranks > 0), or None."""
     from flowrl.engines.rollout.hf import HFRolloutEngine
     from flowrl.rewards import REWARD_FUNCTIONS
     from flowrl.runtime.evaluate import evaluate_greedy
@@ -165,11 +173,36 @@ def _evaluator(cfg, engines, prompts, tokenizer):
     ev = cfg.trainer.eval
     if not (ev.before or ev.after) or ev.limit == 0:
         return None
-    engine = HFRolloutEngine(engines["actor"].model, tokenizer, cfg.rollout.hf, shared=True)
-    return lambda: evaluate_greedy(
+    actor = engines["actor"]
+    if prompts.world_size > 1:  # the train pool's shard of the eval slice: rank 0 evaluates it all
+        from flowrl.data import PromptSource
+
+        prompts = PromptSource(cfg.data, tokenizer)
+    run = lambda engine: evaluate_greedy(  # noqa: E731
         engine, prompts, tokenizer, REWARD_FUNCTIONS["gsm8k"], split=ev.split, limit=ev.limit,
         batch_size=ev.batch_size, max_new_tokens=ev.max_new_tokens,
         stop_token_ids=cfg.rollout.sampling.stop_token_ids)
+    if not getattr(actor, "_lockstep", False):
+        if not rank0:
+            return None
+        shared = HFRolloutEngine(actor.model, tokenizer, cfg.rollout.hf, shared=True)
+        return lambda: run(shared)
+
+    def gathered():
+        from flowrl.models.loading import load_model
+
+        named = actor.named_weights()  # collective over the train pool: iterate to the end
+        if not rank0:
+            for _ in named:
+                pass
+            return None
+        with torch.random.fork_rng(devices=[]):  # a random init must not move rank 0's RNG
+            model = load_model(cfg.model)
+        engine = HFRolloutEngine(model.to(actor.device), tokenizer, cfg.rollout.hf)
+        engine.load_weights(named)
+        return run(engine)
+
+    return gathered
 
 
 __all__ = ["POOL_TIMEOUT_S", "check_staleness", "train_partitioned"]

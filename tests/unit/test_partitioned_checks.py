@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from flowrl.cli import compose
-from flowrl.compiler.placement import PlacementError
 from flowrl.runtime.partitioned import (check_partitioned, concat_batches, merge_rank_metrics,
                                         pool_metrics)
 from flowrl.train import ConfigError, prepare, prepare_placement
@@ -21,13 +20,15 @@ def test_staleness_without_recomputed_old_logprobs_is_rejected_in_prepare():
 
 
 def test_pool_shapes_the_runtime_cannot_run():
-    cfg, plan = prepare(compose(BASE + ["launcher.nproc=3", "placement.pools.train=[0,1]",
-                                        "placement.pools.rollout=[2]"]))
-    with pytest.raises(PlacementError, match="placement.pools.train: 2 ranks"):
-        check_partitioned(prepare_placement(cfg, plan, 3))
+    with pytest.raises(ConfigError, match="larger pool's size must be a multiple"):
+        prepare(compose(BASE + ["launcher.nproc=5", "placement.pools.train=[0,1]",
+                                "placement.pools.rollout=[2,3,4]"]))
     cfg, plan = prepare(compose(BASE + ["launcher.nproc=3", "placement.pools.train=[0]",
                                         "placement.pools.rollout=[1,2]"]))
     check_partitioned(prepare_placement(cfg, plan, 3))  # two rollout ranks feed one trainer
+    cfg, plan = prepare(compose(BASE + ["launcher.nproc=3", "placement.pools.train=[0,1]",
+                                        "placement.pools.rollout=[2]"]))
+    check_partitioned(prepare_placement(cfg, plan, 3))  # one rollout rank feeds 2 FSDP ranks
 
 
 def test_concat_pads_prompts_left_and_responses_right():

@@ -61,14 +61,32 @@ def mixed_precision(cfg: TrainEngineConfig, device: torch.device):
     return MixedPrecisionPolicy()
 
 
-def broadcast_module(model: nn.Module, src: int = 0) -> None:
+def broadcast_module(model: nn.Module, src: int = 0, group: Any = None) -> None:
     """Make every rank's parameters and buffers equal to rank ``src``'s (before sharding), so a
-    randomly initialised model is the same model on every rank."""
+    randomly initialised model is the same model on every rank.
+
+    Args:
+        src: rank *within* ``group`` (default: the world) that holds the reference copy.
+        group: process group of the ranks that will shard the model (a partitioned train pool);
+            collective over it only, so ranks outside it (the rollout pool) need not call this.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         return
+    src = dist.get_global_rank(group, src) if group is not None else src
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t.data, src=src)
+            dist.broadcast(t.data, src=src, group=group)
+
+
+def pool_mesh(group: Any, device: torch.device | str) -> Any:
+    """A 1-D ``DeviceMesh`` over an existing process group (e.g. a partitioned train pool's,
+    created by every rank of the job in :func:`flowrl.runtime.partitioned.pool_context`); wrapping
+    a group is local, no collective. ``None`` → ``None`` (FSDP then shards over the world)."""
+    if group is None:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, torch.device(device).type)
 
 
 class FSDPMixin:
@@ -81,6 +99,10 @@ class FSDPMixin:
             device, in fp32 (master weights; bf16 compute comes from the mixed-precision policy).
         cfg: as :class:`LocalTrainEngine`; ``mixed_precision`` and ``weight_bucket_mb`` apply here.
         trainable: False = frozen reference (sharded too, no optimizer).
+        mesh: ``DeviceMesh`` (or a ``ProcessGroup``, wrapped by :func:`pool_mesh`) of the ranks
+            that shard this model, e.g. a partitioned placement's train pool. Every collective of
+            the engine (sharding, micro-batch agreement, NaN lockstep, grad-norm, weight gathers)
+            then runs on it; the ranks outside it never take part. None = the whole world.
 
     Attributes:
         last_timings: ``offload_s``/``onload_s`` of the last move; ``gather_s``/``gather_bytes`` of
@@ -93,7 +115,7 @@ class FSDPMixin:
     _lockstep = True
 
     def __init__(self, model: nn.Module, cfg: TrainEngineConfig | None = None,
-                 trainable: bool = True) -> None:
+                 trainable: bool = True, *, mesh: Any = None) -> None:
         from torch.distributed.fsdp import fully_shard
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -102,12 +124,17 @@ class FSDPMixin:
         cfg = cfg or TrainEngineConfig()
         device = next(model.parameters()).device
         mp = mixed_precision(cfg, device)
-        self.world_size = dist.get_world_size()
+        if isinstance(mesh, dist.ProcessGroup):
+            mesh = pool_mesh(mesh, device)
+        self.mesh = mesh
+        # the engine's own collectives run on the mesh's group (None: the default group)
+        self.group = mesh.get_group() if mesh is not None else None
+        self.world_size = dist.get_world_size(self.group)
         # the rollout engine computes in the trainer's compute dtype: gather in it (half the bytes)
         self.gather_dtype: Optional[torch.dtype] = mp.param_dtype
         for layer in decoder_layers(model):
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
         for m in model.modules():
             if hasattr(m, "set_gradient_divide_factor") and hasattr(m, "unshard"):
                 m.set_gradient_divide_factor(1.0)  # sum, not mean: losses are globally normalised
@@ -120,12 +147,12 @@ class FSDPMixin:
     # ------------------------------------------------------------------ data-parallel hooks
     def _agree_num_micro(self, k: int) -> int:
         t = torch.tensor([k], dtype=torch.int64, device=self._coll_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 
     def _all_true(self, flag: bool) -> bool:
         t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self._coll_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(t.item())
 
     def _backward(self, loss: Tensor, last: bool) -> None:
@@ -134,7 +161,7 @@ class FSDPMixin:
         loss.backward()
 
     def _coll_device(self) -> torch.device:
-        return self.device if str(dist.get_backend()) == "nccl" else torch.device("cpu")
+        return self.device if str(dist.get_backend(self.group)) == "nccl" else torch.device("cpu")
 
     # ------------------------------------------------------------------ weights / memory
     def named_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, Tensor]]:
