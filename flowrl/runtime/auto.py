@@ -70,7 +70,10 @@ def decide(cfg, plan, world_size: int, profile: list[dict[str, float]]) -> dict[
                            "predicted_step_s": pp.estimate.step_s if pp.estimate else None,
                            "prompts_per_step": cfg.trainer.prompts_per_step,
                            "profile_steps": len(profile)}
-    if pp.mode == "partitioned":
+    if pp.mode == "partitioned" and cfg.rollout.backend == "vllm":
+        out.update(mode="colocated", notes=out["notes"] + [
+            "kept colocated: rollout=vllm does not run partitioned yet"])
+    elif pp.mode == "partitioned":
         pools = {k: list(v.ranks) for k, v in pp.pools.items()}
         n_roll = len(pools["rollout"])
         global_prompts = cfg.trainer.prompts_per_step * world_size

@@ -46,8 +46,9 @@ def test_switch_to_partitioned_keeps_global_batch_and_weights_in_sync(tmp_path):
     assert line in proc.stdout
 
 
-def _cfg(prompts=3):
-    return SimpleNamespace(trainer=SimpleNamespace(prompts_per_step=prompts))
+def _cfg(prompts=3, backend="hf"):
+    return SimpleNamespace(trainer=SimpleNamespace(prompts_per_step=prompts),
+                           rollout=SimpleNamespace(backend=backend))
 
 
 def test_decide_scales_prompts_to_keep_the_global_batch(monkeypatch):
@@ -67,6 +68,9 @@ def test_decide_scales_prompts_to_keep_the_global_batch(monkeypatch):
     d = auto.decide(_cfg(1), None, 4, [{}])  # 4 prompts do not split over 3 ranks
     assert d["mode"] == "colocated" and d["prompts_per_step"] == 1
     assert d["notes"][-1] == "kept colocated: 4 prompts per step do not split over 3 rollout ranks"
+    d = auto.decide(_cfg(3, backend="vllm"), None, 4, [{}])
+    assert d["mode"] == "colocated" and d["notes"][-1] == ("kept colocated: rollout=vllm does not "
+                                                          "run partitioned yet")
 
 
 def test_read_step_metrics_merges_rows_and_skips_eval(tmp_path):
