@@ -91,6 +91,26 @@ def maybe_exec_torchrun(overrides: list[str]) -> None:
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LauncherConfig), node))
     if not cfg.distributed:
         return
+    _validate_before_launch(overrides)
     argv = torchrun_argv(cfg, overrides)
     sys.stdout.flush()
     os.execv(argv[0], argv)
+
+
+def _validate_before_launch(overrides: list[str]) -> None:
+    """Check the whole job (config, graph, placement) once here, so a mistake is one line from
+    this process, exit status 2, instead of the same error from every rank plus torchrun's
+    failure report. Loads no model."""
+    import sys
+
+    from flowrl.cli import compose
+    from flowrl.train import prepare
+
+    try:
+        cfg = compose(overrides)
+        if "${hydra:" in str(cfg.trainer._get_node("output_dir")._value()):
+            cfg.trainer.output_dir = "(validation only)"  # Hydra's run dir exists only in the ranks
+        prepare(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"flowrl train: error: {e}", file=sys.stderr)
+        sys.exit(2)
