@@ -208,12 +208,13 @@ class PromptSource:
         return batch
 
     def eval_batches(self, limit: Optional[int], batch_size: int,
-                     split: Optional[str] = None) -> Iterator[PromptBatch]:
+                     split: Optional[str] = None, shard: bool = True) -> Iterator[PromptBatch]:
         """Greedy-evaluation batches over a FIXED slice: the first ``limit`` records of ``split``
         (default: this source's split), in file order, never shuffled, one sample per prompt.
 
-        Over-long prompts are skipped (count in ``eval_skipped``). The slice is sharded by rank
-        (``kept[rank::world_size]``), so shard sizes may differ by one. ``group_id`` and
+        Over-long prompts are skipped (count in ``eval_skipped``). With ``shard`` the slice is
+        sharded by rank (``kept[rank::world_size]``, sizes may differ by one); ``shard=False``
+        yields the whole slice (an evaluation that runs on one rank). ``group_id`` and
         ``prompt_index`` are the record's index in the split. Independent of the training state.
 
         Raises:
@@ -224,7 +225,7 @@ class PromptSource:
         split = self.cfg.split if split is None else split
         records = DATASETS[self.cfg.name](split, limit)
         texts, tokens, kept, self.eval_skipped = self._encode(records)
-        mine = kept[self.rank::self.world_size]
+        mine = kept[self.rank::self.world_size] if shard else kept
         for start in range(0, len(mine), batch_size):
             chunk = mine[start:start + batch_size]
             yield self._batch(chunk, 1, chunk, records, texts, tokens)

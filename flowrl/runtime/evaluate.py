@@ -23,7 +23,8 @@ def evaluate_greedy(rollout_engine, prompts, tokenizer, verifier, *, split: str,
                             stop_token_ids=list(stop_token_ids))
     t0 = time.perf_counter()
     rewards, lengths, truncated = [], [], []
-    for batch in prompts.eval_batches(limit, batch_size, split=split):
+    # one rank evaluates the whole slice (the others have nothing to add while it decodes)
+    for batch in prompts.eval_batches(limit, batch_size, split=split, shard=False):
         out = rollout_engine.generate(batch.prompt_ids, batch.prompt_mask, params)
         texts = decode_responses(tokenizer, out.response_ids, out.response_mask)
         rewards += [float(verifier(t, gt)) for t, gt in zip(texts, batch.ground_truth)]

@@ -191,3 +191,6 @@ def test_eval_batches_fixed_slice(tok):
     assert all(torch.equal(a.prompt_ids, b.prompt_ids) for a, b in zip(batches, again))
     shard1 = PromptSource(DataConfig(limit=8), tok, rank=1, world_size=2)
     assert [b.prompt_index.tolist() for b in shard1.eval_batches(5, 8, "test")] == [[1, 3]]
+    # evaluate_greedy runs on one rank: it reads the whole slice whatever the rank
+    assert [b.prompt_index.tolist() for b in shard1.eval_batches(5, 8, "test", shard=False)] == \
+        [[0, 1, 2, 3, 4]]
