@@ -101,6 +101,15 @@ def train_partitioned(cfg, plan, placement: PlacementPlan, dinfo, out_dir: Path)
             prompts.load_state_dict(_rescale_prompt_state(meta["prompts"], ctx.dist.world_size))
         start, history = int(meta["step"]) + 1, meta.get("history", [])
         log.info("resumed from %s: continuing at step %d", latest, start)
+        if (out_dir / "summary.json").is_file():  # keep the record of the earlier part
+            earlier = json.loads((out_dir / "summary.json").read_text())
+            summary = {**earlier, **summary,
+                       "version_lags": earlier.get("version_lags", [])[:start - 1]}
+        if start > T:  # a finished run: say so, change nothing (as the colocated path does)
+            if logs:
+                print(f"run already complete at step {start - 1} (trainer.total_steps={T}); "
+                      "raise trainer.total_steps to train further", flush=True)
+            return summary
     save_steps = [s for s in range(start, T + 1)
                   if s == T or (cfg.trainer.save_every and s % cfg.trainer.save_every == 0)]
 
@@ -154,7 +163,8 @@ def train_partitioned(cfg, plan, placement: PlacementPlan, dinfo, out_dir: Path)
             summary["eval_after"] = evaluate()
             if logs:
                 logger.log(T, summary["eval_after"])
-    summary.update(history=history, version_lags=pool.lags, checkpoint=str(ckpts.latest()))
+    summary.update(history=history, version_lags=summary.get("version_lags", []) + pool.lags,
+                   checkpoint=str(ckpts.latest()))
     if logs:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
