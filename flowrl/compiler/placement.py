@@ -283,7 +283,11 @@ def partitioned(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int,
                                      f"'{name}' (partitioned pools must not overlap)")
             seen[r] = name
     if missing := sorted(set(range(world_size)) - set(seen)):
-        raise PlacementError(f"placement.pools: ranks {missing} are in no pool")
+        split = {k: str(v).replace(" ", "") for k, v in default_pools(world_size).items()}
+        raise PlacementError(
+            f"placement.pools: ranks {missing} are in no pool; give each of the {world_size} "
+            f"ranks a pool, e.g. placement.pools.train={split[TRAIN_POOL]} "
+            f"placement.pools.rollout={split[ROLLOUT_POOL]}")
     role_pool = {**DEFAULT_ROLE_POOL, **cfg.roles}
     for role in plan.roles:
         if role_pool[role] not in pools:
