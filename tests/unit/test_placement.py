@@ -29,7 +29,8 @@ def part(pools=None, roles=None, **kw):
     (part({"train": [0, 1], "rollout": [1]}), 2,
      "placement.pools: rank 1 is in both 'train' and 'rollout' (partitioned pools must not overlap)"),
     (part({"train": [0], "rollout": [2]}), 2, "placement.pools.rollout: rank 2 >= world size 2"),
-    (part({"train": [0], "rollout": [1]}), 3, "placement.pools: ranks [2] are in no pool"),
+    (part({"train": [0], "rollout": [1]}), 3, "placement.pools: ranks [2] are in no pool; give "
+     "each of the 3 ranks a pool, e.g. placement.pools.train=[0,1] placement.pools.rollout=[2]"),
     (part(roles={"rollout": "train"}), 2,
      "placement.roles: actor and rollout share a pool; use placement=colocated for that"),
     (part(), 1, "placement.mode=partitioned needs >= 2 ranks (launcher.nproc), got 1"),
