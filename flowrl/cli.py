@@ -88,6 +88,23 @@ def graph_main(argv: list[str]) -> int:
     return 0
 
 
+def one_line(e: BaseException) -> str:
+    """A Hydra/OmegaConf error as one line: its message lines and its cause's, without the
+    indented ``full_key/object_type`` detail."""
+    parts: list[str] = []
+    while e is not None and len(parts) < 8:
+        parts += [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.strip()
+                  .startswith(("full_key:", "object_type=", "reference_type=", "msg:"))]
+        if any(p.startswith("Config search path") for p in parts):
+            parts = parts[:next(i for i, p in enumerate(parts) if p.startswith("Config search path"))]
+        e = e.__cause__
+    seen: list[str] = []
+    for p in parts:
+        if p not in seen:
+            seen.append(p)
+    return "; ".join(seen[:6]).replace(":; ", ": ")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -114,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
             return export_main(rest)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"flowrl {cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # Hydra/OmegaConf composition (misspelled key, bad override type)
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if not isinstance(e, (HydraException, OmegaConfBaseException)):
+            raise
+        print(f"flowrl {cmd}: error: {one_line(e)}", file=sys.stderr)
         return 2
     print(f"flowrl: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2

@@ -87,8 +87,16 @@ def maybe_exec_torchrun(overrides: list[str]) -> None:
 
     from flowrl.cli import compose
 
-    node = compose(overrides).launcher
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LauncherConfig), node))
+    try:
+        node = compose(overrides).launcher
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LauncherConfig), node))
+    except Exception as e:  # Hydra/OmegaConf composition errors: one line, like train's own
+        import sys
+
+        from flowrl.cli import one_line
+
+        print(f"flowrl train: error: {one_line(e)}", file=sys.stderr)
+        sys.exit(2)
     if not cfg.distributed:
         return
     _validate_before_launch(overrides)

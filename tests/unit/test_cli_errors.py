@@ -1,0 +1,33 @@
+"""Config mistakes on the command line are one line and exit status 2, also with launcher.nproc > 1
+(validated here before torchrun starts)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["train", "launcher.nproc=2", "trainer.total_step=3"],
+     "flowrl train: error: Could not override 'trainer.total_step'.; To append to your config use "
+     "+trainer.total_step=3; Key 'total_step' not in 'TrainerConfig'"),
+    (["train", "launcher.nproc=2", "placement=partitoned"],
+     "flowrl train: error: In 'train': Could not find 'placement/partitoned'; Available options in "
+     "'placement': auto; colocated; partitioned"),
+    (["train", "launcher.nproc=2", "placement=partitioned", "placement.pools.train=[0,1]"],
+     "flowrl train: error: placement.pools: rank 1 is in both 'train' and 'rollout' (partitioned "
+     "pools must not overlap)"),
+    (["plan", "placement.staleness=abc"],
+     "flowrl plan: error: Error merging override placement.staleness=abc; Value 'abc' of type 'str' "
+     "could not be converted to Integer"),
+])
+def test_one_line_errors(args, expected, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", *args], cwd=tmp_path, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [expected]
+    assert not (tmp_path / "outputs").exists()  # nothing started, no run directory
