@@ -66,7 +66,10 @@ def decide(cfg, plan, world_size: int, profile: list[dict[str, float]]) -> dict[
     # the first step pays one-time costs (allocator warm-up, compilation): leave it out if we can
     measured = profile[1:] if len(profile) > 1 else profile
     pp = refine_and_choose(plan, cfg, world_size, costs, measured, rp)
-    out: dict[str, Any] = {"mode": pp.mode, "notes": list(pp.notes),
+    notes = list(pp.notes)
+    if len(profile) > 1:
+        notes[0] += f" (steps 2-{len(profile)} of the profile; step 1 is warm-up)"
+    out: dict[str, Any] = {"mode": pp.mode, "notes": notes,
                            "predicted_step_s": pp.estimate.step_s if pp.estimate else None,
                            "prompts_per_step": cfg.trainer.prompts_per_step,
                            "profile_steps": len(profile)}

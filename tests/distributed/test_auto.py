@@ -36,7 +36,8 @@ def test_switch_to_partitioned_keeps_global_batch_and_weights_in_sync(tmp_path):
     assert all(r["rollout/logprob_mismatch"] < 1e-4 for r in steps)
     decision = json.loads((tmp_path / auto.DECISION_FILE).read_text())
     assert decision["mode"] == "partitioned" and decision["prompts_per_step"] == 4
-    assert decision["notes"][0] == "auto: refined from 1 measured colocated step(s)"
+    assert decision["notes"][0] == ("auto: refined from 1 measured colocated step(s) (steps 2-2 "
+                                    "of the profile; step 1 is warm-up)")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [h["step"] for h in summary["history"]] == [1, 2, 3, 4]
     line = summary["placement_auto"]["line"]
