@@ -44,7 +44,7 @@ import torch.distributed as dist
 from flowrl.compiler.placement import (ROLLOUT_POOL, TRAIN_POOL, PlacementPlan, PoolPlan,
                                       check_pool_sizes)
 from flowrl.ops.context import DistInfo
-from flowrl.runtime.distributed import metric_rule, reduce_metrics
+from flowrl.runtime.distributed import combine_metrics, reduce_metrics
 from flowrl.runtime.transport import PendingSend, WeightBroadcaster, recv_batch, send_batch
 
 
@@ -159,13 +159,7 @@ def pool_metrics(metrics: Mapping[str, float], pool: str) -> dict[str, float]:
 
 def merge_rank_metrics(dicts: list[Mapping[str, float]]) -> dict[str, float]:
     """Combine several ranks' metric dicts by :func:`flowrl.runtime.distributed.metric_rule`."""
-    out: dict[str, float] = {}
-    for key in sorted({k for d in dicts for k in d}):
-        vals = [float(d[key]) for d in dicts if key in d]
-        rule = metric_rule(key)
-        out[key] = (sum(vals) if rule == "sum" else max(vals) if rule == "max"
-                    else min(vals) if rule == "min" else sum(vals) / len(vals))
-    return out
+    return combine_metrics(dicts)
 
 
 def concat_batches(parts: list[dict[str, Any]]) -> dict[str, Any]:
