@@ -91,8 +91,6 @@ def maybe_exec_torchrun(overrides: list[str]) -> None:
         node = compose(overrides).launcher
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LauncherConfig), node))
     except Exception as e:  # Hydra/OmegaConf composition errors: one line, like train's own
-        import sys
-
         from flowrl.cli import one_line
 
         print(f"flowrl train: error: {one_line(e)}", file=sys.stderr)
@@ -109,8 +107,6 @@ def _validate_before_launch(overrides: list[str]) -> None:
     """Check the whole job (config, graph, placement) once here, so a mistake is one line from
     this process, exit status 2, instead of the same error from every rank plus torchrun's
     failure report. Loads no model."""
-    import sys
-
     from flowrl.cli import compose
     from flowrl.train import prepare
 

@@ -31,3 +31,23 @@ def test_one_line_errors(args, expected, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [expected]
     assert not (tmp_path / "outputs").exists()  # nothing started, no run directory
+
+
+def test_valid_multi_rank_job_reaches_torchrun(monkeypatch, tmp_path):
+    """The pre-launch validation passes a good job through to the torchrun exec (regression: a
+    local import once shadowed ``sys`` and broke every launcher.nproc > 1 run)."""
+    from flowrl import launch
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    seen = {}
+
+    def fake_execv(path, argv):
+        seen["argv"] = argv
+        raise SystemExit(0)
+
+    monkeypatch.setattr(launch.os, "execv", fake_execv)
+    with pytest.raises(SystemExit) as e:
+        launch.maybe_exec_torchrun(["launcher.nproc=2", "model=tiny", "trainer=smoke",
+                                    f"trainer.output_dir={tmp_path}"])
+    assert e.value.code == 0
+    assert "--nproc_per_node=2" in seen["argv"] and "launcher.nproc=2" in seen["argv"]
