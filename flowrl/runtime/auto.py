@@ -44,15 +44,11 @@ def _derive(raw: DictConfig | dict, out_dir: Path, **overrides: Any) -> DictConf
 def read_step_metrics(out_dir: Path, first: int, last: int) -> list[dict[str, float]]:
     """Rows of ``metrics.jsonl`` (rank 0's, already reduced over ranks) for steps first..last
     that carry a step time (eval rows do not)."""
-    path = out_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows: dict[int, dict[str, float]] = {}
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        if first <= row.get("step", -1) <= last:
-            rows.setdefault(row["step"], {}).update({k: v for k, v in row.items() if v is not None})
-    return [r for _, r in sorted(rows.items()) if "perf/step_s" in r]
+    from flowrl.runtime.metrics import read_metrics
+
+    rows = read_metrics(out_dir)
+    return [{k: v for k, v in rows[s].items() if v is not None} for s in sorted(rows)
+            if first <= s <= last and rows[s].get("perf/step_s") is not None]
 
 
 def decide(cfg, plan, world_size: int, profile: list[dict[str, float]]) -> dict[str, Any]:

@@ -143,3 +143,15 @@ def _flatten(d: dict, prefix: str = "") -> dict:
         else:
             out[key] = v
     return out
+
+
+def read_metrics(out_dir: Path) -> dict[int, dict[str, Any]]:
+    """A run's ``metrics.jsonl`` as step → metrics, rows of one step merged (a step logs its
+    training metrics, then e.g. ``perf/checkpoint_s``, then eval); ``{}`` when there is none."""
+    rows: dict[int, dict[str, Any]] = {}
+    path = Path(out_dir) / "metrics.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            rows.setdefault(row["step"], {}).update(row)
+    return rows

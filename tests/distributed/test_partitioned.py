@@ -13,6 +13,7 @@ import torch
 
 from flowrl.cli import compose
 from flowrl.train import train
+from flowrl.runtime.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 # random tiny model: GSM8K rewards are all 0, so the entropy bonus and the KL term (ref stage on
@@ -44,11 +45,7 @@ def actor_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def metrics(out: Path) -> dict[int, dict]:
-    rows: dict[int, dict] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        rows.setdefault(r["step"], {}).update(r)
-    return rows
+    return read_metrics(out)
 
 
 def test_k0_matches_colocated_weights(tmp_path):

@@ -4,7 +4,6 @@ The entropy bonus and a large learning rate make step 1's update move the weight
 tiny random model earns no reward, so step 2's rollout-vs-trainer mismatch tells whether the
 in-place weight load happened.
 """
-import json
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import pytest
 
 from flowrl.cli import compose
 from flowrl.engines.rollout.vllm import VLLMRolloutEngine
+from flowrl.runtime.metrics import read_metrics
 from flowrl.train import train
 
 TOL = 1e-4  # fp32 rollout vs trainer logprobs, see test_vllm_engine.py
@@ -26,11 +26,7 @@ ARGS = ["rollout=vllm", "model=tiny", "trainer=smoke", "data.limit=64",
 
 
 def metrics(out: Path) -> dict[int, dict]:
-    rows: dict[int, dict] = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        rows.setdefault(r["step"], {}).update(r)
-    return rows
+    return read_metrics(out)
 
 
 def test_two_step_run_reports_mismatch_and_swap_times(tmp_path):
