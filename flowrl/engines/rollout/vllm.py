@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -82,6 +83,30 @@ def export_hf_dir(model: nn.Module, tokenizer, path: Path) -> list[str]:
     return list(tensors)
 
 
+@dataclass(frozen=True)
+class PolicyExport:
+    """A policy written as an HF directory that vLLM engines start from (picklable: it is what an
+    engine process of ``vllm_proc.py`` receives)."""
+
+    model_dir: str
+    weight_names: frozenset  # HF names a complete weight load must deliver
+    eos_token_id: int
+    pad_token_id: int        # the tokenizer's pad id, else EOS
+    dtype: str               # the module's parameter dtype, e.g. "float32", "bfloat16"
+
+
+def export_policy(model: nn.Module, tokenizer, model_dir: str | None = None) -> PolicyExport:
+    """Export ``model`` + ``tokenizer`` (:func:`export_hf_dir`) to ``model_dir`` or a new
+    temporary directory (the caller removes it)."""
+    path = Path(model_dir or tempfile.mkdtemp(prefix="flowrl_vllm_"))
+    names = export_hf_dir(model, tokenizer, path)
+    pad = tokenizer.pad_token_id
+    eos = int(tokenizer.eos_token_id)
+    return PolicyExport(model_dir=str(path), weight_names=frozenset(names), eos_token_id=eos,
+                        pad_token_id=int(pad) if pad is not None else eos,
+                        dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
+
+
 def _prompt_rows(prompt_ids: Tensor, prompt_mask: Tensor) -> list[list[int]]:
     if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
         raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask "
@@ -126,21 +151,34 @@ class VLLMRolloutEngine:
     """
 
     def __init__(self, model: nn.Module, tokenizer, cfg: VLLMRolloutConfig | None = None) -> None:
-        self.cfg = cfg or VLLMRolloutConfig()
+        cfg = cfg or VLLMRolloutConfig()
+        import_vllm()
+        from vllm.platforms import current_platform
+
+        check_model_for_vllm(model.config, on_cpu=current_platform.is_cpu())
+        self._start(export_policy(model, tokenizer, cfg.model_dir), cfg, owns_dir=cfg.model_dir is None)
+
+    @classmethod
+    def from_export(cls, exported: "PolicyExport", cfg: VLLMRolloutConfig) -> "VLLMRolloutEngine":
+        """Start an engine on an existing export (an engine process of ``vllm_proc.py``); the
+        directory stays (its owner removes it)."""
+        self = cls.__new__(cls)
+        self._start(exported, cfg, owns_dir=False)
+        return self
+
+    def _start(self, exported: "PolicyExport", cfg: VLLMRolloutConfig, *, owns_dir: bool) -> None:
+        self.cfg = cfg
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
         self.on_cuda = current_platform.is_cuda_alike()
-        check_model_for_vllm(model.config, on_cpu=current_platform.is_cpu())
-        self.eos_token_id = int(tokenizer.eos_token_id)
-        pad = tokenizer.pad_token_id
-        self.pad_token_id = int(pad) if pad is not None else self.eos_token_id
-        self._tmp = self.cfg.model_dir is None
-        self.model_dir = Path(self.cfg.model_dir or tempfile.mkdtemp(prefix="flowrl_vllm_"))
-        self.weight_names = frozenset(export_hf_dir(model, tokenizer, self.model_dir))
+        self.eos_token_id, self.pad_token_id = exported.eos_token_id, exported.pad_token_id
+        self._tmp = owns_dir
+        self.model_dir = Path(exported.model_dir)
+        self.weight_names = exported.weight_names
         dtype = self.cfg.dtype
         if dtype == "auto":  # the module's real dtype, not whatever its config claims
-            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+            dtype = exported.dtype
         self.sleep_supported = self.on_cuda and self.cfg.sleep_level > 0
         kwargs = dict(
             model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=dtype,

@@ -49,6 +49,13 @@ class VLLMRolloutConfig:
         seed: vLLM's engine seed (requests without a generator).
         model_dir: where the HF export of the initial model is written; None = a temporary
             directory removed by :meth:`VLLMRolloutEngine.close`.
+        engine_procs: where the engine runs. 0 = in the trainer's process (colocated default:
+            in-place weight loads with no copy). N >= 1 = N vLLM engines in child processes on this
+            rank's device (``engines/rollout/vllm_proc.py``), each with its own one-process torch
+            world, the batch split between them; the memory and concurrency settings above are then
+            the rank's totals, divided evenly. A partitioned rollout pool always uses child
+            processes (an in-process engine would build its process groups over the whole world):
+            0 there means 1.
     """
 
     gpu_memory_utilization: float = 0.5
@@ -65,8 +72,15 @@ class VLLMRolloutConfig:
     logprobs_mode: str = "tempered"  # "tempered" | "processed" (OmegaConf has no Literal)
     seed: int = 0
     model_dir: Optional[str] = None
+    engine_procs: int = 0
 
     def __post_init__(self) -> None:
+        if self.engine_procs < 0:
+            raise ValueError(f"rollout.vllm.engine_procs must be >= 0, got {self.engine_procs}")
+        if self.engine_procs > 1 and self.max_num_seqs < self.engine_procs:
+            raise ValueError(f"rollout.vllm.max_num_seqs ({self.max_num_seqs}) must be >= "
+                             f"rollout.vllm.engine_procs ({self.engine_procs}): each engine gets "
+                             "an even share")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"rollout.vllm.gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")

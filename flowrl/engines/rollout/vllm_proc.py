@@ -1,0 +1,384 @@
+"""vLLM engines in child processes (``rollout.vllm.engine_procs >= 1``; always on a partitioned
+rollout pool).
+
+Why a process of its own: an in-process ``vllm.LLM`` initialises vLLM's parallel state on the
+caller's torch world, creating process groups over *every* rank of the job. On a partitioned
+rollout pool the train ranks never join those collectives and the rollout rank hangs. A child
+started with ``spawn`` has no torch world; vLLM makes its own one-process world there. The same
+mechanism runs several engines on one device, each with a slice of the batch: vLLM's scheduler and
+output processing cost ~20 µs of host Python per running request per decode step
+(benchmarks/results/rollout_h200.md), so N engines spread that work over N host cores.
+
+Dataflow (one engine process per box; the parent is the rank's controller)::
+
+    parent: generate(B prompts) ──split at group boundaries──▶ engine 0: rows [0, b1)
+                                                          ├──▶ engine 1: rows [b1, b2) ...
+            ◀── (response_ids, response_mask, rollout_logprobs, truncated) per slice, padded + joined
+    parent: load_weights(named) ──buckets of (name, tensor) handles──▶ every engine (same tensors:
+            CUDA IPC on GPU, shared memory on CPU; kept alive until every engine confirmed)
+
+Each child runs :class:`~flowrl.engines.rollout.vllm.VLLMRolloutEngine` in-process on the parent's
+export, so sampling, logprob, sleep and load semantics are that engine's, per child.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import time
+import traceback
+import weakref
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+
+from flowrl.engines.base import RolloutBatch, SamplingConfig
+from flowrl.engines.rollout.vllm import PolicyExport, _groups, _prompt_rows, export_policy
+from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig, check_model_for_vllm
+
+# the torchrun variables of the parent's job: vLLM must not see them (it would join that world)
+_JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+             "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+_ERRORS = {"ValueError": ValueError, "KeyError": KeyError, "RuntimeError": RuntimeError}
+_BUCKET_BYTES = 64 << 20  # tensor handles per message: fewer round trips, bounded message size
+
+
+def engine_share(cfg: VLLMRolloutConfig, procs: int, index: int) -> VLLMRolloutConfig:
+    """Engine ``index`` of ``procs``'s configuration: the rank's totals divided evenly.
+
+    ``max_num_seqs`` (and a set ``max_cudagraph_capture_size``) become ceil(total / procs);
+    ``gpu_memory_utilization`` and ``kv_cache_memory_gb`` total / procs; seeds differ per engine.
+    """
+    share = lambda v: None if v is None else math.ceil(v / procs)  # noqa: E731
+    return dataclasses.replace(
+        cfg, engine_procs=0, max_num_seqs=share(cfg.max_num_seqs),
+        max_cudagraph_capture_size=share(cfg.max_cudagraph_capture_size),
+        gpu_memory_utilization=cfg.gpu_memory_utilization / procs,
+        kv_cache_memory_gb=None if cfg.kv_cache_memory_gb is None else cfg.kv_cache_memory_gb / procs,
+        seed=cfg.seed + index)
+
+
+def split_groups(rows: list[list[int]], greedy: bool, parts: int) -> list[tuple[int, int]]:
+    """Contiguous row ranges, one per engine, never splitting a group of identical prompts (its
+    ``n`` samples are one vLLM request sharing the prefix cache); sizes as equal as groups allow.
+    Fewer ranges than ``parts`` when there are fewer groups. Greedy rows are each their own group.
+
+    Returns:
+        ``[(start, end), ...]`` covering ``range(len(rows))`` in order, each non-empty.
+    """
+    sizes = [1] * len(rows) if greedy else [k for _, k in _groups(rows)]
+    bounds, start, done = [], 0, 0
+    for k in sizes:
+        done += k
+        # close the range once it reaches its share of what is left for the remaining parts
+        left_parts = parts - len(bounds)
+        if left_parts > 1 and done - start >= (len(rows) - start) / left_parts:
+            bounds.append((start, done))
+            start = done
+    if start < len(rows):
+        bounds.append((start, len(rows)))
+    return bounds
+
+
+def _child_env(device: torch.device) -> dict[str, str]:
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
+    return env
+
+
+def _serve(conn, exported: PolicyExport, cfg: VLLMRolloutConfig, env: dict[str, str]) -> None:
+    """Engine process main loop: one request in, one reply out, until ``close`` or EOF."""
+    for k in list(os.environ):
+        if k in _JOB_VARS or k.startswith("TORCHELASTIC_"):
+            del os.environ[k]
+    os.environ.update(env)
+    from flowrl.engines.rollout.vllm import VLLMRolloutEngine
+
+    try:
+        engine = VLLMRolloutEngine.from_export(exported, cfg)
+    except BaseException as e:  # noqa: BLE001 (reported to the parent, which raises it)
+        conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
+        return
+    conn.send(("ok", {"sleep_supported": engine.sleep_supported}))
+
+    ended = [True]
+
+    def stream() -> Iterator[tuple[str, Tensor]]:
+        while True:
+            msg = conn.recv()
+            if msg[0] == "end":
+                ended[0] = True
+                return
+            yield from msg[1]
+
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the parent is gone
+            break
+        op = msg[0]
+        if op == "close":
+            break
+        try:
+            if op == "generate":
+                _, ids, mask, params, seed = msg
+                gen = None if seed is None else torch.Generator().manual_seed(seed)
+                out = engine.generate(ids, mask, params, generator=gen)
+                reply: Any = (out.response_ids, out.response_mask, out.rollout_logprobs,
+                              out.truncated)
+            elif op == "load":
+                ended[0] = False
+                try:
+                    engine.load_weights(stream())
+                finally:
+                    while not ended[0]:  # an error mid-load: read up to "end", stay in step
+                        ended[0] = conn.recv()[0] == "end"
+                reply = engine.last_load_counts
+            elif op == "sleep":
+                engine.sleep(msg[1])
+                reply = None
+            elif op == "wake":
+                engine.wake()
+                reply = None
+            else:
+                raise ValueError(f"unknown engine-process request {op!r}")
+            conn.send(("ok", reply, engine.last_timings))
+        except Exception as e:  # noqa: BLE001 (the parent re-raises it; the engine lives on)
+            conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
+    engine.close()
+    conn.close()
+
+
+class VLLMProcessEngine:
+    """:class:`flowrl.engines.base.RolloutEngine` over ``procs`` vLLM engine processes on this
+    rank's device; same contract as :class:`~flowrl.engines.rollout.vllm.VLLMRolloutEngine`.
+
+    Args:
+        model: the policy (HF causal LM, on the rank's device); exported once, read by every engine.
+        tokenizer: gives EOS / pad ids.
+        cfg: ``rollout.vllm``; memory and concurrency settings are this rank's totals
+            (:func:`engine_share`).
+        procs: engine processes (>= 1); None = ``max(1, cfg.engine_procs)``.
+
+    Attributes:
+        sleep_supported: vLLM really frees memory on sleep (CUDA); False on CPU.
+        last_timings: seconds of the last call; per key the slowest engine (``generate_s`` is the
+            parent's wall time of the whole call).
+        last_load_counts: ``{"tensors": n, "bytes": b}`` the last ``load_weights`` sent.
+
+    Raises:
+        ValueError: a model vLLM's CPU kernel cannot run; ``procs < 1``.
+        RuntimeError / ValueError / KeyError: an engine process failed (its traceback is in the
+            message); ``RuntimeError`` when one died.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, cfg: VLLMRolloutConfig | None = None,
+                 procs: int | None = None) -> None:
+        self.cfg = cfg = cfg or VLLMRolloutConfig()
+        self.procs_n = max(1, cfg.engine_procs) if procs is None else procs
+        if self.procs_n < 1:
+            raise ValueError(f"VLLMProcessEngine: procs must be >= 1, got {procs}")
+        device = next(model.parameters()).device
+        check_model_for_vllm(model.config, on_cpu=device.type != "cuda")
+        self.exported = export_policy(model, tokenizer, cfg.model_dir)
+        self._tmp = cfg.model_dir is None
+        self.weight_names = self.exported.weight_names
+        self.eos_token_id, self.pad_token_id = self.exported.eos_token_id, self.exported.pad_token_id
+        ctx = mp.get_context("spawn")
+        env = _child_env(device)
+        self._conns, self._procs = [], []
+        try:
+            for i in range(self.procs_n):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_serve, name=f"flowrl-vllm-{i}",
+                                args=(child, self.exported, engine_share(cfg, self.procs_n, i), env))
+                p.start()
+                child.close()
+                self._conns.append(parent)
+                self._procs.append(p)
+            ready = self._collect()  # the engines start side by side
+        except BaseException:
+            self.close()
+            raise
+        # an exception that never reaches close() must not leave the interpreter waiting at exit
+        # for engine processes (multiprocessing joins them); finalizers run before that join
+        self._finalizer = weakref.finalize(self, _shutdown, self._conns, self._procs)
+        self.sleep_supported = all(r["sleep_supported"] for r, _ in ready)
+        self.last_timings: dict[str, float] = {}
+        self.last_load_counts: dict[str, int] = {"tensors": 0, "bytes": 0}
+
+    # ------------------------------------------------------------------ plumbing
+    def _recv(self, i: int):
+        conn, proc = self._conns[i], self._procs[i]
+        while not conn.poll(1.0):
+            if not proc.is_alive() and not conn.poll(0):
+                raise RuntimeError(f"vLLM engine process {i} (pid {proc.pid}) died with exit code "
+                                   f"{proc.exitcode}")
+        try:
+            return conn.recv()
+        except EOFError:
+            raise RuntimeError(f"vLLM engine process {i} (pid {proc.pid}) closed its pipe "
+                               f"(exit code {proc.exitcode})") from None
+
+    def _collect(self, which: Iterable[int] | None = None) -> list[tuple[Any, dict]]:
+        """Every engine's reply (all are read even after an error, to stay in step); raises the
+        first error as its own type with the engine's traceback."""
+        replies, error = [], None
+        for i in (range(len(self._conns)) if which is None else which):
+            msg = self._recv(i)
+            if msg[0] == "error" and error is None:
+                _, name, text, tb = msg
+                error = _ERRORS.get(name, RuntimeError)(
+                    f"{text} (in vLLM engine process {i}; its traceback:\n{tb})")
+            replies.append((msg[1], msg[2] if len(msg) > 2 else {}) if msg[0] == "ok" else None)
+        if error is not None:
+            raise error
+        return replies
+
+    def _all(self, *msg) -> list[tuple[Any, dict]]:
+        for c in self._conns:
+            c.send(msg)
+        replies = self._collect()
+        self.last_timings = _slowest(t for _, t in replies)
+        return replies
+
+    # ------------------------------------------------------------------ RolloutEngine
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingConfig,
+                 generator: torch.Generator | None = None) -> RolloutBatch:
+        """Sample one response per prompt row, the rows split between the engines.
+
+        Args/Returns/Raises: as ``VLLMRolloutEngine.generate``. With a ``generator``, one seed per
+        engine slice is drawn from it: the same generator state, inputs and ``procs`` give the same
+        samples (a different ``procs`` splits differently, hence other samples).
+        """
+        self.cfg.check_sampling(params)
+        t0 = time.perf_counter()
+        rows = _prompt_rows(prompt_ids, prompt_mask)
+        ranges = split_groups(rows, params.temperature == 0, self.procs_n)
+        seeds: list[int | None] = [None] * len(ranges)
+        if generator is not None:
+            seeds = torch.randint(0, 2**62, (len(ranges),), generator=generator).tolist()
+        ids, mask = prompt_ids.cpu(), prompt_mask.cpu()
+        for (a, b), conn, seed in zip(ranges, self._conns, seeds):
+            conn.send(("generate", ids[a:b].clone(), mask[a:b].clone(), params, seed))
+        replies = self._collect(range(len(ranges)))
+        parts = [r for r, _ in replies]
+        R = max(p[0].shape[1] for p in parts)
+        pad = lambda t, v: torch.nn.functional.pad(t, (0, R - t.shape[1]), value=v)  # noqa: E731
+        dev = prompt_ids.device
+        out = RolloutBatch(
+            response_ids=torch.cat([pad(p[0], self.pad_token_id) for p in parts]).to(dev),
+            response_mask=torch.cat([pad(p[1], False) for p in parts]).to(dev),
+            rollout_logprobs=torch.cat([pad(p[2], 0.0) for p in parts]).to(dev),
+            truncated=torch.cat([p[3] for p in parts]).to(dev))
+        self.last_timings = {**_slowest(t for _, t in replies),
+                             "generate_s": time.perf_counter() - t0}
+        return out
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Load a full set of HF-named weights into every engine; their prefix caches are reset.
+
+        The tensors travel as handles (CUDA IPC on GPU, shared memory on CPU; CPU tensors are
+        copied first, so the caller's own parameters are never moved to shared memory) in buckets,
+        and stay referenced here until every engine confirmed the load: peak extra memory is one
+        full copy of the weights on the sending side.
+
+        Raises:
+            KeyError: a name the exported model does not have (the engines then hold an incomplete
+                load and refuse to generate until a complete one, as in-process).
+            ValueError: the set was incomplete (raised by the engines).
+        """
+        t0 = time.perf_counter()
+        for c in self._conns:
+            c.send(("load",))
+        kept: list[list[tuple[str, Tensor]]] = []
+        bucket: list[tuple[str, Tensor]] = []
+        size, bad = 0, None
+        counts = {"tensors": 0, "bytes": 0}
+        try:
+            for name, t in named_tensors:
+                if name not in self.weight_names:
+                    bad = KeyError(f"load_weights: the rollout model has no tensor named {name!r}")
+                    break
+                t = t.detach()
+                t = t.contiguous() if t.is_cuda else t.clone()
+                bucket.append((name, t))
+                n = t.numel() * t.element_size()
+                size += n
+                counts["tensors"] += 1
+                counts["bytes"] += n
+                if size >= _BUCKET_BYTES:
+                    self._send_bucket(bucket, kept)
+                    bucket, size = [], 0
+            if bucket:
+                self._send_bucket(bucket, kept)
+        finally:
+            for c in self._conns:
+                c.send(("end",))
+        try:
+            replies = self._collect()
+        except (ValueError, KeyError):
+            if bad is None:
+                raise
+            replies = []  # the engines' "incomplete load" follows from the bad name: report that
+        finally:
+            kept.clear()
+        if bad is not None:
+            raise bad
+        self.last_timings = {**_slowest(t for _, t in replies),
+                             "load_weights_s": time.perf_counter() - t0}
+        self.last_load_counts = counts
+
+    def _send_bucket(self, bucket: list[tuple[str, Tensor]], kept: list) -> None:
+        for c in self._conns:
+            c.send(("bucket", bucket))
+        kept.append(bucket)
+
+    def sleep(self, level: int | None = None) -> None:
+        """Every engine sleeps (``VLLMRolloutEngine.sleep``: level 1, 2, or None = cfg)."""
+        self._all("sleep", level)
+
+    def wake(self) -> None:
+        """Every engine wakes (``VLLMRolloutEngine.wake``)."""
+        self._all("wake")
+
+    def close(self) -> None:
+        """Stop the engine processes and delete a temporary export directory."""
+        _shutdown(getattr(self, "_conns", []), getattr(self, "_procs", []))
+        self._conns, self._procs = [], []
+        if getattr(self, "_tmp", False):
+            shutil.rmtree(self.exported.model_dir, ignore_errors=True)
+            self._tmp = False
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass
+
+
+def _shutdown(conns: list, procs: list) -> None:
+    for c in conns:
+        try:
+            c.send(("close",))
+        except (BrokenPipeError, OSError):
+            pass
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=10)
+
+
+def _slowest(timings: Iterable[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for t in timings:
+        for k, v in (t or {}).items():
+            out[k] = max(out.get(k, 0.0), v)
+    return out
