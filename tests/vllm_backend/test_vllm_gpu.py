@@ -66,3 +66,42 @@ def test_bf16_sleep_levels_and_weight_load_on_cuda():
         assert fresh < MEAN_TOL and stale > 10 * fresh, (fresh, stale)
     finally:
         eng.close()
+
+
+def test_engine_processes_load_over_cuda_ipc_and_sleep():
+    """Two engine processes on this GPU: weights travel as CUDA IPC handles to both; a stale
+    engine (before the load) shows in the mismatch; sleep frees device memory in both."""
+    from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
+    from flowrl.engines.rollout.vllm import VLLMRolloutConfig
+
+    mcfg = ModelConfig(tiny=TINY, dtype="bfloat16")
+    tok = load_tokenizer(mcfg)
+    model = load_model(mcfg).cuda()
+    eng = VLLMProcessEngine(model, tok, VLLMRolloutConfig(
+        kv_cache_memory_gb=2.0, max_model_len=256, gpu_memory_utilization=0.3, engine_procs=2))
+    try:
+        assert eng.sleep_supported
+        enc = tok(["Hello world", "What is 2+2?", "Natalia sold clips", "Tom has 3 apples"],
+                  return_tensors="pt", padding=True, padding_side="left")
+        ids, mask = enc.input_ids.cuda(), enc.attention_mask.bool().cuda()
+        new = load_model(ModelConfig(tiny=TINY, dtype="bfloat16", seed=1)).cuda()
+        trainer = LocalTrainEngine(new, TrainEngineConfig(), trainable=False)
+        params = SamplingConfig(temperature=1.0, max_new_tokens=16)
+
+        def gap(out):
+            b = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": out.response_ids,
+                 "response_mask": out.response_mask}
+            return mean_gap(out.rollout_logprobs, trainer.logprobs(b, temperature=1.0).logprobs,
+                            out.response_mask)
+
+        stale = gap(eng.generate(ids, mask, params, generator=torch.Generator().manual_seed(0)))
+        free0 = torch.cuda.mem_get_info()[0]
+        eng.sleep(1)
+        assert torch.cuda.mem_get_info()[0] > free0 + 2**30  # both engines' KV caches left
+        eng.load_weights((n, p.detach()) for n, p in new.named_parameters())
+        eng.wake()
+        fresh = gap(eng.generate(ids, mask, params, generator=torch.Generator().manual_seed(0)))
+        assert fresh < MEAN_TOL and stale > 10 * fresh, (fresh, stale)
+        assert eng.last_load_counts["tensors"] == sum(1 for _ in new.named_parameters())
+    finally:
+        eng.close()

@@ -214,17 +214,27 @@ class VLLMProcessEngine:
         self.last_load_counts: dict[str, int] = {"tensors": 0, "bytes": 0}
 
     # ------------------------------------------------------------------ plumbing
+    def _dead(self, i: int) -> RuntimeError:
+        proc = self._procs[i]
+        proc.join(timeout=5)
+        return RuntimeError(f"vLLM engine process {i} (pid {proc.pid}) died (exit code "
+                            f"{proc.exitcode}); the rollout engine cannot continue")
+
+    def _send(self, i: int, msg: tuple) -> None:
+        try:
+            self._conns[i].send(msg)
+        except (BrokenPipeError, ConnectionResetError):
+            raise self._dead(i) from None
+
     def _recv(self, i: int):
         conn, proc = self._conns[i], self._procs[i]
         while not conn.poll(1.0):
             if not proc.is_alive() and not conn.poll(0):
-                raise RuntimeError(f"vLLM engine process {i} (pid {proc.pid}) died with exit code "
-                                   f"{proc.exitcode}")
+                raise self._dead(i)
         try:
             return conn.recv()
-        except EOFError:
-            raise RuntimeError(f"vLLM engine process {i} (pid {proc.pid}) closed its pipe "
-                               f"(exit code {proc.exitcode})") from None
+        except (EOFError, ConnectionResetError):
+            raise self._dead(i) from None
 
     def _collect(self, which: Iterable[int] | None = None) -> list[tuple[Any, dict]]:
         """Every engine's reply (all are read even after an error, to stay in step); raises the
@@ -242,8 +252,8 @@ class VLLMProcessEngine:
         return replies
 
     def _all(self, *msg) -> list[tuple[Any, dict]]:
-        for c in self._conns:
-            c.send(msg)
+        for i in range(len(self._conns)):
+            self._send(i, msg)
         replies = self._collect()
         self.last_timings = _slowest(t for _, t in replies)
         return replies
@@ -265,8 +275,8 @@ class VLLMProcessEngine:
         if generator is not None:
             seeds = torch.randint(0, 2**62, (len(ranges),), generator=generator).tolist()
         ids, mask = prompt_ids.cpu(), prompt_mask.cpu()
-        for (a, b), conn, seed in zip(ranges, self._conns, seeds):
-            conn.send(("generate", ids[a:b].clone(), mask[a:b].clone(), params, seed))
+        for i, ((a, b), seed) in enumerate(zip(ranges, seeds)):
+            self._send(i, ("generate", ids[a:b].clone(), mask[a:b].clone(), params, seed))
         replies = self._collect(range(len(ranges)))
         parts = [r for r, _ in replies]
         R = max(p[0].shape[1] for p in parts)
@@ -295,8 +305,8 @@ class VLLMProcessEngine:
             ValueError: the set was incomplete (raised by the engines).
         """
         t0 = time.perf_counter()
-        for c in self._conns:
-            c.send(("load",))
+        for i in range(len(self._conns)):
+            self._send(i, ("load",))
         kept: list[list[tuple[str, Tensor]]] = []
         bucket: list[tuple[str, Tensor]] = []
         size, bad = 0, None
@@ -319,8 +329,8 @@ class VLLMProcessEngine:
             if bucket:
                 self._send_bucket(bucket, kept)
         finally:
-            for c in self._conns:
-                c.send(("end",))
+            for i in range(len(self._conns)):
+                self._send(i, ("end",))
         try:
             replies = self._collect()
         except (ValueError, KeyError):
@@ -336,8 +346,8 @@ class VLLMProcessEngine:
         self.last_load_counts = counts
 
     def _send_bucket(self, bucket: list[tuple[str, Tensor]], kept: list) -> None:
-        for c in self._conns:
-            c.send(("bucket", bucket))
+        for i in range(len(self._conns)):
+            self._send(i, ("bucket", bucket))
         kept.append(bucket)
 
     def sleep(self, level: int | None = None) -> None:

@@ -1,0 +1,57 @@
+"""How VLLMProcessEngine divides a batch and the rank's engine settings (no vLLM needed)."""
+import pytest
+
+from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
+from flowrl.engines.rollout.vllm_proc import _child_env, engine_share, split_groups
+
+A, B, C, D = [1], [2], [3], [4]
+
+
+def test_groups_are_never_split_and_ranges_cover_in_order():
+    rows = [A] * 4 + [B] * 4 + [C] * 4 + [D] * 4
+    assert split_groups(rows, greedy=False, parts=2) == [(0, 8), (8, 16)]
+    assert split_groups(rows, greedy=False, parts=4) == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    assert split_groups(rows, greedy=False, parts=3) == [(0, 8), (8, 12), (12, 16)]
+
+
+def test_fewer_groups_than_engines_gives_fewer_ranges():
+    assert split_groups([A] * 8, greedy=False, parts=4) == [(0, 8)]
+    assert split_groups([A, B], greedy=False, parts=4) == [(0, 1), (1, 2)]
+
+
+def test_greedy_rows_are_split_row_by_row():
+    # identical greedy prompts are separate requests (vLLM refuses n > 1 when greedy)
+    assert split_groups([A] * 6, greedy=True, parts=3) == [(0, 2), (2, 4), (4, 6)]
+    assert split_groups([A] * 5, greedy=True, parts=2) == [(0, 3), (3, 5)]
+
+
+def test_uneven_groups_balance_rows():
+    rows = [A] * 6 + [B] * 1 + [C] * 1 + [D] * 2
+    assert split_groups(rows, greedy=False, parts=2) == [(0, 6), (6, 10)]
+
+
+def test_engine_share_divides_the_rank_totals():
+    cfg = VLLMRolloutConfig(max_num_seqs=2048, gpu_memory_utilization=0.8, kv_cache_memory_gb=8.0,
+                            max_cudagraph_capture_size=1000, seed=5, engine_procs=3)
+    s = engine_share(cfg, 3, 2)
+    assert (s.max_num_seqs, s.max_cudagraph_capture_size) == (683, 334)
+    assert s.gpu_memory_utilization == pytest.approx(0.8 / 3)
+    assert s.kv_cache_memory_gb == pytest.approx(8 / 3)
+    assert (s.seed, s.engine_procs) == (7, 0)
+    assert engine_share(VLLMRolloutConfig(), 2, 0).kv_cache_memory_gb is None
+
+
+def test_engine_procs_is_validated():
+    with pytest.raises(ValueError, match="rollout.vllm.engine_procs"):
+        VLLMRolloutConfig(engine_procs=-1)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        VLLMRolloutConfig(engine_procs=4, max_num_seqs=2)
+
+
+def test_child_env_pins_the_parents_device(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    env = _child_env(torch.device("cuda", 1))
+    assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "CUDA_VISIBLE_DEVICES": "6"}
+    assert _child_env(torch.device("cpu")) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

