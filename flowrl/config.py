@@ -189,14 +189,6 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
-    def __post_init__(self) -> None:
-        if self.placement.mode == "partitioned" and self.rollout.backend == "vllm":
-            # an in-process vLLM builds its process groups over the whole torch world, a
-            # collective the train pool never joins: the rollout rank would hang at start-up
-            raise ValueError("rollout=vllm with placement=partitioned is not supported yet "
-                             "(in-process vLLM creates process groups over every rank); use "
-                             "placement=colocated or rollout=hf")
-
 
 def register_configs() -> None:
     """Register the schema with Hydra's ConfigStore (``conf/train.yaml`` lists it first)."""

@@ -152,8 +152,10 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer,
         engines["actor"] = LocalTrainEngine(copy.deepcopy(model) if fsdp and later else model,
                                             cfg.trainer.engine, trainable=True, **kw)
     if "rollout" in plan.roles:  # partitioned rollout pool: its own copy, no actor
+        # a pool's rank (group set) must keep vLLM off the job's torch world: child processes
         engines["rollout"] = build_rollout_engine(cfg.rollout, model, tokenizer,
-                                                  shared=not fsdp and "actor" in engines)
+                                                  shared=not fsdp and "actor" in engines,
+                                                  own_process=group is not None)
     if ref_copy is not None:
         engines["ref"] = LocalTrainEngine(ref_copy, cfg.trainer.engine, trainable=False, **kw)
     if "reward_model" in plan.roles:  # classifier RM, frozen
@@ -336,10 +338,17 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     summary["checkpoint"] = str(ckpts.latest())
     if rank0:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    for eng in engines.values():  # vLLM's shutdown destroys process groups: before our teardown
+    close_engines(engines)  # vLLM's shutdown destroys process groups: before our teardown
+    return summary
+
+
+def close_engines(engines: dict[str, Any]) -> None:
+    """Close every engine that has a ``close`` (vLLM: in-process engine shutdown, or the engine
+    processes stopped and joined); the dict is emptied so a second call does nothing."""
+    for eng in list(engines.values()):
         if hasattr(eng, "close"):
             eng.close()
-    return summary
+    engines.clear()
 
 
 def _rescale_prompt_state(state: dict[str, Any], world_size: int) -> dict[str, Any]:

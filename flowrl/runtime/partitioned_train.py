@@ -51,7 +51,21 @@ def check_staleness(placement: PlacementPlan, cfg) -> None:
 
 
 def train_partitioned(cfg, plan, placement: PlacementPlan, dinfo, out_dir: Path) -> dict[str, Any]:
-    """Run the job on this rank's pool; returns the summary (written by train-pool rank 0)."""
+    """Run the job on this rank's pool; returns the summary (written by train-pool rank 0).
+
+    The rank's engines are closed on the way out, error or not: a rollout pool's vLLM engine
+    processes must not outlive the run (torchrun would wait for them)."""
+    from flowrl.train import close_engines
+
+    engines: dict[str, Any] = {}
+    try:
+        return _train_partitioned(cfg, plan, placement, dinfo, out_dir, engines)
+    finally:
+        close_engines(engines)
+
+
+def _train_partitioned(cfg, plan, placement: PlacementPlan, dinfo, out_dir: Path,
+                       engines: dict[str, Any]) -> dict[str, Any]:
     from flowrl.data import PromptSource
     from flowrl.models.loading import load_tokenizer
     from flowrl.ops import token_rewards as token_rewards_op
@@ -72,8 +86,8 @@ def train_partitioned(cfg, plan, placement: PlacementPlan, dinfo, out_dir: Path)
     tokenizer = load_tokenizer(cfg.model)
     prompts = PromptSource(cfg.data, tokenizer, rank=ctx.dist.rank, world_size=ctx.dist.world_size)
     t0 = time.perf_counter()
-    engines = build_engines(cfg, ctx.pool.plan, tokenizer, world_size=ctx.dist.world_size,
-                            group=ctx.dist.group)
+    engines.update(build_engines(cfg, ctx.pool.plan, tokenizer, world_size=ctx.dist.world_size,
+                                 group=ctx.dist.group))  # the caller closes them
     load_s = time.perf_counter() - t0
     resources = {"tokenizer": tokenizer, "prompts": prompts, "algorithm": cfg.algorithm,
                  "sampling": cfg.rollout.sampling, "trainer": cfg.trainer}

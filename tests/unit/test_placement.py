@@ -150,7 +150,6 @@ def test_plan_auto_explains_choice(capsys):
 
 def test_vllm_tensor_parallel_size_sizes_the_rollout_pool(tmp_path):
     # colocated: every rank hosts an engine, so the world must hold whole tensor-parallel groups
-    # (partitioned vLLM is rejected earlier, see test_vllm_config)
     cfg = compose(["model=tiny", "trainer=smoke", "rollout=vllm", "launcher.nproc=1",
                    "rollout.vllm.tensor_parallel_size=2", f"trainer.output_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"^launcher.nproc: pool 'all' has 1 rank\(s\), "

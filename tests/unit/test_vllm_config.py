@@ -66,12 +66,3 @@ def test_flowrl_imports_without_vllm():
             "print('vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
-
-
-def test_partitioned_vllm_rejected_before_loading():
-    from flowrl.cli import compose
-    from flowrl.config import to_train_config
-
-    with pytest.raises(ValueError, match="rollout=vllm with placement=partitioned is not supported"):
-        to_train_config(compose(["rollout=vllm", "placement=partitioned",
-                                 "trainer.output_dir=/tmp/unused"]))

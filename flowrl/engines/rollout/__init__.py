@@ -1,8 +1,10 @@
 """Rollout engines behind one seam (``flowrl.engines.base.RolloutEngine``), chosen by name.
 
 ``rollout.backend`` selects a builder in :data:`ROLLOUT_BACKENDS`: ``hf`` (transformers
-``generate``, the embedded default) or ``vllm`` (``engines/rollout/vllm.py``; vLLM is imported
-only when that engine is built).
+``generate``, the embedded default) or ``vllm`` (vLLM is imported only when that engine is built):
+in the rank's own process (``engines/rollout/vllm.py``) or in child processes with a torch world of
+their own (``engines/rollout/vllm_proc.py``: ``rollout.vllm.engine_procs >= 1``, and always on a
+partitioned rollout pool, whose ranks must not let vLLM build process groups over the job's world).
 """
 from __future__ import annotations
 
@@ -11,24 +13,31 @@ from typing import Any, Callable
 from torch import nn
 
 
-def _build_hf(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool):
+def _build_hf(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_process: bool):
+    # transformers generate makes no process groups: own_process does not apply
     from flowrl.engines.rollout.hf import HFRolloutEngine
 
     return HFRolloutEngine(model, tokenizer, rollout_cfg.hf, shared=shared)
 
 
-def _build_vllm(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool):
+def _build_vllm(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_process: bool):
     # vLLM always holds its own copy of the weights (``shared`` does not apply): the plan's weight
     # syncs feed it through load_weights.
+    cfg = rollout_cfg.vllm
+    if own_process or cfg.engine_procs >= 1:
+        from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
+
+        return VLLMProcessEngine(model, tokenizer, cfg, procs=max(1, cfg.engine_procs))
     from flowrl.engines.rollout.vllm import VLLMRolloutEngine
 
-    return VLLMRolloutEngine(model, tokenizer, rollout_cfg.vllm)
+    return VLLMRolloutEngine(model, tokenizer, cfg)
 
 
 ROLLOUT_BACKENDS: dict[str, Callable[..., Any]] = {"hf": _build_hf, "vllm": _build_vllm}
 
 
-def build_rollout_engine(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool = False):
+def build_rollout_engine(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool = False,
+                         own_process: bool = False):
     """Build the rollout engine ``rollout_cfg.backend`` names.
 
     Args:
@@ -36,6 +45,9 @@ def build_rollout_engine(rollout_cfg, model: nn.Module, tokenizer, *, shared: bo
         model: the policy's HF causal LM with its initial weights.
         tokenizer: the policy's tokenizer.
         shared: ``model`` is the actor train engine's own module (HF engine: zero-copy sync).
+        own_process: the engine must not join this process's torch world (a partitioned rollout
+            pool): ``vllm`` runs in ``max(1, rollout.vllm.engine_procs)`` child processes; ``hf``
+            ignores it.
 
     Raises:
         ValueError: unknown backend. ImportError: ``vllm`` requested but not installed.
@@ -45,4 +57,4 @@ def build_rollout_engine(rollout_cfg, model: nn.Module, tokenizer, *, shared: bo
     except KeyError:
         raise ValueError(f"rollout.backend must be one of {sorted(ROLLOUT_BACKENDS)}, "
                          f"got {rollout_cfg.backend!r}") from None
-    return build(rollout_cfg, model, tokenizer, shared=shared)
+    return build(rollout_cfg, model, tokenizer, shared=shared, own_process=own_process)

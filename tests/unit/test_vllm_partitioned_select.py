@@ -1,0 +1,105 @@
+"""rollout=vllm placement=partitioned: accepted before any model loads, and a partitioned rollout
+pool gets the vLLM engine in child processes (engines/rollout/vllm_proc.py), never the in-process
+one; engines are closed when a partitioned run fails. No vLLM needed: the engine classes are
+replaced by recorders."""
+import pytest
+
+from flowrl.cli import compose
+from flowrl.config import to_train_config
+from flowrl.engines import rollout as rollout_pkg
+from flowrl.engines.rollout import build_rollout_engine
+from flowrl.engines.rollout import hf as hf_mod
+from flowrl.engines.rollout import vllm as vllm_mod
+from flowrl.engines.rollout import vllm_proc
+from flowrl.train import build_engines, prepare, prepare_placement
+
+PARTITIONED_VLLM = ["rollout=vllm", "placement=partitioned", "launcher.nproc=2", "model=tiny",
+                    "trainer=smoke", "model.tiny.num_attention_heads=2",
+                    "model.tiny.num_key_value_heads=1"]
+
+
+class Recorder:
+    """Stands in for an engine class: records how it was built."""
+
+    def __init__(self, kind, built):
+        self.kind, self.built = kind, built
+
+    def __call__(self, model, tokenizer, cfg=None, procs=None, **kw):
+        self.built.append((self.kind, procs))
+        return self.kind
+
+
+@pytest.fixture
+def built(monkeypatch):
+    out: list = []
+    monkeypatch.setattr(vllm_proc, "VLLMProcessEngine", Recorder("process", out))
+    monkeypatch.setattr(vllm_mod, "VLLMRolloutEngine", Recorder("in_process", out))
+    monkeypatch.setattr(hf_mod, "HFRolloutEngine", Recorder("hf", out))
+    return out
+
+
+def test_partitioned_vllm_composes_and_places(tmp_path):
+    cfg, plan = prepare(compose(PARTITIONED_VLLM + [f"trainer.output_dir={tmp_path}"]))
+    assert cfg.rollout.backend == "vllm" and cfg.placement.mode == "partitioned"
+    placement = prepare_placement(cfg, plan, 2)
+    assert {k: list(v.ranks) for k, v in placement.pools.items()} == {"rollout": [1], "train": [0]}
+    assert "rollout" in placement.pools["rollout"].roles
+    assert "rollout" not in placement.pools["train"].roles
+
+
+@pytest.mark.parametrize("own_process, engine_procs, expected", [
+    (False, 0, ("in_process", None)),  # colocated default: vLLM in the rank's process
+    (True, 0, ("process", 1)),  # partitioned rollout pool: 0 means one engine process
+    (True, 2, ("process", 2)),
+    (False, 3, ("process", 3)),  # colocated, asked for engine processes
+])
+def test_vllm_builder_picks_the_process_engine(built, own_process, engine_procs, expected):
+    cfg = to_train_config(compose(["rollout=vllm", f"rollout.vllm.engine_procs={engine_procs}",
+                                   "rollout.vllm.max_num_seqs=8", "trainer.output_dir=x"]))
+    engine = build_rollout_engine(cfg.rollout, None, None, own_process=own_process)
+    assert built == [expected] and engine == expected[0]
+
+
+def test_hf_builder_ignores_own_process(built):
+    cfg = to_train_config(compose(["rollout=hf", "trainer.output_dir=x"]))
+    assert build_rollout_engine(cfg.rollout, None, None, own_process=True) == "hf"
+    assert built == [("hf", None)]
+
+
+def test_build_engines_gives_a_pool_rank_its_own_process(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(rollout_pkg, "build_rollout_engine",
+                        lambda *a, **kw: calls.append(kw) or "engine")
+    from flowrl.models.loading import load_tokenizer
+
+    cfg, plan = prepare(compose(PARTITIONED_VLLM + [f"trainer.output_dir={tmp_path}"]))
+    tok = load_tokenizer(cfg.model)
+    pools = prepare_placement(cfg, plan, 2).pools
+    engines = build_engines(cfg, pools["rollout"].plan, tok, world_size=1, group=object())
+    assert engines == {"rollout": "engine"}
+    assert calls == [{"shared": False, "own_process": True}]
+    calls.clear()
+    colo_cfg, colo_plan = prepare(compose(["rollout=vllm", "model=tiny", "trainer=smoke",
+                                           "model.tiny.num_attention_heads=2",
+                                           f"trainer.output_dir={tmp_path}"]))
+    build_engines(colo_cfg, colo_plan, tok)  # colocated, one process: in-process vLLM
+    assert calls == [{"shared": True, "own_process": False}]
+
+
+def test_partitioned_run_closes_its_engines_on_error(monkeypatch):
+    from flowrl.runtime import partitioned_train
+
+    closed = []
+
+    class Engine:
+        def close(self):
+            closed.append(True)
+
+    def fail(cfg, plan, placement, dinfo, out_dir, engines):
+        engines["rollout"] = Engine()
+        raise RuntimeError("rollout failed")
+
+    monkeypatch.setattr(partitioned_train, "_train_partitioned", fail)
+    with pytest.raises(RuntimeError, match="rollout failed"):
+        partitioned_train.train_partitioned(None, None, None, None, None)
+    assert closed == [True]
