@@ -1,5 +1,6 @@
-"""Rollout throughput of flowrl's HF engine and of vLLM on a Qwen2.5-0.5B-shaped model, plus the
-colocated switch cost (sleep + wake + in-place weight load) of vLLM.
+"""Rollout throughput of flowrl's HF engine, of raw ``vllm.LLM`` and of flowrl's own vLLM engines
+(in process, and N engine processes per GPU) on a Qwen2.5-0.5B-shaped model, plus the colocated
+switch cost (sleep + wake + weight load).
 
     python benchmarks/rollout.py --variants hf-dynamic,hf-static,vllm-default,vllm-tuned \\
         --batches 256,2048 --json-out r.json
@@ -21,8 +22,31 @@ seconds of ``generate`` up to (B, R) logprob tensors on the host.
 
 vLLM settings (``VLLM_VARIANTS``) and sampling options (``SAMPLING``) are an ablation; ``--gc-freeze``
 runs vLLM's ``generate`` with Python's GC frozen and off; ``--switch`` adds the colocated switch cost
-(in-process engine only) to a vLLM variant. Results and their reading: benchmarks/results/rollout_h200.md. ``--smoke`` runs a 2-layer model on CPU (numbers
-meaningless; the CPU test of this script uses it).
+(in-process engine only) to a vLLM variant. Results and their reading: benchmarks/results/rollout_h200.md.
+``--smoke`` runs a 2-layer model on CPU (numbers meaningless; the CPU tests of this script use it;
+head size 32, which vLLM-CPU needs).
+
+flowrl's engines (``FLOWRL_VARIANTS``, benchmarks/_rollout_flowrl.py): ``flowrl-vllm`` =
+``VLLMRolloutEngine`` (flowrl's defaults + max_model_len P + R, bf16, KV cache 1.5x the largest
+batch's tokens = 13.5 GiB at B=2048), ``flowrl-vllm-procs{2,4,8}`` = ``VLLMProcessEngine`` with the
+same totals split over 2/4/8 engine processes on the GPU. Tokens/s = ``response_mask.sum()`` / wall
+seconds of one warm ``engine.generate`` (rows may stop at EOS: see the mean-length column);
+``--flowrl-rng seeded,unseeded`` times it with a ``torch.Generator`` (what flowrl's rollout op passes)
+and without. ``--switch`` times sleep/wake/load_weights through the engine API (procs: the weights go
+to every engine by CUDA IPC). The H200 run (vLLM under /tmp/vsite; one call):
+
+    PYTHONPATH=/tmp/vsite:$PYTHONPATH HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 timeout 470 python3 \
+        benchmarks/rollout.py --variants flowrl-vllm,flowrl-vllm-procs4,flowrl-vllm-procs2 \
+        --batches 2048 --flowrl-rng seeded,unseeded --switch --child-timeout 200 \
+        --json-out $OUT/6_flowrl_engines.json 2>&1 | tee $OUT/6_flowrl_engines.log
+
+Expected 6-8 min: per variant ~30 s to start its process, build the model and export it, the engine
+start (rollout_h200 init_s: ~50 s with CUDA graphs up to 2048, ~150 s for the first engine of a
+machine, whose torch.compile cache is cold; procs engines start side by side), ~13-20 s per timed
+generate, ~15 s of switch cycles. The JSON is rewritten after each variant, so ``timeout`` keeps every
+finished one (procs2, the least telling, runs last). Then, here:
+``--report benchmarks/results/rollout_h200/*.json --notes benchmarks/results/rollout_h200/notes.md
+--md-out benchmarks/results/rollout_h200.md``.
 """
 from __future__ import annotations
 
@@ -38,11 +62,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import (command_line, git_revision, machine_info, markdown_table,  # noqa: E402
-                                text_table, utc_now, versions)
+from benchmarks._common import (command_line, git_revision, machine_info, text_table,  # noqa: E402
+                                utc_now, versions)
+from benchmarks._rollout_flowrl import FLOWRL_VARIANTS, RNG, run_flowrl  # noqa: E402
+from benchmarks._rollout_report import floor_tokens_per_s, report  # noqa: E402,F401 (API)
 
-PEAK_FLOPS = 790e12  # bf16 matmul measured on this H200 (KINDS.md: 769-798 TFLOP/s)
-PEAK_BW = 4.3e12     # device-to-device copy measured on this H200 (bytes read + written / s)
 EOS = 151643
 
 HF_VARIANTS = {  # name -> HFRolloutConfig fields (batch_size is always B: one generate call)
@@ -80,8 +104,8 @@ def build_model(smoke: bool, seed: int = 0):
     shape = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, intermediate_size=4864, vocab_size=151936)
     if smoke:
-        shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, intermediate_size=128, vocab_size=1024)
+        shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,  # head size 32
+                     num_key_value_heads=1, intermediate_size=128, vocab_size=1024)
     cfg = transformers.Qwen2Config(**shape, tie_word_embeddings=True, max_position_embeddings=4096,
                                    eos_token_id=EOS if not smoke else 1, bos_token_id=None)
     return transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
@@ -92,19 +116,6 @@ def prompts_for(B: int, P: int, vocab: int):
 
     g = torch.Generator().manual_seed(B)
     return torch.randint(0, min(vocab, 151000), (B, P), generator=g)
-
-
-def floor_tokens_per_s(B: int, P: int, R: int, n_params: int, cfg) -> float:
-    """Conservative hardware floor: per decode step, matmul FLOPs at PEAK_FLOPS *plus* bytes at
-    PEAK_BW (no overlap): bf16 weights once, the KV cache at mean context P + R/2, fp32 logits written
-    and read once; plus the prefill's FLOPs. FLOPs/token = 2·N + 4·L·d·ctx (attention)."""
-    L, d = cfg.num_hidden_layers, cfg.hidden_size
-    kv_bytes = 2 * L * cfg.num_key_value_heads * (d // cfg.num_attention_heads) * 2  # K+V, bf16
-    ctx = P + R / 2
-    step = (B * (2 * n_params + 4 * L * d * ctx) / PEAK_FLOPS
-            + (2 * n_params + B * ctx * kv_bytes + 2 * 4 * B * cfg.vocab_size) / PEAK_BW)
-    prefill = B * P * (2 * n_params + 4 * L * d * P / 2) / PEAK_FLOPS
-    return B * R / (R * step + prefill)
 
 
 # ---------------------------------------------------------------------------------------- workers
@@ -258,17 +269,31 @@ def switch_cost(args, llm) -> dict:
 
 # ---------------------------------------------------------------------------------------- driver
 def worker_main(args) -> None:
-    rows = run_hf(args, args.worker) if args.worker in HF_VARIANTS else run_vllm(args, args.worker)
+    if args.worker in FLOWRL_VARIANTS:
+        rows = run_flowrl(args, args.worker, build_model, prompts_for, _sync)
+    else:
+        rows = run_hf(args, args.worker) if args.worker in HF_VARIANTS else run_vllm(args, args.worker)
     Path(args.worker_out).write_text(json.dumps(rows))
 
 
 def run_variants(args) -> dict:
+    """Every variant in its own child process (or here with ``--in-process``); the result JSON is
+    rewritten after each variant, so an outer ``timeout`` keeps the variants that finished."""
     import torch
+    import transformers
 
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").exists():
         build_model(args.smoke).save_pretrained(model_dir)
-    rows, errors = [], {}
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in build_model(args.smoke).parameters())
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)"
+    result = dict(command=command_line([__file__, *args.argv]), date=utc_now(), git=git_revision(),
+                  machine=machine_info(), gpu=gpu, versions=versions(["torch", "transformers", "vllm"] + ["vllm-cpu"] * args.smoke),
+                  prompt_len=args.prompt_len, new_tokens=args.new_tokens, n_params=n_params, rows=[],
+                  errors={}, floor={str(B): floor_tokens_per_s(B, args.prompt_len, args.new_tokens,
+                                                               n_params, cfg) for B in args.batches})
     for v in args.variants:
         out = Path(args.model_dir) / f"_rows_{v}.json"
         out.unlink(missing_ok=True)
@@ -283,80 +308,27 @@ def run_variants(args) -> dict:
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         if out.exists():
-            rows += json.loads(out.read_text())
+            result["rows"] += json.loads(out.read_text())
         else:
-            errors[v] = f"child exit {rc}"
-    import transformers
-    cfg = transformers.AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        n_params = sum(p.numel() for p in build_model(args.smoke).parameters())
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)"
-    return dict(command=command_line([__file__, *args.argv]), date=utc_now(), git=git_revision(), machine=machine_info(),
-                gpu=gpu, versions=versions(["torch", "transformers", "vllm"]), prompt_len=args.prompt_len,
-                new_tokens=args.new_tokens, n_params=n_params, rows=rows, errors=errors,
-                floor={str(B): floor_tokens_per_s(B, args.prompt_len, args.new_tokens, n_params, cfg)
-                       for B in args.batches})
-
-
-def report(results: list[dict], notes: str = "", this_command: str = "") -> str:
-    """Markdown: commands, machine, the throughput table with ratios, the switch cost, notes."""
-    first = results[0]
-    lines = ["# Rollout throughput: HF engine vs vLLM (Qwen2.5-0.5B-shaped, bf16)", "",
-             f"Measured {first['date']} on {first['gpu']} ({first['machine']['cpu']}, "
-             f"{first['machine']['logical_cpus']} CPUs), " +
-             ", ".join(f"{k} {v}" for k, v in first["versions"].items()) + f", flowrl {first['git']}.",
-             f"Random {first['n_params'] / 1e6:.0f}M-parameter model, {first['prompt_len']}-token random "
-             f"prompts, {first['new_tokens']} new tokens per sequence at temperature 1, sampled-token "
-             "logprob per token; every sequence runs the full length (vLLM `ignore_eos=True`; the HF "
-             "engine decodes the batch until its last row ends). Tokens/s = response tokens / wall "
-             "seconds of one warm `generate` up to (B, R) tensors on the host.", "", "Commands:", ""]
-    lines += [f"    {r['command']}" for r in results]
-    if this_command:
-        lines += ["", "This file was written from the runs' JSON (`benchmarks/results/rollout_h200/`) by:", "",
-                  f"    {this_command}"]
-    rows = [r for res in results for r in res["rows"] if r["variant"] != "switch"]
-    floor = {k: v for res in results for k, v in res["floor"].items()}
-    base = {r["batch"]: r["tokens_per_s"] for r in rows if r["variant"] == "hf-static"}
-    head = ["variant", "sampling", "sequences", "tok/s", "seconds", "× hf-static", "% of floor", "settings"]
-    table = []
-    for r in sorted(rows, key=lambda r: (r["batch"], -r["tokens_per_s"])):
-        b = base.get(r["batch"])
-        f = floor.get(str(r["batch"]))
-        table.append([r["variant"], r["sampling"], r["batch"], f"{r['tokens_per_s']:,.0f}",
-                      f"{r['seconds']:.2f}", f"{r['tokens_per_s'] / b:.2f}" if b else "-",
-                      f"{100 * r['tokens_per_s'] / f:.1f}" if f else "-",
-                      json.dumps(r.get("effective", r["settings"]), separators=(",", ":"))])
-    lines += ["", "## Throughput", "", markdown_table(head, table), "",
-              "Floor (conservative, `floor_tokens_per_s`): per decode step matmul FLOPs at "
-              f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s plus bytes (bf16 weights, KV cache at mean context, "
-              f"fp32 logits written and read) at {PEAK_BW / 1e12:.1f} TB/s, no overlap: " +
-              ", ".join(f"{float(v):,.0f} tok/s at {k}" for k, v in sorted(floor.items(), key=lambda kv: int(kv[0]))) + "."]
-    sw = [r for res in results for r in res["rows"] if r["variant"] == "switch"]
-    if sw:
-        s = sw[-1]
-        lines += ["", "## Colocated switch cost per step (median of 3)", "",
-                  markdown_table(["phase", "seconds"], [[k, f"{v:.3f}"] for k, v in s["switch"].items()]),
-                  "", f"Weights loaded: {s['weight_gb']:.2f} GB bf16 from a training-side module on the "
-                  f"same GPU (`model.load_weights(named_parameters())` + `reset_prefix_cache`); max |vLLM − "
-                  f"source| after load {s['load_max_abs_diff']:g}; generate after the switch ok: "
-                  f"{s['generate_after_switch_ok']}."]
-    errs = {k: v for res in results for k, v in res["errors"].items()}
-    if errs:
-        lines += ["", "Failed variants: " + ", ".join(f"{k} ({v})" for k, v in errs.items())]
-    if notes:
-        lines += ["", notes.strip()]
-    return "\n".join(lines) + "\n"
+            result["errors"][v] = f"child exit {rc}"
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(result, indent=1))
+    return result
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--variants", default="hf-dynamic,hf-static,vllm-default,vllm-tuned",
-                   type=lambda s: s.split(","), help=f"of {list(HF_VARIANTS) + list(VLLM_VARIANTS)}")
+                   type=lambda s: s.split(","),
+                   help=f"of {list(HF_VARIANTS) + list(VLLM_VARIANTS) + list(FLOWRL_VARIANTS)}")
     p.add_argument("--batches", default="256,2048", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--sampling", default="lp", type=lambda s: s.split(","), help=f"of {list(SAMPLING)} (vLLM)")
+    p.add_argument("--flowrl-rng", default="seeded", type=lambda s: s.split(","),
+                   help=f"of {list(RNG)} (flowrl variants: generate with a torch.Generator or None)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--switch", action="store_true", help="measure the switch cost in each vLLM variant")
+    p.add_argument("--switch", action="store_true",
+                   help="measure the switch cost in each vLLM / flowrl variant")
     p.add_argument("--gc-freeze", action="store_true", help="vLLM generate with Python's GC frozen+off")
     p.add_argument("--model-dir", default="/tmp/flowrl_bench_qwen05b")
     p.add_argument("--smoke", action="store_true", help="2-layer model (CPU check of the script)")
@@ -370,10 +342,11 @@ def main(argv=None) -> None:
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    unknown = [v for v in args.variants if v not in HF_VARIANTS and v not in VLLM_VARIANTS]
-    bad_s = [s for s in args.sampling if s not in SAMPLING]
+    known = {**HF_VARIANTS, **VLLM_VARIANTS, **FLOWRL_VARIANTS}
+    unknown = [v for v in args.variants if v not in known]
+    bad_s = [s for s in args.sampling if s not in SAMPLING] + [r for r in args.flowrl_rng if r not in RNG]
     if unknown or bad_s:
-        p.error(f"unknown variants {unknown} / sampling {bad_s}")
+        p.error(f"unknown variants {unknown} / sampling or flowrl-rng {bad_s}")
     if args.worker:
         return worker_main(args)
     if args.report:
@@ -382,7 +355,7 @@ def main(argv=None) -> None:
         results = [run_variants(args)]
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(results[0], indent=1))
-    rows = [r for res in results for r in res["rows"] if r["variant"] != "switch"]
+    rows = [r for res in results for r in res["rows"] if "switch" not in r]
     print(text_table(["variant", "sampling", "B", "tok/s", "s"],
                      [[r["variant"], r["sampling"], r["batch"], f"{r['tokens_per_s']:,.0f}",
                        f"{r['seconds']:.2f}"] for r in rows]))
