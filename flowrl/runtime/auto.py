@@ -69,10 +69,7 @@ def decide(cfg, plan, world_size: int, profile: list[dict[str, float]]) -> dict[
                            "predicted_step_s": pp.estimate.step_s if pp.estimate else None,
                            "prompts_per_step": cfg.trainer.prompts_per_step,
                            "profile_steps": len(profile)}
-    if pp.mode == "partitioned" and cfg.rollout.backend == "vllm":
-        out.update(mode="colocated", notes=out["notes"] + [
-            "kept colocated: rollout=vllm does not run partitioned yet"])
-    elif pp.mode == "partitioned":
+    if pp.mode == "partitioned":
         pools = {k: list(v.ranks) for k, v in pp.pools.items()}
         n_roll = len(pools["rollout"])
         global_prompts = cfg.trainer.prompts_per_step * world_size
@@ -100,9 +97,14 @@ def train_auto(raw: DictConfig | dict, cfg, plan, dinfo, out_dir: Path,
     decision = broadcast_object(json.loads(decision_path.read_text())
                                 if dinfo.rank == 0 and decision_path.is_file() else None)
     if decision is None:
+        profile: dict[str, Any] = {}
+        if cfg.rollout.backend == "vllm":
+            # an in-process vLLM's shutdown destroys the job's process group, which phase 2
+            # still needs: the profile's engines run in processes with their own torch world
+            profile["rollout__vllm__engine_procs"] = max(1, cfg.rollout.vllm.engine_procs)
         run(_derive(raw, out_dir, placement__mode="colocated", placement__pools={},
                     placement__roles={}, trainer__total_steps=min(P, T),
-                    trainer__eval__after=False))
+                    trainer__eval__after=False, **profile))
         _free_memory()
         if T <= P:  # the whole job fit in the profile
             return json.loads((out_dir / "summary.json").read_text()) if dinfo.rank == 0 else {}

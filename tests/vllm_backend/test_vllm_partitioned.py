@@ -1,4 +1,4 @@
-"""`flowrl train rollout=vllm placement=partitioned launcher.nproc=2`: train pool [0], rollout pool
+"""`flowrl train rollout=vllm placement=partitioned|auto launcher.nproc=2`: train pool [0], rollout pool
 [1] whose vLLM runs in an engine process with a torch world of its own (engines/rollout/vllm_proc.py).
 
 The tiny random model earns no reward; the entropy bonus and lr 0.01 make every update move the
@@ -72,3 +72,22 @@ def test_k1_lags_one_version_after_warmup(tmp_path):
     assert m[1]["rollout/logprob_mismatch"] < TOL  # step 1: both pools hold version 0
     for s in (2, 3, 4):  # sampled one update behind the trainer: the metric sees it
         assert m[s]["rollout/logprob_mismatch"] > STALE, (s, m[s]["rollout/logprob_mismatch"])
+
+
+def test_auto_profiles_vllm_then_switches_to_partitioned(tmp_path):
+    # the profile's colocated vLLM runs in engine processes: an in-process one's shutdown would
+    # destroy the job's process group before phase 2 (rank 1 then got no decision and crashed)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(REPO / "tests" / "distributed" / "auto_worker.py"), *ARGS, "placement=auto",
+         "trainer.total_steps=4", "placement.auto.profile_steps=2", f"trainer.output_dir={tmp_path}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert "placement=auto chose partitioned {'train': [0], 'rollout': [1]}" in proc.stdout
+    m = read_metrics(tmp_path)
+    assert [m[s].get("placement/version_lag") for s in (1, 2, 3, 4)] == [None, None, 0.0, 0.0]
+    assert [m[s]["data/prompts"] for s in (1, 2, 3, 4)] == [4.0, 4.0, 4.0, 4.0]
+    for s in (1, 2, 3, 4):  # phase 2's rollout pool got the profiled actor's weights
+        assert m[s]["rollout/logprob_mismatch"] < TOL, (s, m[s]["rollout/logprob_mismatch"])
