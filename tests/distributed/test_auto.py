@@ -69,9 +69,9 @@ def test_decide_scales_prompts_to_keep_the_global_batch(monkeypatch):
     d = auto.decide(_cfg(1), None, 4, [{}])  # 4 prompts do not split over 3 ranks
     assert d["mode"] == "colocated" and d["prompts_per_step"] == 1
     assert d["notes"][-1] == "kept colocated: 4 prompts per step do not split over 3 rollout ranks"
-    d = auto.decide(_cfg(3, backend="vllm"), None, 4, [{}])
-    assert d["mode"] == "colocated" and d["notes"][-1] == ("kept colocated: rollout=vllm does not "
-                                                          "run partitioned yet")
+    d = auto.decide(_cfg(3, backend="vllm"), None, 4, [{}])  # vLLM runs partitioned too
+    assert d["mode"] == "partitioned" and d["prompts_per_step"] == 4 and d["notes"] == ["n"]
+    assert d["pools"] == {"train": [0], "rollout": [1, 2, 3]}
 
 
 def test_read_step_metrics_merges_rows_and_skips_eval(tmp_path):
