@@ -148,10 +148,10 @@ def test_plan_auto_explains_choice(capsys):
     assert "\n  chose " in out
 
 
-def test_vllm_tensor_parallel_size_sizes_the_rollout_pool(tmp_path):
-    # colocated: every rank hosts an engine, so the world must hold whole tensor-parallel groups
-    cfg = compose(["model=tiny", "trainer=smoke", "rollout=vllm", "launcher.nproc=1",
+def test_vllm_tensor_parallel_size_above_one_is_refused_at_compose(tmp_path):
+    # engines are data parallel (one whole engine per rank or engine process); the pool-sizing
+    # rule for tensor-parallel roles is tested on place() directly above
+    cfg = compose(["model=tiny", "trainer=smoke", "rollout=vllm", "launcher.nproc=2",
                    "rollout.vllm.tensor_parallel_size=2", f"trainer.output_dir={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"^launcher.nproc: pool 'all' has 1 rank\(s\), "
-                                          r"too few for role 'rollout' \(tensor_parallel_size 2\)"):
+    with pytest.raises(ConfigError, match=r"rollout.vllm.tensor_parallel_size must be 1"):
         prepare(cfg)

@@ -25,7 +25,7 @@ class VLLMRolloutConfig:
         kv_cache_memory_gb: fixed KV-cache size in GiB; overrides ``gpu_memory_utilization`` for the
             cache (and is what sizes the cache on CPU). None = vLLM's own sizing.
         tensor_parallel_size: ranks one engine spans (the placement compiler sizes the rollout
-            pool by it). In-process colocated engines on CPU use 1.
+            pool by it). Only 1 runs today (one whole engine per rank or engine process).
         max_num_seqs: most sequences vLLM runs in one engine step.
         max_num_batched_tokens: most tokens in one engine step (None = vLLM's default).
         max_model_len: longest prompt + response in tokens (None = the model config's
@@ -87,9 +87,12 @@ class VLLMRolloutConfig:
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"rollout.vllm.kv_cache_memory_gb must be > 0 or null, "
                              f"got {self.kv_cache_memory_gb}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"rollout.vllm.tensor_parallel_size must be >= 1, "
-                             f"got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size != 1:
+            # every rank (or engine process) runs a whole one-device engine: data parallel only;
+            # a TP group spanning ranks would need vLLM's external launcher over those ranks
+            raise ValueError(f"rollout.vllm.tensor_parallel_size must be 1 (engines are data "
+                             f"parallel, one per rank or engine process), got "
+                             f"{self.tensor_parallel_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"rollout.vllm.max_num_seqs must be >= 1, got {self.max_num_seqs}")
         for name in ("max_num_batched_tokens", "max_model_len", "max_cudagraph_capture_size"):
