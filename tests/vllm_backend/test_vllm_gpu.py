@@ -2,10 +2,12 @@
 exist): real sleep levels and bf16 logprob agreement. Skipped without CUDA.
 
 bf16 tolerance: the rollout (vLLM, bf16) and the trainer recomputation (HF, bf16) round every
-matmul/softmax input to an 8-bit mantissa (~4e-3 relative); on logits of magnitude ~10 that is a few
-1e-2 nats per token, so the *mean* |Δ logprob| is held to 5e-2 (fp32 on CPU: max 1e-4), and a stale
-policy must sit at least 10× above the fresh mismatch. ``initializer_range=0.5`` gives the random
-model peaked distributions, so a weight change moves logprobs by O(1) and not only by noise.
+matmul/softmax input to an 8-bit mantissa (~4e-3 relative). ``initializer_range=0.5`` gives the
+random model peaked distributions with logits of tens of nats (a stale policy is off by ~33 nats
+per token), so a weight change moves logprobs by O(10) and not only by noise, and the rounding is
+~4e-3 x tens of nats: measured on an H200 (2026-11-29) a mean |Δ| of 0.094 (in-process) and 0.111
+(two engine processes) nats against 32.6 / 33.6 stale. Held to: mean < 0.25 and stale > 50x fresh
+(fp32 on CPU: max 1e-4, tests/vllm_backend/test_vllm_engine.py).
 """
 import pytest
 import torch
@@ -19,7 +21,7 @@ pytestmark = [pytest.mark.gpu,
 
 TINY = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 512, "initializer_range": 0.5}
-MEAN_TOL = 5e-2
+MEAN_TOL = 0.25
 
 
 def mean_gap(a, b, mask):
@@ -63,28 +65,33 @@ def test_bf16_sleep_levels_and_weight_load_on_cuda():
         eng.load_weights((n, p.detach()) for n, p in new.named_parameters())
         eng.wake()
         fresh = gap(eng.generate(ids, mask, params, generator=torch.Generator().manual_seed(0)))
-        assert fresh < MEAN_TOL and stale > 10 * fresh, (fresh, stale)
+        assert fresh < MEAN_TOL and stale > 50 * fresh, (fresh, stale)
     finally:
         eng.close()
 
 
-def test_engine_processes_load_over_cuda_ipc_and_sleep():
-    """Two engine processes on this GPU: weights travel as CUDA IPC handles to both; a stale
-    engine (before the load) shows in the mismatch; sleep frees device memory in both."""
+@pytest.mark.parametrize("index", [0, 1])
+def test_engine_processes_load_over_cuda_ipc_and_sleep(index):
+    """Two engine processes on GPU ``index``: weights travel as CUDA IPC handles to both (from
+    cuda:1, re-addressed to the engines' only device); a stale engine (before the load) shows in
+    the mismatch; sleep frees device memory in both."""
+    if index >= torch.cuda.device_count():
+        pytest.skip(f"needs {index + 1} GPUs")
+    torch.cuda.set_device(index)
     from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
     from flowrl.engines.rollout.vllm import VLLMRolloutConfig
 
     mcfg = ModelConfig(tiny=TINY, dtype="bfloat16")
     tok = load_tokenizer(mcfg)
-    model = load_model(mcfg).cuda()
+    model = load_model(mcfg).cuda(index)
     eng = VLLMProcessEngine(model, tok, VLLMRolloutConfig(
         kv_cache_memory_gb=2.0, max_model_len=256, gpu_memory_utilization=0.3, engine_procs=2))
     try:
         assert eng.sleep_supported
         enc = tok(["Hello world", "What is 2+2?", "Natalia sold clips", "Tom has 3 apples"],
                   return_tensors="pt", padding=True, padding_side="left")
-        ids, mask = enc.input_ids.cuda(), enc.attention_mask.bool().cuda()
-        new = load_model(ModelConfig(tiny=TINY, dtype="bfloat16", seed=1)).cuda()
+        ids, mask = enc.input_ids.cuda(index), enc.attention_mask.bool().cuda(index)
+        new = load_model(ModelConfig(tiny=TINY, dtype="bfloat16", seed=1)).cuda(index)
         trainer = LocalTrainEngine(new, TrainEngineConfig(), trainable=False)
         params = SamplingConfig(temperature=1.0, max_new_tokens=16)
 
@@ -101,7 +108,7 @@ def test_engine_processes_load_over_cuda_ipc_and_sleep():
         eng.load_weights((n, p.detach()) for n, p in new.named_parameters())
         eng.wake()
         fresh = gap(eng.generate(ids, mask, params, generator=torch.Generator().manual_seed(0)))
-        assert fresh < MEAN_TOL and stale > 10 * fresh, (fresh, stale)
+        assert fresh < MEAN_TOL and stale > 50 * fresh, (fresh, stale)
         assert eng.last_load_counts["tensors"] == sum(1 for _ in new.named_parameters())
     finally:
         eng.close()

@@ -115,7 +115,8 @@ def _serve(conn, exported: PolicyExport, cfg: VLLMRolloutConfig, env: dict[str, 
             if msg[0] == "end":
                 ended[0] = True
                 return
-            yield from msg[1]
+            for name, t in msg[1]:
+                yield name, t.tensor() if isinstance(t, _CudaHandle) else t
 
     while True:
         try:
@@ -346,8 +347,9 @@ class VLLMProcessEngine:
         self.last_load_counts = counts
 
     def _send_bucket(self, bucket: list[tuple[str, Tensor]], kept: list) -> None:
+        payload = [(name, _CudaHandle.of(t) if t.is_cuda else t) for name, t in bucket]
         for i in range(len(self._conns)):
-            self._send(i, ("bucket", bucket))
+            self._send(i, ("bucket", payload))
         kept.append(bucket)
 
     def sleep(self, level: int | None = None) -> None:
@@ -371,6 +373,31 @@ class VLLMProcessEngine:
             self.close()
         except Exception:  # noqa: BLE001 (interpreter shutdown)
             pass
+
+
+class _CudaHandle:
+    """A CUDA tensor's IPC handle, re-addressed to device 0.
+
+    torch rebuilds a shared CUDA tensor on the producer's device *ordinal*; an engine process sees
+    only the parent's device, as its ``cuda:0`` (``_child_env``), so a parent on ``cuda:1`` would
+    produce "invalid device ordinal". The handle, event and reference counter are torch's own
+    (``torch.multiprocessing.reductions.reduce_tensor``); only the ordinal changes.
+    """
+
+    def __init__(self, rebuild, args: tuple) -> None:
+        self.rebuild, self.args = rebuild, args
+
+    @classmethod
+    def of(cls, t: Tensor) -> "_CudaHandle":
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        rebuild, args = reduce_tensor(t)
+        args = list(args)
+        args[6] = 0  # rebuild_cuda_tensor(..., dtype, storage_device, storage_handle, ...)
+        return cls(rebuild, tuple(args))
+
+    def tensor(self) -> Tensor:
+        return self.rebuild(*self.args)
 
 
 def _shutdown(conns: list, procs: list) -> None:
