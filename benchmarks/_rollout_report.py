@@ -29,10 +29,16 @@ def _ratio(a: float, b) -> str:
 def report(results: list[dict], notes: str = "", this_command: str = "") -> str:
     """Markdown: commands, machine, the throughput table with ratios, the switch cost, notes."""
     first = results[0]
+    # one line per distinct (date, host) run: rows from different hosts are not comparable 1:1
+    hosts = {}
+    for r in results:
+        key = (r["gpu"], r["machine"]["cpu"], r["machine"]["logical_cpus"],
+               ", ".join(f"{k} {v}" for k, v in r["versions"].items()), r["git"])
+        hosts.setdefault(key, []).append(r["date"])
+    measured = "; ".join(f"{', '.join(dates)} on {g} ({cpu}, {n} CPUs), {vers}, flowrl {git}"
+                         for (g, cpu, n, vers, git), dates in hosts.items())
     lines = ["# Rollout throughput: HF engine, vLLM and flowrl's vLLM engines (Qwen2.5-0.5B-shaped, bf16)", "",
-             f"Measured {first['date']} on {first['gpu']} ({first['machine']['cpu']}, "
-             f"{first['machine']['logical_cpus']} CPUs), " +
-             ", ".join(f"{k} {v}" for k, v in first["versions"].items()) + f", flowrl {first['git']}.",
+             f"Measured {measured}.",
              f"Random {first['n_params'] / 1e6:.0f}M-parameter model, {first['prompt_len']}-token random "
              f"prompts, {first['new_tokens']} new tokens per sequence at temperature 1, sampled-token "
              "logprob per token; every sequence runs the full length (vLLM `ignore_eos=True`; the HF "

@@ -101,7 +101,11 @@ def train_auto(raw: DictConfig | dict, cfg, plan, dinfo, out_dir: Path,
         if cfg.rollout.backend == "vllm":
             # an in-process vLLM's shutdown destroys the job's process group, which phase 2
             # still needs: the profile's engines run in processes with their own torch world
-            profile["rollout__vllm__engine_procs"] = max(1, cfg.rollout.vllm.engine_procs)
+            procs = cfg.rollout.vllm.engine_procs
+            on_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto"
+                                                      and torch.cuda.is_available())
+            if procs == 0 or (procs is None and not on_cuda):
+                profile["rollout__vllm__engine_procs"] = 1  # (null on CUDA: >= 1 already)
         run(_derive(raw, out_dir, placement__mode="colocated", placement__pools={},
                     placement__roles={}, trainer__total_steps=min(P, T),
                     trainer__eval__after=False, **profile))

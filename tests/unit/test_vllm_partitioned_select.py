@@ -3,6 +3,7 @@ pool gets the vLLM engine in child processes (engines/rollout/vllm_proc.py), nev
 one; engines are closed when a partitioned run fails. No vLLM needed: the engine classes are
 replaced by recorders."""
 import pytest
+import torch
 
 from flowrl.cli import compose
 from flowrl.config import to_train_config
@@ -48,7 +49,9 @@ def test_partitioned_vllm_composes_and_places(tmp_path):
 
 
 @pytest.mark.parametrize("own_process, engine_procs, expected", [
-    (False, 0, ("in_process", None)),  # colocated default: vLLM in the rank's process
+    (False, "null", ("in_process", None)),  # default on CPU: vLLM in the rank's process
+    (True, "null", ("process", 1)),  # partitioned rollout pool on CPU: one engine process
+    (False, 0, ("in_process", None)),
     (True, 0, ("process", 1)),  # partitioned rollout pool: 0 means one engine process
     (True, 2, ("process", 2)),
     (False, 3, ("process", 3)),  # colocated, asked for engine processes
@@ -56,8 +59,25 @@ def test_partitioned_vllm_composes_and_places(tmp_path):
 def test_vllm_builder_picks_the_process_engine(built, own_process, engine_procs, expected):
     cfg = to_train_config(compose(["rollout=vllm", f"rollout.vllm.engine_procs={engine_procs}",
                                    "rollout.vllm.max_num_seqs=8", "trainer.output_dir=x"]))
-    engine = build_rollout_engine(cfg.rollout, None, None, own_process=own_process)
+    model = torch.nn.Linear(4, 4)  # on CPU
+    engine = build_rollout_engine(cfg.rollout, model, None, own_process=own_process)
     assert built == [expected] and engine == expected[0]
+
+
+def test_auto_engine_procs_on_cuda_follows_the_weights_size():
+    from flowrl.engines.rollout.vllm_config import AUTO_ENGINE_PROCS, VLLMRolloutConfig
+
+    cfg = VLLMRolloutConfig(gpu_memory_utilization=0.5)  # engine_procs null
+    h200 = 141 * 2**30
+    # 4 copies of a 0.5B bf16 model (0.99 GB) fit in a quarter of 0.5 x 141 GiB: 4 engines
+    assert cfg.engine_procs_for(988_065_536, h200) == AUTO_ENGINE_PROCS == 4
+    # the limit: 4 copies == a quarter of the budget (4.41 GiB each)
+    edge = int(0.5 * h200 / 4 / 4)
+    assert cfg.engine_procs_for(edge, h200) == 4
+    assert cfg.engine_procs_for(edge + 1, h200) == 1  # a 7B model: one engine (own process)
+    assert cfg.engine_procs_for(10, None) == 0  # CPU: in process
+    assert cfg.engine_procs_for(10, None, own_process=True) == 1
+    assert VLLMRolloutConfig(engine_procs=2).engine_procs_for(edge + 1, h200) == 2  # explicit wins
 
 
 def test_hf_builder_ignores_own_process(built):

@@ -24,13 +24,29 @@ def _build_vllm(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_p
     # vLLM always holds its own copy of the weights (``shared`` does not apply): the plan's weight
     # syncs feed it through load_weights.
     cfg = rollout_cfg.vllm
-    if own_process or cfg.engine_procs >= 1:
+    procs = cfg.engine_procs_for(*weights_and_device_memory(model), own_process=own_process)
+    if procs >= 1:
         from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
 
-        return VLLMProcessEngine(model, tokenizer, cfg, procs=max(1, cfg.engine_procs))
+        return VLLMProcessEngine(model, tokenizer, cfg, procs=procs)
     from flowrl.engines.rollout.vllm import VLLMRolloutEngine
 
     return VLLMRolloutEngine(model, tokenizer, cfg)
+
+
+def weights_and_device_memory(model: nn.Module) -> tuple[int, int | None]:
+    """(parameter bytes of ``model``, tied tensors once; its CUDA device's memory or None)."""
+    import torch
+
+    seen, nbytes, device = set(), 0, None
+    for p in model.parameters():
+        device = p.device
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            nbytes += p.numel() * p.element_size()
+    if device is None or device.type != "cuda":
+        return nbytes, None
+    return nbytes, torch.cuda.get_device_properties(device).total_memory
 
 
 ROLLOUT_BACKENDS: dict[str, Callable[..., Any]] = {"hf": _build_hf, "vllm": _build_vllm}
@@ -46,8 +62,8 @@ def build_rollout_engine(rollout_cfg, model: nn.Module, tokenizer, *, shared: bo
         tokenizer: the policy's tokenizer.
         shared: ``model`` is the actor train engine's own module (HF engine: zero-copy sync).
         own_process: the engine must not join this process's torch world (a partitioned rollout
-            pool): ``vllm`` runs in ``max(1, rollout.vllm.engine_procs)`` child processes; ``hf``
-            ignores it.
+            pool): ``vllm`` runs in at least one child process
+            (``VLLMRolloutConfig.engine_procs_for``); ``hf`` ignores it.
 
     Raises:
         ValueError: unknown backend. ImportError: ``vllm`` requested but not installed.

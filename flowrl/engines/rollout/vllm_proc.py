@@ -1,5 +1,5 @@
-"""vLLM engines in child processes (``rollout.vllm.engine_procs >= 1``; always on a partitioned
-rollout pool).
+"""vLLM engines in child processes (``rollout.vllm.engine_procs`` >= 1, or null on CUDA; always
+on a partitioned rollout pool).
 
 Why a process of its own: an in-process ``vllm.LLM`` initialises vLLM's parallel state on the
 caller's torch world, creating process groups over *every* rank of the job. On a partitioned
@@ -165,7 +165,7 @@ class VLLMProcessEngine:
         tokenizer: gives EOS / pad ids.
         cfg: ``rollout.vllm``; memory and concurrency settings are this rank's totals
             (:func:`engine_share`).
-        procs: engine processes (>= 1); None = ``max(1, cfg.engine_procs)``.
+        procs: engine processes (>= 1); None = ``cfg.engine_procs_for(..., own_process=True)``.
 
     Attributes:
         sleep_supported: vLLM really frees memory on sleep (CUDA); False on CPU.
@@ -182,7 +182,11 @@ class VLLMProcessEngine:
     def __init__(self, model: nn.Module, tokenizer, cfg: VLLMRolloutConfig | None = None,
                  procs: int | None = None) -> None:
         self.cfg = cfg = cfg or VLLMRolloutConfig()
-        self.procs_n = max(1, cfg.engine_procs) if procs is None else procs
+        if procs is None:
+            from flowrl.engines.rollout import weights_and_device_memory
+
+            procs = cfg.engine_procs_for(*weights_and_device_memory(model), own_process=True)
+        self.procs_n = procs
         if self.procs_n < 1:
             raise ValueError(f"VLLMProcessEngine: procs must be >= 1, got {procs}")
         device = next(model.parameters()).device
