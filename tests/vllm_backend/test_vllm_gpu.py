@@ -15,6 +15,7 @@ import torch
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
 from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
+from vllm_helpers import mean_mismatch, trainer_logprobs
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -22,10 +23,6 @@ pytestmark = [pytest.mark.gpu,
 TINY = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 512, "initializer_range": 0.5}
 MEAN_TOL = 0.25
-
-
-def mean_gap(a, b, mask):
-    return float(torch.where(mask, (a - b).abs(), 0.0).sum() / mask.sum())
 
 
 def test_bf16_sleep_levels_and_weight_load_on_cuda():
@@ -55,10 +52,9 @@ def test_bf16_sleep_levels_and_weight_load_on_cuda():
         trainer = LocalTrainEngine(new, TrainEngineConfig(), trainable=False)
 
         def gap(out):
-            b = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": out.response_ids,
-                 "response_mask": out.response_mask}
-            return mean_gap(out.rollout_logprobs, trainer.logprobs(b, temperature=1.0).logprobs,
-                            out.response_mask)
+            return mean_mismatch(out.rollout_logprobs,
+                                 trainer_logprobs(trainer, ids, mask, out, temperature=1.0),
+                                 out.response_mask)
 
         stale = gap(eng.generate(ids, mask, params, generator=torch.Generator().manual_seed(0)))
         eng.sleep(2)  # weights discarded: the load refills them
@@ -96,10 +92,9 @@ def test_engine_processes_load_over_cuda_ipc_and_sleep(index):
         params = SamplingConfig(temperature=1.0, max_new_tokens=16)
 
         def gap(out):
-            b = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": out.response_ids,
-                 "response_mask": out.response_mask}
-            return mean_gap(out.rollout_logprobs, trainer.logprobs(b, temperature=1.0).logprobs,
-                            out.response_mask)
+            return mean_mismatch(out.rollout_logprobs,
+                                 trainer_logprobs(trainer, ids, mask, out, temperature=1.0),
+                                 out.response_mask)
 
         stale = gap(eng.generate(ids, mask, params, generator=torch.Generator().manual_seed(0)))
         free0 = torch.cuda.mem_get_info()[0]

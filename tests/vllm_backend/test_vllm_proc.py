@@ -13,13 +13,8 @@ from flowrl.engines.base import SamplingConfig
 from flowrl.engines.rollout.hf import HFRolloutEngine
 from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
 from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
-from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
 from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
-
-TOL = 1e-4
-TINY_VLLM = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-             "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 128}
-PROMPTS = ["Hello world", "What is 2+2?", "Natalia sold clips to 48 of her friends"]
+from vllm_helpers import PROMPTS, TINY_VLLM, TOL, max_mismatch as max_gap, trainer_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +29,6 @@ def setup():
     enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
     yield eng, model, tok, enc.input_ids, enc.attention_mask.bool()
     eng.close()
-
-
-def trainer_logprobs(model, ids, mask, out, temperature):
-    tr = LocalTrainEngine(model, TrainEngineConfig(), trainable=False)
-    batch = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": out.response_ids,
-             "response_mask": out.response_mask}
-    return tr.logprobs(batch, temperature=temperature).logprobs
-
-
-def max_gap(a, b, mask):
-    return float(torch.where(mask, (a - b).abs(), 0.0).max())
 
 
 def test_greedy_rows_split_over_two_engines_match_hf(setup):

