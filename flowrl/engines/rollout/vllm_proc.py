@@ -198,6 +198,11 @@ class VLLMProcessEngine:
         ctx = mp.get_context("spawn")
         env = _child_env(device)
         self._conns, self._procs = [], []
+        # vLLM sizes its KV cache from the device-wide memory it sees used while it loads: engines
+        # profiling side by side would count each other's allocations. They start one after the
+        # other unless the cache size is fixed (kv_cache_memory_gb), then side by side.
+        one_by_one = device.type == "cuda" and cfg.kv_cache_memory_gb is None
+        ready: list[tuple[Any, dict]] = []
         try:
             for i in range(self.procs_n):
                 parent, child = ctx.Pipe()
@@ -207,7 +212,10 @@ class VLLMProcessEngine:
                 child.close()
                 self._conns.append(parent)
                 self._procs.append(p)
-            ready = self._collect()  # the engines start side by side
+                if one_by_one:
+                    ready += self._collect([i])
+            if not one_by_one:
+                ready = self._collect()
         except BaseException:
             self.close()
             raise
