@@ -55,3 +55,15 @@ def test_child_env_pins_the_parents_device(monkeypatch):
     env = _child_env(torch.device("cuda", 1))
     assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "CUDA_VISIBLE_DEVICES": "6"}
     assert _child_env(torch.device("cpu")) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def test_cpu_kv_cache_defaults_to_a_fixed_size(monkeypatch):
+    from flowrl.engines.rollout.vllm_config import CPU_KV_CACHE_GB
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    cfg = VLLMRolloutConfig()
+    assert cfg.kv_cache_gb_on(True) == CPU_KV_CACHE_GB == 1.0  # not a share of the host's RAM
+    assert cfg.kv_cache_gb_on(False) is None  # CUDA: vLLM profiles the device
+    assert VLLMRolloutConfig(kv_cache_memory_gb=0.25).kv_cache_gb_on(True) == 0.25
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    assert cfg.kv_cache_gb_on(True) is None  # vLLM's own knob wins

@@ -100,10 +100,21 @@ def test_sleep_and_wake_keep_the_contract(setup):
     assert torch.equal(eng.generate(ids, mask, greedy).response_ids, before.response_ids)
 
 
+def test_ctrl_c_is_left_to_the_parent(setup):
+    # SIGINT reaches the whole process group; the engines ignore it, the parent closes them
+    eng, model, tok, ids, mask = setup
+    for p in eng._procs:
+        os.kill(p.pid, signal.SIGINT)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=4)
+    h = HFRolloutEngine(model, tok).generate(ids, mask, greedy)
+    assert torch.equal(eng.generate(ids, mask, greedy).response_ids, h.response_ids)
+
+
 def test_a_dead_engine_process_is_reported_not_waited_for(setup):
     eng, model, tok, ids, mask = setup
     victim = eng._procs[1]
     os.kill(victim.pid, signal.SIGKILL)
     victim.join(timeout=30)
-    with pytest.raises(RuntimeError, match=r"vLLM engine process 1 \(pid \d+\)"):
+    with pytest.raises(RuntimeError, match=r"vLLM engine process 1 \(pid \d+\) died \(exit code "
+                                           r"-9\) \(killed by SIGKILL: often the kernel.s out-of"):
         eng.generate(ids, mask, SamplingConfig(temperature=0.0, max_new_tokens=4))

@@ -194,8 +194,9 @@ class VLLMRolloutEngine:
         if self.on_cuda and not self.cfg.enforce_eager:
             kwargs["max_cudagraph_capture_size"] = (self.cfg.max_cudagraph_capture_size
                                                     or self.cfg.max_num_seqs)
-        if self.cfg.kv_cache_memory_gb is not None:
-            kwargs["kv_cache_memory_bytes"] = int(self.cfg.kv_cache_memory_gb * 2**30)
+        kv_gb = self.cfg.kv_cache_gb_on(current_platform.is_cpu())
+        if kv_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
         # vLLM's CPU worker sets torch to 1 thread and replaces torch.set_num_threads with a no-op
         # for the whole process; the trainer lives in this process too, so both are put back.
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads

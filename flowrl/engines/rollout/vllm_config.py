@@ -4,6 +4,7 @@ The engine itself is ``flowrl/engines/rollout/vllm.py``.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -12,6 +13,10 @@ from flowrl.engines.base import SamplingConfig
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGPROBS_MODES = ("tempered", "processed")
 # head sizes vLLM 0.32's CPU attention kernel accepts (vllm/v1/attention/backends/cpu_attn.py)
+# KV cache per rank on CPU when rollout.vllm.kv_cache_memory_gb is null: vLLM-CPU would otherwise
+# take gpu_memory_utilization x the host's RAM per engine, and 2 ranks x 2 engines on one host asked
+# for all of it (OOM-killed). 1 GiB holds ~23k tokens of SmolLM2-135M in fp32.
+CPU_KV_CACHE_GB = 1.0
 # engine processes per device when rollout.vllm.engine_procs is null and the weights are small
 # (benchmarks/results/rollout_h200.md: 4 beat 2 and 8 on a 0.5B model at 2,048 sequences)
 AUTO_ENGINE_PROCS = 4
@@ -25,8 +30,9 @@ class VLLMRolloutConfig:
     Attributes:
         gpu_memory_utilization: fraction of the device memory vLLM may take for weights, activations
             and KV cache (CUDA). Colocated with a trainer, keep it well below 1.
-        kv_cache_memory_gb: fixed KV-cache size in GiB; overrides ``gpu_memory_utilization`` for the
-            cache (and is what sizes the cache on CPU). None = vLLM's own sizing.
+        kv_cache_memory_gb: fixed KV-cache size in GiB per rank; overrides
+            ``gpu_memory_utilization`` for the cache. None = vLLM's own sizing on CUDA;
+            ``CPU_KV_CACHE_GB`` (1 GiB) on CPU unless ``VLLM_CPU_KVCACHE_SPACE`` is set.
         tensor_parallel_size: ranks one engine spans (the placement compiler sizes the rollout
             pool by it). Only 1 runs today (one whole engine per rank or engine process).
         max_num_seqs: most sequences vLLM runs in one engine step.
@@ -132,6 +138,12 @@ class VLLMRolloutConfig:
             budget = self.gpu_memory_utilization * device_memory
             n = AUTO_ENGINE_PROCS if AUTO_ENGINE_PROCS * weight_bytes <= budget / 4 else 1
         return max(n, 1) if own_process else n
+
+    def kv_cache_gb_on(self, on_cpu: bool) -> Optional[float]:
+        """The rank's KV-cache size to request (GiB), None = let vLLM size it (see the field)."""
+        if self.kv_cache_memory_gb is None and on_cpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            return CPU_KV_CACHE_GB
+        return self.kv_cache_memory_gb
 
     def check_sampling(self, params: SamplingConfig) -> None:
         """Reject sampling settings whose "tempered" logprobs vLLM cannot return.

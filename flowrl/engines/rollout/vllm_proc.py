@@ -26,6 +26,7 @@ import dataclasses
 import math
 import os
 import shutil
+import signal
 import time
 import traceback
 import weakref
@@ -94,6 +95,9 @@ def _child_env(device: torch.device) -> dict[str, str]:
 
 def _serve(conn, exported: PolicyExport, cfg: VLLMRolloutConfig, env: dict[str, str]) -> None:
     """Engine process main loop: one request in, one reply out, until ``close`` or EOF."""
+    # Ctrl-C reaches the whole process group: the parent handles it and closes its engines (or
+    # dies, and this loop sees EOF); a traceback from here would only be noise
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for k in list(os.environ):
         if k in _JOB_VARS or k.startswith("TORCHELASTIC_"):
             del os.environ[k]
@@ -191,6 +195,9 @@ class VLLMProcessEngine:
             raise ValueError(f"VLLMProcessEngine: procs must be >= 1, got {procs}")
         device = next(model.parameters()).device
         check_model_for_vllm(model.config, on_cpu=device.type != "cuda")
+        # the rank's cache total, split by engine_share (on CPU a fixed size: see the config)
+        self.cfg = cfg = dataclasses.replace(cfg, kv_cache_memory_gb=cfg.kv_cache_gb_on(
+            device.type != "cuda"))
         self.exported = export_policy(model, tokenizer, cfg.model_dir)
         self._tmp = cfg.model_dir is None
         self.weight_names = self.exported.weight_names
@@ -230,8 +237,12 @@ class VLLMProcessEngine:
     def _dead(self, i: int) -> RuntimeError:
         proc = self._procs[i]
         proc.join(timeout=5)
+        hint = ""
+        if proc.exitcode == -9:  # SIGKILL: what the kernel's OOM killer sends
+            hint = (" (killed by SIGKILL: often the kernel's out-of-memory killer; a smaller "
+                    "rollout.vllm.kv_cache_memory_gb or gpu_memory_utilization may help)")
         return RuntimeError(f"vLLM engine process {i} (pid {proc.pid}) died (exit code "
-                            f"{proc.exitcode}); the rollout engine cannot continue")
+                            f"{proc.exitcode}){hint}; the rollout engine cannot continue")
 
     def _send(self, i: int, msg: tuple) -> None:
         try:
