@@ -101,10 +101,10 @@ def train_auto(raw: DictConfig | dict, cfg, plan, dinfo, out_dir: Path,
         if cfg.rollout.backend == "vllm":
             # an in-process vLLM's shutdown destroys the job's process group, which phase 2
             # still needs: the profile's engines run in processes with their own torch world
+            from flowrl.train import _device
+
             procs = cfg.rollout.vllm.engine_procs
-            on_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto"
-                                                      and torch.cuda.is_available())
-            if procs == 0 or (procs is None and not on_cuda):
+            if procs == 0 or (procs is None and _device(cfg).type != "cuda"):
                 profile["rollout__vllm__engine_procs"] = 1  # (null on CUDA: >= 1 already)
         run(_derive(raw, out_dir, placement__mode="colocated", placement__pools={},
                     placement__roles={}, trainer__total_steps=min(P, T),

@@ -118,3 +118,13 @@ def test_a_dead_engine_process_is_reported_not_waited_for(setup):
     with pytest.raises(RuntimeError, match=r"vLLM engine process 1 \(pid \d+\) died \(exit code "
                                            r"-9\) \(killed by SIGKILL: often the kernel.s out-of"):
         eng.generate(ids, mask, SamplingConfig(temperature=0.0, max_new_tokens=4))
+
+
+def test_close_stops_every_engine_and_removes_the_export_once(setup):
+    eng = setup[0]
+    export_dir = eng.exported.model_dir
+    assert os.path.isdir(export_dir)
+    eng.close()
+    assert not any(p.is_alive() for p in eng._procs)
+    assert not os.path.exists(export_dir)
+    eng.close()  # a second close (the fixture's) does nothing

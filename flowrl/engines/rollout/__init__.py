@@ -38,15 +38,13 @@ def weights_and_device_memory(model: nn.Module) -> tuple[int, int | None]:
     """(parameter bytes of ``model``, tied tensors once; its CUDA device's memory or None)."""
     import torch
 
-    seen, nbytes, device = set(), 0, None
-    for p in model.parameters():
-        device = p.device
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            nbytes += p.numel() * p.element_size()
-    if device is None or device.type != "cuda":
+    from flowrl.engines.rollout.vllm import unique_parameters
+
+    params = [p for _, p in unique_parameters(model)]
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    if not params or params[0].device.type != "cuda":
         return nbytes, None
-    return nbytes, torch.cuda.get_device_properties(device).total_memory
+    return nbytes, torch.cuda.get_device_properties(params[0].device).total_memory
 
 
 ROLLOUT_BACKENDS: dict[str, Callable[..., Any]] = {"hf": _build_hf, "vllm": _build_vllm}

@@ -57,6 +57,16 @@ def import_vllm():
     return vllm
 
 
+def unique_parameters(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """``model.named_parameters()`` with each storage once: a tensor tied to an earlier one
+    (lm_head <-> embed_tokens) is left out, also when the tie is two Parameters on one storage."""
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            yield name, p
+
+
 def export_hf_dir(model: nn.Module, tokenizer, path: Path) -> list[str]:
     """Write ``model``'s weights (safetensors), config and ``tokenizer`` to ``path``.
 
@@ -71,12 +81,7 @@ def export_hf_dir(model: nn.Module, tokenizer, path: Path) -> list[str]:
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, Tensor] = {}
-    seen: set[int] = set()
-    for name, p in model.named_parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            tensors[name] = p.detach().to("cpu").contiguous()
+    tensors = {name: p.detach().to("cpu").contiguous() for name, p in unique_parameters(model)}
     save_file(tensors, str(path / "model.safetensors"))
     model.config.save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))

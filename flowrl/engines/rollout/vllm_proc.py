@@ -199,7 +199,7 @@ class VLLMProcessEngine:
         self.cfg = cfg = dataclasses.replace(cfg, kv_cache_memory_gb=cfg.kv_cache_gb_on(
             device.type != "cuda"))
         self.exported = export_policy(model, tokenizer, cfg.model_dir)
-        self._tmp = cfg.model_dir is None
+        tmp_dir = self.exported.model_dir if cfg.model_dir is None else None
         self.weight_names = self.exported.weight_names
         self.eos_token_id, self.pad_token_id = self.exported.eos_token_id, self.exported.pad_token_id
         ctx = mp.get_context("spawn")
@@ -224,11 +224,11 @@ class VLLMProcessEngine:
             if not one_by_one:
                 ready = self._collect()
         except BaseException:
-            self.close()
+            _shutdown(self._conns, self._procs, tmp_dir)
             raise
-        # an exception that never reaches close() must not leave the interpreter waiting at exit
-        # for engine processes (multiprocessing joins them); finalizers run before that join
-        self._finalizer = weakref.finalize(self, _shutdown, self._conns, self._procs)
+        # close(), garbage collection and interpreter exit all run this once; at exit it runs
+        # before multiprocessing joins its children (it would wait for engine processes forever)
+        self._finalizer = weakref.finalize(self, _shutdown, self._conns, self._procs, tmp_dir)
         self.sleep_supported = all(r["sleep_supported"] for r, _ in ready)
         self.last_timings: dict[str, float] = {}
         self.last_load_counts: dict[str, int] = {"tensors": 0, "bytes": 0}
@@ -384,18 +384,8 @@ class VLLMProcessEngine:
         self._all("wake")
 
     def close(self) -> None:
-        """Stop the engine processes and delete a temporary export directory."""
-        _shutdown(getattr(self, "_conns", []), getattr(self, "_procs", []))
-        self._conns, self._procs = [], []
-        if getattr(self, "_tmp", False):
-            shutil.rmtree(self.exported.model_dir, ignore_errors=True)
-            self._tmp = False
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 (interpreter shutdown)
-            pass
+        """Stop the engine processes and delete a temporary export directory (once)."""
+        self._finalizer()
 
 
 class _CudaHandle:
@@ -423,7 +413,7 @@ class _CudaHandle:
         return self.rebuild(*self.args)
 
 
-def _shutdown(conns: list, procs: list) -> None:
+def _shutdown(conns: list, procs: list, tmp_dir: str | None) -> None:
     for c in conns:
         try:
             c.send(("close",))
@@ -434,6 +424,8 @@ def _shutdown(conns: list, procs: list) -> None:
         if p.is_alive():
             p.terminate()
             p.join(timeout=10)
+    if tmp_dir is not None:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 def _slowest(timings: Iterable[dict[str, float]]) -> dict[str, float]:
