@@ -57,7 +57,14 @@ class RolloutBatch:
 
 
 class RolloutEngine(Protocol):
-    """Generates responses. Implementations: ``engines/rollout/hf.py`` (vLLM later)."""
+    """Generates responses. Implementations: ``engines/rollout/hf.py``, ``vllm.py``, ``vllm_proc.py``.
+
+    ``device``: where ``generate`` wants its prompts and returns its batch (the HF engine: its
+    module's device; vLLM: the host, since it takes token lists). The executor moves a stage's
+    inputs there (DESIGN.md "Where tensors live").
+    """
+
+    device: torch.device
 
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingConfig,
                  generator: torch.Generator | None = None) -> RolloutBatch:
@@ -83,12 +90,23 @@ class LogprobOutput:
 
 # loss_fn(micro_batch, logprobs (b, R), entropy (b, R) | None) -> (scalar loss, metrics).
 # The loss is already normalised by *global* mini-batch denominators, so the engine only sums the
-# micro-batch gradients (never averages them).
-LossFn = Callable[[Mapping[str, Tensor], Tensor, "Tensor | None"], tuple[Tensor, dict[str, float]]]
+# micro-batch gradients (never averages them). Metrics are detached 0-dim tensors (or floats) on
+# the engine's device; the engine sums them and reads them once per train_step (no sync per
+# micro-batch).
+LossFn = Callable[[Mapping[str, Tensor], Tensor, "Tensor | None"],
+                  tuple[Tensor, dict[str, "Tensor | float"]]]
 
 
 class TrainEngine(Protocol):
-    """A trainable (actor, critic) or frozen (ref) model. Single-process now; FSDP2 next."""
+    """A trainable (actor, critic) or frozen (ref) model: ``engines/train/local.py`` (one
+    process) and its FSDP2 variant (``fsdp.py``).
+
+    ``device``: the device of its parameters; ``logprobs``/``train_step`` take their batch there
+    (the executor moves it) and return there, and the micro-batches ``loss_fn`` sees are slices of
+    that batch, so every tensor a loss function touches is on ``device``.
+    """
+
+    device: torch.device
 
     def logprobs(self, batch: Mapping[str, Tensor], temperature: float,
                  with_entropy: bool = False) -> LogprobOutput:

@@ -29,7 +29,8 @@ class StageContext:
             source), ``algorithm`` (AlgorithmConfig), ``sampling`` (SamplingConfig).
         dist: rank/world of the stage's pool.
         generator: torch RNG for this stage run (seeded from the run seed and step; checkpointed).
-        metrics: scalars the op reports; the executor prefixes nothing, so use ``group/name``.
+        metrics: scalars the op reported (floats); the executor prefixes nothing, so use
+            ``group/name``. Reading it turns every pending tensor into a float at once.
     """
 
     stage: str
@@ -38,12 +39,29 @@ class StageContext:
     resources: dict[str, Any] = field(default_factory=dict)
     dist: DistInfo = field(default_factory=DistInfo)
     generator: torch.Generator | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    pending: dict[str, float | torch.Tensor] = field(default_factory=dict)
 
-    def log(self, **values: float) -> None:
-        """Record scalar metrics (``ctx.log(**{"reward/mean": 0.3})``)."""
+    def log(self, **values: float | torch.Tensor) -> None:
+        """Record scalar metrics (``ctx.log(**{"reward/mean": 0.3})``).
+
+        A 0-dim (or one-element) tensor is kept as it is, on its device, and read when
+        :attr:`metrics` is: on a GPU each ``.item()`` would stall the stream, so a stage's metrics
+        cost one device → host copy per device instead of one per value.
+        """
         for k, v in values.items():
-            self.metrics[k] = float(v.item() if isinstance(v, torch.Tensor) else v)
+            self.pending[k] = v.detach().reshape(()) if isinstance(v, torch.Tensor) else float(v)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """Every logged value as a float (tensors gathered per device, one copy each)."""
+        by_device: dict[torch.device, list[str]] = {}
+        for k, v in self.pending.items():
+            if isinstance(v, torch.Tensor):
+                by_device.setdefault(v.device, []).append(k)
+        for keys in by_device.values():
+            floats = torch.stack([self.pending[k].float() for k in keys]).tolist()
+            self.pending.update(zip(keys, floats))
+        return dict(self.pending)  # type: ignore[arg-type]  (all floats now)
 
     def resource(self, name: str) -> Any:
         if name not in self.resources:

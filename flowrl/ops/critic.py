@@ -28,7 +28,7 @@ def values(ctx: StageContext, cfg: NoConfig, *, prompt_ids, prompt_mask, respons
              "response_mask": response_mask}
     bal = balance_rows(ctx, batch)  # equal rows / tokens per rank; values return in row order
     v = bal.restore(ctx.engine.values(bal.batch))
-    mask = response_mask.bool().to(v.device)
+    mask = response_mask.bool()  # on the engine's device, as v (DESIGN.md "Where tensors live")
     ctx.log(**{"critic/values_mean": torch.where(mask, v, 0.0).sum() / mask.sum().clamp(min=1)})
     return {"values": v}
 
@@ -48,9 +48,9 @@ def make_value_loss_fn(algo, *, num_tokens: float, num_seqs: float, max_response
                             num_seqs=num_seqs, max_response_len=max_response_len)
         err = torch.where(mask, new_values.detach().float() - mb["returns"].float(), 0.0)
         return algo.vf_coef * vf, {
-            "critic/vf_loss": vf.item(),
-            "critic/vf_clipfrac_sum": stats["vf_clipfrac"].sum().item(),
-            "critic/vpred_abs_err_sum": err.abs().sum().item(),
+            "critic/vf_loss": vf.detach(),
+            "critic/vf_clipfrac_sum": stats["vf_clipfrac"].detach().sum(),
+            "critic/vpred_abs_err_sum": err.abs().sum(),
         }
 
     return loss_fn

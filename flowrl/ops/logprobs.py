@@ -40,8 +40,8 @@ def logprobs(ctx: StageContext, cfg: LogprobsConfig, *, prompt_ids, prompt_mask,
     mask = response_mask
     denom = mask.sum().clamp(min=1)
     if rollout_logprobs is not None:
-        # the rollout engine returns on the prompts' device, the trainer on its own
-        diff = torch.where(mask, (rollout_logprobs.to(lp.device) - lp).abs(), 0.0)
+        # every input arrives on the engine's device (DESIGN.md "Where tensors live")
+        diff = torch.where(mask, (rollout_logprobs - lp).abs(), 0.0)
         ctx.log(**{"rollout/logprob_mismatch": diff.sum() / denom,
                    "rollout/logprob_mismatch_max": diff.max()})
     if cfg.with_entropy and ent is not None:

@@ -50,19 +50,20 @@ def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: 
                              "rollout_logprobs: bind update.inputs.rollout_logprobs")
         pg = agg(per_tok, mask)
         loss = pg
-        # metrics are token sums; the op divides by the mini-batch token count afterwards
-        metrics = {"actor/pg_loss": pg.item(),
-                   "actor/clipfrac_sum": torch.where(mask, stats["clipfrac"].float(), 0.0).sum().item(),
+        # metrics are token sums; the op divides by the mini-batch token count afterwards. They
+        # stay detached device tensors: the engine reads them once per optimizer step (LossFn)
+        metrics = {"actor/pg_loss": pg.detach(),
+                   "actor/clipfrac_sum": torch.where(mask, stats["clipfrac"].float(), 0.0).sum(),
                    # mean |r − 1|: exactly 0 on the first on-policy mini-batch, > 0 once the
                    # weights moved (later mini-batches / epochs)
-                   "actor/ratio_abs_dev_sum": torch.where(mask, (stats["ratio"] - 1.0).abs(),
-                                                          0.0).sum().item()}
+                   "actor/ratio_abs_dev_sum": torch.where(mask, (stats["ratio"] - 1.0).abs().detach(),
+                                                          0.0).sum()}
         if mb.get("old_logprobs") is None and mb.get("rollout_logprobs") is not None:
             # the old-logprob stage would have logged this; here the first forward is that pass
             metrics["rollout/logprob_mismatch_sum"] = torch.where(
-                mask, (mb["rollout_logprobs"] - logprobs.detach()).abs(), 0.0).sum().item()
+                mask, (mb["rollout_logprobs"] - logprobs.detach()).abs(), 0.0).sum()
         if "approx_kl" in stats:  # KL(π_old‖π_θ), logged even without a reference model
-            metrics["actor/ppo_kl_sum"] = torch.where(mask, stats["approx_kl"], 0.0).sum().item()
+            metrics["actor/ppo_kl_sum"] = torch.where(mask, stats["approx_kl"].detach(), 0.0).sum()
         # with algorithm.kl_in_reward the KL is already in the token rewards (reward.token_rewards):
         # a loss term as well would charge it twice
         if algo.kl_coef > 0 and not algo.kl_in_reward and mb.get("ref_logprobs") is not None:
@@ -72,10 +73,10 @@ def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: 
                             response_mask=mask)
             kl_loss = agg(kl, mask)
             loss = loss + algo.kl_coef * kl_loss
-            metrics["actor/kl_loss"] = kl_loss.item()
+            metrics["actor/kl_loss"] = kl_loss.detach()
         if entropy is not None:
             ent = torch.where(mask, entropy, 0.0)
-            metrics["actor/entropy_sum"] = ent.sum().item()
+            metrics["actor/entropy_sum"] = ent.detach().sum()
             if algo.entropy_coef:
                 loss = loss - algo.entropy_coef * agg(ent, mask)
         return loss, metrics

@@ -18,7 +18,10 @@ Dataflow of one GRPO step (colocated pool; ``[x]`` = role resident, ``→ free``
                                         sync weights actor → rollout (staleness 0) ◄──┘
 
 Each stage reads its inputs from the TensorStore, writes its outputs back, and the store frees every
-key whose last consumer (from the plan's lifecycle table) has just run.
+key whose last consumer (from the plan's lifecycle table) has just run. Devices (one rule,
+``runtime/devices.py``): the store keeps the step on the pool's home device (the trainer's GPU on a
+GPU run); the executor hands each op its inputs on the device of the stage's engine (the host for
+role-less stages).
 A ``refill`` stage (DAPO dynamic sampling) re-runs the stages it depends on until it has kept
 enough groups (``flowrl/runtime/refill.py``; the plan lists them under ``plan.refill``).
 """
@@ -35,6 +38,7 @@ from flowrl.compiler.plan import ExecutionPlan
 from flowrl.graph.roles import ROLES
 from flowrl.ops.context import DistInfo, StageContext
 from flowrl.ops.registry import OPS
+from flowrl.runtime.devices import home_device, stage_device, to_device
 from flowrl.runtime.store import TensorStore
 
 log = logging.getLogger(__name__)
@@ -64,6 +68,8 @@ class Executor:
         seed: run seed; each stage run gets ``torch.Generator`` seeded by :func:`stage_seed`.
         sends: partitioned placement: keys (``"stage.output"``) this pool hands to the other pool
             at the end of each step (``PoolPlan.sends``); freed from the store once sent.
+        device: the store's home device; default :func:`~flowrl.runtime.devices.home_device`
+            of ``engines`` (the trainer's device).
 
     Raises:
         KeyError: at construction, when a role of the plan has no engine.
@@ -71,7 +77,7 @@ class Executor:
 
     def __init__(self, plan: ExecutionPlan, engines: Mapping[str, Any],
                  resources: Mapping[str, Any], *, seed: int = 0, dist: DistInfo | None = None,
-                 sends: list[str] | tuple[str, ...] = ()):
+                 sends: list[str] | tuple[str, ...] = (), device: torch.device | None = None):
         missing = [r for r in plan.roles if r not in engines]
         if missing:
             raise KeyError(f"plan needs engines for roles {missing}; have {sorted(engines)}")
@@ -82,7 +88,8 @@ class Executor:
         self.dist = dist or DistInfo()
         self.sends = list(sends)
         # the pseudo-stage SEND releases what was handed to the other pool
-        self.store = TensorStore({**plan.release_after, SEND: self.sends})
+        self.device = device or home_device(self.engines)
+        self.store = TensorStore({**plan.release_after, SEND: self.sends}, device=self.device)
         self._cfg = {c.stage.name: c.config for c in plan.stages}
         self._resident: set[str] = set(plan.resident_at_end)
         self.stage_metrics: dict[str, dict[str, float]] = {}  # this step's, per stage
@@ -180,6 +187,8 @@ class Executor:
             "perf/sync_s": sync_s, "perf/offload_s": moved["offload"],
             "perf/onload_s": moved["onload"], "store/peak_bytes": st.peak_bytes,
             "store/keep_all_bytes": st.produced_bytes,
+            "store/peak_device_bytes": st.peak_device_bytes,
+            "store/keep_all_device_bytes": st.produced_device_bytes,
             **{f"store/freed_bytes/{k}": v for k, v in st.freed_by_stage.items()},
         })
         return metrics
@@ -197,12 +206,15 @@ class Executor:
         attempt > 1 draws from its own seed, so it samples new responses."""
         stage = self.plan.graph[name]
         spec = OPS[stage.op]
-        inputs = {arg: self.store.get(ref) for arg, ref in stage.inputs.items()}
+        engine = self.engines.get(stage.role)
+        # the device rule's second half: the op sees its inputs on its engine's device
+        device = stage_device(engine)
+        inputs = {arg: to_device(self.store.get(ref), device) for arg, ref in stage.inputs.items()}
         for arg in spec.optional_inputs:
             inputs.setdefault(arg, None)
         key = name if attempt == 1 else f"{name}@attempt{attempt}"
         gen = torch.Generator().manual_seed(stage_seed(self.seed, step, key))
-        ctx = StageContext(stage=name, step=step, engine=self.engines.get(stage.role),
+        ctx = StageContext(stage=name, step=step, engine=engine,
                            resources=self.resources, dist=self.dist, generator=gen)
         outputs = spec.fn(ctx, self._cfg[name], **inputs)
         if set(outputs) != set(spec.outputs):

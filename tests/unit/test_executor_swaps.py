@@ -4,6 +4,7 @@ must not pin them there."""
 from pathlib import Path
 
 import pytest
+import torch
 
 from flowrl.compiler.plan import compile_plan
 from flowrl.graph import Graph
@@ -13,6 +14,8 @@ GRPO = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
 
 
 class FakeTrain:
+    device = torch.device("cpu")
+
     def __init__(self):
         self.calls = []
 
@@ -24,6 +27,8 @@ class FakeTrain:
 
 
 class FakeRollout:
+    device = torch.device("cpu")
+
     def __init__(self, shared):
         self.shared = shared
 

@@ -155,6 +155,10 @@ class VLLMRolloutEngine:
         ImportError: vllm is missing. ValueError: a model vLLM's CPU kernel cannot run.
     """
 
+    # vLLM takes prompts as token lists and returns host tensors: its batch lives on the host
+    # (the executor moves a stage's inputs here, the store moves the outputs home)
+    device = torch.device("cpu")
+
     def __init__(self, model: nn.Module, tokenizer, cfg: VLLMRolloutConfig | None = None) -> None:
         cfg = cfg or VLLMRolloutConfig()
         import_vllm()

@@ -183,6 +183,10 @@ class VLLMProcessEngine:
             message); ``RuntimeError`` when one died.
     """
 
+    # vLLM takes prompts as token lists and returns host tensors: its batch lives on the host
+    # (the executor moves a stage's inputs here, the store moves the outputs home)
+    device = torch.device("cpu")
+
     def __init__(self, model: nn.Module, tokenizer, cfg: VLLMRolloutConfig | None = None,
                  procs: int | None = None) -> None:
         self.cfg = cfg = cfg or VLLMRolloutConfig()

@@ -101,6 +101,18 @@ class TrainEngineConfig:
             raise ValueError(f"weight_bucket_mb must be >= 1, got {self.weight_bucket_mb}")
 
 
+def _read_floats(values: Mapping[str, Tensor | float]) -> dict[str, float]:
+    """Floats of a dict of 0-dim tensors and floats, with one device → host copy per device."""
+    out = {k: float(v) for k, v in values.items() if not isinstance(v, Tensor)}
+    by_device: dict[torch.device, list[str]] = {}
+    for k, v in values.items():
+        if isinstance(v, Tensor):
+            by_device.setdefault(v.device, []).append(k)
+    for keys in by_device.values():
+        out.update(zip(keys, torch.stack([values[k].reshape(()) for k in keys]).tolist()))
+    return out
+
+
 def _module_device(model: nn.Module) -> torch.device:
     for t in model.parameters():
         return t.device
@@ -363,25 +375,27 @@ class LocalTrainEngine:
         parts = self._partitions(batch)
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.model.train()
-        sums: dict[str, float] = {}
-        total_loss = 0.0
-        finite = True
+        # loss terms and loss_fn metrics are summed as device tensors and read once at the end:
+        # a .item() per micro-batch would stall the GPU stream each time
+        sums: dict[str, Tensor | float] = {}
+        losses: list[Tensor] = []
         for j, rows in enumerate(parts):
             mb = self._micro_batch(batch, rows, B)
             lp, ent = self._logprobs(mb, temperature, with_entropy, entropy_grad)
             loss, metrics = loss_fn(mb, lp, ent)
-            if finite and not torch.isfinite(loss.detach()).all():
-                finite = False
-                log.warning("train_step: non-finite loss (%s) in micro-batch %d; skipping the "
-                            "optimizer step, weights unchanged", loss.item(), j)
-                if not self._lockstep:
-                    break
-            # lockstep ranks run every backward even after a NaN (the collectives inside must
-            # match on all ranks); the step is then skipped everywhere below
+            # every backward runs, even after a NaN: lockstep ranks must match collectives, and
+            # checking finiteness here would sync the stream per micro-batch; a non-finite loss
+            # skips the whole step below (its grads are zeroed, never applied)
             self._backward(loss, last=j == len(parts) - 1)
-            total_loss += float(loss.detach())
+            losses.append(loss.detach().float().reshape(()))
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+                sums[k] = sums.get(k, 0.0) + (v.detach().float() if isinstance(v, Tensor) else v)
+        loss_values = torch.stack(losses).tolist() if losses else []
+        bad = [j for j, v in enumerate(loss_values) if not math.isfinite(v)]
+        finite = not bad
+        if bad:
+            log.warning("train_step: non-finite loss (%s) in micro-batch %d; skipping the "
+                        "optimizer step, weights unchanged", loss_values[bad[0]], bad[0])
         finite = self._all_true(finite)
         grad_norm = float("nan")
         if finite:
@@ -398,7 +412,8 @@ class LocalTrainEngine:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        out = dict(sums)
+        out = _read_floats(sums)
+        total_loss = sum(loss_values)
         out.update(loss=total_loss if finite else float("nan"), grad_norm=grad_norm, lr=lr,
                    skipped=0.0 if finite else 1.0)
         return out
