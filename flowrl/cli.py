@@ -33,7 +33,7 @@ def plan_main(argv: list[str]) -> int:
     """``flowrl plan [--format text|mermaid|dot] [overrides]``: the placement plan (per-pool
     timelines, transfers, predicted step time and memory; ``placement=auto``: the choice and why)."""
     from flowrl.compiler.render import FORMATS, format_placement
-    from flowrl.train import prepare, prepare_placement, role_parallelism, world_size
+    from flowrl.train import prepare_placement, prepare_run, role_parallelism, world_size
 
     fmt, rest = "text", []
     it = iter(argv)
@@ -49,7 +49,7 @@ def plan_main(argv: list[str]) -> int:
     cfg = compose(rest)
     if "${hydra:" in str(cfg.trainer._get_node("output_dir")._value()):
         cfg.trainer.output_dir = "(none: plan only)"  # no Hydra run dir exists when planning
-    cfg, plan = prepare(cfg)
+    cfg, plan, resolved = prepare_run(cfg)
     w = world_size(cfg)
     pp = prepare_placement(cfg, plan, w)
     if pp.estimate is None:  # auto attached its own; a missing model file only loses predictions
@@ -61,6 +61,10 @@ def plan_main(argv: list[str]) -> int:
         except (FileNotFoundError, OSError, ValueError) as e:
             pp.notes.append(f"no predictions: {e}")
     print(format_placement(pp, fmt))
+    if fmt == "text":  # mermaid / dot stay valid diagrams
+        print("machine defaults (auto settings resolved on this machine):")
+        for r in resolved:
+            print(f"  {r}")
     return 0
 
 

@@ -44,17 +44,18 @@ class GraphConfig:
 
 @dataclass
 class RolloutConfig:
-    """backend: rollout engine, ``hf`` (transformers generate) or ``vllm`` (its section ``vllm``;
-    needs the vllm package). ``sampling`` is shared by both."""
+    """backend: rollout engine, ``hf`` (transformers generate), ``vllm`` (its section ``vllm``;
+    needs the vllm package) or ``auto`` (default: vLLM on CUDA when it is installed, else hf;
+    ``flowrl/machine.py``). ``sampling`` is shared by both."""
 
-    backend: str = "hf"
+    backend: str = "auto"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     hf: HFRolloutConfig = field(default_factory=HFRolloutConfig)
     vllm: VLLMRolloutConfig = field(default_factory=VLLMRolloutConfig)
 
     def __post_init__(self) -> None:
-        if self.backend not in ROLLOUT_BACKENDS:
-            raise ValueError(f"rollout.backend must be one of {sorted(ROLLOUT_BACKENDS)}, "
+        if self.backend not in ROLLOUT_BACKENDS and self.backend != "auto":
+            raise ValueError(f"rollout.backend must be auto or one of {sorted(ROLLOUT_BACKENDS)}, "
                              f"got {self.backend!r}")
         if self.backend == "vllm":
             self.vllm.check_sampling(self.sampling)
@@ -82,7 +83,7 @@ class TrainerConfig:
         total_steps: RL iterations (one rollout batch each).
         prompts_per_step: prompts sampled per step; the batch holds prompts × algorithm.n samples.
         seed: run seed (model init for tiny models, sampling, shuffling).
-        device: cpu | cuda | auto.
+        device: ``auto`` (cuda when visible, else cpu; ``flowrl/machine.py``) | cpu | cuda.
         output_dir: run directory (metrics, TensorBoard, checkpoints); Hydra's run dir by default.
         save_every: checkpoint every k steps (0 = only at the end).
         keep_last: checkpoints kept on disk.
@@ -92,6 +93,9 @@ class TrainerConfig:
         engine: optimizer / micro-batching of the training engine (actor; the critic too).
         critic_lr: the critic's learning rate (PPO); None = ``engine.lr``. Every other critic
             optimizer setting is ``engine``'s: one set of defaults, one knob PPO recipes change.
+        offload: move idle models to host memory at the plan's swap points (train state while the
+            rollout engine generates, the rollout copy while training): ``auto`` (only when the
+            models would not fit side by side: ``machine.keep_resident``), ``always``, ``never``.
     """
 
     total_steps: int = 10
@@ -105,6 +109,7 @@ class TrainerConfig:
     async_save: bool = False
     engine: TrainEngineConfig = field(default_factory=TrainEngineConfig)
     critic_lr: Optional[float] = None
+    offload: str = "auto"
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
@@ -116,6 +121,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.device must be cpu, cuda or auto, got {self.device!r}")
         if self.critic_lr is not None and self.critic_lr < 0:
             raise ValueError(f"trainer.critic_lr must be >= 0 or null, got {self.critic_lr}")
+        if self.offload not in ("auto", "always", "never"):
+            raise ValueError(f"trainer.offload must be auto, always or never, got {self.offload!r}")
         if self.save_every < 0 or self.keep_last < 1:
             raise ValueError("trainer.save_every must be >= 0 and trainer.keep_last >= 1")
 

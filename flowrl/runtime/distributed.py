@@ -70,6 +70,19 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
     return info
 
 
+def init_single_process(device: str) -> DistInfo:
+    """A one-rank default process group for a run outside torchrun that still needs one (the
+    FSDP2 engine at world size 1: ``trainer.engine.strategy=fsdp``, the CUDA default). Backends as
+    :func:`init_distributed`; the rendezvous is an in-process ``HashStore`` (no port is opened).
+    Idempotent."""
+    if dist.is_initialized():
+        return dist_info()
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist_info()
+
+
 def teardown() -> None:
     """Destroy the default process group (no-op when none)."""
     global _CKPT_GROUP

@@ -70,6 +70,9 @@ class Executor:
             at the end of each step (``PoolPlan.sends``); freed from the store once sent.
         device: the store's home device; default :func:`~flowrl.runtime.devices.home_device`
             of ``engines`` (the trainer's device).
+        swap: run the plan's offload/onload actions (move idle models to host memory). False when
+            every model fits on the device side by side (``trainer.offload``): the actions are
+            skipped and cost nothing.
 
     Raises:
         KeyError: at construction, when a role of the plan has no engine.
@@ -77,7 +80,8 @@ class Executor:
 
     def __init__(self, plan: ExecutionPlan, engines: Mapping[str, Any],
                  resources: Mapping[str, Any], *, seed: int = 0, dist: DistInfo | None = None,
-                 sends: list[str] | tuple[str, ...] = (), device: torch.device | None = None):
+                 sends: list[str] | tuple[str, ...] = (), device: torch.device | None = None,
+                 swap: bool = True):
         missing = [r for r in plan.roles if r not in engines]
         if missing:
             raise KeyError(f"plan needs engines for roles {missing}; have {sorted(engines)}")
@@ -89,6 +93,7 @@ class Executor:
         self.sends = list(sends)
         # the pseudo-stage SEND releases what was handed to the other pool
         self.device = device or home_device(self.engines)
+        self.swap = swap
         self.store = TensorStore({**plan.release_after, SEND: self.sends}, device=self.device)
         self._cfg = {c.stage.name: c.config for c in plan.stages}
         self._resident: set[str] = set(plan.resident_at_end)
@@ -96,6 +101,8 @@ class Executor:
 
     # ---- swap / sync points -----------------------------------------------------------------
     def _offload(self, role: str, keep_weights: bool = False) -> None:
+        if not self.swap:  # everything stays resident (trainer.offload)
+            return
         eng = self.engines[role]
         # the plan keeps the weights when the next role serves them; that saves a copy only if
         # the serving engine really reads this module (HF rollout with shared=True), not when it
@@ -110,6 +117,9 @@ class Executor:
         self._resident.discard(role)
 
     def _onload(self, role: str) -> None:
+        if not self.swap:
+            self._resident.add(role)
+            return
         eng = self.engines[role]
         (eng.wake if hasattr(eng, "wake") and not hasattr(eng, "onload") else eng.onload)()
         self._resident.add(role)

@@ -20,15 +20,30 @@ _CONSOLE_KEYS = [
     ("actor/entropy", "ent", "{:.3f}"), ("actor/clipfrac", "clip", "{:.3f}"),
     ("actor/grad_norm", "gnorm", "{:.3f}"), ("rollout/logprob_mismatch", "Δlogp", "{:.1e}"),
     ("perf/step_s", "step_s", "{:.1f}"), ("perf/tokens_per_s", "tok/s", "{:.0f}"),
-    ("store/peak_bytes", "peakMB", "{:.1f}"), ("eval/accuracy", "eval_acc", "{:.3f}"),
+    # intermediates held at most by the lifecycle manager vs keeping them all (device bytes on
+    # a GPU run, where they live; all bytes on CPU)
+    ("store/peak_bytes", "store", "{}"), ("eval/accuracy", "eval_acc", "{:.3f}"),
     ("eval/reward_mean", "eval_reward", "{:.3f}"), ("eval/response_length_mean", "eval_len", "{:.0f}"),
     ("eval/seconds", "eval_s", "{:.0f}"),
 ]
 
 
-def _fmt(key: str, value: float, spec: str) -> str:
-    if key == "store/peak_bytes":
-        value = value / 2**20
+def human_bytes(n: float) -> str:
+    """``1536`` → ``1.5KiB``: bytes in the largest binary unit that keeps the number >= 1."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}GiB"
+
+
+def _fmt(key: str, value: float, spec: str, row: dict | None = None) -> str:
+    if key == "store/peak_bytes" and math.isfinite(value):
+        row = row or {}
+        dev = row.get("store/peak_device_bytes", 0.0)
+        if dev:  # a GPU run: the store lives in device memory
+            return f"{human_bytes(dev)}/{human_bytes(row.get('store/keep_all_device_bytes', dev))}dev"
+        return f"{human_bytes(value)}/{human_bytes(row.get('store/keep_all_bytes', value))}"
     return spec.format(value) if math.isfinite(value) else str(value)
 
 
@@ -102,7 +117,7 @@ class MetricsLogger:
 
             mlflow.log_metrics({k.replace("/", "."): v for k, v in clean.items() if math.isfinite(v)}, step=step)
         if self.cfg.console:
-            parts = [f"{short}={_fmt(k, clean[k], spec)}" for k, short, spec in _CONSOLE_KEYS if k in clean]
+            parts = [f"{short}={_fmt(k, clean[k], spec, clean)}" for k, short, spec in _CONSOLE_KEYS if k in clean]
             if parts:
                 self.console.print(f"[dim]step {step:>4}[/dim] " + " ".join(parts))
         if self._progress is not None and "perf/step_s" in clean:

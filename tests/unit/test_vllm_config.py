@@ -39,7 +39,7 @@ def test_rollout_vllm_composes_and_validates_before_loading():
     assert cfg.rollout.sampling.temperature == 0.7
     with pytest.raises(ValueError, match="logprobs_mode"):
         to_train_config(compose(["rollout=vllm", "rollout.sampling.top_p=0.9", "trainer.output_dir=x"]))
-    with pytest.raises(ValueError, match=r"rollout.backend must be one of \['hf', 'vllm'\]"):
+    with pytest.raises(ValueError, match=r"rollout.backend must be auto or one of \['hf', 'vllm'\]"):
         to_train_config(compose(["rollout.backend=sglang", "trainer.output_dir=x"]))
 
 

@@ -37,6 +37,10 @@ class HFRolloutConfig:
             the model's default).
         compile: let transformers compile the decoding forward. Needs the static cache; transformers
             only compiles on accelerators (on CPU it is silently a no-op).
+        dtype: weights dtype of an engine with its own copy (not ``shared``): ``auto`` (the
+            module's own; a run resolves it to the trainer's compute dtype, bf16 on CUDA:
+            ``flowrl/machine.py``), ``float32``, ``bfloat16``, ``float16``. Decoding is
+            memory-bound: bf16 weights read half the bytes of fp32 per token.
         logprobs_mode: what ``rollout_logprobs`` holds, see :meth:`HFRolloutEngine.generate`.
             "tempered" (default) = log softmax(logits / T) over the full vocabulary, the quantity the
             trainer recomputes; "processed" = log-probability under the truncated (top-k/top-p),
@@ -46,6 +50,7 @@ class HFRolloutConfig:
     batch_size: int = 64
     cache_implementation: Optional[str] = None
     compile: bool = False
+    dtype: str = "auto"
     logprobs_mode: str = "tempered"  # "tempered" | "processed" (OmegaConf has no Literal)
 
     def __post_init__(self) -> None:
@@ -57,6 +62,8 @@ class HFRolloutConfig:
         if self.compile and self.cache_implementation != "static":
             raise ValueError("compile=True needs cache_implementation='static' "
                              f"(got {self.cache_implementation!r})")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.logprobs_mode not in ("tempered", "processed"):
             raise ValueError(f"logprobs_mode must be 'tempered' or 'processed', "
                              f"got {self.logprobs_mode!r}")
@@ -118,8 +125,10 @@ class HFRolloutEngine:
 
     def __init__(self, model: nn.Module, tokenizer, cfg: HFRolloutConfig | None = None, *,
                  shared: bool = False) -> None:
-        self.model = model
         self.cfg = cfg or HFRolloutConfig()
+        if not shared and self.cfg.dtype != "auto":  # its own copy: cast it (a shared module is
+            model = model.to(getattr(torch, self.cfg.dtype))  # the trainer's and keeps its dtype)
+        self.model = model
         self.shared = shared
         self.eos_token_id = int(tokenizer.eos_token_id)
         pad = tokenizer.pad_token_id

@@ -1,0 +1,134 @@
+"""GPU defaults: the ``auto`` settings of a run, resolved from the machine before any model loads.
+
+The same command runs on a laptop CPU and on a GPU node; what differs is decided here, once, and
+printed (``flowrl plan`` and a run's first lines), so a run never silently does something else:
+
+====================================  ===========================================================
+setting (``auto``)                    CUDA visible                          / CPU only
+====================================  ===========================================================
+``trainer.device``                    ``cuda`` (``cuda:LOCAL_RANK`` under torchrun) / ``cpu``
+``model.dtype`` (master weights)      ``float32``; compute in bf16 through the train engine's
+                                      mixed precision (FSDP2 ``MixedPrecisionPolicy``: bf16
+                                      parameters in forward/backward, fp32 gradient reduction)
+                                                                            / ``float32``
+``trainer.engine.strategy``           ``fsdp`` also on one rank, so world size 1 has exactly the
+                                      numerics of world size N              / ``local`` (1 rank)
+``rollout.backend``                   ``vllm`` when the package imports (engine processes,
+                                      ``benchmarks/results/rollout_h200.md``), else ``hf``
+                                                                            / ``hf``
+``rollout.hf.dtype``, ``.vllm.dtype`` ``bfloat16`` (the trainer's compute dtype) / the model's
+``model.attn_implementation``         ``flash_attention_2`` when ``flash_attn`` imports, else
+                                      ``sdpa``                              / ``sdpa``
+``trainer.engine.max_tokens_per_      16384 valid tokens per micro-batch (token-budget bins)
+micro_batch`` (null)                                                        / null (rows)
+====================================  ===========================================================
+
+An explicit setting always wins. ``trainer.offload`` (``auto``) is resolved when the models are
+built, from their sizes (:func:`keep_resident`).
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+# the token budget of a GPU micro-batch: the scaling benchmark's bins (benchmarks/results/scaling.md)
+GPU_TOKENS_PER_MICRO_BATCH = 16384
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """One ``auto`` setting and what it became, with the reason (printed at the start of a run)."""
+
+    field: str
+    value: object
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.field}={self.value} ({self.why})"
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def vllm_importable() -> bool:
+    """vLLM is installed (found without importing it: importing vLLM takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def flash_attn_importable() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_machine_defaults(cfg, *, cuda: bool | None = None, vllm: bool | None = None,
+                             flash_attn: bool | None = None) -> list[Resolved]:
+    """Replace every ``auto`` of ``cfg`` (a ``flowrl.config.TrainConfig``) by its value on this
+    machine, in place; returns what was resolved and why (explicit settings are left alone).
+
+    ``cuda`` / ``vllm`` / ``flash_attn`` override what is detected (tests; None = detect).
+
+    Raises:
+        ValueError: ``trainer.device=cuda`` on a machine without a visible CUDA device.
+    """
+    cuda = cuda_available() if cuda is None else cuda
+    vllm = vllm_importable() if vllm is None else vllm
+    flash_attn = flash_attn_importable() if flash_attn is None else flash_attn
+    out: list[Resolved] = []
+    t, m, r = cfg.trainer, cfg.model, cfg.rollout
+    if t.device == "cuda" and not cuda:
+        raise ValueError("trainer.device=cuda but no CUDA device is visible "
+                         "(use trainer.device=auto or cpu)")
+    if t.device == "auto":
+        t.device = "cuda" if cuda else "cpu"
+        out.append(Resolved("trainer.device", t.device,
+                            "a CUDA device is visible" if cuda else "no CUDA device"))
+    on_gpu = t.device == "cuda"
+    if m.dtype == "auto":
+        m.dtype = "float32"
+        out.append(Resolved("model.dtype", m.dtype, "fp32 master weights; bf16 compute by "
+                            "trainer.engine.mixed_precision" if on_gpu else "fp32 on CPU"))
+    e = t.engine
+    bf16 = e.mixed_precision == "bf16" or (e.mixed_precision == "auto" and on_gpu)
+    if e.strategy == "auto" and on_gpu:
+        e.strategy = "fsdp"
+        out.append(Resolved("trainer.engine.strategy", "fsdp", "on CUDA even at one rank: the "
+                            "numerics of world size 1 are those of N (bf16 compute, fp32 reduce)"))
+    if e.max_tokens_per_micro_batch is None and on_gpu:
+        e.max_tokens_per_micro_batch = GPU_TOKENS_PER_MICRO_BATCH
+        out.append(Resolved("trainer.engine.max_tokens_per_micro_batch", GPU_TOKENS_PER_MICRO_BATCH,
+                            "token-budget micro-batches on GPU"))
+    if r.backend == "auto":
+        r.backend = "vllm" if on_gpu and vllm else "hf"
+        out.append(Resolved("rollout.backend", r.backend,
+                            "CUDA and vLLM installed" if r.backend == "vllm" else
+                            ("vLLM is not installed" if on_gpu else "CPU run: transformers generate")))
+        if r.backend == "vllm":
+            r.vllm.check_sampling(r.sampling)
+    compute = "bfloat16" if bf16 and m.dtype == "float32" else m.dtype
+    for name, sec in (("rollout.hf.dtype", r.hf), ("rollout.vllm.dtype", r.vllm)):
+        if sec.dtype == "auto":
+            sec.dtype = compute
+            if name.split(".")[1] == r.backend:
+                out.append(Resolved(name, compute, "the trainer's compute dtype"))
+    if m.attn_implementation == "auto":
+        m.attn_implementation = "flash_attention_2" if on_gpu and flash_attn else "sdpa"
+        out.append(Resolved("model.attn_implementation", m.attn_implementation,
+                            "flash-attn installed" if m.attn_implementation != "sdpa" else
+                            ("flash-attn not installed" if on_gpu else "CPU")))
+    return out
+
+
+def keep_resident(state_bytes: int, rollout_bytes: int, device: torch.device,
+                  fraction: float = 0.8) -> bool:
+    """``trainer.offload=auto``: keep every model on the device (no host offload at the swap
+    points) when the training state (parameters, gradients, optimizer moments of trainable roles;
+    parameters of frozen ones) plus the rollout engine's budget fit in ``fraction`` of the device's
+    memory. Moving the state to host memory and back costs seconds per step (5 s for a 0.5B model,
+    ``benchmarks/results/scaling.md``) and host RAM; it is only worth it when memory is short.
+    Always False on CPU (nothing to free)."""
+    if device.type != "cuda":
+        return False
+    total = torch.cuda.get_device_properties(device).total_memory
+    return state_bytes + rollout_bytes <= fraction * total
