@@ -211,17 +211,24 @@ class Executor:
         self.stage_metrics[name] = {**metrics, f"time/{name}": time.perf_counter() - t0}
         return metrics
 
+    def stage_inputs(self, name: str) -> dict[str, Any]:
+        """The op arguments of stage ``name`` from the store, on the stage's compute device (its
+        engine's ``device``; the host for a role-less stage): the device rule's second half
+        (``runtime/devices.py``). Optional inputs the graph leaves unbound are None."""
+        stage = self.plan.graph[name]
+        device = stage_device(self.engines.get(stage.role))
+        inputs = {arg: to_device(self.store.get(ref), device) for arg, ref in stage.inputs.items()}
+        for arg in OPS[stage.op].optional_inputs:
+            inputs.setdefault(arg, None)
+        return inputs
+
     def _call_op(self, name: str, step: int, attempt: int = 1) -> tuple[dict[str, Any], dict[str, float]]:
         """Run one stage's op on its inputs from the store; returns (outputs, metrics). A refill
         attempt > 1 draws from its own seed, so it samples new responses."""
         stage = self.plan.graph[name]
         spec = OPS[stage.op]
         engine = self.engines.get(stage.role)
-        # the device rule's second half: the op sees its inputs on its engine's device
-        device = stage_device(engine)
-        inputs = {arg: to_device(self.store.get(ref), device) for arg, ref in stage.inputs.items()}
-        for arg in spec.optional_inputs:
-            inputs.setdefault(arg, None)
+        inputs = self.stage_inputs(name)
         key = name if attempt == 1 else f"{name}@attempt{attempt}"
         gen = torch.Generator().manual_seed(stage_seed(self.seed, step, key))
         ctx = StageContext(stage=name, step=step, engine=engine,

@@ -1,0 +1,199 @@
+"""The one rule for where tensors live (DESIGN.md "Where tensors live", flowrl/runtime/devices.py),
+checked on CPU with a train engine on PyTorch's ``meta`` device standing in for a GPU: any op or
+loss function that mixes the store's host tensors with the engine's would raise here exactly as
+``cuda:0`` vs ``cpu`` does on a GPU (the first GPU run died in ops/logprobs.py and in the loss of
+``update``), and any ``.item()`` inside a loss function (a stream sync per micro-batch on a GPU)
+raises on ``meta`` too.
+
+Also: the machine defaults (flowrl/machine.py) with exact expected values.
+"""
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl.compiler.plan import compile_plan
+from flowrl.engines.base import LogprobOutput
+from flowrl.graph import Graph
+from flowrl.ops.context import StageContext
+from flowrl.ops.registry import OPS
+from flowrl.runtime.devices import home_device, stage_device, to_device
+from flowrl.runtime.executor import Executor
+from flowrl.runtime.store import TensorStore
+
+GRPO = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
+META = torch.device("meta")
+B, P, R = 4, 3, 5
+
+
+class MetaTrain:
+    """A train engine whose parameters live on another device (meta)."""
+
+    device = META
+
+    def __init__(self):
+        self.seen: list[torch.device] = []
+
+    def logprobs(self, batch, temperature, with_entropy=False):
+        self.seen += [v.device for v in batch.values()]
+        return LogprobOutput(torch.zeros(B, R, device=META),
+                             torch.zeros(B, R, device=META) if with_entropy else None)
+
+
+class HostRollout:
+    device = torch.device("cpu")
+
+
+def executor():
+    plan = compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": 0.0,
+                                                         "recompute_old_logprobs": True}})
+    ex = Executor(plan, {"actor": MetaTrain(), "rollout": HostRollout()}, {},
+                  device=torch.device("cpu"))
+    mask = torch.tensor([[1, 1, 1, 0, 0]] * B, dtype=torch.bool)
+    ex.store.put("sample", {"prompt_ids": torch.ones(B, P, dtype=torch.long),
+                            "prompt_mask": torch.ones(B, P, dtype=torch.bool),
+                            "group_id": torch.arange(B), "ground_truth": ["1"] * B})
+    ex.store.put("rollout", {"response_ids": torch.ones(B, R, dtype=torch.long),
+                             "response_mask": mask, "rollout_logprobs": torch.zeros(B, R),
+                             "truncated": torch.zeros(B, dtype=torch.bool)})
+    ex.store.put("advantage", {"advantages": torch.ones(B, R)})
+    ex.store.put("old_logprobs", {"logprobs": torch.zeros(B, R)})
+    return ex
+
+
+class Sampling:
+    temperature = 1.0
+
+
+class Algo:
+    clip_ratio_low, clip_ratio_high, clip_ratio_c = 0.2, 0.2, None
+    loss_agg_mode, rollout_is, rollout_is_cap = "token-mean", "none", 2.0
+    kl_coef, kl_in_reward, kl_type, kl_clamp, entropy_coef = 0.0, False, "k3", 10.0, 0.0
+
+
+def test_store_moves_what_it_is_given_home_and_counts_device_bytes():
+    store = TensorStore({"a": []}, device=META)
+    store.put("a", {"x": torch.zeros(2, 3), "y": [torch.ones(2)], "s": "text"})
+    assert store.get("a.x").device == META and store.get("a.y")[0].device == META
+    assert store.get("a.s") == "text"
+    # meta/CPU storage is not accelerator memory: the device counters stay 0 off-GPU
+    assert store.stats.peak_device_bytes == 0 and store.stats.produced_device_bytes == 0
+    host = TensorStore({"a": []}, device=torch.device("cpu"))
+    host.put("a", {"x": torch.zeros(2, 3)})
+    assert host.stats.peak_bytes == 24 and host.stats.peak_device_bytes == 0
+
+
+def test_to_device_keeps_tensors_already_there_and_recurses():
+    t = torch.zeros(3)
+    assert to_device(t, torch.device("cpu")) is t
+    out = to_device({"a": [t, (t, 1)], "b": None}, META)
+    assert out["a"][0].device == META and out["a"][1][0].device == META
+    assert out["a"][1][1] == 1 and out["b"] is None
+
+
+def test_stage_and_home_devices():
+    assert stage_device(None) == torch.device("cpu")  # role-less ops run on the host
+    assert stage_device(MetaTrain()) == META
+    assert home_device({"rollout": HostRollout(), "actor": MetaTrain()}) == META
+    assert home_device({}) == torch.device("cpu")
+
+
+def test_logprobs_op_sees_its_inputs_on_the_engine_device():
+    ex = executor()
+    inputs = ex.stage_inputs("old_logprobs")
+    assert {v.device for v in inputs.values() if isinstance(v, torch.Tensor)} == {META}
+    engine = ex.engines["actor"]
+    ctx = StageContext(stage="old_logprobs", step=1, engine=engine,
+                       resources={"sampling": Sampling()})
+    cfg = ex.plan.stages[[c.stage.name for c in ex.plan.stages].index("old_logprobs")].config
+    out = OPS["logprobs"].fn(ctx, cfg, **inputs)
+    assert out["logprobs"].device == META
+    assert set(engine.seen) == {META}
+    # the mismatch metric stays a device tensor until the executor reads the stage's metrics
+    assert ctx.pending["rollout/logprob_mismatch"].device == META
+    # what the first GPU run did: host inputs against the engine's output
+    host = {k: ex.store.get(ref) for k, ref in ex.plan.graph["old_logprobs"].inputs.items()}
+    with pytest.raises(RuntimeError, match="device"):
+        OPS["logprobs"].fn(StageContext(stage="old_logprobs", step=1, engine=engine,
+                                        resources={"sampling": Sampling()}), cfg, **host)
+
+
+def test_update_inputs_and_loss_fn_on_the_engine_device():
+    from flowrl.engines.train.local import LocalTrainEngine
+    from flowrl.ops.update import make_policy_loss_fn
+
+    ex = executor()
+    inputs = ex.stage_inputs("update")
+    tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    assert {v.device for v in tensors.values()} == {META}
+    # the micro-batch the engine cuts is a slice of that batch: on the engine's device
+    mb = LocalTrainEngine._micro_batch({k: v for k, v in tensors.items() if v.dim() >= 1},
+                                       [0, 1], B)
+    logprobs = torch.zeros(2, R, device=META, requires_grad=True)
+    loss_fn = make_policy_loss_fn(Algo(), "ppo_clip", num_tokens=6.0, num_seqs=2.0,
+                                  max_response_len=R)
+    loss, metrics = loss_fn(mb, logprobs, torch.zeros(2, R, device=META))
+    assert loss.device == META
+    # metrics are device tensors (no .item() per micro-batch, which also cannot run on meta)
+    assert metrics and all(v.device == META for v in metrics.values())
+
+
+def test_stage_metrics_are_read_once_as_floats():
+    ctx = StageContext(stage="s", step=1)
+    ctx.log(a=torch.tensor(0.5), b=2, c=torch.tensor([3.0]))
+    assert isinstance(ctx.pending["a"], torch.Tensor)
+    assert ctx.metrics == {"a": 0.5, "b": 2.0, "c": 3.0}
+
+
+# ----------------------------------------------------------------------------- machine defaults
+
+def _cfg(*overrides):
+    from flowrl.cli import compose
+    from flowrl.config import to_train_config
+
+    return to_train_config(compose(["model=tiny", "trainer.output_dir=/tmp/unused", *overrides]))
+
+
+def test_gpu_machine_resolves_gpu_defaults():
+    from flowrl.machine import resolve_machine_defaults
+
+    cfg = _cfg()
+    got = resolve_machine_defaults(cfg, cuda=True, vllm=True, flash_attn=False)
+    assert (cfg.trainer.device, cfg.model.dtype, cfg.trainer.engine.strategy, cfg.rollout.backend,
+            cfg.rollout.vllm.dtype, cfg.rollout.hf.dtype, cfg.model.attn_implementation,
+            cfg.trainer.engine.max_tokens_per_micro_batch) == (
+        "cuda", "float32", "fsdp", "vllm", "bfloat16", "bfloat16", "sdpa", 16384)
+    assert [r.field for r in got] == [
+        "trainer.device", "model.dtype", "trainer.engine.strategy",
+        "trainer.engine.max_tokens_per_micro_batch", "rollout.backend", "rollout.vllm.dtype",
+        "model.attn_implementation"]
+    assert str(got[0]) == "trainer.device=cuda (a CUDA device is visible)"
+
+
+def test_gpu_without_vllm_and_explicit_settings_win():
+    from flowrl.machine import resolve_machine_defaults
+
+    cfg = _cfg()
+    resolve_machine_defaults(cfg, cuda=True, vllm=False, flash_attn=True)
+    assert (cfg.rollout.backend, cfg.model.attn_implementation) == ("hf", "flash_attention_2")
+    cfg = _cfg("rollout=hf", "model.dtype=bfloat16", "trainer.engine.strategy=local",
+               "trainer.engine.max_tokens_per_micro_batch=4096")
+    got = resolve_machine_defaults(cfg, cuda=True, vllm=True, flash_attn=False)
+    assert (cfg.rollout.backend, cfg.model.dtype, cfg.trainer.engine.strategy,
+            cfg.trainer.engine.max_tokens_per_micro_batch, cfg.rollout.hf.dtype) == (
+        "hf", "bfloat16", "local", 4096, "bfloat16")
+    assert "rollout.backend" not in [r.field for r in got]
+
+
+def test_cpu_machine_keeps_cpu_defaults():
+    from flowrl.machine import keep_resident, resolve_machine_defaults
+
+    cfg = _cfg()
+    resolve_machine_defaults(cfg, cuda=False, vllm=True, flash_attn=True)
+    assert (cfg.trainer.device, cfg.model.dtype, cfg.trainer.engine.strategy, cfg.rollout.backend,
+            cfg.rollout.hf.dtype, cfg.model.attn_implementation,
+            cfg.trainer.engine.max_tokens_per_micro_batch) == (
+        "cpu", "float32", "auto", "hf", "float32", "sdpa", None)
+    assert keep_resident(1, 1, torch.device("cpu")) is False
+    with pytest.raises(ValueError, match="trainer.device=cuda but no CUDA device"):
+        resolve_machine_defaults(_cfg("trainer.device=cuda"), cuda=False)
