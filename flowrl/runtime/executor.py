@@ -53,6 +53,13 @@ ROLLOUT_TIMERS = {"offload": "perf/rollout_sleep_s", "onload": "perf/rollout_wak
                   "sync": "perf/weight_load_s"}
 
 
+def _rss_gib() -> float:
+    """This process's resident host memory now (GiB); engine child processes not included."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
 def stage_seed(seed: int, step: int, stage: str) -> int:
     """Deterministic per-(run, step, stage) seed, so a resumed run draws the same numbers."""
     return (seed * 1_000_003 + step * 7919 + zlib.crc32(stage.encode())) % (2**63 - 1)
@@ -192,6 +199,9 @@ class Executor:
         if leftover:  # a plan bug, not a user error: the lifecycle table missed these
             log.warning("step %d: store still holds %s at step end", step, leftover)
         st = self.store.stats
+        if self.device.type == "cuda":  # what the step asked of the device at most
+            metrics["perf/peak_device_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        metrics["perf/host_rss_gib"] = _rss_gib()
         metrics.update({
             "perf/step_s": time.perf_counter() - t_step, "perf/swap_s": swap_s,
             "perf/sync_s": sync_s, "perf/offload_s": moved["offload"],
