@@ -300,6 +300,7 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     t0 = time.perf_counter()
     engines = build_engines(cfg, plan, tokenizer)
     load_s = time.perf_counter() - t0
+    log.info("engines built in %.1f s; host peak RSS so far %.2f GiB", load_s, _peak_rss_gib())
     resources = {"tokenizer": tokenizer, "prompts": prompts, "algorithm": cfg.algorithm,
                  "sampling": cfg.rollout.sampling, "trainer": cfg.trainer}
     if "genrm" in plan.roles:
@@ -380,7 +381,8 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
                             "world_size": dinfo.world_size, "model": dataclasses.asdict(cfg.model),
                             **extra}, async_save=cfg.trainer.async_save and not last)
                 # async: only the copy to host memory blocked the step
-                logger.log(step, {"perf/checkpoint_s": time.perf_counter() - t_s})
+                logger.log(step, {"perf/checkpoint_s": time.perf_counter() - t_s,
+                                  "perf/host_peak_rss_gib_after_checkpoint": _peak_rss_gib()})
             ckpts.poll()
         ckpts.wait()
         if finished:
@@ -398,6 +400,12 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     close_engines(engines)  # vLLM's shutdown destroys process groups: before our teardown
     return summary
+
+
+def _peak_rss_gib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def close_engines(engines: dict[str, Any]) -> None:

@@ -60,6 +60,13 @@ def _rss_gib() -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
+def _peak_rss_gib() -> float:
+    """This process's peak resident host memory since it started (GiB; Linux ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def stage_seed(seed: int, step: int, stage: str) -> int:
     """Deterministic per-(run, step, stage) seed, so a resumed run draws the same numbers."""
     return (seed * 1_000_003 + step * 7919 + zlib.crc32(stage.encode())) % (2**63 - 1)
@@ -202,6 +209,7 @@ class Executor:
         if self.device.type == "cuda":  # what the step asked of the device at most
             metrics["perf/peak_device_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         metrics["perf/host_rss_gib"] = _rss_gib()
+        metrics["perf/host_peak_rss_gib"] = _peak_rss_gib()
         metrics.update({
             "perf/step_s": time.perf_counter() - t_step, "perf/swap_s": swap_s,
             "perf/sync_s": sync_s, "perf/offload_s": moved["offload"],
