@@ -90,3 +90,13 @@ def test_eval_config_limit_null_means_all():
     assert to_train_config({"trainer": {"eval": {"limit": None}}}).trainer.eval.limit is None
     with pytest.raises(ValueError, match="limit must be >= 0 or null"):
         EvalConfig(limit=-1)
+
+
+def test_gpu_recipe_evaluates_the_whole_split():
+    from flowrl.cli import compose
+
+    cfg = to_train_config(compose(["trainer=gsm8k_gpu", "rollout=vllm", "trainer.output_dir=/tmp/x"]))
+    assert cfg.trainer.eval.limit is None and cfg.trainer.eval.before and cfg.trainer.eval.after
+    assert cfg.trainer.eval.batch_size >= 1319  # one generate call for the split
+    assert (cfg.trainer.prompts_per_step, cfg.algorithm.n, cfg.rollout.backend) == (64, 8, "vllm")
+    assert cfg.trainer.eval.max_new_tokens == cfg.rollout.sampling.max_new_tokens
