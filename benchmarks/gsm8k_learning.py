@@ -343,8 +343,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                     break
     (keep / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
-    rows = [m for s, m in sorted(read_metrics(run).items()) if s > 0 and "perf/step_s" in m]
+    metrics = read_metrics(run)
+    rows = [m for s, m in sorted(metrics.items()) if s > 0 and "perf/step_s" in m]
     total = int(_get(cfg, "trainer.total_steps", len(rows)) or len(rows))
+    if "eval_before" not in summary and 0 in metrics:
+        # a run cut off before its end wrote no summary.json; step 0 of metrics.jsonl is the eval
+        summary["eval_before"] = {k: v for k, v in metrics[0].items() if k.startswith("eval/")}
     png_note = plot(rows, summary.get("eval_before") or {}, summary.get("eval_after") or {}, total,
                     stem.with_suffix(".png"))
     md, text = render(rows, summary, stem, meta, cfg, png_note)

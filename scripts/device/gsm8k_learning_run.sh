@@ -4,6 +4,7 @@
 # kept run files under $OUT. The checkpoint stays in the device's /tmp (1.6 GB cannot come back).
 #
 #   FLOWRL_COMMIT=<sha> bash scripts/device/gsm8k_learning_run.sh [extra flowrl train overrides]
+#   (TRAIN_TIMEOUT_S=540: the training is cut there; RUN=/tmp/gsm8k_gpu_run: its directory)
 #
 # Needs on the device: vLLM (../shared/tools/vllm-on-device.sh: PYTHONPATH=/tmp/vsite), the wheels of
 # hydra-core, omegaconf, antlr4-python3-runtime, gguf, math-verify, latex2sympy2_extended on
@@ -35,12 +36,14 @@ rm -rf "$RUN" && mkdir -p "$RUN"
 CMD="python3 -m flowrl.train trainer=gsm8k_gpu rollout=vllm trainer.device=cuda logger.progress=false hydra.run.dir=$RUN $*"
 echo "$CMD"
 t0=$SECONDS
-$CMD > "$RUN/console.log" 2>&1
+# cut at TRAIN_TIMEOUT_S (Ctrl-C: engines close) so the report still comes back within one call's
+# 600 s; a cut run reports its steps and the eval before, from metrics.jsonl
+timeout -s INT -k 30 "${TRAIN_TIMEOUT_S:-540}" $CMD > "$RUN/console.log" 2>&1
 rc=$?
 wall=$((SECONDS - t0))
 echo "flowrl train exit $rc after ${wall}s"
 grep -E "^(flowrl|eval|step +(0|[0-9]*0) )" "$RUN/console.log" | tail -n 20
 [ $rc -eq 0 ] || tail -n 60 "$RUN/console.log"
 python3 benchmarks/gsm8k_learning.py "$RUN" --out-stem "$OUT/gsm8k_smollm2_gpu" --command "$CMD" \
-  --commit "${FLOWRL_COMMIT:-?}" --wall-s "$wall"
+  --commit "${FLOWRL_COMMIT:-?}" --wall-s "$wall (exit $rc)"
 exit $rc
