@@ -63,18 +63,30 @@ class RolloutConfig:
 
 @dataclass
 class EvalConfig:
-    """Greedy accuracy on a fixed slice (the first ``limit`` items) of ``split``."""
+    """Greedy accuracy on a fixed slice (the first ``limit`` items) of ``split``, scored strict
+    (``#### n``) and with math-verify (``flowrl.runtime.evaluate.evaluate_greedy``).
+
+    Attributes:
+        split: dataset split to evaluate (``test``: GSM8K's 1,319 questions).
+        limit: questions evaluated, the first ``limit`` of ``split``; ``null`` (None) = the whole
+            split (``trainer.eval.limit=null`` on the command line); 0 = no evaluation.
+        batch_size: prompts per ``generate`` call of the rollout engine (vLLM schedules a whole
+            call at once: on a GPU one call for the whole split is fastest).
+        max_new_tokens: greedy decoding budget per answer.
+        before / after: evaluate before the first step / after the last one.
+    """
 
     split: str = "test"
-    limit: int = 32
+    limit: Optional[int] = 32
     batch_size: int = 32
     max_new_tokens: int = 256
     before: bool = True
     after: bool = True
 
     def __post_init__(self) -> None:
-        if self.limit < 0 or self.batch_size < 1 or self.max_new_tokens < 1:
-            raise ValueError("trainer.eval: limit must be >= 0, batch_size and max_new_tokens >= 1")
+        if (self.limit is not None and self.limit < 0) or self.batch_size < 1 or self.max_new_tokens < 1:
+            raise ValueError("trainer.eval: limit must be >= 0 or null (the whole split), "
+                             "batch_size and max_new_tokens >= 1")
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import Callable
 from flowrl.rewards.format import (gsm8k_format_reward, regex_format_reward,
                                    think_answer_format_reward, think_format_reward)
 from flowrl.rewards.gsm8k import extract_gsm8k_answer, gsm8k_reward
-from flowrl.rewards.math import extract_boxed, math_reward
+from flowrl.rewards.math import extract_boxed, math_reward, math_verify_reward
 
 RewardFn = Callable[..., float]
 
@@ -18,11 +18,12 @@ RewardFn = Callable[..., float]
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "gsm8k": gsm8k_reward,
     "math": math_reward,
+    "math_verify": math_verify_reward,
     "format_think": think_format_reward,
     "format_think_answer": think_answer_format_reward,
     "format_gsm8k": gsm8k_format_reward,
 }
 
 __all__ = ["REWARD_FUNCTIONS", "RewardFn", "extract_boxed", "extract_gsm8k_answer", "gsm8k_reward",
-           "math_reward", "regex_format_reward", "think_answer_format_reward", "think_format_reward",
-           "gsm8k_format_reward"]
+           "math_reward", "math_verify_reward", "regex_format_reward", "think_answer_format_reward",
+           "think_format_reward", "gsm8k_format_reward"]

@@ -1,5 +1,9 @@
-"""Math verifier: the last ``\\boxed{...}`` (or ``\\fbox{...}``) of a response, checked for
-mathematical equivalence with the reference by the ``math-verify`` library (Hugging Face).
+"""Math verifiers built on the ``math-verify`` library (Hugging Face):
+
+- ``math_reward``: the last ``\\boxed{...}`` (or ``\\fbox{...}``) of a response, checked for
+  mathematical equivalence with the reference (a boxed answer is required);
+- ``math_verify_reward``: no required format: math-verify finds the final answer in the response
+  itself (what the GSM8K evaluation reports next to the strict ``#### n`` verifier).
 
 Only the RESPONSE is scored (callers pass the decoded response tokens); a prompt's few-shot
 ``\\boxed{}`` examples therefore never count.
@@ -86,3 +90,36 @@ def math_reward(response_text: str, ground_truth: str, *, format_score: float = 
     if pred and verify(gold, pred):
         return 1.0
     return float(format_score)
+
+
+def math_verify_reward(response_text: str, ground_truth: str, **_: object) -> float:
+    """Format-free answer check: math-verify picks the final answer out of the whole response
+    and compares it with the reference.
+
+    ``math_verify.parse`` with its default extraction (LaTeX and plain expressions) takes, in its
+    order of priority, a ``\\boxed{}`` answer, an "answer is ..."/"Answer: ..." statement, else the
+    LAST number or expression of the text; ``verify`` then tests equivalence (``18.00`` = ``18``,
+    ``1,000`` = ``1000``, ``1/2`` = ``0.5``). It credits a right number however it is written
+    (``"#### 18"``, ``"so she makes $18."``, ``"\\boxed{18}"``), so on GSM8K the gap to the strict
+    ``#### n`` verifier is the answer format, not the arithmetic. Lenient by design: a response cut
+    off mid-way is scored on its last number (``"... 9 * 2 = "`` parses as ``9*2`` = 18).
+
+    Args:
+        response_text: decoded RESPONSE tokens only.
+        ground_truth: the reference answer (``"18"``, ``"-3"``, ``"\\frac{1}{2}"``; a boxed
+            reference is unwrapped first).
+
+    Returns:
+        1.0 when the extracted answer is equivalent to the reference, else 0.0 (a different answer
+        or none found). Never ``format_score``: there is no format to reward.
+
+    Raises:
+        ValueError: ``ground_truth`` parses to nothing (a data error, not an unscorable sample).
+    """
+    from math_verify import parse, verify
+
+    gold = _parse(extract_boxed(ground_truth) or ground_truth)
+    if not gold:
+        raise ValueError(f"math_verify ground_truth must parse as an expression, got {ground_truth!r}")
+    pred = parse(response_text)
+    return 1.0 if pred and verify(gold, pred) else 0.0

@@ -2,7 +2,8 @@
 math-verify equivalence reward and the format rewards, all scoring the response text only."""
 import pytest
 
-from flowrl.rewards import REWARD_FUNCTIONS, extract_boxed, extract_gsm8k_answer, math_reward
+from flowrl.rewards import (REWARD_FUNCTIONS, extract_boxed, extract_gsm8k_answer, math_reward,
+                            math_verify_reward)
 from flowrl.rewards.format import regex_format_reward
 
 LONG_TAIL = " More text follows. " * 25 + "Step 2: 17 apples, 3 pears, 99 plums."  # ~500 chars
@@ -88,6 +89,30 @@ def test_math_format_score_only_for_a_wrong_box():
 def test_math_bad_ground_truth_is_a_data_error():
     with pytest.raises(ValueError, match="ground_truth must parse"):
         math_reward(r"\boxed{1}", "")
+
+
+@pytest.mark.parametrize("response, truth, reward", [
+    ("9 * 2 = 18 dollars.\n#### 18", "18", 1.0),
+    ("She makes $18 every day.", "18", 1.0),            # no #### line: still right
+    ("The answer is 18 dollars, after 3 days", "18", 1.0),  # an "answer is" statement wins
+    ("18 dollars, and 3 eggs are left", "18", 0.0),     # else the LAST number counts
+    ("#### 1,000", "1000", 1.0),
+    ("#### 18.00", "18", 1.0),
+    ("so x = 0.5", r"\frac{1}{2}", 1.0),
+    (r"\boxed{7} wait, 8", "7", 1.0),                   # a box outranks later numbers
+    ("The answer is -3.", "3", 0.0),
+    ("I do not know", "5", 0.0),
+    ("", "5", 0.0),
+])
+def test_math_verify_reward_table(response, truth, reward):
+    assert math_verify_reward(response, truth) == reward
+    assert REWARD_FUNCTIONS["math_verify"](response, truth, format_score=0.5,
+                                           fallback_last_number=False) == reward
+
+
+def test_math_verify_bad_ground_truth_is_a_data_error():
+    with pytest.raises(ValueError, match="ground_truth must parse"):
+        math_verify_reward("#### 1", "")
 
 
 @pytest.mark.parametrize("name, text, reward", [
