@@ -357,11 +357,12 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
         for r in resolved:
             logger.print(f"  resolved {r}")
         if ev.before and start == 1 and rank0:  # rank 0's rollout engine holds full weights
-            before = evaluate_greedy(engines["rollout"], prompts, tokenizer, verifier, **eval_kw)
+            before = evaluate_greedy(engines["rollout"], prompts, tokenizer, verifier, **eval_kw,
+                                     samples_path=out_dir / "eval_before.jsonl")
             summary["eval_before"] = before
             if before:
                 logger.log(0, before)
-                logger.print(f"eval before: accuracy {before['eval/accuracy']:.3f} on {before['eval/n']:.0f}")
+                logger.print(f"eval before: {_eval_line(before)}")
         logger.set_progress(start - 1)
         for step in range(start, cfg.trainer.total_steps + 1):
             m = fdist.reduce_metrics(executor.run_step(step))  # sum/mean/max across ranks
@@ -389,17 +390,25 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
             logger.print(f"run already complete at step {start - 1} (trainer.total_steps="
                          f"{cfg.trainer.total_steps}); raise trainer.total_steps to train further")
         if ev.after and rank0 and not finished:
-            after = evaluate_greedy(engines["rollout"], prompts, tokenizer, verifier, **eval_kw)
+            after = evaluate_greedy(engines["rollout"], prompts, tokenizer, verifier, **eval_kw,
+                                    samples_path=out_dir / "eval_after.jsonl")
             summary["eval_after"] = after
             if after:
                 logger.log(cfg.trainer.total_steps, after)
-                logger.print(f"eval after: accuracy {after['eval/accuracy']:.3f} on {after['eval/n']:.0f}")
+                logger.print(f"eval after: {_eval_line(after)}")
     summary["history"] = history
     summary["checkpoint"] = str(ckpts.latest())
     if rank0:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     close_engines(engines)  # vLLM's shutdown destroys process groups: before our teardown
     return summary
+
+
+def _eval_line(m: dict[str, float]) -> str:
+    """The console line of an eval: strict and math-verify accuracy, share of `#### n` answers."""
+    return (f"accuracy {m['eval/accuracy']:.3f} (math-verify "
+            f"{m.get('eval/accuracy_math_verify', float('nan')):.3f}, #### format "
+            f"{m.get('eval/format_frac', float('nan')):.2f}) on {m['eval/n']:.0f}")
 
 
 def _peak_rss_gib() -> float:

@@ -23,6 +23,7 @@ _CONSOLE_KEYS = [
     # intermediates held at most by the lifecycle manager vs keeping them all (device bytes on
     # a GPU run, where they live; all bytes on CPU)
     ("store/peak_bytes", "store", "{}"), ("eval/accuracy", "eval_acc", "{:.3f}"),
+    ("eval/accuracy_math_verify", "eval_mv", "{:.3f}"), ("eval/format_frac", "eval_fmt", "{:.2f}"),
     ("eval/reward_mean", "eval_reward", "{:.3f}"), ("eval/response_length_mean", "eval_len", "{:.0f}"),
     ("eval/seconds", "eval_s", "{:.0f}"),
 ]
