@@ -17,7 +17,8 @@ uniform in [half, full]), responses of ``--response-len`` at most (right-padded,
   token-sum policy-gradient loss, gradients accumulated (no optimizer step: it is the same for all).
 
 Reported: median milliseconds of ``--repeats`` timed calls after ``--warmup`` calls (the first call
-of ``flex_attention`` compiles; its seconds are the "first call" column), peak CUDA memory above the
+of ``flex_attention`` and of ``+compile`` (``logprob_compile``) compiles; its seconds are the
+"first call" column), peak CUDA memory above the
 model (``max_memory_allocated`` minus the memory before the call), response tokens per second of
 ``fwd+bwd``, and the largest |logprob - plain's| over valid tokens (bf16: expect ~1e-2, the rounding
 of bf16 logits in a different matmul shape).
@@ -40,14 +41,16 @@ from _common import (REPO_ROOT, command_line, git_revision, machine_info, markdo
 
 from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig  # noqa: E402
 
-# name -> (attn_implementation, logprob_chunk_size, padding_free); "chunked-N" variants come from
-# --chunk-sizes
+# name -> (attn_implementation, logprob_chunk_size, padding_free, logprob_compile); "chunked-N"
+# variants come from --chunk-sizes
 VARIANTS = {
-    "plain": ("sdpa", None, "false"),
-    "chunked": ("sdpa", 1024, "false"),
-    "packed-sdpa": ("sdpa", None, "true"),
-    "packed-sdpa+chunked": ("sdpa", 1024, "true"),
-    "packed-flex+chunked": ("flex_attention", 1024, "true"),
+    "plain": ("sdpa", None, "false", False),
+    "chunked": ("sdpa", 1024, "false", False),
+    "chunked+compile": ("sdpa", 1024, "false", True),
+    "packed-sdpa": ("sdpa", None, "true", False),
+    "packed-sdpa+chunked": ("sdpa", 1024, "true", False),
+    "packed-flex+chunked": ("flex_attention", 1024, "true", False),
+    "packed-flex+chunked+compile": ("flex_attention", 1024, "true", True),
 }
 
 
@@ -117,10 +120,10 @@ def _timed(fn, device, warmup: int, repeats: int) -> dict:
 
 
 def run_variant(name: str, spec, model, batch, args, device) -> dict:
-    attn, chunk, pf = spec
+    attn, chunk, pf, compile_ = spec
     model.set_attn_implementation(attn)
     eng = LocalTrainEngine(model, TrainEngineConfig(
-        lr=0.0, logprob_chunk_size=chunk, padding_free=pf,
+        lr=0.0, logprob_chunk_size=chunk, padding_free=pf, logprob_compile=compile_,
         max_tokens_per_micro_batch=args.micro_tokens))
     eng.optimizer = None  # no step is taken: free AdamW's moments before timing
     eng.scheduler = None
@@ -143,7 +146,7 @@ def run_variant(name: str, spec, model, batch, args, device) -> dict:
     try:
         f = _timed(fwd, device, args.warmup, args.repeats)
         fb = _timed(fwd_bwd, device, args.warmup, args.repeats)
-        row = dict(variant=name, attn=attn, chunk=chunk or "-", padding_free=pf,
+        row = dict(variant=name, attn=attn, chunk=chunk or "-", padding_free=pf, compile=compile_,
                    packed=eng._padding_free, fused_head=eng._head is not None,
                    fwd_ms=f["ms"], fwd_peak_gib=f["peak_gib"], fwd_bwd_ms=fb["ms"],
                    fwd_bwd_peak_gib=fb["peak_gib"], first_s=f["first_s"] + fb["first_s"],
@@ -189,20 +192,20 @@ def main(argv=None) -> int:
     for name in names:
         spec = VARIANTS.get(name)
         if spec is None and name.startswith("chunked-"):
-            spec = ("sdpa", int(name.split("-", 1)[1]), "false")
+            spec = ("sdpa", int(name.split("-", 1)[1]), "false", False)
         if spec is None:
             raise SystemExit(f"unknown variant {name!r}")
-        if args.smoke and spec[0] == "flex_attention":
-            continue  # compiles for minutes on CPU
+        if args.smoke and (spec[0] == "flex_attention" or spec[3]):
+            continue  # torch.compile on CPU: minutes
         try:
             rows.append(run_variant(name, spec, model, batch, args, device))
         except Exception as e:  # one failing variant (e.g. flex on an old stack) keeps the rest
             errors[name] = f"{type(e).__name__}: {e}"[:300]
             print(f"{name}: {errors[name]}", file=sys.stderr)
     ref = next(r["logprobs"] for r in rows if r["variant"] == "plain")
-    headers = ["variant", "attn", "chunk", "packed", "fwd ms", "fwd peak GiB", "fwd+bwd ms",
+    headers = ["variant", "attn", "chunk", "packed", "compile", "fwd ms", "fwd peak GiB", "fwd+bwd ms",
                "fwd+bwd peak GiB", "resp tok/s (fwd+bwd)", "first call s", "max |Δlp| vs plain"]
-    table = [[r["variant"], r["attn"], r["chunk"], r["packed"], f"{r['fwd_ms']:.1f}",
+    table = [[r["variant"], r["attn"], r["chunk"], r["packed"], r["compile"], f"{r['fwd_ms']:.1f}",
               f"{r['fwd_peak_gib']:.2f}", f"{r['fwd_bwd_ms']:.1f}", f"{r['fwd_bwd_peak_gib']:.2f}",
               f"{r['tokens_per_s']:,.0f}", f"{r['first_s']:.1f}",
               f"{(r['logprobs'] - ref)[mask].abs().max().item():.2e}"] for r in rows]

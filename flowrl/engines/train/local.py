@@ -60,6 +60,10 @@ class TrainEngineConfig:
             transformers causal LMs whose LM head is a plain ``nn.Linear`` (checked once against
             the model's own logits: a softcapped or scaled head falls back); None = the plain
             path (full logits, then ``token_logprobs``).
+        logprob_compile: run the chunked head's per-chunk softmax math through ``torch.compile``
+            (fewer memory passes over the (chunk, V) logits; compiles on first use, tens of
+            seconds). Off by default until ``benchmarks/logprobs.py`` (``chunked+compile``) shows
+            it faster on the GPU.
         padding_free: pack each micro-batch's valid tokens into one row with per-sequence position
             ids and document-masked attention (``algorithms/packing.py``), so no padding token is
             computed. ``auto`` = on for transformers models on CUDA whose attention implementation
@@ -87,6 +91,7 @@ class TrainEngineConfig:
     weight_bucket_mb: int = 512
     balance_across_ranks: bool = True
     logprob_chunk_size: Optional[int] = 1024
+    logprob_compile: bool = False
     padding_free: str = "auto"
 
     def __post_init__(self) -> None:
@@ -370,7 +375,8 @@ class LocalTrainEngine:
         if hidden is not None:
             lp, ent = linear_logprobs(hidden, self._head.weight, labels[mask], temperature,
                                       bias=self._head.bias, chunk_size=self.cfg.logprob_chunk_size,
-                                      with_entropy=with_entropy, entropy_grad=ent_grad)
+                                      with_entropy=with_entropy, entropy_grad=ent_grad,
+                                      compile=self.cfg.logprob_compile)
             lp = unpack(lp, mask)
             ent = unpack(ent, mask) if ent is not None else None
             return F.pad(lp, pad), (F.pad(ent, pad) if ent is not None else None)
