@@ -188,6 +188,7 @@ def _take_rows(batch: Mapping[str, Any], rows: list[int], B: int) -> dict[str, A
                 else v) for k, v in batch.items()}
 
 
+_SEQ_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 # attention implementations that run a packed row without a dense (T, T) mask
 _VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
 
@@ -247,7 +248,10 @@ class LocalTrainEngine:
 
     Args:
         model: causal LM called as ``model(input_ids=, attention_mask=, position_ids=[,
-            logits_to_keep=])`` returning an object with ``.logits`` (B, L, V).
+            logits_to_keep=, use_cache=False])`` returning an object with ``.logits`` (B, L, V).
+            A transformers model may also be called packed (``TrainEngineConfig.padding_free``:
+            one row, no ``attention_mask``) and read through its final hidden states
+            (``logprob_chunk_size``).
         cfg: optimisation settings (ignored when frozen).
         trainable: False = frozen reference: no optimizer, ``requires_grad`` off, eval mode.
 
@@ -365,8 +369,8 @@ class LocalTrainEngine:
         the mask is False; differentiable when grad is enabled (entropy only if ``entropy_grad``)."""
         R = mb["response_ids"].shape[1]
         mb = _trim_padding(mb)
-        mask = mb["response_mask"].bool().to(self.device)
-        labels = mb["response_ids"].to(self.device)
+        mb.update({k: mb[k].to(self.device) for k in _SEQ_KEYS})  # once; later .to() are no-ops
+        mask, labels = mb["response_mask"].bool(), mb["response_ids"]
         pad = (0, R - mask.shape[1])  # trimmed response columns come back as 0
         # as a metric only, entropy needs no autograd graph (a (b, R, V) softmax saved for
         # backward otherwise)
