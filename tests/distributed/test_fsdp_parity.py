@@ -51,6 +51,19 @@ def test_one_step_loss_and_grad_norm_match_world_size_1(ws2):
     torch.testing.assert_close(res["old_logprobs"], ref["old_logprobs"], atol=1e-5, rtol=1e-5)
 
 
+def test_packed_and_chunked_paths_match_plain_world_size_1(ws2):
+    """FSDP with padding-free micro-batches and the chunked LM head == one process on the plain
+    path (full logits, padded rows)."""
+    _, res = ws2
+    eng = LocalTrainEngine(worker.make_model(), TrainEngineConfig(
+        lr=worker.LR, micro_batch_size=2, logprob_chunk_size=None, padding_free="false"))
+    assert eng._head is None and not eng._padding_free
+    ref = worker.update_once(eng, worker.global_batch(1), DistInfo(), step=1)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/loss"):
+        assert res["fast_step1"][key] == pytest.approx(ref[key], abs=1e-5, rel=1e-5), key
+    torch.testing.assert_close(res["fast_old_logprobs"], ref["old_logprobs"], atol=1e-5, rtol=1e-5)
+
+
 def test_micro_batches_balanced_by_token_budget(ws2):
     _, res = ws2
     # (prompt + response) tokens: rank 0 rows [10, 3, 6, 6], rank 1 rows [6, 10, 3, 7]; budget 12

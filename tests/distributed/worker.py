@@ -88,6 +88,13 @@ def main(out: Path) -> None:
     torch.distributed.all_gather_object(olp, m1.pop("old_logprobs"))
     res["old_logprobs"] = torch.cat(olp)
     res["step1"] = m1
+    # the fast forward paths under FSDP: packed micro-batches, LM head in chunks of 3 tokens
+    fast = FSDPTrainEngine(make_model(), TrainEngineConfig(
+        lr=LR, max_tokens_per_micro_batch=12, padding_free="true", logprob_chunk_size=3))
+    mf = update_once(fast, b1, info, step=1)
+    torch.distributed.all_gather_object(olp, mf.pop("old_logprobs"))
+    res["fast_old_logprobs"], res["fast_step1"] = torch.cat(olp), mf
+    del fast
     # sharded save at world size 2 (async: returns after the host copy), then one more step
     ckpts = CheckpointManager(out / "ckpt")
     ckpts.save(1, {"actor": eng.state_dict()}, {"world_size": w}, async_save=True)

@@ -12,9 +12,10 @@ the gradient of the whole global mini-batch (case C02 across ranks).
 
 Padding: each micro-batch is trimmed to its longest valid prompt/response (left/right padding
 columns that are padding in every row are dropped), and token-budget micro-batches group sequences
-of similar total length. Padding-free packing (sequences concatenated with position ids and
-varlen attention) is not used: PyTorch SDPA, the default backend here, has no varlen kernel, and
-the lent GPU image has no flash-attn; with HF's ``flash_attention_2`` it would be the next step.
+of similar total length. Padding-free packing and the chunked LM head are the local engine's
+forward (``TrainEngineConfig.padding_free`` / ``logprob_chunk_size``), so they apply here too:
+the forward is the model's own, so FSDP's hooks gather the root (embeddings, norm, LM head) as
+usual, and the LM-head weight the chunked head reads is the gathered one.
 """
 from __future__ import annotations
 

@@ -9,13 +9,15 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from transformers import get_scheduler
 
 from flowrl.algorithms.balance import inverse_permutation, token_budget_partitions
-from flowrl.algorithms.logprobs import entropy_from_logits, token_logprobs
+from flowrl.algorithms.logprobs import entropy_from_logits, linear_logprobs, token_logprobs
 from flowrl.algorithms.masks import position_ids_from_mask
+from flowrl.algorithms.packing import pack, packable, unpack
 from flowrl.engines.base import LogprobOutput, LossFn
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,25 @@ class TrainEngineConfig:
             ranks swap rows so each holds as many rows with nearly equal tokens
             (``runtime/rebalance.py``); outputs return to their rows' owners in order. No-op at
             world size 1.
+        logprob_chunk_size: tokens per chunk of the fused LM head + fp32 log-softmax
+            (``algorithms/logprobs.linear_logprobs``): logprobs and entropy of the valid response
+            tokens come from the final hidden states without materialising (B, R, V) logits, in
+            forward or backward; peak extra memory is a few (chunk, V) fp32 buffers. Used for
+            transformers causal LMs whose LM head is a plain ``nn.Linear`` (checked once against
+            the model's own logits: a softcapped or scaled head falls back); None = the plain
+            path (full logits, then ``token_logprobs``).
+        logprob_compile: run the chunked head's per-chunk softmax math through ``torch.compile``
+            (fewer memory passes over the (chunk, V) logits; compiles on first use, tens of
+            seconds). Off by default until ``benchmarks/logprobs.py`` (``chunked+compile``) shows
+            it faster on the GPU.
+        padding_free: pack each micro-batch's valid tokens into one row with per-sequence position
+            ids and document-masked attention (``algorithms/packing.py``), so no padding token is
+            computed. ``auto`` = on for transformers models on CUDA whose attention implementation
+            handles packed rows without a dense mask (``flash_attention_*``, ``flex_attention``;
+            under ``sdpa``/``eager`` transformers builds a dense (T, T) mask over the packed row
+            and attention cost grows with the square of the micro-batch's tokens); ``true`` /
+            ``false`` force it (``true`` needs a transformers model). A micro-batch whose rows are
+            not one contiguous run of valid tokens runs padded.
     """
 
     lr: float = 1e-6
@@ -69,6 +90,9 @@ class TrainEngineConfig:
     mixed_precision: str = "auto"
     weight_bucket_mb: int = 512
     balance_across_ranks: bool = True
+    logprob_chunk_size: Optional[int] = 1024
+    logprob_compile: bool = False
+    padding_free: str = "auto"
 
     def __post_init__(self) -> None:
         if self.lr < 0:
@@ -99,6 +123,12 @@ class TrainEngineConfig:
             raise ValueError(f"mixed_precision must be auto, bf16 or fp32, got {self.mixed_precision!r}")
         if self.weight_bucket_mb < 1:
             raise ValueError(f"weight_bucket_mb must be >= 1, got {self.weight_bucket_mb}")
+        if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
+            raise ValueError(f"logprob_chunk_size must be >= 1 or None, got {self.logprob_chunk_size}")
+        # YAML `true`/`false` reach a str field as "True"/"False" (OmegaConf) or as bools
+        self.padding_free = str(self.padding_free).lower()
+        if self.padding_free not in ("auto", "true", "false"):
+            raise ValueError(f"padding_free must be auto, true or false, got {self.padding_free!r}")
 
 
 def _read_floats(values: Mapping[str, Tensor | float]) -> dict[str, float]:
@@ -170,6 +200,45 @@ def _take_rows(batch: Mapping[str, Any], rows: list[int], B: int) -> dict[str, A
                 else v) for k, v in batch.items()}
 
 
+_SEQ_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+# attention implementations that run a packed row without a dense (T, T) mask
+_VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
+
+
+def _output_head(model: nn.Module) -> Optional[nn.Linear]:
+    """The LM head of a transformers causal LM whose logits are ``head(final hidden state)``
+    (checked at run time), or None: the fused chunked head then falls back to the plain path."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel) or model.base_model is model:
+        return None
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        return None
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return None
+    return head
+
+
+def _resolve_padding_free(model: nn.Module, mode: str, device: torch.device) -> bool:
+    """``TrainEngineConfig.padding_free`` for this model (see there).
+
+    Raises:
+        ValueError: ``true`` for a model that is not a transformers model (its attention would
+            not see the sequence boundaries).
+    """
+    from transformers import PreTrainedModel
+
+    is_hf = isinstance(model, PreTrainedModel)
+    if mode == "true":
+        if not is_hf:
+            raise ValueError(f"padding_free=true needs a transformers model, got {type(model).__name__}")
+        return True
+    if mode == "false" or not is_hf:
+        return False
+    return device.type == "cuda" and model.config._attn_implementation in _VARLEN_ATTENTION
+
+
 def _trim_padding(mb: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Drop prompt columns that are padding in every row (left) and response columns past the
     longest valid response (right), so a micro-batch of short sequences runs a short forward.
@@ -191,7 +260,10 @@ class LocalTrainEngine:
 
     Args:
         model: causal LM called as ``model(input_ids=, attention_mask=, position_ids=[,
-            logits_to_keep=])`` returning an object with ``.logits`` (B, L, V).
+            logits_to_keep=, use_cache=False])`` returning an object with ``.logits`` (B, L, V).
+            A transformers model may also be called packed (``TrainEngineConfig.padding_free``:
+            one row, no ``attention_mask``) and read through its final hidden states
+            (``logprob_chunk_size``).
         cfg: optimisation settings (ignored when frozen).
         trainable: False = frozen reference: no optimizer, ``requires_grad`` off, eval mode.
 
@@ -209,6 +281,10 @@ class LocalTrainEngine:
         self.last_timings: dict[str, float] = {}
         params = inspect.signature(model.forward).parameters
         self._logits_to_keep = "logits_to_keep" in params
+        self._use_cache = "use_cache" in params  # passed False: a forward needs no KV cache
+        self._head = _output_head(model) if self.cfg.logprob_chunk_size else None
+        self._head_checked = False
+        self._padding_free = _resolve_padding_free(model, self.cfg.padding_free, self.device)
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.scheduler = None
         if not trainable:
@@ -231,40 +307,107 @@ class LocalTrainEngine:
                                        num_training_steps=self.cfg.total_steps)
 
     # ------------------------------------------------------------------ forward
-    def _response_logits(self, mb: Mapping[str, Tensor]) -> Tensor:
-        """(b, R, V) logits predicting each response token (model output at the previous position)."""
-        p_ids, p_mask = mb["prompt_ids"], mb["prompt_mask"].bool()
-        r_ids, r_mask = mb["response_ids"], mb["response_mask"].bool()
-        P, R = p_ids.shape[1], r_ids.shape[1]
-        ids = torch.cat([p_ids, r_ids], dim=1).to(self.device)
-        attn = torch.cat([p_mask, r_mask], dim=1).to(self.device)
-        kwargs = dict(input_ids=ids, attention_mask=attn.long(),
-                      position_ids=position_ids_from_mask(attn))
+    def _model_inputs(self, mb: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], Tensor, bool]:
+        """Model kwargs of a (trimmed) micro-batch, the flat index (into the rows x length
+        positions) of the output predicting each valid response token (row-major), and whether
+        the layout is packed (one row, ``TrainEngineConfig.padding_free``) or padded (b rows)."""
+        p_ids, p_mask = mb["prompt_ids"].to(self.device), mb["prompt_mask"].bool().to(self.device)
+        r_ids, r_mask = mb["response_ids"].to(self.device), mb["response_mask"].bool().to(self.device)
+        if self._padding_free and packable(p_mask, r_mask):
+            pk = pack(p_ids, p_mask, r_ids, r_mask)
+            # no attention_mask: transformers then reads the packing from the position ids
+            kwargs = dict(input_ids=pk.input_ids, position_ids=pk.position_ids)
+            pred, packed = pk.predictor_index, True
+        else:
+            P, R = p_ids.shape[1], r_ids.shape[1]
+            attn = torch.cat([p_mask, r_mask], dim=1)
+            kwargs = dict(input_ids=torch.cat([p_ids, r_ids], dim=1), attention_mask=attn.long(),
+                          position_ids=position_ids_from_mask(attn))
+            cols = torch.arange(P - 1, P + R - 1, device=self.device)
+            rows = torch.arange(r_ids.shape[0], device=self.device)[:, None] * (P + R)
+            pred, packed = (rows + cols)[r_mask], False
+        if self._use_cache:
+            kwargs["use_cache"] = False
+        return kwargs, pred, packed
+
+    def _response_logits(self, mb: Mapping[str, Tensor]) -> tuple[Tensor, bool]:
+        """Logits predicting the response tokens (model output at the previous position) and
+        whether the layout is packed: padded, (b, R, V) for every response column; packed,
+        (N, V) for the valid response tokens (row-major)."""
+        kwargs, pred, packed = self._model_inputs(mb)
+        if packed:
+            if self._logits_to_keep:  # the LM head runs on the N predicting positions only
+                return self.model(**kwargs, logits_to_keep=pred).logits[0], True
+            return self.model(**kwargs).logits.flatten(0, 1)[pred], True
+        P, R = mb["prompt_ids"].shape[1], mb["response_ids"].shape[1]
         if self._logits_to_keep:
             # positions P-1 .. P+R-1 (the last predicts past the end and is dropped): the LM head
             # runs on R+1 rows instead of P+R
-            logits = self.model(**kwargs, logits_to_keep=R + 1).logits
-            return logits[:, :R]
-        return self.model(**kwargs).logits[:, P - 1:P + R - 1]
+            return self.model(**kwargs, logits_to_keep=R + 1).logits[:, :R], False
+        return self.model(**kwargs).logits[:, P - 1:P + R - 1], False
+
+    def _response_hidden(self, mb: Mapping[str, Tensor]) -> Optional[Tensor]:
+        """(N, H) final hidden states (after the last norm) predicting the valid response tokens,
+        from the model's own forward (so FSDP's hooks run); the LM head runs on one position per
+        row only. None when that position's logits show the head is not a plain linear map (the
+        caller then takes the plain path, from now on)."""
+        kwargs, pred, _ = self._model_inputs(mb)
+        last = kwargs["input_ids"].shape[1] - 1
+        captured: list[Tensor] = []
+        # the base model's output[0] is its last_hidden_state (a ModelOutput or a tuple)
+        handle = self.model.base_model.register_forward_hook(lambda m, a, out: captured.append(out[0]))
+        try:
+            logits = self.model(**kwargs, logits_to_keep=torch.tensor([last], device=self.device)).logits
+        finally:
+            handle.remove()
+        hidden = captured[-1]
+        if not self._head_checked:
+            with torch.no_grad():
+                # the same matmul on the same rows: equal up to a few roundings of its dtype
+                ref, mine = logits[:, -1].float(), self._head(hidden[:, last]).float()
+                tol = 4 * torch.finfo(logits.dtype).eps
+                ok = torch.allclose(mine, ref, rtol=tol, atol=tol * float(ref.abs().max()))
+            self._head_checked = True
+            if not ok:
+                log.warning("%s: logits are not lm_head(final hidden state) (softcapping or "
+                            "scaling?); using the plain logprob path", type(self.model).__name__)
+                self._head = None
+                return None
+        return hidden.flatten(0, 1)[pred]
 
     def _logprobs(self, mb: Mapping[str, Tensor], temperature: float,
                   with_entropy: bool, entropy_grad: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+        """(b, R) float32 logprobs (and entropy) of the response tokens at ``temperature``, 0 where
+        the mask is False; differentiable when grad is enabled (entropy only if ``entropy_grad``)."""
         R = mb["response_ids"].shape[1]
         mb = _trim_padding(mb)
-        logits = self._response_logits(mb)
-        mask = mb["response_mask"].bool().to(logits.device)
-        labels = mb["response_ids"].to(logits.device)
-        zero = torch.zeros((), device=logits.device)
+        mb.update({k: mb[k].to(self.device) for k in _SEQ_KEYS})  # once; later .to() are no-ops
+        mask, labels = mb["response_mask"].bool(), mb["response_ids"]
         pad = (0, R - mask.shape[1])  # trimmed response columns come back as 0
-        lp = torch.nn.functional.pad(torch.where(mask, token_logprobs(logits, labels, temperature),
-                                                 zero), pad)
+        # as a metric only, entropy needs no autograd graph (a (b, R, V) softmax saved for
+        # backward otherwise)
+        ent_grad = entropy_grad and torch.is_grad_enabled()
+        hidden = self._response_hidden(mb) if self._head is not None else None
+        if hidden is not None:
+            lp, ent = linear_logprobs(hidden, self._head.weight, labels[mask], temperature,
+                                      bias=self._head.bias, chunk_size=self.cfg.logprob_chunk_size,
+                                      with_entropy=with_entropy, entropy_grad=ent_grad,
+                                      compile=self.cfg.logprob_compile)
+            lp = unpack(lp, mask)
+            ent = unpack(ent, mask) if ent is not None else None
+            return F.pad(lp, pad), (F.pad(ent, pad) if ent is not None else None)
+        logits, packed = self._response_logits(mb)
+        y = labels[mask] if packed else labels
+        zero = torch.zeros((), device=logits.device)
+
+        def to_rows(v: Tensor) -> Tensor:
+            return F.pad(unpack(v, mask) if packed else torch.where(mask, v, zero), pad)
+
+        lp = to_rows(token_logprobs(logits, y, temperature))
         ent = None
         if with_entropy:
-            # as a metric only, entropy needs no autograd graph (a (b, R, V) softmax saved for
-            # backward otherwise)
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                ent = torch.nn.functional.pad(
-                    torch.where(mask, entropy_from_logits(logits, temperature), zero), pad)
+            with torch.set_grad_enabled(ent_grad):
+                ent = to_rows(entropy_from_logits(logits, temperature))
         return lp, ent
 
     # ------------------------------------------------------------------ micro-batching
