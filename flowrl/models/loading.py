@@ -28,7 +28,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # "auto" is resolved from the machine before a run loads anything (flowrl/machine.py); a config
 # loaded outside a run (a reward model, a test) reads it as fp32 / SDPA
 MODEL_DTYPES = ("auto", *DTYPES)
-ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
 
 
 def bundled_tokenizer_dir() -> Path:
@@ -71,7 +71,8 @@ class ModelConfig:
             on CUDA through the train engine's mixed precision; ``flowrl/machine.py``),
             ``float32``, ``bfloat16`` (pure bf16 weights and optimizer), ``float16``.
         attn_implementation: ``auto`` (default: ``flash_attention_2`` on CUDA when flash-attn is
-            installed, else ``sdpa``), ``sdpa``, ``eager`` or ``flash_attention_2``.
+            installed, else ``sdpa``), ``sdpa``, ``eager``, ``flash_attention_2`` or ``flex_attention``
+            (torch flex_attention: packed micro-batches run document-masked without a dense mask).
         gradient_checkpointing: enable activation checkpointing on the loaded model.
     """
 
