@@ -217,11 +217,13 @@ def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, 
     if tc.rollout.backend == "vllm":
         v = tc.rollout.vllm
         rollout = (f"vLLM, engine_procs={v.engine_procs} (null = flowrl decides), "
-                   f"gpu_memory_utilization={v.gpu_memory_utilization}, max_num_seqs={v.max_num_seqs}, "
+                   f"gpu_memory_utilization={v.gpu_memory_utilization}, kv_cache_memory_gb="
+                   f"{v.kv_cache_memory_gb}, max_num_seqs={v.max_num_seqs}, "
                    f"max_num_batched_tokens={v.max_num_batched_tokens}, sleep_level={v.sleep_level}, "
                    f"enforce_eager={v.enforce_eager}, logprobs_mode={v.logprobs_mode}")
         trl_rollout = (f"use_vllm=True vllm_mode=colocate (in process), vllm_gpu_memory_utilization="
-                       f"{kw['vllm_gpu_memory_utilization']}, vllm_enable_sleep_mode=False (TRL "
+                       f"{kw['vllm_gpu_memory_utilization']}, vllm_max_model_length="
+                       f"{kw['vllm_max_model_length']}, vllm_enable_sleep_mode=False (TRL "
                        "default), max_num_seqs=vLLM default, max_num_batched_tokens=4096 (TRL's), "
                        "vllm_importance_sampling_correction=False")
     else:
@@ -572,14 +574,18 @@ def summarize(run: dict, peak_tflops: Optional[float]) -> dict:
            if res.get("cuda_max_allocated_bytes") is not None else None,
            "gpu_used_gib": mon["gpu_used_peak_bytes"] / 2**30
            if mon.get("gpu_used_peak_bytes") is not None else None,
+           "gpu_used_start_gib": mon["gpu_used_start_bytes"] / 2**30
+           if mon.get("gpu_used_start_bytes") is not None else None,
            "build_s": res.get("build_s"), "wall_s": child["wall_s"],
            "reward_last": steps[-1]["reward_mean"],
            "reward_mean": sum(s["reward_mean"] for s in steps) / len(steps)}
     stage_keys = sorted({k for s in timed for k in s["stages"]})
     out["stages"] = {k: _mean([s["stages"].get(k, 0.0) for s in timed]) for k in stage_keys}
     if run["framework"] == "flowrl":
-        perf_keys = sorted({k for s in timed for k in s["perf"]} - {"step_s", "tokens_per_s"})
+        # checkpoint_s: after the last step only, outside its step time
+        perf_keys = sorted({k for s in timed for k in s["perf"]} - {"step_s", "tokens_per_s", "checkpoint_s"})
         out["perf"] = {k: _mean([s["perf"].get(k, 0.0) for s in timed]) for k in perf_keys}
+        out["checkpoint_s"] = steps[-1]["perf"].get("checkpoint_s")
         sums = [sum(s["stages"].values()) for s in timed]
         moves = [s["perf"].get("swap_s", 0.0) + s["perf"].get("sync_s", 0.0) for s in timed]
         out["stage_sum_s"] = _mean(sums)
@@ -677,12 +683,17 @@ def detail_lines(pair: dict) -> list[str]:
         lines.append("- flowrl `time/*` (s): " + ", ".join(f"{k} {_fmt(v)}" for k, v in f["stages"].items())
                      + f"; Σ {_fmt(f['stage_sum_s'])}; step / (Σ stages + swap + sync) "
                      f"{_fmt(f['step_over_stages_moves'])}")
-        lines.append("- flowrl `perf/*`: " + ", ".join(f"{k} {_fmt(v)}" for k, v in f["perf"].items()))
+        lines.append("- flowrl `perf/*`: " + ", ".join(f"{k} {_fmt(v)}" for k, v in f["perf"].items())
+                     + f"; checkpoint after the last step {_fmt(f['checkpoint_s'])} s (outside step time)")
     if t:
         lines.append("- TRL (s): " + ", ".join(f"{k} {_fmt(v)}" for k, v in t["stages"].items()))
         if t["profile"]:
             lines.append("- TRL `profiling_context` timers (s, summed per step): " + ", ".join(
                 f"{k} {_fmt(v)}" for k, v in t["profile"].items()))
+    starts = {fw: x["gpu_used_start_gib"] for fw, x in pair.items() if x.get("gpu_used_start_gib") is not None}
+    if starts:
+        lines.append("- NVML device memory used when the run started (GiB): " + ", ".join(
+            f"{fw} {_fmt(v)}" for fw, v in starts.items()))
     return lines
 
 
@@ -823,7 +834,8 @@ GPU_NOTES = """\
   weights by `load_weights` before each generation and runs with TRL's fixed
   `max_num_batched_tokens=4096`; flowrl's engines (`engine_procs` child processes on CUDA by
   default) sleep during the update (`sleep_level`) and get the weights after each update (`perf/*`
-  swap and sync seconds). Both get the same memory budget (`gpu_memory_utilization`), neither
+  swap and sync seconds). TRL gets flowrl's memory budget (`gpu_memory_utilization`; a fixed
+  flowrl `kv_cache_memory_gb`, if set, has no TRL counterpart: see Settings), neither
   corrects the rollout/trainer mismatch (TRL `vllm_importance_sampling_correction=False`, flowrl
   `rollout_is=none`), so TRL runs no old-logprob pass here. Engine start-up (CUDA graphs, torch
   compile; the second vLLM run of a call may find the first one's compile cache) is in "engine
