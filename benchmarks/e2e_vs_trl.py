@@ -934,7 +934,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     peak = args.peak_tflops or (H200_BF16_PEAK_TFLOPS if args.device == "cuda" else None)
     meta = {"command": command_line(), "date": utc_now(), "commit": git_revision(),
-            "machine": machine_info(), "bench": asdict(base), "peak_tflops": peak,
+            "machine": machine_info(), "bench": asdict(base), "models": models, "rollouts": rollouts,
+            "peak_tflops": peak,
             "versions": versions(["torch", "transformers", "trl", "vllm", "accelerate", "datasets",
                                   "flowrl"]), "load": [os.getloadavg()[0], None], "gpu": None,
             "parent_maxrss_bytes": None}
