@@ -5,7 +5,7 @@
 # Then name ".whl" in the device call's carry and start its command with
 #     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site:$PYTHONPATH
 # (flowrl itself runs from the source tree: $PWD on PYTHONPATH, no install.) vLLM comes separately
-# (../shared/tools/vllm-on-device.sh); SmolLM2's GGUF too (scripts/device/smollm2.sh).
+# (../shared/tools/vllm-on-device.sh); SmolLM2's GGUF too (scripts/device/smollm2_pieces.sh).
 #
 # The GPU image already holds torch 2.11, transformers 5.17, accelerate, peft, pyarrow, pandas,
 # numpy, rich, tensorboard, networkx, safetensors, pyyaml, psutil, tqdm, xxhash, fsspec,
