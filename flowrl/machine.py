@@ -69,17 +69,16 @@ def resolve_machine_defaults(cfg, *, cuda: bool | None = None, vllm: bool | None
 
     ``cuda`` / ``vllm`` / ``flash_attn`` override what is detected (tests; None = detect).
 
-    Raises:
-        ValueError: ``trainer.device=cuda`` on a machine without a visible CUDA device.
+    An explicit ``trainer.device=cuda`` resolves as a GPU run even without a visible device (so a
+    GPU job can be planned anywhere); ``flowrl train`` refuses to start it (``train.check_device``).
     """
     cuda = cuda_available() if cuda is None else cuda
     vllm = vllm_importable() if vllm is None else vllm
     flash_attn = flash_attn_importable() if flash_attn is None else flash_attn
     out: list[Resolved] = []
     t, m, r = cfg.trainer, cfg.model, cfg.rollout
-    if t.device == "cuda" and not cuda:
-        raise ValueError("trainer.device=cuda but no CUDA device is visible "
-                         "(use trainer.device=auto or cpu)")
+    # an explicit trainer.device=cuda on a CPU-only machine still plans (a GPU job inspected from a
+    # laptop: flowrl plan); a run refuses it before anything loads (train.check_device)
     if t.device == "auto":
         t.device = "cuda" if cuda else "cpu"
         out.append(Resolved("trainer.device", t.device,

@@ -257,6 +257,9 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     from flowrl.runtime import distributed as fdist
 
     cfg, plan, resolved = prepare_run(raw)
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible "
+                          "(use trainer.device=auto or cpu)")
     dinfo = fdist.init_distributed(cfg.trainer.device)  # no-op without torchrun
     if dinfo.world_size == 1 and cfg.trainer.engine.strategy == "fsdp" and \
             {"actor", "critic"} & set(plan.roles):

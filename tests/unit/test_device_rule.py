@@ -195,5 +195,18 @@ def test_cpu_machine_keeps_cpu_defaults():
             cfg.trainer.engine.max_tokens_per_micro_batch) == (
         "cpu", "float32", "auto", "hf", "float32", "sdpa", None)
     assert keep_resident(1, 1, torch.device("cpu")) is False
-    with pytest.raises(ValueError, match="trainer.device=cuda but no CUDA device"):
-        resolve_machine_defaults(_cfg("trainer.device=cuda"), cuda=False)
+    # an explicit cuda still plans on a CPU-only machine (a GPU job inspected from a laptop)...
+    gpu_job = _cfg("trainer.device=cuda")
+    resolve_machine_defaults(gpu_job, cuda=False, vllm=False, flash_attn=False)
+    assert (gpu_job.trainer.engine.strategy, gpu_job.rollout.hf.dtype) == ("fsdp", "bfloat16")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_train_refuses_cuda_without_a_device(tmp_path):
+    from flowrl.cli import compose
+    from flowrl.train import ConfigError, train
+
+    # ...but a run refuses it before anything loads, and writes no run directory content
+    with pytest.raises(ConfigError, match="trainer.device=cuda but no CUDA device"):
+        train(compose(["model=tiny", f"trainer.output_dir={tmp_path}/run", "trainer.device=cuda"]))
+    assert not (tmp_path / "run").exists()
