@@ -417,8 +417,8 @@ def child_flowrl(bc: BenchConfig, out_dir: str) -> dict:
     engine: dict = {}
     load, close = loading.load_model, ftrain.close_engines
 
-    def observed_load(cfg):
-        m = load(cfg)
+    def observed_load(cfg, *args, **kwargs):
+        m = load(cfg, *args, **kwargs)
         _observe_precision(m, seen)
         return m
 
