@@ -23,6 +23,7 @@ export, so sampling, logprob, sleep and load semantics are that engine's, per ch
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import os
 import shutil
@@ -144,6 +145,9 @@ def _serve(conn, exported: PolicyExport, cfg: VLLMRolloutConfig, env: dict[str, 
                 finally:
                     while not ended[0]:  # an error mid-load: read up to "end", stay in step
                         ended[0] = conn.recv()[0] == "end"
+                    # drop every tensor rebuilt from the parent's handles now: the parent can free
+                    # its exported copies only once these references are gone
+                    gc.collect()
                 reply = engine.last_load_counts
             elif op == "sleep":
                 engine.sleep(msg[1])
@@ -366,7 +370,14 @@ class VLLMProcessEngine:
                 raise
             replies = []  # the engines' "incomplete load" follows from the bad name: report that
         finally:
+            sent_cuda = any(t.is_cuda for b in kept for _, t in b)
             kept.clear()
+            if sent_cuda:
+                # torch keeps every CUDA block it exported over IPC in a "limbo" until it sees the
+                # consumers' reference counts drop to 0, and only looks when asked: without this,
+                # each weight load left its gathered copies allocated (the GSM8K run on the H200
+                # grew peak device memory by ~2 x the weight bytes per step, 21 -> 75 GiB in 100)
+                torch.cuda.ipc_collect()
         if bad is not None:
             raise bad
         self.last_timings = {**_slowest(t for _, t in replies),
