@@ -17,6 +17,7 @@ from flowrl.algorithms.balance import inverse_permutation, token_budget_partitio
 from flowrl.algorithms.logprobs import entropy_from_logits, token_logprobs
 from flowrl.algorithms.masks import position_ids_from_mask
 from flowrl.engines.base import LogprobOutput, LossFn
+from flowrl.engines.train.guard import guarded_step
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,10 @@ class TrainEngineConfig:
             ranks swap rows so each holds as many rows with nearly equal tokens
             (``runtime/rebalance.py``); outputs return to their rows' owners in order. No-op at
             world size 1.
+        max_param_growth: the post-step guard (``engines/train/guard.py``): the run stops
+            with a clear error when a step leaves non-finite parameters or multiplies the
+            largest |parameter| by more than this (an AdamW step moves a weight by about lr);
+            <= 0 keeps only the finiteness check.
     """
 
     lr: float = 1e-6
@@ -69,6 +74,7 @@ class TrainEngineConfig:
     mixed_precision: str = "auto"
     weight_bucket_mb: int = 512
     balance_across_ranks: bool = True
+    max_param_growth: float = 10.0
 
     def __post_init__(self) -> None:
         if self.lr < 0:
@@ -409,7 +415,8 @@ class LocalTrainEngine:
                 log.warning("train_step: non-finite grad norm (%s); skipping the optimizer step, "
                             "weights unchanged", grad_norm)
         if finite:
-            self.optimizer.step()
+            with guarded_step(self, self.cfg.max_param_growth):  # diverged weights stop the run
+                self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         out = _read_floats(sums)
