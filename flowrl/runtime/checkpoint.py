@@ -123,10 +123,11 @@ class CheckpointManager:
         what = "; ".join(f"{type(c).__name__}: {(str(c).strip().splitlines() or [''])[0][:200]}"
                          for c in causes[:2])
         return CheckpointWriteError(
-            f"checkpoint step {step} not saved: writing {tmp} failed ({what}); {describe_fs(self.root)} has {_human(free)} free, this checkpoint "
-            f"needs about {_human(needed)}{': no space left on device' if full else ''}. The "
-            f"partial folder was removed; {self._kept()} "
-            f"{'Free space' if full else 'Fix the cause'} and continue with trainer.resume=true.")
+            f"checkpoint step {step} not saved: writing {tmp} failed ({what}); "
+            f"{describe_fs(self.root)} has {_human(free)} free, this checkpoint needs about "
+            f"{_human(needed)}{': no space left on device' if full else ''}. The partial folder "
+            f"was removed; {self._kept()} {'Free space' if full else 'Fix the cause'} and "
+            "continue with trainer.resume=true.")
 
     def _finalize(self, tmp: Path, final: Path, meta_json: str) -> None:
         if not fdist.is_rank0():

@@ -68,5 +68,4 @@ def guarded_step(engine, max_growth: float) -> Iterator[None]:
     raise ParameterDivergenceError(
         f"after the optimizer step {what} (lr={lr:g}): the update diverged. Stopped before "
         "these weights reach the sampler or a checkpoint; lower trainer.engine.lr (or look at "
-        "the loss and grad norm of this step), then continue from the last checkpoint with "
-        "trainer.resume=true")
+        "the loss and grad norm of this step)")
