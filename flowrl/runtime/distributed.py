@@ -138,7 +138,7 @@ class PeerMonitor:
         self.interval_s, self.stale_s = min(5.0, timeout_s / 10), min(60.0, timeout_s / 2)
         self._count, self._last_check = 0, time.monotonic()
         self._seen: dict[int, tuple[str, float]] = {}  # rank -> (last value, when it changed)
-        self.stale: dict[int, str] = {}  # rank -> description
+        self.stale: dict[int, tuple[str, float]] = {}  # rank -> (where, silent since)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flowrl-peer-monitor", daemon=True)
 
@@ -196,9 +196,14 @@ class PeerMonitor:
                 parts = value.split()
                 where = (f" (host {parts[2]}, pid {parts[3]}, last at step {parts[1]})"
                          if len(parts) == 4 else " (never sent one)")
-                self.stale[r] = f"rank {r}{where} sent no heartbeat for {quiet:.0f} s"
-                new[r] = self.stale[r]
+                self.stale[r] = (f"rank {r}{where}", last[1])
+                new[r] = self.describe(r, now)
         return new
+
+    def describe(self, r: int, now: Optional[float] = None) -> str:
+        where, since = self.stale[r]
+        now = time.monotonic() if now is None else now
+        return f"{where} sent no heartbeat for {now - since:.0f} s"
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -219,7 +224,7 @@ def peer_report() -> str:
     mon = PeerMonitor.current
     if mon is None or not mon.stale:
         return ""
-    return "; ".join(mon.stale[r] for r in sorted(mon.stale)) + " (frozen, dead or stuck)"
+    return "; ".join(mon.describe(r) for r in sorted(mon.stale)) + " (frozen, dead or stuck)"
 
 
 def is_initialized() -> bool:
