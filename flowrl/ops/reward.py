@@ -166,7 +166,9 @@ def function_reward(ctx: StageContext, cfg: FunctionRewardConfig, *, response_id
     """Call the user's reward function on every response.
 
     Output: rewards (B,) float32 (a dict return is combined with ``weights``); NaN where the call
-    raised, returned a non-number or non-finite value, or timed out. Logged: ``reward/mean``,
+    raised, returned a non-number or a value that is not finite in float32 (weights applied),
+    timed out, or killed its worker process (only that sample: ``rewards/function.py``); one
+    warning line per step counts them by kind. Logged: ``reward/mean``,
     ``reward/std``, ``reward/unscorable`` (all NaN), ``reward/errors``, ``reward/nonfinite``,
     ``reward/timeouts`` and ``reward/fn/<component>`` means. The run always continues.
     """
@@ -201,11 +203,12 @@ def log_unscorable(ctx: StageContext, path: str, outcomes) -> dict[str, int]:
     counts = {k: sum(o.status == k for o in outcomes) for k in (ERROR, TIMEOUT, NONFINITE)}
     if any(counts.values()):
         first = {k: next(o.detail for o in outcomes if o.status == k) for k in counts if counts[k]}
-        why = {ERROR: "raised / bad return / worker died", TIMEOUT: "over timeout_s",
-               NONFINITE: "non-finite or beyond float32"}
+        why = {ERROR: "error(s) (a raise, a bad return or a dead worker)",
+               TIMEOUT: "timeout(s) (over timeout_s)",
+               NONFINITE: "non-finite (NaN, inf or beyond float32)"}
         log.warning("stage %s: reward function %s: %d of %d sample(s) unscorable (NaN): %s",
                     ctx.stage, path, sum(counts.values()), len(outcomes), "; ".join(
-                        f"{counts[k]} {k} ({why[k]}{': ' + first[k][:200] if first[k] else ''})"
+                        f"{counts[k]} {why[k]}{', first: ' + first[k][:200] if first[k] else ''}"
                         for k in first))
     return counts
 

@@ -96,7 +96,7 @@ class CheckpointManager:
 
     def _check_space(self, step: int, tensors: dict[str, Any], extra: int) -> int:
         """Bytes the checkpoint needs (all ranks' shards); raise before writing when the file
-        system has less free. Every rank takes the same decision (one all-reduce)."""
+        system has less free. Every rank takes the same decision (two scalar all-reduces)."""
         needed = int(fdist.all_reduce(float(_tensor_bytes(tensors)), "sum") * _SPACE_MARGIN) \
             + extra + _SPACE_SLACK_BYTES
         free = free_bytes(self.root)

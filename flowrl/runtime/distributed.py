@@ -109,8 +109,10 @@ _STEP = [0]  # the step this rank is in (read by the peer monitor's thread)
 
 
 def mark_step(step: int) -> None:
-    """Record the step this rank is running (sent with its heartbeats)."""
+    """Record the step this rank is running; the peer monitor sends it at once."""
     _STEP[0] = int(step)
+    if PeerMonitor.current is not None:
+        PeerMonitor.current._wake.set()
 
 
 class PeerMonitor:
@@ -118,7 +120,7 @@ class PeerMonitor:
     whose heartbeat stopped.
 
     A daemon thread per rank writes ``<rank> -> "<count> <step> <host> <pid>"`` every
-    ``interval_s`` and reads the others'. A rank whose value has not changed for ``stale_s``
+    ``interval_s`` (and at each new step) and reads the others'. A rank whose value has not changed for ``stale_s``
     (frozen by SIGSTOP, dead, or stuck in C code that holds the GIL) is logged once as an error,
     long before the collective timeout ends the job, and named by :func:`peer_report` in the
     crash message. A slow rank that still runs Python (a long generation) keeps beating and is
@@ -139,7 +141,7 @@ class PeerMonitor:
         self._count, self._last_check = 0, time.monotonic()
         self._seen: dict[int, tuple[str, float]] = {}  # rank -> (last value, when it changed)
         self.stale: dict[int, tuple[str, float]] = {}  # rank -> (where, silent since)
-        self._stop = threading.Event()
+        self._stop, self._wake = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="flowrl-peer-monitor", daemon=True)
 
     @classmethod
@@ -167,6 +169,7 @@ class PeerMonitor:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if PeerMonitor.current is self:
             PeerMonitor.current = None
 
@@ -216,7 +219,8 @@ class PeerMonitor:
             except Exception as e:  # the store went away (the job is ending): stop quietly
                 log.debug("peer monitor stopped: %r", e)
                 return
-            self._stop.wait(self.interval_s)
+            self._wake.wait(self.interval_s)  # or sooner: a new step (mark_step) or stop
+            self._wake.clear()
 
 
 def peer_report() -> str:

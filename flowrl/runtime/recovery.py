@@ -65,7 +65,7 @@ def report_crash(e: BaseException, out_dir: str | Path) -> int:
         what, code = "stopped by SIGTERM", 143
     else:
         traceback.print_exception(e)
-        first = (str(e).strip().splitlines() or [""])[0][:500]
+        first = (str(e).strip().splitlines() or [""])[0][:500].rstrip(".")
         what, code = f"stopped by {type(e).__name__}: {first}", 1
     peers = peer_report()
     print(f"\nflowrl train: {what}." + (f" {peers}." if peers else "") +

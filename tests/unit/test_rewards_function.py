@@ -207,7 +207,7 @@ def test_op_logs_every_kind_of_unscorable_sample(caplog):
         r, m = run_op({"path": f"{MOD}:returns_huge"}, ["huge", "ok"])
     assert math.isnan(r[0].item()) and r[1].item() == 0.5
     assert (m["reward/nonfinite"], m["reward/unscorable"], m["reward/errors"]) == (1.0, 1.0, 0.0)
-    assert "1 of 2 sample(s) unscorable (NaN): 1 nonfinite" in caplog.text
+    assert "1 of 2 sample(s) unscorable (NaN): 1 non-finite (NaN, inf or beyond float32)" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="flowrl.ops.reward"):
         r, m = run_op({"path": f"{MOD}:returns_huge", "weights": {"reward": 1e39}}, ["ok", "ok"])
@@ -216,7 +216,7 @@ def test_op_logs_every_kind_of_unscorable_sample(caplog):
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="flowrl.ops.reward"):
         r, m = run_op({"path": f"{MOD}:hangs", "timeout_s": 0.5}, ["hang", "ok"])
-    assert m["reward/timeouts"] == 1.0 and "1 timeout (over timeout_s)" in caplog.text
+    assert m["reward/timeouts"] == 1.0 and "1 timeout(s) (over timeout_s)" in caplog.text
 
 
 def test_op_dict_components_weighted_and_logged():

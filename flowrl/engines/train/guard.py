@@ -32,8 +32,8 @@ class ParameterDivergenceError(RuntimeError):
 def param_absmax(model: nn.Module) -> Tensor:
     """Largest |value| over the parameters (a DTensor: this rank's shard), a 0-dim float32
     tensor on their device; NaN or inf when any parameter is not finite."""
-    local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach()
-             for p in model.parameters()]
+    local = [t for t in (p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+                         for p in model.parameters()) if t.numel()]  # a shard may be empty
     if not local:
         return torch.zeros(())
     return torch.nn.utils.get_total_norm(local, norm_type=math.inf).float()
