@@ -6,7 +6,6 @@ by spawned pool workers too: pytest puts this folder on sys.path).
 """
 import logging
 import math
-import os
 import signal
 import time
 
@@ -56,13 +55,6 @@ def hangs_deaf(response_text, fields, metadata):
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
         time.sleep(3600)
     return 1.0
-
-
-def exits_on_three(response_text, fields, metadata):
-    """Kills its worker process on the sample at index 3, as a crashing C extension would."""
-    if metadata["index"] == 3:
-        os._exit(1)
-    return float(metadata["index"])
 
 
 def returns_huge(response_text, fields, metadata):
@@ -139,17 +131,38 @@ def test_pool_worker_deaf_to_the_alarm_is_killed():
         runner.close()
 
 
-def test_a_worker_that_dies_loses_only_its_own_sample(caplog):
+EXITS_ON_THREE = """
+import os, time
+
+def exits_on_three(response_text, fields, metadata):
+    # kills its worker on index 3, as a crashing C extension would; the others take 0.3 s, so
+    # the crash finds index 2 running and 4-7 queued (the broken pool fails them all)
+    if metadata["index"] == 3:
+        os._exit(1)
+    time.sleep(0.3)
+    return float(metadata["index"])
+"""
+
+
+def test_a_worker_that_dies_loses_only_its_own_sample(tmp_path, monkeypatch, caplog):
     """os._exit in one call breaks the pool and fails every pending future; the runner scores
-    those again alone, so exactly the sample that kills its worker is marked."""
+    those again alone, so exactly the sample that kills its worker is marked. (The function
+    lives in a module without torch, so the three pool starts stay cheap.)"""
+    (tmp_path / "crashing_reward.py").write_text(EXITS_ON_THREE)
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers inherit sys.path
+    runner = RewardFunctionRunner("crashing_reward:exits_on_three", num_workers=2, timeout_s=10.0)
     t0 = time.perf_counter()
-    with caplog.at_level(logging.WARNING):
-        out = score("exits_on_three", [f"s{i}" for i in range(8)], workers=2, timeout=10.0)
+    try:
+        with caplog.at_level(logging.WARNING):
+            out = runner.score([f"s{i}" for i in range(8)], [{}] * 8,
+                               [{"index": i} for i in range(8)])
+    finally:
+        runner.close()
     assert [o.status for o in out] == [OK, OK, OK, ERROR, OK, OK, OK, OK]
     assert [o.components["reward"] for i, o in enumerate(out) if i != 3] == [0, 1, 2, 4, 5, 6, 7]
     assert "died while scoring this sample" in out[3].detail
     assert "a worker process died" in caplog.text
-    assert time.perf_counter() - t0 < 60.0  # two pool rebuilds, spawn included
+    assert time.perf_counter() - t0 < 60.0  # three pool starts, spawn included
 
 
 def test_a_reward_beyond_float32_is_nonfinite():
