@@ -120,10 +120,11 @@ class PeerMonitor:
     whose heartbeat stopped.
 
     A daemon thread per rank writes ``<rank> -> "<count> <step> <host> <pid>"`` every
-    ``interval_s`` (and at each new step) and reads the others'. A rank whose value has not changed for ``stale_s``
-    (frozen by SIGSTOP, dead, or stuck in C code that holds the GIL) is logged once as an error,
-    long before the collective timeout ends the job, and named by :func:`peer_report` in the
-    crash message. A slow rank that still runs Python (a long generation) keeps beating and is
+    ``interval_s`` (and at each new step) and reads the others'. A rank whose value has not
+    changed for ``stale_s`` (frozen by SIGSTOP, dead, or stuck in C code that holds the GIL) is
+    logged once as an error, before the collective timeout ends the job (on NCCL the watchdog
+    then aborts the process, so this line is the one that names the rank), and named by
+    :func:`peer_report` in the crash message. A slow rank that still runs Python (a long generation) keeps beating and is
     never reported. Intervals follow the collective timeout T: a beat every min(5, T/10) s,
     stale after min(60, T/2) s.
 
