@@ -223,9 +223,45 @@ def to_train_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
         ValueError: a field a ``__post_init__`` rejects, or a type mismatch; the message names it.
     """
     base = OmegaConf.structured(TrainConfig)
+    unknown = unknown_keys(base, cfg)
+    if unknown:  # Hydra's `+key=value` adds a key the schema does not have; it would be ignored
+        key, hint = unknown[0]
+        raise ValueError(f"invalid config: unknown key {key}{hint}: nothing reads it (a `+key=` "
+                         "override adds a key without checking the name)"
+                         + (f"; also unknown: {', '.join(k for k, _ in unknown[1:])}"
+                            if len(unknown) > 1 else ""))
     try:
         merged = OmegaConf.merge(base, cfg)
         return OmegaConf.to_object(merged)
     except Exception as e:  # omegaconf wraps __post_init__ errors; surface one clear line
         msg = str(e).split("\n")[0]
         raise ValueError(f"invalid config: {msg}") from e
+
+
+def unknown_keys(base: DictConfig, cfg: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """Keys of ``cfg`` that the structured ``base`` has no field for (dataclass sections only;
+    free-form ``dict`` / ``Any`` fields take any key), as ``(dotted key, " (did you mean …?)")``."""
+    import dataclasses
+    import difflib
+
+    if not isinstance(cfg, (dict, DictConfig)) or not isinstance(base, DictConfig):
+        return []
+    typed = dataclasses.is_dataclass(OmegaConf.get_type(base))
+    out: list[tuple[str, str]] = []
+    for key in cfg.keys():
+        key = str(key)
+        if key == "hydra":
+            continue
+        if key not in base:
+            if typed:
+                close = difflib.get_close_matches(key, [str(k) for k in base.keys()], n=1)
+                out.append((prefix + key, f" (did you mean {prefix}{close[0]}?)" if close else ""))
+            continue
+        node = base._get_node(key)
+        if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
+            child = cfg._get_node(key) if isinstance(cfg, DictConfig) else cfg[key]
+            if isinstance(child, DictConfig) and (child._is_none() or child._is_missing()):
+                continue
+            out += unknown_keys(node, child if isinstance(child, DictConfig) else cfg[key],
+                                f"{prefix}{key}.")
+    return out

@@ -27,21 +27,26 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
     Returns: ``out_dir``.
 
     Raises:
-        FileNotFoundError: not a complete checkpoint. ValueError: no model config anywhere.
+        FileNotFoundError: not a complete checkpoint. ValueError: no model config anywhere, or
+            a tampered / corrupt checkpoint (``runtime.checkpoint.verify_checkpoint``; nothing
+            is loaded, connected or written then).
     """
     import torch.distributed.checkpoint as dcp
     from omegaconf import OmegaConf
 
     from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
-    from flowrl.runtime.checkpoint import WeightsOnlyReader
+    from flowrl.runtime.checkpoint import WeightsOnlyReader, verify_checkpoint
 
     ckpt = Path(checkpoint)
     meta_path = ckpt / "trainer_state.json"
     if not (meta_path.is_file() and (ckpt / ".metadata").is_file()):
         raise FileNotFoundError(f"export: {ckpt} is not a complete flowrl checkpoint "
                                 "(needs trainer_state.json and .metadata)")
+    try:  # before anything loads or is written: a tampered index is refused here
+        meta = verify_checkpoint(ckpt)
+    except ValueError as e:
+        raise ValueError(f"export: {e}") from e
     if model_cfg is None:
-        meta = json.loads(meta_path.read_text())
         if "model" not in meta:
             raise ValueError(f"export: {meta_path} records no model config; pass model overrides "
                              "(flowrl export CKPT OUT model=...)")

@@ -21,7 +21,8 @@ from typing import Optional
 
 @dataclass
 class LauncherConfig:
-    """How ``flowrl train`` starts its processes (ignored once running under torchrun).
+    """How ``flowrl train`` starts its processes (all but ``collective_timeout_s`` are ignored
+    once running under torchrun) and how long its ranks wait for each other.
 
     Attributes:
         nproc: processes (GPUs) per node; > 1 (or nnodes > 1) re-executes under torchrun.
@@ -32,6 +33,14 @@ class LauncherConfig:
         max_restarts: torchrun worker-group restarts on failure (resume picks up the newest
             complete checkpoint when ``trainer.resume=true``).
         node_rank: fixed node rank (static rendezvous); None = assigned by the rendezvous.
+        collective_timeout_s: seconds a rank waits in a collective (the process group's
+            timeout) before the job fails with an error. 600 (10 minutes): ranks legitimately
+            wait for the slowest rank's generation and reward calls, rank 0's eval and
+            checkpoint writes, which take minutes at most; a frozen or hung rank then stops
+            the job within 10 minutes instead of torch's default 30 (a rank that stops
+            heartbeating is named in the log after min(60, timeout / 2) s,
+            ``runtime/distributed.PeerMonitor``). Raise it for a long rank-0-only phase, e.g. an
+            eval of the whole test split on the HF backend (``trainer.eval.limit=null``).
     """
 
     nproc: int = 1
@@ -41,8 +50,11 @@ class LauncherConfig:
     rdzv_backend: str = "c10d"
     max_restarts: int = 0
     node_rank: Optional[int] = None
+    collective_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"launcher.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         if self.nproc < 1:
             raise ValueError(f"launcher.nproc must be >= 1, got {self.nproc}")
         if self.nnodes < 1:

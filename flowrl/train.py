@@ -260,7 +260,7 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is visible "
                           "(use trainer.device=auto or cpu)")
-    dinfo = fdist.init_distributed(cfg.trainer.device)  # no-op without torchrun
+    dinfo = fdist.init_distributed(cfg.trainer.device, timeout_s=cfg.launcher.collective_timeout_s)
     if dinfo.world_size == 1 and cfg.trainer.engine.strategy == "fsdp" and \
             {"actor", "critic"} & set(plan.roles):
         dinfo = fdist.init_single_process(cfg.trainer.device)  # FSDP2 needs a (1-rank) group
@@ -271,6 +271,8 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     # ranks' Hydra run dirs can differ by a timestamp second: all use rank 0's (DCP needs one dir)
     out_dir = Path(fdist.broadcast_object(cfg.trainer.output_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
+    ckpts = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
+    resume_from = start_checkpoints(ckpts, cfg.trainer.resume)  # before anything writes here
     if cfg.placement.mode == "auto" and dinfo.world_size > 1:
         try:  # an impossible auto config is still rejected before any model loads
             prepare_placement(cfg, plan, dinfo.world_size)
@@ -317,13 +319,12 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     executor = Executor(plan, engines, resources, seed=cfg.trainer.seed + 1_000_003 * dinfo.rank,
                         dist=dinfo, swap=swap)
     actor = engines["actor"]
-    ckpts = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
 
     start = 1
     history: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     if cfg.trainer.resume:
-        latest = ckpts.latest()
+        latest = resume_from
         if latest is not None:
             tensors = _train_state(engines)
             meta = ckpts.load(latest, tensors)
@@ -368,6 +369,7 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
                 logger.print(f"eval before: {_eval_line(before)}")
         logger.set_progress(start - 1)
         for step in range(start, cfg.trainer.total_steps + 1):
+            fdist.mark_step(step)  # the peer monitor names a rank that stops making progress
             m = fdist.reduce_metrics(executor.run_step(step))  # sum/mean/max across ranks
             gen_tokens = (m.get("response/length_mean", 0.0) * cfg.trainer.prompts_per_step
                           * cfg.algorithm.n * dinfo.world_size)
@@ -405,6 +407,22 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     close_engines(engines)  # vLLM's shutdown destroys process groups: before our teardown
     return summary
+
+
+def start_checkpoints(ckpts: CheckpointManager, resume: bool):
+    """Start-up of the run's checkpoint folder: stale ``.tmp`` saves removed; with ``resume``,
+    the checkpoint to continue from (a corrupt newest one falls back to the previous).
+
+    Raises:
+        ConfigError: a tampered or unloadable checkpoint; nothing was loaded or written.
+    """
+    from flowrl.runtime.checkpoint import CorruptCheckpointError, UnsafeCheckpointError
+
+    try:
+        ckpts.remove_stale()
+        return ckpts.resume_point() if resume else None
+    except (UnsafeCheckpointError, CorruptCheckpointError) as e:
+        raise ConfigError(f"trainer.resume: {e}") from e
 
 
 def _eval_line(m: dict[str, float]) -> str:
@@ -452,17 +470,16 @@ def main(cfg: DictConfig) -> None:
     import sys
 
     from flowrl.runtime.distributed import teardown
+    from flowrl.runtime.recovery import report_crash, stop_on_sigterm
 
+    stop_on_sigterm()  # torchrun stops the survivors of a dead rank with SIGTERM
     try:
         train(cfg)
     except ConfigError as e:  # rejected before any model loaded: one clear line, no traceback
         print(f"flowrl train: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print(f"\nflowrl train: interrupted. Continue from the last checkpoint with: flowrl train "
-              f"hydra.run.dir={cfg.trainer.output_dir} trainer.resume=true (plus your overrides)",
-              file=sys.stderr)
-        sys.exit(130)
+    except BaseException as e:  # Ctrl-C, SIGTERM, a dead peer, a full disk, a diverged step...
+        sys.exit(report_crash(e, cfg.trainer.output_dir))
     finally:
         teardown()
 

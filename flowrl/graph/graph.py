@@ -192,16 +192,24 @@ class Graph:
             for k in ("name", "op"):
                 if not isinstance(rs.get(k), str) or not rs.get(k):
                     problems.append((str(label), k, "missing or not a string"))
+            shapes = {"inputs": "op argument: stage.output", "params": "config field: value"}
             for k in ("inputs", "params"):
                 if rs.get(k) is not None and not isinstance(rs.get(k), dict):
-                    problems.append((str(label), k, "must be a mapping"))
+                    problems.append((str(label), k, f"must be a mapping ({shapes[k]} lines), got "
+                                                    f"a {type(rs.get(k)).__name__}"))
+                    rs = {**rs, k: {}}
             if rs.get("role") is not None and not isinstance(rs.get("role"), str):
                 problems.append((str(label), "role", "must be a string"))
             stages.append(Stage(name=str(rs.get("name", label)), op=str(rs.get("op", "")),
                                 role=rs.get("role"), inputs=dict(rs.get("inputs") or {}),
                                 params=dict(rs.get("params") or {}), when=rs.get("when")))
         syncs: list[WeightSync] = []
-        for i, w in enumerate(d.get("weight_sync") or []):
+        raw_syncs = d.get("weight_sync") or []
+        if not isinstance(raw_syncs, list):
+            problems.append(("<graph>", "weight_sync", "must be a list of {from, to, staleness} "
+                                                       f"mappings, got a {type(raw_syncs).__name__}"))
+            raw_syncs = []
+        for i, w in enumerate(raw_syncs):
             if not isinstance(w, dict) or set(w) - {"from", "to", "staleness"} or not {"from", "to"} <= set(w):
                 problems.append((f"weight_sync[{i}]", "<entry>",
                                  "must be a mapping with keys from, to and optional staleness"))

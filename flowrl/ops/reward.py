@@ -166,33 +166,51 @@ def function_reward(ctx: StageContext, cfg: FunctionRewardConfig, *, response_id
     """Call the user's reward function on every response.
 
     Output: rewards (B,) float32 (a dict return is combined with ``weights``); NaN where the call
-    raised, returned a non-number or non-finite value, or timed out. Logged: ``reward/mean``,
+    raised, returned a non-number or a value that is not finite in float32 (weights applied),
+    timed out, or killed its worker process (only that sample: ``rewards/function.py``); one
+    warning line per step counts them by kind. Logged: ``reward/mean``,
     ``reward/std``, ``reward/unscorable`` (all NaN), ``reward/errors``, ``reward/nonfinite``,
     ``reward/timeouts`` and ``reward/fn/<component>`` means. The run always continues.
     """
-    from flowrl.rewards.function import ERROR, NONFINITE, OK, TIMEOUT, combine
+    from flowrl.rewards.function import NONFINITE, OK, Outcome, combine, fits_float32
 
     texts = decode_responses(ctx.resource("tokenizer"), response_ids, response_mask)
     fields = prompt_fields(ctx, ground_truth, prompt_ids, prompt_mask)
     metas = [{"group_id": int(g), "index": i, "step": ctx.step} for i, g in enumerate(group_id.tolist())]
     outcomes = _runner(cfg).score(texts, fields, metas)
+    for i, o in enumerate(outcomes):  # weights can push a float32-sized component past it
+        if o.status == OK and not fits_float32(combine(o.components, cfg.weights)):
+            outcomes[i] = Outcome(NONFINITE, {}, f"weighted sum of {o.components!r} overflows float32")
     rewards = torch.tensor([combine(o.components, cfg.weights) if o.status == OK else float("nan")
                             for o in outcomes], dtype=torch.float32)
-    for o in outcomes:
-        if o.status == ERROR:
-            log.warning("stage %s: reward function %s failed (%s); sample unscorable",
-                        ctx.stage, cfg.path, o.detail)
-            break  # one line per step is enough; the count is in the metrics
+    counts = log_unscorable(ctx, cfg.path, outcomes)
     comps: dict[str, list[float]] = {}
     for o in outcomes:
         for k, v in o.components.items():
             comps.setdefault(k, []).append(v)
     log_reward_stats(ctx, rewards)
-    ctx.log(**{"reward/errors": sum(o.status == ERROR for o in outcomes),
-               "reward/timeouts": sum(o.status == TIMEOUT for o in outcomes),
-               "reward/nonfinite": sum(o.status == NONFINITE for o in outcomes),
+    ctx.log(**{"reward/errors": counts["error"], "reward/timeouts": counts["timeout"],
+               "reward/nonfinite": counts["nonfinite"],
                **{f"reward/fn/{k}": sum(v) / len(v) for k, v in comps.items()}})
     return {"rewards": rewards}
+
+
+def log_unscorable(ctx: StageContext, path: str, outcomes) -> dict[str, int]:
+    """One warning line per step for the samples a reward function could not score (every kind:
+    errors, timeouts, non-finite values) with the first detail of each; returns the counts."""
+    from flowrl.rewards.function import ERROR, NONFINITE, TIMEOUT
+
+    counts = {k: sum(o.status == k for o in outcomes) for k in (ERROR, TIMEOUT, NONFINITE)}
+    if any(counts.values()):
+        first = {k: next(o.detail for o in outcomes if o.status == k) for k in counts if counts[k]}
+        why = {ERROR: "error(s) (a raise, a bad return or a dead worker)",
+               TIMEOUT: "timeout(s) (over timeout_s)",
+               NONFINITE: "non-finite (NaN, inf or beyond float32)"}
+        log.warning("stage %s: reward function %s: %d of %d sample(s) unscorable (NaN): %s",
+                    ctx.stage, path, sum(counts.values()), len(outcomes), "; ".join(
+                        f"{counts[k]} {why[k]}{', first: ' + first[k][:200] if first[k] else ''}"
+                        for k in first))
+    return counts
 
 
 # --------------------------------------------------------------------------- reward.model

@@ -9,8 +9,12 @@
 - ``metadata``: ``group_id`` (int, the prompt instance), ``index`` (row in the batch), ``step``.
 - return: a float, or a dict of named float components (combined by weights in the op config).
 
-Failures never stop the run: a raise, a non-number, a non-finite value or a call longer than
-``timeout_s`` makes that sample's reward NaN (unscorable), counted by kind (see :class:`Outcome`).
+Failures never stop the run: a raise, a non-number, a non-finite value (or one that overflows
+the float32 ``rewards`` tensor, |x| > 3.4e38), a call longer than ``timeout_s`` or a worker
+process that dies on the sample (``os._exit``, a segfault, an OOM kill) makes that sample's reward
+NaN (unscorable), counted by kind (see :class:`Outcome`). Only the sample that killed a worker is
+lost: the samples the broken pool took down with it are scored again, one at a time, in a fresh
+pool, so the one that dies alone is the one marked.
 
 Timeouts: each call runs under ``SIGALRM`` (``setitimer``) in the process that runs it, which
 interrupts Python code and sleeps. With ``num_workers >= 1`` calls run in a
@@ -31,12 +35,21 @@ import multiprocessing
 import signal
 import threading
 from concurrent.futures import Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
 OK, ERROR, TIMEOUT, NONFINITE = "ok", "error", "timeout", "nonfinite"
+# largest float32: a larger finite float64 becomes inf in the (B,) float32 rewards tensor
+FLOAT32_MAX = 3.4028234663852886e38
+_LOST = (ERROR, "lost with a broken worker pool")  # placeholder until re-scored alone
+
+
+def fits_float32(x: float) -> bool:
+    """Finite, and still finite once cast to float32."""
+    return math.isfinite(x) and abs(x) <= FLOAT32_MAX
 
 
 def load_reward_function(path: str) -> Callable[..., Any]:
@@ -182,19 +195,39 @@ class RewardFunctionRunner:
             comps = to_components(value)
         except TypeError as e:
             return Outcome(ERROR, {}, str(e))
-        if not all(math.isfinite(v) for v in comps.values()):
-            return Outcome(NONFINITE, {}, repr(comps))
+        if not all(fits_float32(v) for v in comps.values()):
+            return Outcome(NONFINITE, {}, f"{comps!r} (not finite in float32)")
         return Outcome(OK, comps)
 
     def _score_pool(self, texts, fields, metas) -> list[tuple[str, Any]]:
+        items = list(zip(texts, fields, metas))
+        out = self._run_batch(items)
+        lost = [i for i, r in enumerate(out) if r is _LOST]
+        if lost:
+            log.warning("reward function %s: a worker process died (os._exit, a crash, an OOM "
+                        "kill?); scoring the %d sample(s) it took down one at a time in a fresh "
+                        "pool", self.path, len(lost))
+            for i in lost:  # alone, a death is this sample's own
+                r = self._run_batch([items[i]])[0]
+                out[i] = (ERROR, "the reward worker process died while scoring this sample") \
+                    if r is _LOST else r
+        return out
+
+    def _run_batch(self, items) -> list[tuple[str, Any]]:
+        """Submit ``items`` to the pool and collect them; a sample lost to a broken pool is
+        ``_LOST``, and the broken pool is replaced on the next call."""
         if self._pool is None:
             self._pool = ProcessPoolExecutor(self.num_workers,
                                              mp_context=multiprocessing.get_context("spawn"))
             # start every worker and import the function before the clock runs: spawning and
             # importing (seconds on a loaded machine) must not count against timeout_s
             wait([self._pool.submit(_worker_load, self.path) for _ in range(self.num_workers)])
-        futures: list[Future] = [self._pool.submit(_worker_call, self.path, t, f, m, self.timeout_s)
-                                 for t, f, m in zip(texts, fields, metas)]
+        try:
+            futures: list[Future] = [self._pool.submit(_worker_call, self.path, t, f, m,
+                                                       self.timeout_s) for t, f, m in items]
+        except BrokenProcessPool:  # broke while submitting (a worker died already)
+            self._kill_pool()
+            return [_LOST] * len(items)
         budget = None
         if self.timeout_s:
             rounds = -(-len(futures) // self.num_workers)
@@ -211,9 +244,11 @@ class RewardFunctionRunner:
                 continue
             try:
                 out.append(fut.result())
-            except Exception as e:  # a worker that died (BrokenProcessPool) or an unpicklable result
-                out.append((ERROR, repr(e)))
+            except BrokenProcessPool:  # a worker died: this sample may or may not be the cause
+                out.append(_LOST)
                 self._kill_pool()
+            except Exception as e:  # an unpicklable result
+                out.append((ERROR, repr(e)))
         return out
 
     def _kill_pool(self) -> None:

@@ -17,7 +17,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from typing import Any, Mapping, Sequence
+import socket
+import threading
+import time
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,7 +38,7 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
+def init_distributed(device: str = "auto", timeout_s: Optional[float] = None) -> DistInfo:
     """Create the default process group from torchrun's environment (idempotent).
 
     Backend: ``cpu:gloo,cuda:nccl`` when CUDA is used (NCCL for FSDP, gloo for CPU-side objects
@@ -44,7 +47,9 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
 
     Args:
         device: ``cpu`` | ``cuda`` | ``auto`` (cuda when available), as ``trainer.device``.
-        timeout_s: collective timeout.
+        timeout_s: collective timeout in seconds (``launcher.collective_timeout_s``; None = its
+            default, see :class:`flowrl.launch.LauncherConfig`). A :class:`PeerMonitor` is
+            started too: it names a rank whose heartbeat stops (frozen, dead) long before that.
 
     Returns:
         :class:`DistInfo` of the world (``rank 0 / world 1 / group None`` when not under torchrun).
@@ -64,9 +69,16 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
                                "CUDA devices are visible: lower --nproc_per_node")
         torch.cuda.set_device(local_rank)
     backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+    if timeout_s is None:
+        from flowrl.launch import LauncherConfig
+
+        timeout_s = LauncherConfig.collective_timeout_s
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     info = dist_info()
-    log.info("process group: rank %d/%d backend=%s", info.rank, info.world_size, backend)
+    log.info("process group: rank %d/%d backend=%s collective timeout %.0f s", info.rank,
+             info.world_size, backend, timeout_s)
+    if info.world_size > 1:
+        PeerMonitor.start_from_env(info.rank, info.world_size, timeout_s)
     return info
 
 
@@ -84,11 +96,140 @@ def init_single_process(device: str) -> DistInfo:
 
 
 def teardown() -> None:
-    """Destroy the default process group (no-op when none)."""
+    """Destroy the default process group (no-op when none) and stop the peer monitor."""
     global _CKPT_GROUP
+    if PeerMonitor.current is not None:
+        PeerMonitor.current.stop()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _CKPT_GROUP = None
+
+
+_STEP = [0]  # the step this rank is in (read by the peer monitor's thread)
+
+
+def mark_step(step: int) -> None:
+    """Record the step this rank is running; the peer monitor sends it at once."""
+    _STEP[0] = int(step)
+    if PeerMonitor.current is not None:
+        PeerMonitor.current._wake.set()
+
+
+class PeerMonitor:
+    """Heartbeats of every rank through torchrun's key-value store, and the names of the ranks
+    whose heartbeat stopped.
+
+    A daemon thread per rank writes ``<rank> -> "<count> <step> <host> <pid>"`` every
+    ``interval_s`` (and at each new step) and reads the others'. A rank whose value has not
+    changed for ``stale_s`` (frozen by SIGSTOP, dead, or stuck in C code that holds the GIL) is
+    logged once as an error, before the collective timeout ends the job (on NCCL the watchdog
+    then aborts the process, so this line is the one that names the rank), and named by
+    :func:`peer_report` in the crash message. A slow rank that still runs Python (a long generation) keeps beating and is
+    never reported. Intervals follow the collective timeout T: a beat every min(5, T/10) s,
+    stale after min(60, T/2) s.
+
+    Args:
+        store: a ``torch.distributed.Store`` every rank reaches (a TCPStore client).
+        rank, world_size: of the default group.
+        timeout_s: the collective timeout T.
+    """
+
+    current: "Optional[PeerMonitor]" = None
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
+        self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.interval_s, self.stale_s = min(5.0, timeout_s / 10), min(60.0, timeout_s / 2)
+        self._count, self._last_check = 0, time.monotonic()
+        self._seen: dict[int, tuple[str, float]] = {}  # rank -> (last value, when it changed)
+        self.stale: dict[int, tuple[str, float]] = {}  # rank -> (where, silent since)
+        self._stop, self._wake = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flowrl-peer-monitor", daemon=True)
+
+    @classmethod
+    def start_from_env(cls, rank: int, world_size: int, timeout_s: float) -> "Optional[PeerMonitor]":
+        """Connect to torchrun's store (``MASTER_ADDR``/``MASTER_PORT``) and start; None (and a
+        debug line) when it cannot be reached: monitoring is a diagnostic, never a failure."""
+        try:
+            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                   is_master=False, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=max(10.0, timeout_s / 10)))
+            run = (f"flowrl/heartbeat/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+                   f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
+            mon = cls(dist.PrefixStore(run, client), rank, world_size, timeout_s)
+        except Exception as e:  # no store to reach: run without the monitor
+            log.debug("peer monitor not started: %r", e)
+            return None
+        return mon.start()
+
+    def start(self) -> "PeerMonitor":
+        if PeerMonitor.current is not None:
+            PeerMonitor.current.stop()
+        PeerMonitor.current = self
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if PeerMonitor.current is self:
+            PeerMonitor.current = None
+
+    def beat(self) -> None:
+        self._count += 1
+        self.store.set(str(self.rank), f"{self._count} {_STEP[0]} {socket.gethostname()} {os.getpid()}")
+
+    def check(self, now: Optional[float] = None) -> dict[int, str]:
+        """Read every peer's heartbeat; returns the ranks newly found stale (rank -> text)."""
+        now = time.monotonic() if now is None else now
+        if now - self._last_check > self.stale_s / 2:  # this thread itself was held up: no verdict
+            self._seen = {r: (v, now) for r, (v, _) in self._seen.items()}
+        self._last_check = now
+        new: dict[int, str] = {}
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            key = str(r)
+            value = self.store.get(key).decode() if self.store.check([key]) else ""
+            last = self._seen.get(r)
+            if last is None or last[0] != value:
+                self._seen[r] = (value, now)
+                self.stale.pop(r, None)
+                continue
+            quiet = now - last[1]
+            if quiet >= self.stale_s and r not in self.stale:
+                parts = value.split()
+                where = (f" (host {parts[2]}, pid {parts[3]}, last at step {parts[1]})"
+                         if len(parts) == 4 else " (never sent one)")
+                self.stale[r] = (f"rank {r}{where}", last[1])
+                new[r] = self.describe(r, now)
+        return new
+
+    def describe(self, r: int, now: Optional[float] = None) -> str:
+        where, since = self.stale[r]
+        now = time.monotonic() if now is None else now
+        return f"{where} sent no heartbeat for {now - since:.0f} s"
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.beat()
+                for text in self.check().values():
+                    log.error("%s: frozen (SIGSTOP), dead, or stuck outside Python; the job stops "
+                              "at the collective timeout (launcher.collective_timeout_s=%.0f s)",
+                              text, self.timeout_s)
+            except Exception as e:  # the store went away (the job is ending): stop quietly
+                log.debug("peer monitor stopped: %r", e)
+                return
+            self._wake.wait(self.interval_s)  # or sooner: a new step (mark_step) or stop
+            self._wake.clear()
+
+
+def peer_report() -> str:
+    """The ranks whose heartbeat stopped, as one clause ("" when none or no monitor)."""
+    mon = PeerMonitor.current
+    if mon is None or not mon.stale:
+        return ""
+    return "; ".join(mon.describe(r) for r in sorted(mon.stale)) + " (frozen, dead or stuck)"
 
 
 def is_initialized() -> bool:

@@ -4,6 +4,7 @@ non-number, timeout, a worker that ignores the alarm) become NaN and are counted
 The functions below are the "user's" (this module is importable as ``test_rewards_function``
 by spawned pool workers too: pytest puts this folder on sys.path).
 """
+import logging
 import math
 import signal
 import time
@@ -54,6 +55,11 @@ def hangs_deaf(response_text, fields, metadata):
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
         time.sleep(3600)
     return 1.0
+
+
+def returns_huge(response_text, fields, metadata):
+    """Finite in float64, inf once in the float32 rewards tensor."""
+    return {"reward": 1e39 if "huge" in response_text else 0.5}
 
 
 def score(path, texts, workers=0, timeout=None):
@@ -125,6 +131,46 @@ def test_pool_worker_deaf_to_the_alarm_is_killed():
         runner.close()
 
 
+EXITS_ON_THREE = """
+import os, time
+
+def exits_on_three(response_text, fields, metadata):
+    # kills its worker on index 3, as a crashing C extension would; the others take 0.3 s, so
+    # the crash finds index 2 running and 4-7 queued (the broken pool fails them all)
+    if metadata["index"] == 3:
+        os._exit(1)
+    time.sleep(0.3)
+    return float(metadata["index"])
+"""
+
+
+def test_a_worker_that_dies_loses_only_its_own_sample(tmp_path, monkeypatch, caplog):
+    """os._exit in one call breaks the pool and fails every pending future; the runner scores
+    those again alone, so exactly the sample that kills its worker is marked. (The function
+    lives in a module without torch, so the three pool starts stay cheap.)"""
+    (tmp_path / "crashing_reward.py").write_text(EXITS_ON_THREE)
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers inherit sys.path
+    runner = RewardFunctionRunner("crashing_reward:exits_on_three", num_workers=2, timeout_s=10.0)
+    t0 = time.perf_counter()
+    try:
+        with caplog.at_level(logging.WARNING):
+            out = runner.score([f"s{i}" for i in range(8)], [{}] * 8,
+                               [{"index": i} for i in range(8)])
+    finally:
+        runner.close()
+    assert [o.status for o in out] == [OK, OK, OK, ERROR, OK, OK, OK, OK]
+    assert [o.components["reward"] for i, o in enumerate(out) if i != 3] == [0, 1, 2, 4, 5, 6, 7]
+    assert "died while scoring this sample" in out[3].detail
+    assert "a worker process died" in caplog.text
+    assert time.perf_counter() - t0 < 60.0  # three pool starts, spawn included
+
+
+def test_a_reward_beyond_float32_is_nonfinite():
+    out = score("returns_huge", ["huge", "fine"])
+    assert [o.status for o in out] == [NONFINITE, OK]
+    assert "float32" in out[0].detail
+
+
 class Tok:
     """Byte-level stand-in tokenizer: id = character code."""
 
@@ -165,6 +211,25 @@ def test_op_raise_inf_and_timeout_are_nan_and_counted():
     r, m = run_op({"path": f"{MOD}:hangs", "timeout_s": 0.5}, ["hang", "ok"])
     assert math.isnan(r[0].item()) and r[1].item() == 1.0
     assert (m["reward/timeouts"], m["reward/unscorable"]) == (1.0, 1.0)
+
+
+def test_op_logs_every_kind_of_unscorable_sample(caplog):
+    """1e39 (and a weighted sum past float32) is counted as nonfinite and every kind of loss,
+    timeouts included, gets one warning line per step."""
+    with caplog.at_level(logging.WARNING, logger="flowrl.ops.reward"):
+        r, m = run_op({"path": f"{MOD}:returns_huge"}, ["huge", "ok"])
+    assert math.isnan(r[0].item()) and r[1].item() == 0.5
+    assert (m["reward/nonfinite"], m["reward/unscorable"], m["reward/errors"]) == (1.0, 1.0, 0.0)
+    assert "1 of 2 sample(s) unscorable (NaN): 1 non-finite (NaN, inf or beyond float32)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flowrl.ops.reward"):
+        r, m = run_op({"path": f"{MOD}:returns_huge", "weights": {"reward": 1e39}}, ["ok", "ok"])
+    assert torch.isnan(r).all() and m["reward/nonfinite"] == 2.0  # 0.5 * 1e39 > 3.4e38
+    assert "weighted sum" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flowrl.ops.reward"):
+        r, m = run_op({"path": f"{MOD}:hangs", "timeout_s": 0.5}, ["hang", "ok"])
+    assert m["reward/timeouts"] == 1.0 and "1 timeout(s) (over timeout_s)" in caplog.text
 
 
 def test_op_dict_components_weighted_and_logged():

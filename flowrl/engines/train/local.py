@@ -19,6 +19,7 @@ from flowrl.algorithms.logprobs import entropy_from_logits, linear_logprobs, tok
 from flowrl.algorithms.masks import position_ids_from_mask
 from flowrl.algorithms.packing import pack, packable, unpack
 from flowrl.engines.base import LogprobOutput, LossFn
+from flowrl.engines.train.guard import guarded_step
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,10 @@ class TrainEngineConfig:
             and attention cost grows with the square of the micro-batch's tokens); ``true`` /
             ``false`` force it (``true`` needs a transformers model). A micro-batch whose rows are
             not one contiguous run of valid tokens runs padded.
+        max_param_growth: the post-step guard (``engines/train/guard.py``): the run stops
+            with a clear error when a step leaves non-finite parameters or multiplies the
+            largest |parameter| by more than this (an AdamW step moves a weight by about lr);
+            <= 0 keeps only the finiteness check.
     """
 
     lr: float = 1e-6
@@ -93,6 +98,7 @@ class TrainEngineConfig:
     logprob_chunk_size: Optional[int] = 1024
     logprob_compile: bool = False
     padding_free: str = "auto"
+    max_param_growth: float = 10.0
 
     def __post_init__(self) -> None:
         if self.lr < 0:
@@ -552,7 +558,8 @@ class LocalTrainEngine:
                 log.warning("train_step: non-finite grad norm (%s); skipping the optimizer step, "
                             "weights unchanged", grad_norm)
         if finite:
-            self.optimizer.step()
+            with guarded_step(self, self.cfg.max_param_growth):  # diverged weights stop the run
+                self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         out = _read_floats(sums)

@@ -1,0 +1,32 @@
+"""User reward functions of ``benchmarks/faults.py`` (importable by spawned reward workers: the
+benchmark puts this folder on ``PYTHONPATH``). Each scores ``len(text) % 5 / 4`` (deterministic,
+varied, so the tiny model's weights move) and misbehaves on chosen rows of the batch."""
+from __future__ import annotations
+
+import os
+import time
+
+
+def length_reward(response_text, fields, metadata):
+    return (len(response_text) % 5) / 4.0
+
+
+def crash_on_first(response_text, fields, metadata):
+    """Kills its worker process (as a segfaulting extension would) on row 0 of every batch."""
+    if metadata["index"] == 0:
+        os._exit(1)
+    return length_reward(response_text, fields, metadata)
+
+
+def hang_on_first(response_text, fields, metadata):
+    if metadata["index"] == 0:
+        time.sleep(3600)
+    return length_reward(response_text, fields, metadata)
+
+
+def garbage(response_text, fields, metadata):
+    """Rows 0-3 return a string, None, NaN and 1e39 (finite in float64, inf in float32)."""
+    bad = {0: "0.5", 1: None, 2: float("nan"), 3: 1e39}
+    if metadata["index"] in bad:
+        return bad[metadata["index"]]
+    return length_reward(response_text, fields, metadata)

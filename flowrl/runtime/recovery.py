@@ -1,0 +1,73 @@
+"""What a stopped run tells its operator: why it stopped and the one command that continues it.
+
+``flowrl train`` ends every way but a clean finish or a rejected config (Ctrl-C, SIGTERM from
+torchrun after another rank died, a dead or silent peer, a full disk, a diverged step) through
+:func:`report_crash`: the traceback (not for Ctrl-C / SIGTERM), the ranks that stopped
+heartbeating (``runtime/distributed.py``), the last complete checkpoint, and the
+``trainer.resume=true`` command line. A SIGKILL of the only process cannot print anything; under
+torchrun the surviving ranks print it.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import Optional
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (torchrun stopping the group, a scheduler's preemption): unwind, so the
+    ``finally`` blocks run and the resume command is printed. BaseException, like
+    KeyboardInterrupt, so no ``except Exception`` in user code swallows it."""
+
+
+def _on_sigterm(signum, frame):  # pragma: no cover - runs in the signal handler
+    raise Terminated()
+
+
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM into :class:`Terminated` (main thread only; elsewhere a no-op)."""
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def last_checkpoint(out_dir: str | Path) -> Optional[Path]:
+    """The newest complete checkpoint of a run directory (no verification, no side effect)."""
+    from flowrl.runtime.checkpoint import CheckpointManager
+
+    done = CheckpointManager(Path(out_dir) / "checkpoints").complete()
+    return done[-1] if done else None
+
+
+def resume_hint(out_dir: str | Path) -> str:
+    """The line that tells how to continue the run in ``out_dir``."""
+    ckpt = last_checkpoint(out_dir)
+    if ckpt is None:
+        return (f"No checkpoint was saved in {out_dir} yet, so there is nothing to resume; "
+                "start again (trainer.save_every=k saves every k steps)")
+    return (f"Continue from the last complete checkpoint ({ckpt.name}) with: flowrl train "
+            f"hydra.run.dir={out_dir} trainer.resume=true (plus your overrides)")
+
+
+def report_crash(e: BaseException, out_dir: str | Path) -> int:
+    """Print why the run stopped and how to continue it (stderr); returns the exit status
+    (130 Ctrl-C, 143 SIGTERM, 1 anything else). SystemExit is re-raised unchanged."""
+    from flowrl.runtime.distributed import peer_report
+
+    if isinstance(e, SystemExit):
+        raise e
+    if isinstance(e, KeyboardInterrupt):
+        what, code = "interrupted", 130
+    elif isinstance(e, Terminated):
+        what, code = "stopped by SIGTERM", 143
+    else:
+        traceback.print_exception(e)
+        first = (str(e).strip().splitlines() or [""])[0][:500].rstrip(".")
+        what, code = f"stopped by {type(e).__name__}: {first}", 1
+    peers = peer_report()
+    print(f"\nflowrl train: {what}." + (f" {peers}." if peers else "") +
+          f" {resume_hint(out_dir)}", file=sys.stderr, flush=True)
+    return code
