@@ -65,6 +65,10 @@ def plan_main(argv: list[str]) -> int:
         print("machine defaults (auto settings resolved on this machine):")
         for r in resolved:
             print(f"  {r}")
+        from flowrl.machine import machine_problems
+
+        for problem in machine_problems(cfg):  # planned anyway: a GPU job may be planned anywhere
+            print(f"  cannot run on this machine: {problem}")
     return 0
 
 

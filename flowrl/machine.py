@@ -70,7 +70,10 @@ def resolve_machine_defaults(cfg, *, cuda: bool | None = None, vllm: bool | None
     ``cuda`` / ``vllm`` / ``flash_attn`` override what is detected (tests; None = detect).
 
     An explicit ``trainer.device=cuda`` resolves as a GPU run even without a visible device (so a
-    GPU job can be planned anywhere); ``flowrl train`` refuses to start it (``train.check_device``).
+    GPU job can be planned anywhere); ``flowrl train`` refuses to start it.
+
+    What this machine cannot run (vLLM missing, ...) still plans: :func:`machine_problems`
+    lists it, and ``flowrl train`` refuses to start.
     """
     cuda = cuda_available() if cuda is None else cuda
     vllm = vllm_importable() if vllm is None else vllm
@@ -116,6 +119,31 @@ def resolve_machine_defaults(cfg, *, cuda: bool | None = None, vllm: bool | None
         out.append(Resolved("model.attn_implementation", m.attn_implementation,
                             "flash-attn installed" if m.attn_implementation != "sdpa" else
                             ("flash-attn not installed" if on_gpu else "CPU")))
+    return out
+
+
+def machine_problems(cfg, *, cuda: bool | None = None, vllm: bool | None = None,
+                     flash_attn: bool | None = None) -> list[str]:
+    """What a resolved ``cfg`` asks that this machine cannot run, one line each (empty: runnable).
+    ``flowrl train`` refuses to start on any (before anything loads); ``flowrl plan`` prints them,
+    since a GPU job may be planned from a laptop."""
+    cuda = cuda_available() if cuda is None else cuda
+    vllm = vllm_importable() if vllm is None else vllm
+    flash_attn = flash_attn_importable() if flash_attn is None else flash_attn
+    on_gpu = cfg.trainer.device == "cuda"
+    attn = cfg.model.attn_implementation
+    out = []
+    if on_gpu and not cuda:
+        out.append("trainer.device=cuda but no CUDA device is visible (use trainer.device=auto or cpu)")
+    if cfg.rollout.backend == "vllm" and not vllm:
+        out.append("rollout=vllm but vLLM is not installed here (GPU: pip install vllm; CPU: the "
+                   ".venv-vllm of scripts/install.sh --vllm), or use rollout=hf")
+    if attn == "flash_attention_2" and not (on_gpu and flash_attn):
+        out.append("model.attn_implementation=flash_attention_2 needs CUDA and the flash-attn "
+                   "package; use auto or sdpa")
+    if attn == "flex_attention" and not on_gpu:
+        out.append("model.attn_implementation=flex_attention runs on CUDA only (on CPU its kernels "
+                   "fail to compile); use auto or sdpa")
     return out
 
 

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from flowrl.compiler.plan import ExecutionPlan, compile_plan
 from flowrl.config import REPO_ROOT, TrainConfig, register_configs, to_train_config
 from flowrl.graph.graph import Graph
-from flowrl.machine import Resolved, keep_resident, resolve_machine_defaults
+from flowrl.machine import Resolved, keep_resident, machine_problems, resolve_machine_defaults
 from flowrl.runtime.checkpoint import CheckpointManager
 from flowrl.runtime.executor import Executor
 from flowrl.runtime.metrics import MetricsLogger
@@ -257,9 +257,9 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     from flowrl.runtime import distributed as fdist
 
     cfg, plan, resolved = prepare_run(raw)
-    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but no CUDA device is visible "
-                          "(use trainer.device=auto or cpu)")
+    problems = machine_problems(cfg)
+    if problems:  # what this machine cannot run: refused before anything loads
+        raise ConfigError(problems[0])
     dinfo = fdist.init_distributed(cfg.trainer.device, timeout_s=cfg.launcher.collective_timeout_s)
     if dinfo.world_size == 1 and cfg.trainer.engine.strategy == "fsdp" and \
             {"actor", "critic"} & set(plan.roles):

@@ -201,6 +201,22 @@ def test_cpu_machine_keeps_cpu_defaults():
     assert (gpu_job.trainer.engine.strategy, gpu_job.rollout.hf.dtype) == ("fsdp", "bfloat16")
 
 
+def test_machine_problems_name_what_cannot_run():
+    from flowrl.machine import machine_problems
+
+    assert machine_problems(_cfg("trainer.device=cpu", "rollout=hf"), cuda=False, vllm=False,
+                            flash_attn=False) == []
+    got = machine_problems(_cfg("trainer.device=cuda", "rollout=vllm",
+                                "model.attn_implementation=flash_attention_2"),
+                           cuda=False, vllm=False, flash_attn=False)
+    assert [p.split(" ")[0] for p in got] == [
+        "trainer.device=cuda", "rollout=vllm", "model.attn_implementation=flash_attention_2"]
+    cpu_flex = machine_problems(_cfg("trainer.device=cpu", "rollout=hf",
+                                     "model.attn_implementation=flex_attention"),
+                                cuda=False, vllm=True, flash_attn=True)
+    assert len(cpu_flex) == 1 and "flex_attention runs on CUDA only" in cpu_flex[0]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 def test_train_refuses_cuda_without_a_device(tmp_path):
     from flowrl.cli import compose
