@@ -23,6 +23,7 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,6 +33,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from flowrl.runtime import distributed as fdist
 
 log = logging.getLogger(__name__)
+# a one-process run saves and loads DCP checkpoints without a process group on purpose: DCP's
+# warning about it would print at every checkpoint
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                        "uninitialized", category=UserWarning)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _META = "trainer_state.json"
 
