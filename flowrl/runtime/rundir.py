@@ -22,7 +22,7 @@ from hydra.experimental.callback import Callback
 
 # what a flowrl run writes into its directory (Hydra's .hydra/ and train.log are not counted:
 # Hydra writes them before the run starts)
-RUN_OUTPUTS = ("plan.txt", "metrics.jsonl", "summary.json", "checkpoints", "tb",
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "tb", "plan.txt",
                "eval_before.jsonl", "eval_after.jsonl", "placement_auto.json")
 LOCK_FILE = ".flowrl.lock"
 _HYDRA_FILES = (".hydra", "train.log")
@@ -55,7 +55,8 @@ def check_fresh(out_dir: Path, resume: bool, overwrite: bool) -> list[str]:
                           "trainer.overwrite=true deletes it: set one of them")
     found = previous_run(out_dir)
     if found and not resume and not overwrite:
-        raise RunDirError(f"{out_dir} holds a previous run ({', '.join(found)}): continue it "
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise RunDirError(f"{out_dir} holds a previous run ({shown}): continue it "
                           "with trainer.resume=true, replace it with trainer.overwrite=true, or "
                           "choose another run directory (hydra.run.dir=...)")
     return found if overwrite else []
@@ -218,7 +219,8 @@ class PreflightCallback(Callback):
         run_dir = os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
         task = OmegaConf.create(OmegaConf.to_container(config, resolve=False))
         task.pop("hydra", None)
-        if "${hydra:" in str(OmegaConf.select(task, "trainer.output_dir", default="")):
+        node = task.trainer._get_node("output_dir") if "trainer" in task else None
+        if node is not None and "${hydra:" in str(node._value()):
             task.trainer.output_dir = run_dir  # what the run will resolve it to
         try:
             cfg, _ = prepare(task)
