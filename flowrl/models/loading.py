@@ -102,6 +102,11 @@ class ModelConfig:
                              f"got {self.path!r} (hub downloads are not used)")
         if self.path == SMOLLM2 and self.tiny is None and self.gguf_file is None:
             self.gguf_file = SMOLLM2_GGUF
+        if self.path != SMOLLM2 and self.gguf_file == SMOLLM2_GGUF and \
+                not (Path(self.path) / SMOLLM2_GGUF).is_file():
+            # the schema's default section (path=smollm2) filled this in, not the user: a
+            # model.path=/hf/dir override must load that folder, not look for SmolLM2's GGUF there
+            self.gguf_file = None
         if self.tiny is None and self.path != SMOLLM2 and self.gguf_file is None:
             check_model_dir(Path(self.path))  # (a missing gguf_file: load_model names it)
 
