@@ -164,3 +164,23 @@ def test_cli_one_row_per_step_clean_console_and_a_refused_second_run(tmp_path):
     # the first run's record is intact: Hydra was stopped before it rewrote .hydra/
     assert (d / ".hydra/overrides.yaml").read_text() == record
     assert (d / "metrics.jsonl").read_text() == metrics
+
+
+def test_the_readmes_worked_example_runs_as_written(tmp_path):
+    """The README's "Your own data" bash block, run as a new user would (``flowrl`` = this
+    checkout's ``python -m flowrl.cli``), in an empty directory."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Your own data"):]
+    block = section[section.index("```bash\n") + 8:]
+    block = block[:block.index("```")]
+    assert "cat > my_prompts.jsonl" in block and "data.path=my_prompts.jsonl" in block
+    script = block.replace("flowrl train", f"{sys.executable} -m flowrl.cli train", 1)
+    r = subprocess.run(["bash", "-euc", script], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300, env={**ENV, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "runs/my_data"
+    assert [x["step"] for x in rows(out)] == [0, 1, 2]
+    answers = [json.loads(x) for x in (out / "eval_after.jsonl").read_text().splitlines()]
+    assert [a["ground_truth"] for a in answers] == ["7", "36"]
+    config = (out / ".hydra/config.yaml").read_text()
+    assert "instruction: Write the final answer on its own line as '#### <number>'." in config
