@@ -16,9 +16,9 @@ from flowrl.engines.base import SamplingConfig
 from flowrl.ops.reward import decode_responses
 from flowrl.rewards import REWARD_FUNCTIONS, RewardFn, gsm8k_format_reward, math_verify_reward
 
-# (response texts, per-answer fields: ground_truth, question, data.extra_keys) -> rewards
-# (float; NaN = unscorable)
-Score = Callable[[list[str], list[dict[str, Any]]], list[float]]
+# (response texts, per-answer fields: ground_truth, question, data.extra_keys, the answers' rows
+# in the evaluation slice) -> rewards (float; NaN = unscorable)
+Score = Callable[[list[str], list[dict[str, Any]], list[int]], list[float]]
 
 
 @dataclass
@@ -58,7 +58,8 @@ def rule_eval_scorer(verifier: str = "gsm8k", *, format_score: float = 0.0,
     gsm8k = verifier == "gsm8k"
     return EvalScorer(
         name=f"reward.rule {verifier}" + (f" (stage '{stage}')" if stage else ""),
-        score=lambda texts, fields: [float(fn(t, f["ground_truth"], **kw)) for t, f in zip(texts, fields)],
+        score=lambda texts, fields, rows: [float(fn(t, f["ground_truth"], **kw))
+                                           for t, f in zip(texts, fields)],
         lenient=math_verify_reward if gsm8k else None,
         answer_format=gsm8k_format_reward if gsm8k else None,
         # a verifier raises ValueError on a reference it cannot read, whatever the answer
@@ -68,12 +69,12 @@ def rule_eval_scorer(verifier: str = "gsm8k", *, format_score: float = 0.0,
 def function_eval_scorer(cfg, stage: str = "") -> EvalScorer:
     """An :class:`EvalScorer` of a ``reward.function`` stage's config (``FunctionRewardConfig``):
     the same user function, workers, timeout and component weights as in training; metadata
-    ``group_id`` = the answer's row in the evaluation slice, ``step`` = -1."""
+    ``group_id`` = ``index`` = the answer's row in the evaluation slice, ``step`` = -1."""
     from flowrl.ops.reward import _runner
     from flowrl.rewards.function import OK, combine
 
-    def score(texts: list[str], fields: list[dict[str, Any]]) -> list[float]:
-        metas = [{"group_id": i, "index": i, "step": -1} for i in range(len(texts))]
+    def score(texts: list[str], fields: list[dict[str, Any]], rows: list[int]) -> list[float]:
+        metas = [{"group_id": i, "index": i, "step": -1} for i in rows]
         return [combine(o.components, cfg.weights) if o.status == OK else math.nan
                 for o in _runner(cfg).score(texts, fields, metas)]
 
@@ -148,7 +149,7 @@ def evaluate_greedy(rollout_engine, prompts, tokenizer, scorer: EvalScorer, *, s
         out = rollout_engine.generate(batch.prompt_ids, batch.prompt_mask, params)
         texts = decode_responses(tokenizer, out.response_ids, out.response_mask)
         fields = [{"ground_truth": gt, **f} for gt, f in zip(batch.ground_truth, batch.fields)]
-        rewards = scorer.score(texts, fields)
+        rewards = scorer.score(texts, fields, batch.prompt_index.tolist())
         for i, text, truth, reward, n_tok, trunc in zip(
                 batch.prompt_index.tolist(), texts, batch.ground_truth, rewards,
                 out.response_mask.sum(-1).tolist(), out.truncated.tolist()):

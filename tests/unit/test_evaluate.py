@@ -99,3 +99,25 @@ def test_gpu_recipe_evaluates_the_whole_split():
     assert cfg.trainer.eval.batch_size >= 1319  # one generate call for the split
     assert (cfg.trainer.prompts_per_step, cfg.algorithm.n, cfg.rollout.backend) == (64, 8, "vllm")
     assert cfg.trainer.eval.max_new_tokens == cfg.rollout.sampling.max_new_tokens
+
+
+def test_the_eval_scores_with_the_graphs_own_verifier():
+    """eval_scorer reads the graph: its reward.rule stage's verifier and settings (format_score
+    shapes eval/reward_mean, never accuracy); the GSM8K views come only with the gsm8k verifier."""
+    from flowrl.compiler.plan import compile_plan
+    from flowrl.config import REPO_ROOT
+    from flowrl.graph import Graph
+    from flowrl.runtime.evaluate import eval_scorer
+
+    run = {"algorithm": {"recompute_old_logprobs": True, "kl_coef": 0.0}}
+    graph = Graph.load(REPO_ROOT / "graphs/grpo.yaml")
+    s = eval_scorer(compile_plan(graph, run))
+    assert s.name == "reward.rule gsm8k (stage 'reward')"
+    assert s.score(["#### 4", "#### 5", "4"], [{"ground_truth": "4"}] * 3, [0, 1, 2]) == [1.0, 0.1, 0.0]
+    assert s.lenient is not None and s.answer_format is not None
+    with pytest.raises(ValueError, match="gsm8k ground_truth must hold a number, got 'forty'"):
+        s.check_ground_truth("forty")
+    graph["reward"].params["verifier"] = "math_verify"
+    s = eval_scorer(compile_plan(graph, run))
+    assert s.name == "reward.rule math_verify (stage 'reward')" and s.lenient is None
+    assert s.score([r"so \boxed{4}"], [{"ground_truth": "4"}], [0]) == [1.0]
