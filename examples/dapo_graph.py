@@ -42,7 +42,7 @@ def add_dynamic_sampling(g: Graph) -> Graph:
 def dapo_graph():
     return add_dynamic_sampling(critic_free_graph("dapo", (
         "DAPO (Yu et al. 2025) on GSM8K: sample -> rollout -> reward + soft overlong punishment\n"
-        "-> dynamic sampling (drop groups with zero accuracy variance, refill up to 4 attempts)\n"
+        "-> dynamic sampling (drop groups with zero accuracy variance, refill up to 16 attempts)\n"
         "-> ref/old logprobs -> advantage.grpo -> update with clip-higher (0.2/0.28), token-mean\n"
         "loss and overlong filtering (algorithm.mask_truncated: truncated completions leave the loss).\n"
         "Run: flowrl train graph=dapo    Plan only: flowrl plan graph=dapo"), "grpo"))

@@ -100,6 +100,9 @@ class TrainerConfig:
         save_every: checkpoint every k steps (0 = only at the end).
         keep_last: checkpoints kept on disk.
         resume: continue from the newest complete checkpoint in ``output_dir`` (fresh start if none).
+            Without it a run refuses a directory that holds a previous run (``runtime/rundir.py``).
+        overwrite: start fresh in a directory that holds a previous run, deleting that run's
+            outputs (checkpoints, metrics, TensorBoard, summary, plan) first.
         async_save: periodic checkpoints with ``dcp.async_save``: the step waits only for the copy
             to host memory; the write finishes in the background (the final one is synchronous).
         engine: optimizer / micro-batching of the training engine (actor; the critic too).
@@ -118,6 +121,7 @@ class TrainerConfig:
     save_every: int = 0
     keep_last: int = 2
     resume: bool = False
+    overwrite: bool = False
     async_save: bool = False
     engine: TrainEngineConfig = field(default_factory=TrainEngineConfig)
     critic_lr: Optional[float] = None

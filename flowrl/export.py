@@ -13,6 +13,14 @@ from pathlib import Path
 from typing import Optional
 
 
+def _check_exists(ckpt: Path) -> None:
+    """Before any slow import (torch, transformers): a mistyped path answers at once."""
+    if not ckpt.is_dir():
+        near = sorted(p.name for p in ckpt.parent.glob("step_*")) if ckpt.parent.is_dir() else []
+        raise FileNotFoundError(f"export: no checkpoint at {ckpt} (not found" + (
+            f"; {ckpt.parent} has {', '.join(near)})" if near else ")"))
+
+
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=None, *,
                       role: str = "actor") -> Path:
     """Load ``role``'s weights from a checkpoint and ``save_pretrained`` them with the tokenizer.
@@ -27,17 +35,19 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
     Returns: ``out_dir``.
 
     Raises:
-        FileNotFoundError: not a complete checkpoint. ValueError: no model config anywhere, or
-            a tampered / corrupt checkpoint (``runtime.checkpoint.verify_checkpoint``; nothing
-            is loaded, connected or written then).
+        FileNotFoundError: no such directory, or not a complete checkpoint. ValueError: no model
+            config anywhere, or a tampered / corrupt checkpoint
+            (``runtime.checkpoint.verify_checkpoint``; nothing is loaded, connected or written then).
     """
+    ckpt = Path(checkpoint)
+    _check_exists(ckpt)
+
     import torch.distributed.checkpoint as dcp
     from omegaconf import OmegaConf
 
     from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
     from flowrl.runtime.checkpoint import WeightsOnlyReader, verify_checkpoint
 
-    ckpt = Path(checkpoint)
     meta_path = ckpt / "trainer_state.json"
     if not (meta_path.is_file() and (ckpt / ".metadata").is_file()):
         raise FileNotFoundError(f"export: {ckpt} is not a complete flowrl checkpoint "
@@ -72,6 +82,7 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("out_dir", type=Path)
     p.add_argument("--role", default="actor")
     args, overrides = p.parse_known_args(argv)
+    _check_exists(args.checkpoint)
     model_cfg: Optional[object] = None
     if overrides:
         from flowrl.cli import compose

@@ -67,6 +67,9 @@ def _prepare(raw: DictConfig | dict) -> tuple[TrainConfig, ExecutionPlan, list[R
 
     check_kl_in_reward(plan, cfg.algorithm)
     prepare_placement(cfg, plan, world_size(cfg))  # an impossible placement fails here
+    from flowrl.runtime.preflight import check_run_inputs
+
+    check_run_inputs(cfg, plan)  # a bad model folder, data file, column or row: one line
     return cfg, plan, resolved
 
 
@@ -247,13 +250,12 @@ def _train_state(engines: dict[str, Any]) -> dict[str, Any]:
 
 
 def train(raw: DictConfig | dict) -> dict[str, Any]:
-    """Run a whole training job; returns the summary also written to ``summary.json``."""
-    from flowrl.data import PromptSource
-    from flowrl.models.loading import load_tokenizer
-    from flowrl.ops import token_rewards as token_rewards_op
-    from flowrl.rewards import REWARD_FUNCTIONS
-    from flowrl.runtime.evaluate import evaluate_greedy
+    """Run a whole training job; returns the summary also written to ``summary.json``.
 
+    Raises:
+        ConfigError: rejected before any model loaded. RunDirError: the run directory holds a
+            previous run (``trainer.resume`` / ``trainer.overwrite``) or another run.
+    """
     from flowrl.runtime import distributed as fdist
 
     cfg, plan, resolved = prepare_run(raw)
@@ -271,6 +273,34 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
     # ranks' Hydra run dirs can differ by a timestamp second: all use rank 0's (DCP needs one dir)
     out_dir = Path(fdist.broadcast_object(cfg.trainer.output_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
+    from flowrl.runtime import rundir
+
+    lock = rundir.claim_run_dir(out_dir, cfg.trainer, rank0=rank0)  # one run per directory
+    try:
+        return _train_in(out_dir, raw, cfg, plan, resolved, dinfo)
+    finally:
+        lock.release()
+
+
+def _train_in(out_dir: Path, raw, cfg: TrainConfig, plan: ExecutionPlan, resolved: list[Resolved],
+              dinfo) -> dict[str, Any]:
+    """:func:`train`'s run in ``out_dir``, which it holds (``runtime/rundir.py``)."""
+    from flowrl.data import PromptSource
+    from flowrl.models.loading import load_tokenizer
+    from flowrl.ops import token_rewards as token_rewards_op
+    from flowrl.runtime import distributed as fdist
+    from flowrl.runtime.evaluate import eval_line, eval_scorer, evaluate_greedy
+    from flowrl.runtime.rundir import finished_run_summary
+
+    rank0 = dinfo.rank == 0
+    if cfg.trainer.resume:  # a finished run: say so once, load nothing
+        done = finished_run_summary(out_dir, cfg.trainer.total_steps)
+        if done is not None:
+            if rank0:
+                print(f"run already complete at step {done[0]} (trainer.total_steps="
+                      f"{cfg.trainer.total_steps}); raise trainer.total_steps to train further",
+                      flush=True)
+            return done[1]
     ckpts = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
     resume_from = start_checkpoints(ckpts, cfg.trainer.resume)  # before anything writes here
     if cfg.placement.mode == "auto" and dinfo.world_size > 1:
@@ -340,18 +370,20 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
             history = meta.get("history", [])
             if (out_dir / "summary.json").is_file():  # keep the record of the earlier part
                 summary = json.loads((out_dir / "summary.json").read_text())
-            log.info("resumed from %s: continuing at step %d", latest, start)
+            log.info("resumed from %s: continuing at step %d of %d", latest, start,
+                     cfg.trainer.total_steps)
         else:
             log.info("trainer.resume=true but no checkpoint in %s: starting fresh", ckpts.root)
 
-    verifier = REWARD_FUNCTIONS["gsm8k"]
+    scorer = eval_scorer(plan)  # the graph's own verifier (prepare checked there is one)
     ev = cfg.trainer.eval
     eval_kw = dict(split=ev.split, limit=ev.limit, batch_size=ev.batch_size,
                    max_new_tokens=ev.max_new_tokens, stop_token_ids=cfg.rollout.sampling.stop_token_ids)
     summary.update({"model_load_s": load_s, "plan_order": plan.order})
     finished = start > cfg.trainer.total_steps  # resumed a run that had already completed
     logger = MetricsLogger(out_dir, cfg.logger, cfg.trainer.total_steps, enabled=rank0,
-                           run_config=OmegaConf.to_container(OmegaConf.structured(cfg)))
+                           run_config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+                           first_step=start)
     with logger:
         logger.print(f"[bold]flowrl[/bold] graph={plan.graph.name} steps={cfg.trainer.total_steps} "
                      f"batch={cfg.trainer.prompts_per_step}x{cfg.algorithm.n} out={out_dir}")
@@ -361,12 +393,13 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
         for r in resolved:
             logger.print(f"  resolved {r}")
         if ev.before and start == 1 and rank0:  # rank 0's rollout engine holds full weights
-            before = evaluate_greedy(engines["rollout"], prompts, tokenizer, verifier, **eval_kw,
-                                     samples_path=out_dir / "eval_before.jsonl")
+            before = evaluate_greedy(engines["rollout"], prompts, tokenizer, scorer, **eval_kw,
+                                     samples_path=out_dir / "eval_before.jsonl",
+                                     on_progress=logger.eval_progress("eval before"))
             summary["eval_before"] = before
             if before:
                 logger.log(0, before)
-                logger.print(f"eval before: {_eval_line(before)}")
+                logger.print(f"eval before: {eval_line(before)}")
         logger.set_progress(start - 1)
         for step in range(start, cfg.trainer.total_steps + 1):
             fdist.mark_step(step)  # the peer monitor names a rank that stops making progress
@@ -395,12 +428,13 @@ def train(raw: DictConfig | dict) -> dict[str, Any]:
             logger.print(f"run already complete at step {start - 1} (trainer.total_steps="
                          f"{cfg.trainer.total_steps}); raise trainer.total_steps to train further")
         if ev.after and rank0 and not finished:
-            after = evaluate_greedy(engines["rollout"], prompts, tokenizer, verifier, **eval_kw,
-                                    samples_path=out_dir / "eval_after.jsonl")
+            after = evaluate_greedy(engines["rollout"], prompts, tokenizer, scorer, **eval_kw,
+                                    samples_path=out_dir / "eval_after.jsonl",
+                                    on_progress=logger.eval_progress("eval after"))
             summary["eval_after"] = after
             if after:
                 logger.log(cfg.trainer.total_steps, after)
-                logger.print(f"eval after: {_eval_line(after)}")
+                logger.print(f"eval after: {eval_line(after)}")
     summary["history"] = history
     summary["checkpoint"] = str(ckpts.latest())
     if rank0:
@@ -423,13 +457,6 @@ def start_checkpoints(ckpts: CheckpointManager, resume: bool):
         return ckpts.resume_point() if resume else None
     except (UnsafeCheckpointError, CorruptCheckpointError) as e:
         raise ConfigError(f"trainer.resume: {e}") from e
-
-
-def _eval_line(m: dict[str, float]) -> str:
-    """The console line of an eval: strict and math-verify accuracy, share of `#### n` answers."""
-    return (f"accuracy {m['eval/accuracy']:.3f} (math-verify "
-            f"{m.get('eval/accuracy_math_verify', float('nan')):.3f}, #### format "
-            f"{m.get('eval/format_frac', float('nan')):.2f}) on {m['eval/n']:.0f}")
 
 
 def _peak_rss_gib() -> float:
@@ -469,16 +496,28 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     import sys
 
+    from hydra.core.hydra_config import HydraConfig
+
+    from flowrl.runtime import rundir
     from flowrl.runtime.distributed import teardown
     from flowrl.runtime.recovery import report_crash, stop_on_sigterm
 
+    hydra_dir = HydraConfig.get().runtime.output_dir
     stop_on_sigterm()  # torchrun stops the survivors of a dead rank with SIGTERM
     try:
         train(cfg)
-    except ConfigError as e:  # rejected before any model loaded: one clear line, no traceback
+    except (ConfigError, rundir.RunDirError) as e:  # rejected before any model loaded: one line
         print(f"flowrl train: error: {e}", file=sys.stderr)
+        if isinstance(e, ConfigError):  # a multirun job's directory: Hydra's files only
+            rundir.remove_hydra_leftovers(Path(hydra_dir))
         sys.exit(2)
-    except BaseException as e:  # Ctrl-C, SIGTERM, a dead peer, a full disk, a diverged step...
+    except KeyboardInterrupt:
+        print(f"\nflowrl train: interrupted; {rundir.resume_hint(cfg.trainer.output_dir, hydra_dir)}",
+              file=sys.stderr)
+        sys.exit(130)
+    except BaseException as e:  # SIGTERM, a dead peer, a full disk, a diverged step...
+        if isinstance(e, SystemExit):
+            raise
         sys.exit(report_crash(e, cfg.trainer.output_dir))
     finally:
         teardown()

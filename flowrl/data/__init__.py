@@ -1,9 +1,12 @@
-"""Datasets (bundled GSM8K), prompt rendering/collation, and the stateful prompt sampler."""
+"""Datasets (bundled GSM8K, your own files), prompt rendering/collation, and the stateful prompt
+sampler."""
+from flowrl.data.files import DataError
 from flowrl.data.gsm8k import DATASETS, SPLITS, load_gsm8k, parse_ground_truth
 from flowrl.data.prompts import (DEFAULT_INSTRUCTION, DataConfig, PromptBatch, PromptSource,
-                                 build_messages, collate_prompts, render_prompts)
+                                 build_messages, collate_prompts, load_records, record_messages,
+                                 render_prompts)
 from flowrl.data.sampler import PromptSampler
 
-__all__ = ["DATASETS", "DEFAULT_INSTRUCTION", "DataConfig", "PromptBatch", "PromptSampler",
-           "PromptSource", "SPLITS", "build_messages", "collate_prompts", "load_gsm8k",
-           "parse_ground_truth", "render_prompts"]
+__all__ = ["DATASETS", "DEFAULT_INSTRUCTION", "DataConfig", "DataError", "PromptBatch",
+           "PromptSampler", "PromptSource", "SPLITS", "build_messages", "collate_prompts",
+           "load_gsm8k", "load_records", "parse_ground_truth", "record_messages", "render_prompts"]

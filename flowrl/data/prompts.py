@@ -3,8 +3,10 @@ stateful ``PromptSource`` that hands each rank its groups with explicit group id
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -15,48 +17,141 @@ from flowrl.data.sampler import PromptSampler
 
 log = logging.getLogger(__name__)
 
+# group id -> record entries kept for reward functions (a few steps of any batch size)
+_RECENT_GROUPS = 1 << 16
+
 DEFAULT_INSTRUCTION = ("Let's reason step by step, then write the final answer on its own line "
                        "as '#### <number>'.")
 
 
 @dataclass
 class DataConfig:
-    """Which prompts to train on and how they are rendered.
+    """Which prompts to train (and evaluate) on and how they are rendered.
 
     Attributes:
-        name: dataset name, a key of ``flowrl.data.gsm8k.DATASETS`` (``"gsm8k"``).
-        split: ``"train"`` or ``"test"``.
+        name: bundled dataset, a key of ``flowrl.data.gsm8k.DATASETS`` (``"gsm8k"``); used when
+            ``path`` is null.
+        path: your own prompts instead: a local ``.jsonl`` / ``.json`` (array of objects) /
+            ``.parquet`` / ``.csv`` file, or a directory ``datasets`` can load (``save_to_disk``
+            output, or data files named by split: ``train.jsonl``, ``test.jsonl``).
+            Relative paths start in the working directory. See ``flowrl.data.files``.
+        eval_path: the prompts of ``trainer.eval`` (same forms as ``path``); null = ``path``
+            (its ``trainer.eval.split``), or the bundled dataset's. A single ``path`` file has no
+            held-out split: set ``eval_path`` (to ``path`` itself to evaluate on the training
+            prompts) or ``trainer.eval.limit=0``.
+        split: training split: ``"train"`` or ``"test"`` of the bundled dataset, a split name
+            of a ``path`` directory; a file is one split (its rows, whatever this says).
+        prompt_key: ``path``'s column holding the prompt: a string (the user turn, followed by
+            ``instruction``, after ``system_prompt``) or a list of chat messages
+            ``[{"role", "content"}, ...]`` rendered as they are.
+        ground_truth_key: column of the reference answer (string or number) the graph's reward
+            verifier compares with; null = none (e.g. a reward model scores the answers).
+        extra_keys: more columns handed to reward functions in their ``fields`` argument
+            (``flowrl.rewards.function``); for the bundled GSM8K: ``answer`` (the worked solution).
         limit: use only the first ``limit`` examples of the split (None = all).
         system_prompt: system message; None keeps the chat template's default (SmolLM2's
             template then inserts its own "You are a helpful AI assistant named SmolLM..." line).
-        instruction: appended to the question on a new line ("" = question only).
+        instruction: appended to a string prompt on a new line ("" = the prompt only); null =
+            the dataset's own: GSM8K's asks for the ``#### <number>`` answer line, a ``path``
+            has none.
         max_prompt_tokens: prompts longer than this are skipped and counted, never cut.
         shuffle: reshuffle prompts every epoch.
         seed: sampler seed (with the epoch it fixes the order).
     """
 
     name: str = "gsm8k"
+    path: Optional[str] = None
+    eval_path: Optional[str] = None
     split: str = "train"
+    prompt_key: str = "prompt"
+    ground_truth_key: Optional[str] = "ground_truth"
+    extra_keys: list[str] = field(default_factory=list)
     limit: Optional[int] = None
     system_prompt: Optional[str] = None
-    instruction: str = DEFAULT_INSTRUCTION
+    instruction: Optional[str] = None
     max_prompt_tokens: int = 256
     shuffle: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.name not in DATASETS:
-            raise ValueError(f"data.name must be one of {tuple(DATASETS)}, got {self.name!r}")
-        if self.split not in SPLITS:
-            raise ValueError(f"data.split must be 'train' or 'test', got {self.split!r}")
+        from flowrl.data.files import check_path
+
+        self.extra_keys = [str(k) for k in self.extra_keys]
+        if self.path is None:
+            if self.name not in DATASETS:
+                raise ValueError(f"data.name must be one of {tuple(DATASETS)}, got {self.name!r}")
+            if self.split not in SPLITS:
+                raise ValueError(f"data.split must be 'train' or 'test', got {self.split!r}")
+            unknown = sorted(set(self.extra_keys) - set(BUNDLED_COLUMNS))
+            if unknown:
+                raise ValueError(f"data.extra_keys: the bundled {self.name} has no column(s) "
+                                 f"{unknown}; it has {list(BUNDLED_COLUMNS)}")
+        else:
+            check_path(self.path, "data.path")
+        if self.eval_path is not None:
+            check_path(self.eval_path, "data.eval_path")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"data.limit must be >= 1 or None, got {self.limit}")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if self.instruction is None:  # the dataset's own: one home for the GSM8K line
+            self.instruction = DEFAULT_INSTRUCTION if self.path is None else ""
         if not isinstance(self.instruction, str):
             raise ValueError(f"data.instruction must be a string, got {self.instruction!r}")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ValueError(f"data.system_prompt must be a string or None, got {self.system_prompt!r}")
+
+    @property
+    def source_name(self) -> str:
+        """The training prompts in messages: the bundled name and split, or the path."""
+        return f"{self.name}/{self.split}" if self.path is None else str(self.path)
+
+
+# columns of the bundled datasets' records (flowrl.data.gsm8k)
+BUNDLED_COLUMNS = ("question", "answer", "ground_truth")
+
+
+def _bundled_records(cfg: DataConfig, split: str, limit: Optional[int]) -> tuple[dict, ...]:
+    return tuple({"prompt": r["question"], "question": r["question"],
+                  "ground_truth": r["ground_truth"], "fields": {k: r[k] for k in cfg.extra_keys}}
+                 for r in DATASETS[cfg.name](split, limit))
+
+
+def load_records(cfg: DataConfig, split: Optional[str] = None, limit: Optional[int] = None, *,
+                 for_eval: bool = False) -> tuple[dict, ...]:
+    """The records (``flowrl.data.files``) of the training source (``for_eval=False``: ``path``
+    or the bundled ``name``) or of the evaluation source (``eval_path``, else the training one),
+    split ``split`` (default ``cfg.split``), the first ``limit`` (None = all).
+
+    Raises:
+        DataError (a ValueError): a bad file, column or row, in one line naming it; a single
+            ``path`` file asked for evaluation prompts with no ``eval_path``.
+        ValueError: a bundled split that does not exist.
+    """
+    from flowrl.data.files import DataError, is_single_file, load_file_records
+
+    split = cfg.split if split is None else split
+    path = (cfg.eval_path or cfg.path) if for_eval else cfg.path
+    if path is None:
+        if split not in SPLITS:
+            raise ValueError(f"{'trainer.eval' if for_eval else 'data'}.split must be 'train' or "
+                             f"'test' for the bundled {cfg.name}, got {split!r}")
+        return _bundled_records(cfg, split, limit)
+    if for_eval and cfg.eval_path is None and is_single_file(path):
+        raise DataError(f"trainer.eval: data.path {path} is a single file, so it has no held-out "
+                        f"split to evaluate on: set data.eval_path=FILE (data.eval_path={path} "
+                        "evaluates on the training prompts) or trainer.eval.limit=0")
+    records, _ = load_file_records(path, split, prompt_key=cfg.prompt_key,
+                                   ground_truth_key=cfg.ground_truth_key,
+                                   extra_keys=tuple(cfg.extra_keys),
+                                   split_field="trainer.eval.split" if for_eval else "data.split")
+    return records if limit is None else records[:limit]
+
+
+def record_messages(record: dict, cfg: DataConfig) -> list[dict[str, str]]:
+    """Chat messages of a record: its own when its prompt is a list, else :func:`build_messages`."""
+    prompt = record["prompt"]
+    return [dict(m) for m in prompt] if isinstance(prompt, list) else build_messages(prompt, cfg)
 
 
 def build_messages(question: str, cfg: DataConfig) -> list[dict[str, str]]:
@@ -69,15 +164,18 @@ def build_messages(question: str, cfg: DataConfig) -> list[dict[str, str]]:
     return messages
 
 
-def render_prompts(questions: Sequence[str], tokenizer: Any,
+def render_prompts(prompts: Sequence[str | list[dict[str, str]]], tokenizer: Any,
                    cfg: DataConfig) -> tuple[list[str], list[list[int]]]:
     """Apply the tokenizer's chat template (with the assistant generation prefix) and encode.
+
+    Each prompt is a question (rendered by :func:`build_messages`) or a list of chat messages
+    (rendered as they are).
 
     Returns ``(texts, token_lists)``; tokens are encoded without extra special tokens, so they
     equal ``apply_chat_template(..., tokenize=True)``.
     """
-    texts = [tokenizer.apply_chat_template(build_messages(q, cfg), tokenize=False,
-                                           add_generation_prompt=True) for q in questions]
+    texts = [tokenizer.apply_chat_template(record_messages({"prompt": q}, cfg), tokenize=False,
+                                           add_generation_prompt=True) for q in prompts]
     tokens = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     return texts, [list(t) for t in tokens]
 
@@ -119,6 +217,7 @@ class PromptBatch:
         group_id: (B,) int64, identity of the prompt instance (see ``PromptSource.sample``).
         prompt_index: (B,) int64, index of the record in the loaded split.
         ground_truth: B reference answers. prompt_text: B rendered prompts (chat template applied).
+        fields: B dicts for reward functions: ``question`` and the ``data.extra_keys`` columns.
     """
 
     prompt_ids: Tensor
@@ -127,6 +226,7 @@ class PromptBatch:
     prompt_index: Tensor
     ground_truth: list[str]
     prompt_text: list[str]
+    fields: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -149,7 +249,7 @@ class PromptSource:
     def __init__(self, cfg: DataConfig, tokenizer: Any, *, rank: int = 0, world_size: int = 1):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.rank, self.world_size = rank, world_size
-        self.records = DATASETS[cfg.name](cfg.split, cfg.limit)
+        self.records = load_records(cfg, cfg.split, cfg.limit)
         self._texts, self._tokens, self._kept, self.num_skipped = self._encode(self.records)
         if not self._kept:
             raise ValueError(f"all {len(self.records)} prompts exceed data.max_prompt_tokens="
@@ -159,15 +259,15 @@ class PromptSource:
         self.step = 0  # sample() calls so far
         self.eval_skipped = 0  # over-long prompts of the last eval_batches slice
         self._group_offset = 0
+        self._group_records: OrderedDict[int, int] = OrderedDict()  # recent group id -> record
 
-    def _encode(self, records: list[dict[str, str]]):
-        texts, tokens = render_prompts([r["question"] for r in records], self.tokenizer, self.cfg)
+    def _encode(self, records: Sequence[dict[str, Any]]):
+        texts, tokens = render_prompts([r["prompt"] for r in records], self.tokenizer, self.cfg)
         kept = [i for i, t in enumerate(tokens) if len(t) <= self.cfg.max_prompt_tokens]
         skipped = len(records) - len(kept)
         if skipped:
-            log.warning("skipped %d of %d %s/%s prompts longer than data.max_prompt_tokens=%d",
-                        skipped, len(records), self.cfg.name, self.cfg.split,
-                        self.cfg.max_prompt_tokens)
+            log.warning("skipped %d of %d %s prompts longer than data.max_prompt_tokens=%d",
+                        skipped, len(records), self.cfg.source_name, self.cfg.max_prompt_tokens)
         return texts, tokens, kept, skipped
 
     def __len__(self) -> int:
@@ -183,7 +283,8 @@ class PromptSource:
             group_id=torch.tensor(group_ids, dtype=torch.int64).repeat_interleave(n),
             prompt_index=torch.tensor(rows, dtype=torch.int64),
             ground_truth=[records[i]["ground_truth"] for i in rows],
-            prompt_text=[texts[i] for i in rows])
+            prompt_text=[texts[i] for i in rows],
+            fields=[{"question": records[i]["question"], **records[i]["fields"]} for i in rows])
 
     def sample(self, num_prompts: int, n: int) -> PromptBatch:
         """Draw this rank's next ``num_prompts`` prompts, each repeated ``n`` times (tiled).
@@ -205,12 +306,23 @@ class PromptSource:
                             self._texts, self._tokens)
         self._group_offset += num_prompts * self.world_size
         self.step += 1
+        for gid, idx in zip(range(base, base + num_prompts), picks):
+            self._group_records[gid] = idx
+        while len(self._group_records) > _RECENT_GROUPS:
+            self._group_records.popitem(last=False)
         return batch
+
+    def record_for_group(self, group_id: int) -> Optional[dict[str, Any]]:
+        """The record a recent ``sample`` drew for ``group_id`` (None when it is older than the
+        last ``_RECENT_GROUPS`` groups or was never drawn here): what reward functions see."""
+        idx = self._group_records.get(int(group_id))
+        return None if idx is None else self.records[idx]
 
     def eval_batches(self, limit: Optional[int], batch_size: int,
                      split: Optional[str] = None, shard: bool = True) -> Iterator[PromptBatch]:
         """Greedy-evaluation batches over a FIXED slice: the first ``limit`` records of ``split``
-        (default: this source's split), in file order, never shuffled, one sample per prompt.
+        (default: this source's split) of the evaluation source (``data.eval_path``, else the
+        training one; ``load_records``), in file order, never shuffled, one sample per prompt.
 
         Over-long prompts are skipped (count in ``eval_skipped``). With ``shard`` the slice is
         sharded by rank (``kept[rank::world_size]``, sizes may differ by one); ``shard=False``
@@ -223,7 +335,7 @@ class PromptSource:
         if batch_size < 1:
             raise ValueError(f"eval batch_size must be >= 1, got {batch_size}")
         split = self.cfg.split if split is None else split
-        records = DATASETS[self.cfg.name](split, limit)
+        records = load_records(self.cfg, split, limit, for_eval=True)
         texts, tokens, kept, self.eval_skipped = self._encode(records)
         mine = kept[self.rank::self.world_size] if shard else kept
         for start in range(0, len(mine), batch_size):

@@ -103,6 +103,13 @@ class ModelConfig:
                              f"got {self.path!r} (hub downloads are not used)")
         if self.path == SMOLLM2 and self.tiny is None and self.gguf_file is None:
             self.gguf_file = SMOLLM2_GGUF
+        if self.path != SMOLLM2 and self.gguf_file == SMOLLM2_GGUF and \
+                not (Path(self.path) / SMOLLM2_GGUF).is_file():
+            # the schema's default section (path=smollm2) filled this in, not the user: a
+            # model.path=/hf/dir override must load that folder, not look for SmolLM2's GGUF there
+            self.gguf_file = None
+        if self.tiny is None and self.path != SMOLLM2 and self.gguf_file is None:
+            check_model_dir(Path(self.path))  # (a missing gguf_file: load_model names it)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -118,6 +125,28 @@ class ModelConfig:
     def uses_bundled_tokenizer(self) -> bool:
         """True for smollm2 and tiny models (tokenizer from ``bundled_tokenizer_dir()``)."""
         return self.tiny is not None or self.path == SMOLLM2
+
+
+# any one of these makes AutoTokenizer load without falling back to sentencepiece/tiktoken
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_dir(folder: Path, gguf_file: Optional[str] = None, *, tokenizer: bool = False) -> None:
+    """``model.path``'s folder must hold a model: ``config.json`` (or ``gguf_file``), and with
+    ``tokenizer`` tokenizer files too, so a wrong folder is one line here instead of a
+    transformers traceback about sentencepiece or tiktoken.
+
+    Raises:
+        ValueError: naming the folder and what is missing.
+    """
+    weights = (folder / gguf_file) if gguf_file else (folder / "config.json")
+    missing = [] if weights.is_file() else [weights.name]
+    if tokenizer and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        missing.append("tokenizer files (" + " / ".join(TOKENIZER_FILES) + ")")
+    if missing:
+        raise ValueError(f"model.path {str(folder)!r} holds no Hugging Face model (no "
+                         f"{' and no '.join(missing)}): point it at a model directory "
+                         "(save_pretrained output), or use model=smollm2 / model=tiny")
 
 
 def smollm2_dir() -> Path:
@@ -138,9 +167,14 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """Fast tokenizer with ``padding_side="left"`` and a pad token (pad = eos if it had none).
 
     SmolLM2 and tiny models use the bundled tokenizer (no GGUF parse); an HF directory its own.
+
+    Raises:
+        ValueError: the directory has no tokenizer files (:func:`check_model_dir`).
     For SmolLM2 ``<|im_end|>`` (id 2) is EOS and pad at once, so masks must come from lengths.
     """
     src = bundled_tokenizer_dir() if cfg.uses_bundled_tokenizer else Path(cfg.path)
+    if not cfg.uses_bundled_tokenizer:
+        check_model_dir(src, cfg.gguf_file, tokenizer=True)
     tok = AutoTokenizer.from_pretrained(str(src))
     if tok.pad_token is None:
         if tok.eos_token is None:

@@ -39,19 +39,28 @@ def _question_index(source) -> dict[tuple, str]:
     return _QUESTIONS[source]
 
 
-def prompt_fields(ctx: StageContext, ground_truth, prompt_ids=None, prompt_mask=None) -> list[dict]:
+def prompt_fields(ctx: StageContext, ground_truth, prompt_ids=None, prompt_mask=None,
+                  group_id=None) -> list[dict]:
     """Per-sample prompt fields handed to reward functions and judges: ``ground_truth`` always;
-    ``prompt`` (rendered prompt text) and ``question`` when the prompt tokens are given and the
-    run's prompt source knows them."""
+    ``prompt`` (rendered prompt text) when the prompt tokens are given; ``question`` and the
+    ``data.extra_keys`` columns of the sample's record when the run's prompt source knows it (by
+    ``group_id``: the record that ``data.sample`` drew for the group; else by prompt tokens,
+    the question only)."""
     fields = [{"ground_truth": gt} for gt in ground_truth]
+    source = ctx.resources.get("prompts")
+    if group_id is not None and source is not None:
+        for f, g in zip(fields, group_id.tolist()):
+            record = source.record_for_group(g)
+            if record is not None:
+                f.update(question=record["question"], **record["fields"])
     if prompt_ids is None or prompt_mask is None:
         return fields
     tok = ctx.resource("tokenizer")
-    index = _question_index(ctx.resources["prompts"]) if "prompts" in ctx.resources else {}
+    index = _question_index(source) if source is not None else {}
     for f, ids, m in zip(fields, prompt_ids, prompt_mask):
         toks = ids[m.bool()].tolist()
         f["prompt"] = tok.decode(toks, skip_special_tokens=False)
-        if tuple(toks) in index:
+        if "question" not in f and tuple(toks) in index:
             f["question"] = index[tuple(toks)]
     return fields
 
@@ -175,7 +184,7 @@ def function_reward(ctx: StageContext, cfg: FunctionRewardConfig, *, response_id
     from flowrl.rewards.function import NONFINITE, OK, Outcome, combine, fits_float32
 
     texts = decode_responses(ctx.resource("tokenizer"), response_ids, response_mask)
-    fields = prompt_fields(ctx, ground_truth, prompt_ids, prompt_mask)
+    fields = prompt_fields(ctx, ground_truth, prompt_ids, prompt_mask, group_id)
     metas = [{"group_id": int(g), "index": i, "step": ctx.step} for i, g in enumerate(group_id.tolist())]
     outcomes = _runner(cfg).score(texts, fields, metas)
     for i, o in enumerate(outcomes):  # weights can push a float32-sized component past it

@@ -5,7 +5,7 @@
 
 - ``response_text``: the decoded RESPONSE only (never the prompt or the chat template's prefill).
 - ``fields``: the prompt's fields: ``ground_truth``, ``question`` (when the prompt source knows
-  it) and ``prompt`` (the rendered prompt text).
+  it), ``prompt`` (the rendered prompt text) and the ``data.extra_keys`` columns of the row.
 - ``metadata``: ``group_id`` (int, the prompt instance), ``index`` (row in the batch), ``step``.
 - return: a float, or a dict of named float components (combined by weights in the op config).
 

@@ -30,6 +30,7 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -40,6 +41,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from flowrl.runtime import distributed as fdist
 
 log = logging.getLogger(__name__)
+# a one-process run saves and loads DCP checkpoints without a process group on purpose: DCP's
+# warning about it would print at every checkpoint
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                        "uninitialized", category=UserWarning)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _META = "trainer_state.json"
 # headroom over the tensor bytes: DCP's per-file zip framing, the index, trainer_state.json

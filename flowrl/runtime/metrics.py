@@ -4,11 +4,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 log = logging.getLogger(__name__)
 
@@ -49,26 +51,46 @@ def _fmt(key: str, value: float, spec: str, row: dict | None = None) -> str:
 
 
 class MetricsLogger:
-    """Args: out_dir: run dir (``metrics.jsonl`` and ``tb/`` go there); cfg: LoggerConfig;
-    total_steps: for the progress bar; enabled: False on ranks other than 0."""
+    """Per-step metrics: console lines, a progress display, ``metrics.jsonl``, TensorBoard, W&B
+    and MLflow.
+
+    ``metrics.jsonl`` holds exactly one row per step: metrics logged again for the step of the
+    last row (checkpoint time, the eval after the last step) are merged into that row in place.
+    A run that starts at ``first_step`` > 1 (a resume) first drops the rows of steps
+    >= ``first_step`` that the interrupted run logged after its checkpoint; a run from step 1
+    starts the file empty. TensorBoard hides those steps' events the same way (``purge_step``).
+
+    Args: out_dir: run dir (``metrics.jsonl`` and ``tb/`` go there); cfg: LoggerConfig;
+    total_steps: for the progress display; enabled: False on ranks other than 0; run_config: the
+    config for W&B/MLflow; first_step: the first step this run trains.
+    """
 
     def __init__(self, out_dir: str | Path, cfg, total_steps: int, *, enabled: bool = True,
-                 run_config: Optional[dict] = None):
+                 run_config: Optional[dict] = None, first_step: int = 1):
         self.cfg = cfg
         self.enabled = enabled
         self.out_dir = Path(out_dir)
-        self.console = Console(stderr=False)
+        self.total_steps = total_steps
+        # soft wrap: a line is never cut at the console width (80 columns when stdout is a file)
+        self.console = Console(stderr=False, soft_wrap=True)
         self._jsonl = self._tb = self._wandb = self._mlflow = None
+        self._last: Optional[tuple[int, dict, int]] = None  # (step, row, file offset) of the last row
         self._progress: Optional[Progress] = None
+        self._task = None
+        self._train_t0: Optional[float] = None
+        self._train_first = 0  # steps already done when this run's training began
         if not enabled:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if cfg.jsonl:
-            self._jsonl = open(self.out_dir / "metrics.jsonl", "a")
+            self._jsonl = _open_jsonl(self.out_dir / "metrics.jsonl", first_step)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.out_dir / "tb"))
+            tb = self.out_dir / "tb"
+            # events an interrupted run wrote for the steps this one redoes are hidden
+            purge = (first_step if first_step > 1 else 0) if tb.is_dir() and any(tb.iterdir()) else None
+            self._tb = SummaryWriter(str(tb), purge_step=purge)
         if cfg.wandb:
             import wandb  # optional dependency: fail loudly when asked for and missing
 
@@ -82,10 +104,9 @@ class MetricsLogger:
                 mlflow.log_params({k: str(v) for k, v in _flatten(run_config).items()})
         if cfg.progress:
             self._progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("reward {task.fields[reward]}"), TextColumn("step {task.fields[step_s]}"),
-                TimeRemainingColumn(), console=self.console, transient=False)
-            self._task = self._progress.add_task("train", total=total_steps, reward="-", step_s="-")
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                console=self.console, transient=False)
 
     def __enter__(self):
         if self._progress is not None:
@@ -96,17 +117,41 @@ class MetricsLogger:
         self.close()
 
     def set_progress(self, completed: int) -> None:
+        """Training begins with ``completed`` steps already done (a resume): the train bar shows
+        from here on (not during the eval before), and the ETA counts from now."""
+        self._train_t0, self._train_first = time.perf_counter(), completed
         if self._progress is not None:
+            if self._task is None:
+                self._task = self._progress.add_task("train", total=self.total_steps, info="")
             self._progress.update(self._task, completed=completed)
 
+    def eval_progress(self, label: str) -> Callable[[int, int], None]:
+        """A callback ``(answers done, answers in total)`` that shows an evaluation as its own
+        progress line (``label``: "eval before"); removed when the last answer is scored."""
+        task = None
+        t0 = time.perf_counter()
+
+        def update(done: int, total: int) -> None:
+            nonlocal task
+            if self._progress is None:
+                return
+            if task is None:
+                task = self._progress.add_task(label, total=total, info="greedy decoding")
+            self._progress.update(task, completed=done, info=(
+                "greedy decoding" if done == 0 else f"eta {_clock(_eta(t0, done, total))}"))
+            if done >= total:
+                self._progress.remove_task(task)
+
+        return update
+
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        if not self.enabled:
+        """Write ``metrics`` of ``step`` everywhere (nothing for an empty dict); a step equal to
+        the last row's is merged into that row."""
+        if not self.enabled or not metrics:
             return
         clean = {k: float(v) for k, v in metrics.items()}
         if self._jsonl:
-            self._jsonl.write(json.dumps({"step": step, **{k: (v if math.isfinite(v) else None)
-                                                           for k, v in clean.items()}}) + "\n")
-            self._jsonl.flush()
+            self._write_row(step, {k: (v if math.isfinite(v) else None) for k, v in clean.items()})
         if self._tb:
             for k, v in clean.items():
                 self._tb.add_scalar(k, v, step)
@@ -121,10 +166,28 @@ class MetricsLogger:
             parts = [f"{short}={_fmt(k, clean[k], spec, clean)}" for k, short, spec in _CONSOLE_KEYS if k in clean]
             if parts:
                 self.console.print(f"[dim]step {step:>4}[/dim] " + " ".join(parts))
-        if self._progress is not None and "perf/step_s" in clean:
-            self._progress.update(self._task, advance=1,
-                                  reward=f"{clean.get('reward/mean', float('nan')):.3f}",
-                                  step_s=f"{clean['perf/step_s']:.1f}s")
+        if "perf/step_s" in clean and self._train_t0 is not None:
+            done = step - self._train_first
+            eta = _eta(self._train_t0, done, self.total_steps - self._train_first)
+            if self._progress is not None and self._task is not None:
+                self._progress.update(self._task, completed=step, info=(
+                    f"reward {clean.get('reward/mean', float('nan')):.3f}  "
+                    f"step {clean['perf/step_s']:.1f}s  eta {_clock(eta)}"))
+
+    def _write_row(self, step: int, row: dict[str, Any]) -> None:
+        f = self._jsonl
+        if self._last is not None and self._last[0] == step:  # same step: rewrite the last row
+            row = {**self._last[1], **row}
+            offset = self._last[2]
+            f.seek(offset)
+            f.write(_row_bytes(step, row))
+            f.truncate()
+        else:
+            f.seek(0, os.SEEK_END)
+            offset = f.tell()
+            f.write(_row_bytes(step, row))
+        f.flush()
+        self._last = (step, row, offset)
 
     def print(self, msg: str) -> None:
         if self.enabled:
@@ -161,13 +224,62 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _row_bytes(step: int, row: dict[str, Any]) -> bytes:
+    return (json.dumps({"step": step, **{k: v for k, v in row.items() if k != "step"}}) + "\n").encode()
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics file; a last line cut short by a killed process is left out."""
+    rows = []
+    lines = path.read_bytes().split(b"\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1 and any(x.strip() for x in lines[i + 1:]):
+                raise ValueError(f"{path}: line {i + 1} is not valid JSON") from None
+            log.warning("%s: dropped a last line cut short (%d bytes)", path, len(line))
+    return rows
+
+
+def _open_jsonl(path: Path, first_step: int):
+    """``metrics.jsonl`` opened for :class:`MetricsLogger`: rows of steps before ``first_step``
+    kept (all dropped when ``first_step`` is 1: the eval at step 0 is redone too), one row per
+    step (earlier files could hold several), rewritten atomically."""
+    kept: dict[int, dict[str, Any]] = {}
+    if first_step > 1 and path.is_file():
+        for row in _rows(path):
+            if row["step"] < first_step:
+                kept.setdefault(row["step"], {}).update(row)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(b"".join(_row_bytes(s, kept[s]) for s in sorted(kept)))
+    os.replace(tmp, path)
+    return open(path, "r+b")
+
+
+def _eta(t0: float, done: int, total: int) -> Optional[float]:
+    """Seconds left at the mean pace since ``t0`` (None before the first item is done)."""
+    if done <= 0:
+        return None
+    return (time.perf_counter() - t0) / done * max(total - done, 0)
+
+
+def _clock(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-:--:--"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
 def read_metrics(out_dir: Path) -> dict[int, dict[str, Any]]:
-    """A run's ``metrics.jsonl`` as step → metrics, rows of one step merged (a step logs its
-    training metrics, then e.g. ``perf/checkpoint_s``, then eval); ``{}`` when there is none."""
+    """A run's ``metrics.jsonl`` as step → metrics (step 0: the eval before training); rows of
+    one step are merged (files of older versions held several per step); ``{}`` when there is
+    none."""
     rows: dict[int, dict[str, Any]] = {}
     path = Path(out_dir) / "metrics.jsonl"
     if path.is_file():
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
+        for row in _rows(path):
             rows.setdefault(row["step"], {}).update(row)
     return rows

@@ -152,14 +152,15 @@ def _train_partitioned(cfg, plan, placement: PlacementPlan, dinfo, out_dir: Path
     pool.send_weights(start - 1)
     n_roll = len(placement.pools["rollout"].ranks)
     logger = MetricsLogger(out_dir, cfg.logger, T, enabled=logs,
-                           run_config=OmegaConf.to_container(OmegaConf.structured(cfg)))
-    evaluate = _evaluator(cfg, engines, prompts, tokenizer, rank0=logs)
+                           run_config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+                           first_step=start)
+    evaluate = _evaluator(cfg, plan, engines, prompts, tokenizer, rank0=logs)
     with logger:
         logger.print(f"[bold]flowrl[/bold] graph={plan.graph.name} placement=partitioned "
                      f"train={placement.pools['train'].ranks} rollout={placement.pools['rollout'].ranks}"
                      f" staleness={k} steps={T} out={out_dir}")
         if evaluate and cfg.trainer.eval.before and start == 1:
-            summary["eval_before"] = evaluate()  # None on train ranks > 0
+            summary["eval_before"] = evaluate(logger.eval_progress("eval before"))  # None: rank > 0
             if logs:
                 logger.log(0, summary["eval_before"])
         logger.set_progress(start - 1)
@@ -174,7 +175,7 @@ def _train_partitioned(cfg, plan, placement: PlacementPlan, dinfo, out_dir: Path
             if step in save_steps:
                 save(step, _train_state(engines), pool.rollout_state)
         if evaluate and cfg.trainer.eval.after and start <= T:
-            summary["eval_after"] = evaluate()
+            summary["eval_after"] = evaluate(logger.eval_progress("eval after"))
             if logs:
                 logger.log(T, summary["eval_after"])
     summary.update(history=history, version_lags=summary.get("version_lags", []) + pool.lags,
@@ -184,15 +185,15 @@ def _train_partitioned(cfg, plan, placement: PlacementPlan, dinfo, out_dir: Path
     return summary
 
 
-def _evaluator(cfg, engines, prompts, tokenizer, *, rank0: bool):
+def _evaluator(cfg, plan, engines, prompts, tokenizer, *, rank0: bool):
     """Greedy eval on train-pool rank 0 (the trainer holds the newest weights; the rollout pool
     keeps generating meanwhile). One train rank: an HF engine over the actor's own module (shared,
     no copy). Several (FSDP): the module is sharded, so every train rank joins the gather of the
     actor's weights and rank 0 evaluates a full model copy it loads for the eval and then drops.
-    Returns a callable for every train rank (it returns None on ranks > 0), or None."""
+    Returns a callable ``evaluate(on_progress)`` for every train rank (it returns None on ranks
+    > 0), or None. Answers are scored by the graph's verifier (``evaluate.eval_scorer``)."""
     from flowrl.engines.rollout.hf import HFRolloutEngine
-    from flowrl.rewards import REWARD_FUNCTIONS
-    from flowrl.runtime.evaluate import evaluate_greedy
+    from flowrl.runtime.evaluate import eval_scorer, evaluate_greedy
 
     ev = cfg.trainer.eval
     if not (ev.before or ev.after) or ev.limit == 0:
@@ -202,17 +203,18 @@ def _evaluator(cfg, engines, prompts, tokenizer, *, rank0: bool):
         from flowrl.data import PromptSource
 
         prompts = PromptSource(cfg.data, tokenizer)
-    run = lambda engine: evaluate_greedy(  # noqa: E731
-        engine, prompts, tokenizer, REWARD_FUNCTIONS["gsm8k"], split=ev.split, limit=ev.limit,
+    scorer = eval_scorer(plan)
+    run = lambda engine, on_progress: evaluate_greedy(  # noqa: E731
+        engine, prompts, tokenizer, scorer, split=ev.split, limit=ev.limit,
         batch_size=ev.batch_size, max_new_tokens=ev.max_new_tokens,
-        stop_token_ids=cfg.rollout.sampling.stop_token_ids)
+        stop_token_ids=cfg.rollout.sampling.stop_token_ids, on_progress=on_progress)
     if not getattr(actor, "_lockstep", False):
         if not rank0:
             return None
         shared = HFRolloutEngine(actor.model, tokenizer, cfg.rollout.hf, shared=True)
-        return lambda: run(shared)
+        return lambda on_progress=None: run(shared, on_progress)
 
-    def gathered():
+    def gathered(on_progress=None):
         from flowrl.models.loading import load_model
 
         named = actor.named_weights()  # collective over the train pool: iterate to the end
@@ -224,7 +226,7 @@ def _evaluator(cfg, engines, prompts, tokenizer, *, rank0: bool):
             model = load_model(cfg.model)
         engine = HFRolloutEngine(model.to(actor.device), tokenizer, cfg.rollout.hf)
         engine.load_weights(named)
-        return run(engine)
+        return run(engine, on_progress)
 
     return gathered
 

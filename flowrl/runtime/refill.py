@@ -122,7 +122,8 @@ def run_refill(ex: "Executor", spec: RefillSpec, step: int) -> dict[str, float]:
         raise RuntimeError(
             f"stage '{name}': dynamic sampling kept {have} of the {target} groups it needs after "
             f"{spec.max_attempts} attempts ({sampled} groups sampled, the rest had no reward "
-            f"variance); raise {name}.max_attempts, lower target_groups, or sample more per step")
+            f"variance): raise params.max_attempts of stage '{name}' in the graph file (or lower "
+            f"its params.target_groups), or raise algorithm.n for more varied groups")
     ex.store.put(name, batch)
     ex.store.release_after(name)  # outputs nobody consumes
     return {**_average(upstream_runs), **own, "refill/attempts": attempt,

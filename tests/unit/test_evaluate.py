@@ -9,8 +9,7 @@ from flowrl.config import EvalConfig, to_train_config
 from flowrl.data import DataConfig, PromptSource, load_gsm8k
 from flowrl.engines.base import RolloutBatch
 from flowrl.models import ModelConfig, load_tokenizer
-from flowrl.rewards import gsm8k_reward
-from flowrl.runtime.evaluate import evaluate_greedy
+from flowrl.runtime.evaluate import evaluate_greedy, rule_eval_scorer
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +48,7 @@ def test_three_scores_and_batches(tok, tmp_path):
              f"{truths[4]} first, then 1, 2 and #### 7"]   # wrong #### answer; math-verify: 7
     engine = ScriptedRollout(tok, texts, cut={"I am not sure"})
     src = PromptSource(DataConfig(), tok)
-    out = evaluate_greedy(engine, src, tok, gsm8k_reward, split="test", limit=5, batch_size=2,
+    out = evaluate_greedy(engine, src, tok, rule_eval_scorer("gsm8k"), split="test", limit=5, batch_size=2,
                           max_new_tokens=7, stop_token_ids=(5,), samples_path=tmp_path / "s.jsonl")
     assert [b for b, _ in engine.calls] == [2, 2, 1]
     params = engine.calls[0][1]
@@ -75,13 +74,13 @@ def test_three_scores_and_batches(tok, tmp_path):
 def test_limit_none_is_the_whole_split_and_zero_is_none(tok):
     engine = ScriptedRollout(tok, ["#### 0"] * 1319)
     src = PromptSource(DataConfig(), tok)
-    out = evaluate_greedy(engine, src, tok, gsm8k_reward, split="test", limit=None,
+    out = evaluate_greedy(engine, src, tok, rule_eval_scorer("gsm8k"), split="test", limit=None,
                           batch_size=2048, max_new_tokens=4)
     assert [b for b, _ in engine.calls] == [1319]  # one generate call for the whole split
     zero = sum(r["ground_truth"] == "0" for r in load_gsm8k("test"))
     assert out["eval/n"] == 1319.0 and out["eval/format_frac"] == 1.0
     assert out["eval/accuracy_strict"] == pytest.approx(zero / 1319)
-    assert evaluate_greedy(engine, src, tok, gsm8k_reward, split="test", limit=0, batch_size=1,
+    assert evaluate_greedy(engine, src, tok, rule_eval_scorer("gsm8k"), split="test", limit=0, batch_size=1,
                            max_new_tokens=4) == {}
 
 
@@ -100,3 +99,25 @@ def test_gpu_recipe_evaluates_the_whole_split():
     assert cfg.trainer.eval.batch_size >= 1319  # one generate call for the split
     assert (cfg.trainer.prompts_per_step, cfg.algorithm.n, cfg.rollout.backend) == (64, 8, "vllm")
     assert cfg.trainer.eval.max_new_tokens == cfg.rollout.sampling.max_new_tokens
+
+
+def test_the_eval_scores_with_the_graphs_own_verifier():
+    """eval_scorer reads the graph: its reward.rule stage's verifier and settings (format_score
+    shapes eval/reward_mean, never accuracy); the GSM8K views come only with the gsm8k verifier."""
+    from flowrl.compiler.plan import compile_plan
+    from flowrl.config import REPO_ROOT
+    from flowrl.graph import Graph
+    from flowrl.runtime.evaluate import eval_scorer
+
+    run = {"algorithm": {"recompute_old_logprobs": True, "kl_coef": 0.0}}
+    graph = Graph.load(REPO_ROOT / "graphs/grpo.yaml")
+    s = eval_scorer(compile_plan(graph, run))
+    assert s.name == "reward.rule gsm8k (stage 'reward')"
+    assert s.score(["#### 4", "#### 5", "4"], [{"ground_truth": "4"}] * 3, [0, 1, 2]) == [1.0, 0.1, 0.0]
+    assert s.lenient is not None and s.answer_format is not None
+    with pytest.raises(ValueError, match="gsm8k ground_truth must hold a number, got 'forty'"):
+        s.check_ground_truth("forty")
+    graph["reward"].params["verifier"] = "math_verify"
+    s = eval_scorer(compile_plan(graph, run))
+    assert s.name == "reward.rule math_verify (stage 'reward')" and s.lenient is None
+    assert s.score([r"so \boxed{4}"], [{"ground_truth": "4"}], [0]) == [1.0]

@@ -207,7 +207,9 @@ def test_refill_cuts_surplus_groups_and_honours_target_groups():
 
 def test_refill_gives_up_after_max_attempts_with_a_clear_error():
     with pytest.raises(RuntimeError, match=r"stage 'filter': dynamic sampling kept 1 of the 2 "
-                       r"groups it needs after 3 attempts \(6 groups sampled"):
+                       r"groups it needs after 3 attempts \(6 groups sampled, the rest had no "
+                       r"reward variance\): raise params.max_attempts of stage 'filter' in the "
+                       r"graph file \(or lower its params.target_groups\), or raise algorithm.n"):
         run_refill([([0.0, 1.0, 0.0, 0.0], 2)] + [([0.5] * 4, 2)] * 3, max_attempts=3)
     assert SEEN["calls"] == 3
 

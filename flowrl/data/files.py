@@ -1,0 +1,263 @@
+"""Your own prompts: a local jsonl / json / parquet / CSV file, or a directory that ``datasets``
+can load (``save_to_disk`` output, or data files whose names give the splits: ``train.jsonl``,
+``test.parquet``, ...), turned into flowrl's records by the column names of ``DataConfig``.
+
+A record (one prompt) is a dict::
+
+    {"prompt": str | list[{"role", "content"}],   # a user turn, or chat messages used as they are
+     "question": str,                             # the prompt text (chat: the last user turn)
+     "ground_truth": str,                         # "" when data.ground_truth_key is null
+     "fields": {key: value}}                      # data.extra_keys, handed to reward functions
+
+Every problem is one :class:`DataError` line naming the file, where in it and the field:
+``line N`` (1-based, as an editor shows it) in jsonl and CSV files, ``row N`` (0-based, as
+``pandas``/``datasets`` index it) in parquet, JSON arrays and ``datasets`` directories.
+``flowrl train`` reads and checks the data before any model loads.
+"""
+from __future__ import annotations
+
+import csv
+import functools
+import json
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+_MISSING = object()
+
+
+class DataError(ValueError):
+    """A data file, column or row flowrl cannot use; the message names the file, the line or row
+    and the field, in one line."""
+
+
+def is_single_file(path: str) -> bool:
+    """True for a data file (one split), False for a ``datasets`` directory (named splits)."""
+    return not Path(path).expanduser().is_dir()
+
+
+def check_path(path: str, field: str) -> None:
+    """``data.path`` / ``data.eval_path`` must name an existing data file or directory.
+
+    Raises:
+        ValueError: missing, or a file whose suffix is none of :data:`FILE_SUFFIXES`.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(f"{field}: no file or directory at {path!r} (relative paths start in "
+                         f"{Path.cwd()})")
+    if p.is_file() and p.suffix.lower() not in FILE_SUFFIXES:
+        raise ValueError(f"{field}: {path!r} must end in one of {', '.join(FILE_SUFFIXES)} (or be a "
+                         "directory datasets can load)")
+
+
+# ----------------------------------------------------------------------------- reading rows
+def _read_jsonl(path: Path) -> tuple[list[dict], Callable[[int], str]]:
+    rows, lines = [], []
+    with path.open("r", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} line {lineno}: not valid JSON ({e.msg} at column "
+                                f"{e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path} line {lineno}: expected a JSON object, got "
+                                f"{type(row).__name__}")
+            rows.append(row)
+            lines.append(lineno)
+    return rows, lambda i: f"line {lines[i]}"
+
+
+def _read_json(path: Path) -> tuple[list[dict], Callable[[int], str]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg} at column "
+                        f"{e.colno})") from None
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON array of objects (one per prompt), got "
+                        f"{type(data).__name__} (a file of one object per line must end in .jsonl)")
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise DataError(f"{path} row {i}: expected a JSON object, got {type(row).__name__}")
+    return data, lambda i: f"row {i}"
+
+
+def _read_csv(path: Path) -> tuple[list[dict], Callable[[int], str]]:
+    rows, lines = [], []
+    with path.open("r", encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        for row in reader:
+            if None in row:  # more cells than header columns
+                raise DataError(f"{path} line {reader.line_num}: {len(row) - 1 + len(row[None])} "
+                                f"cells for {len(reader.fieldnames or [])} header columns")
+            rows.append(row)
+            lines.append(reader.line_num)
+    return rows, lambda i: f"line {lines[i]}"
+
+
+def _read_parquet(path: Path) -> tuple[list[dict], Callable[[int], str]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable parquet file ({_first_line(e)})") from None
+    return rows, lambda i: f"row {i}"
+
+
+def _read_dataset_dir(path: Path, split: str, split_field: str
+                      ) -> tuple[list[dict], Callable[[int], str], str]:
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+            ds = datasets.load_from_disk(str(path))
+        else:
+            ds = datasets.load_dataset(str(path))
+    except Exception as e:  # datasets raises many types; the user needs the first line only
+        raise DataError(f"{path}: datasets cannot load this directory ({_first_line(e)})") from None
+    if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        if split not in ds:
+            raise DataError(f"{path} has the splits {sorted(ds)}, not {split!r}: set "
+                            f"{split_field} to one of them")
+        ds, label = ds[split], f"{path} split {split!r}"
+    else:
+        label = str(path)
+    return ds.to_list(), lambda i: f"row {i}", label
+
+
+_READERS = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv,
+            ".parquet": _read_parquet}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def read_rows(path: str, split: str, split_field: str = "data.split"
+              ) -> tuple[list[dict], Callable[[int], str], str]:
+    """The raw rows of a data file (``split`` unused: a file is one split) or of split ``split``
+    of a ``datasets`` directory.
+
+    Returns:
+        ``(rows, where, label)``: rows as dicts, ``where(i)`` = ``"line 7"`` / ``"row 6"`` for
+        messages, ``label`` = the file (and split) for messages.
+
+    Raises:
+        DataError: unreadable file, malformed line, no such split.
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return _read_dataset_dir(p, split, split_field)
+    try:
+        rows, where = _READERS[p.suffix.lower()](p)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{p}: not UTF-8 text (byte {e.start})") from None
+    return rows, where, str(p)
+
+
+# ----------------------------------------------------------------------------- rows -> records
+def _text_of(messages: list[dict]) -> str:
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    return users[-1] if users else messages[-1]["content"]
+
+
+def _prompt(value: Any, at: str, key: str) -> tuple[Any, str]:
+    """(prompt, question) of a row's prompt value; raises DataError naming ``at`` and ``key``."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise DataError(f"{at}: field {key!r} is an empty prompt")
+        return value, value
+    if isinstance(value, (list, tuple)) and value:
+        messages = []
+        for j, m in enumerate(value):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
+                raise DataError(f"{at}: field {key!r} message {j} must be "
+                                f"{{'role': str, 'content': str}}, got {m!r:.80}")
+            messages.append({"role": m["role"], "content": m["content"]})
+        return messages, _text_of(messages)
+    raise DataError(f"{at}: field {key!r} must be a string or a non-empty list of chat messages "
+                    f"({{'role', 'content'}}), got {type(value).__name__}")
+
+
+def _ground_truth(value: Any, at: str, key: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    got = "null" if value is None else type(value).__name__
+    raise DataError(f"{at}: field {key!r} (the ground truth) must be a string or a number, got {got}")
+
+
+def to_records(rows: list[dict], where: Callable[[int], str], label: str, *, prompt_key: str,
+               ground_truth_key: Optional[str], extra_keys: tuple[str, ...],
+               key_fields: tuple[str, str, str] = ("data.prompt_key", "data.ground_truth_key",
+                                                   "data.extra_keys")) -> list[dict]:
+    """Map raw rows to records (module docstring), checking every row.
+
+    Raises:
+        DataError: no rows; a column missing from the data (named with the config field that
+            chose it and the columns there are); a row missing a field or holding a wrong type.
+    """
+    if not rows:
+        raise DataError(f"{label}: no rows")
+    wanted = [(prompt_key, key_fields[0])]
+    if ground_truth_key is not None:
+        wanted.append((ground_truth_key, key_fields[1]))
+    wanted += [(k, key_fields[2]) for k in extra_keys]
+    for key, field in wanted:  # a wrong column name shows in the first row
+        if key not in rows[0]:
+            raise DataError(f"{label}: no column {key!r} ({field}); columns: "
+                            f"{', '.join(map(str, rows[0])) or 'none'}")
+    records = []
+    for i, row in enumerate(rows):
+        at = f"{label} {where(i)}"
+        values = {}
+        for key, _ in wanted:
+            v = row.get(key, _MISSING)
+            if v is _MISSING:
+                raise DataError(f"{at}: no field {key!r}")
+            values[key] = v
+        prompt, question = _prompt(values[prompt_key], at, prompt_key)
+        truth = "" if ground_truth_key is None else \
+            _ground_truth(values[ground_truth_key], at, ground_truth_key)
+        records.append({"prompt": prompt, "question": question, "ground_truth": truth,
+                        "fields": {k: values[k] for k in extra_keys}})
+    return records
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_records(path: str, stamp: tuple, split: str, split_field: str, prompt_key: str,
+                    ground_truth_key: Optional[str], extra_keys: tuple[str, ...]
+                    ) -> tuple[tuple[dict, ...], tuple[str, ...]]:
+    rows, where, label = read_rows(path, split, split_field)
+    records = to_records(rows, where, label, prompt_key=prompt_key,
+                         ground_truth_key=ground_truth_key, extra_keys=extra_keys)
+    return tuple(records), tuple(f"{label} {where(i)}" for i in range(len(records)))
+
+
+def load_file_records(path: str, split: str, *, prompt_key: str, ground_truth_key: Optional[str],
+                      extra_keys: tuple[str, ...] = (), split_field: str = "data.split"
+                      ) -> tuple[tuple[dict, ...], tuple[str, ...]]:
+    """Records of a data file or of a split of a ``datasets`` directory, read once per process
+    (cached on the path, its modification time and the mapping; do not mutate them).
+
+    Returns:
+        ``(records, locations)``: ``locations[i]`` names where record ``i`` came from
+        (``"/data/x.jsonl line 7"``) for later messages about it.
+
+    Raises:
+        DataError: see :func:`read_rows` and :func:`to_records`.
+    """
+    p = Path(path).expanduser().resolve()
+    st = p.stat()
+    return _cached_records(str(p), (st.st_mtime_ns, st.st_size), split, split_field, prompt_key,
+                           ground_truth_key, tuple(extra_keys))

@@ -1,0 +1,39 @@
+"""Messages that say what happened and what to change, in one line: a model folder without a
+model, a missing checkpoint for export (answered before torch is imported)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flowrl.cli import compose
+from flowrl.train import ConfigError, prepare
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_model_folder_without_a_model_is_one_line(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        prepare(compose([f"model.path={tmp_path}", f"trainer.output_dir={tmp_path / 'run'}"]))
+    assert str(e.value) == (
+        f"invalid config: model.path {str(tmp_path)!r} holds no Hugging Face model (no config.json): "
+        "point it at a model directory (save_pretrained output), or use model=smollm2 / model=tiny")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # weights, no tokenizer
+    with pytest.raises(ConfigError, match=r"holds no Hugging Face model \(no tokenizer files "
+                                          r"\(tokenizer.json / tokenizer_config.json"):
+        prepare(compose([f"model.path={tmp_path}", f"trainer.output_dir={tmp_path / 'run'}"]))
+
+
+def test_export_of_a_missing_checkpoint_says_not_found_before_importing_torch(tmp_path):
+    (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)
+    code = ("import sys; from flowrl.cli import main; rc = main(['export', sys.argv[1], 'out']); "
+            "print(rc, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "checkpoints" / "step_000003")],
+                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["2", "False"]
+    assert r.stderr.strip() == (f"flowrl export: error: export: no checkpoint at "
+                                f"{tmp_path}/checkpoints/step_000003 (not found; "
+                                f"{tmp_path}/checkpoints has step_000002)")
