@@ -293,6 +293,9 @@ def _train_in(out_dir: Path, raw, cfg: TrainConfig, plan: ExecutionPlan, resolve
     from flowrl.runtime.rundir import finished_run_summary
 
     rank0 = dinfo.rank == 0
+    # a tampered or corrupt checkpoint is refused (ConfigError) before anything reads it further
+    ckpts = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
+    resume_from = start_checkpoints(ckpts, cfg.trainer.resume)  # before anything writes here
     if cfg.trainer.resume:  # a finished run: say so once, load nothing
         done = finished_run_summary(out_dir, cfg.trainer.total_steps)
         if done is not None:
@@ -301,8 +304,6 @@ def _train_in(out_dir: Path, raw, cfg: TrainConfig, plan: ExecutionPlan, resolve
                       f"{cfg.trainer.total_steps}); raise trainer.total_steps to train further",
                       flush=True)
             return done[1]
-    ckpts = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
-    resume_from = start_checkpoints(ckpts, cfg.trainer.resume)  # before anything writes here
     if cfg.placement.mode == "auto" and dinfo.world_size > 1:
         try:  # an impossible auto config is still rejected before any model loads
             prepare_placement(cfg, plan, dinfo.world_size)

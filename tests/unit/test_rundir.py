@@ -100,10 +100,12 @@ def test_the_interrupt_hint_tells_whether_there_is_anything_to_continue(tmp_path
     assert resume_hint(tmp_path, str(tmp_path)) == (
         f"no checkpoint was written yet, so there is nothing to continue; start again with: "
         f"flowrl train hydra.run.dir={tmp_path} trainer.overwrite=true (plus your overrides)")
-    ckpt = tmp_path / "checkpoints" / "step_000004"
-    ckpt.mkdir(parents=True)
-    (ckpt / "trainer_state.json").write_text('{"step": 4}')
-    (ckpt / ".metadata").write_bytes(b"")
+    import torch
+
+    from flowrl.runtime.checkpoint import CheckpointManager
+
+    # a real checkpoint: an empty .metadata is a corrupt one, which resume skips (issue 15)
+    CheckpointManager(tmp_path / "checkpoints").save(4, {"model": {"w": torch.zeros(2)}}, {})
     assert resume_hint(tmp_path, str(tmp_path / "elsewhere")) == (
         f"continue from step_000004 with: flowrl train trainer.output_dir={tmp_path} "
         "trainer.resume=true (plus your overrides)")
