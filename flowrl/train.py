@@ -181,8 +181,9 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer,
         else:
             from flowrl.models.lora import AdapterDisabledReference, build_lora_actor
 
+            sync = "shared" if shared else "full" if cfg.rollout.backend == "vllm" else "changed"
             engines["actor"] = build_lora_actor(LocalTrainEngine, actor_model, lora,
-                                                cfg.trainer.engine, serve_shared=shared, **kw)
+                                                cfg.trainer.engine, sync=sync, **kw)
             if "ref" in plan.roles:
                 engines["ref"] = AdapterDisabledReference(engines["actor"])
     if ref_copy is not None:
@@ -225,11 +226,14 @@ def resolve_offload(cfg: TrainConfig, engines: dict[str, Any]) -> tuple[bool, st
     device = _device(cfg)
     if device.type != "cuda":
         return False, "CPU run: nothing to free"
+    from flowrl.models.lora import AdapterDisabledReference
+
     state = 0
     for role in ("actor", "critic", "ref"):
-        if role in engines:
-            n = sum(p.numel() for p in engines[role].model.parameters())
-            state += n * (16 if role != "ref" else 4)
+        if role in engines and not isinstance(engines[role], AdapterDisabledReference):
+            # frozen tensors (a reference, a LoRA actor's base) hold no grads or AdamW moments
+            state += sum(p.numel() * (16 if p.requires_grad and role != "ref" else 4)
+                         for p in engines[role].model.parameters())
     rollout = 0
     if "rollout" in engines:
         total = torch.cuda.get_device_properties(device).total_memory

@@ -16,8 +16,9 @@ How the roles share one model (``build_lora_actor``, called by ``flowrl.train.bu
 - rollout: the HF engine shares the actor's module on one process (it samples with the live
   adapters, nothing to sync); any other rollout engine (HF with its own copy under FSDP, vLLM)
   holds a plain base-model copy and receives ``W0 + (alpha / r) · B A`` of every adapted module
-  (and the fully trained modules) under the base model's HF names after each update: only the
-  tensors that changed, with their bytes in ``perf/weight_sync_bytes``.
+  (and the fully trained modules) under the base model's HF names after each update, with their
+  bytes in ``perf/weight_sync_bytes``: an HF copy only the tensors that changed; vLLM the whole
+  merged set (its in-place ``reload_weights`` re-processes whole layers and checks completeness).
 - checkpoints: only trainable tensors + optimizer + scheduler (the frozen base is the model
   config's); ``flowrl export`` merges them (or ``--adapter-only`` writes the PEFT directory).
 """
@@ -214,14 +215,18 @@ class LoraEngineMixin:
     """The LoRA actor engine over any train engine class (``lora_variant(cls)``): checkpoints hold
     the trainable tensors only, and ``named_weights`` serves merged weights to the rollout engine.
 
-    Extra keyword args: ``peft_model`` (the wrapper of ``model``), ``serve_shared`` (the rollout
-    engine shares this module: ``named_weights`` yields nothing, nothing needs copying).
+    Extra keyword args: ``peft_model`` (the wrapper of ``model``), ``sync`` (what
+    ``named_weights`` hands the rollout engine): ``changed`` (default: the merged tensors the
+    adapters change; an HF engine with its own copy), ``full`` (every tensor, merged: vLLM reloads
+    whole layers), ``shared`` (nothing: the rollout engine runs this very module).
     """
 
     def __init__(self, model: nn.Module, cfg=None, trainable: bool = True, *,
-                 peft_model: Any, serve_shared: bool = False, **kw: Any) -> None:
+                 peft_model: Any, sync: str = "changed", **kw: Any) -> None:
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
         self.peft_model = peft_model
-        self.serve_shared = serve_shared
+        self.sync = sync
         super().__init__(model, cfg, trainable=trainable, **kw)
 
     def disable_adapter(self):
@@ -230,13 +235,13 @@ class LoraEngineMixin:
 
     def named_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, Tensor]]:
         """(base HF name, full tensor) of every tensor the adapters change: ``W0 + (alpha/r) B A``
-        of each adapted module, the full weights of ``modules_to_save``; nothing when the rollout
-        engine shares this module. Every rank iterates it to the end (FSDP: gathers). Records
+        of each adapted module, the full weights of ``modules_to_save`` (``sync="full"``: every
+        other tensor too; ``"shared"``: nothing, the rollout engine runs this module). Every rank iterates it to the end (FSDP: gathers). Records
         ``gather_bytes`` / ``gather_s`` in ``last_timings``."""
         t0, total = time.perf_counter(), 0
         dtype = dtype or getattr(self, "gather_dtype", None)
-        if not self.serve_shared:
-            for name, t in merged_weights(self.model):
+        if self.sync != "shared":
+            for name, t in merged_weights(self.model, full=self.sync == "full"):
                 t = t if dtype is None else t.to(dtype)
                 total += t.numel() * t.element_size()
                 yield name, t
@@ -268,6 +273,7 @@ class LoraEngineMixin:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
+SYNC_MODES = ("changed", "full", "shared")
 _VARIANTS: dict[type, type] = {}
 
 
@@ -284,16 +290,25 @@ def _full(t: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def merged_weights(model: nn.Module, adapter: str = "default") -> Iterator[tuple[str, Tensor]]:
+def merged_weights(model: nn.Module, adapter: str = "default", *,
+                   full: bool = False) -> Iterator[tuple[str, Tensor]]:
     """(base model name, merged full tensor) of what the adapters change, without touching the
     module (an in-place merge and unmerge would round the frozen base weights):
     ``weight = W0 + scaling · B A`` (transposed for GPT-2's ``Conv1D``, ``fan_in_fan_out``) of every
     LoRA layer, the trained copy of every ``modules_to_save`` module. Names drop peft's
     ``base_layer.`` / ``modules_to_save.<adapter>.`` parts, so they are the base model's HF names.
+    ``full``: also every unchanged parameter (tied ones once): the complete set an engine that
+    reloads whole layers needs (vLLM's ``reload_weights``).
     """
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
 
+    wrapped = [n for n, m in model.named_modules()
+               if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
+    if full:
+        for name, p in model.named_parameters():
+            if not any(name.startswith(w + ".") for w in wrapped):
+                yield name, _full(p)
     for name, m in model.named_modules():
         if isinstance(m, LoraLayer) and adapter in m.lora_A:
             base = m.get_base_layer()
@@ -340,9 +355,10 @@ class AdapterDisabledReference:
 
 
 def build_lora_actor(engine_cls: type, model: nn.Module, lora: LoraConfig, engine_cfg: Any, *,
-                     serve_shared: bool, **kw: Any):
+                     sync: str = "changed", **kw: Any):
     """The LoRA actor engine over ``engine_cls`` (local or FSDP) on ``model`` (adapters injected in
-    place before any sharding, with the same init on every rank)."""
+    place before any sharding, with the same init on every rank); ``sync``: see
+    :class:`LoraEngineMixin`."""
     peft_model = inject_lora(model, lora)
     return lora_variant(engine_cls)(model, engine_cfg, trainable=True, peft_model=peft_model,
-                                    serve_shared=serve_shared, **kw)
+                                    sync=sync, **kw)

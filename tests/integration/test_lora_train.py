@@ -39,7 +39,7 @@ def varied_reward(monkeypatch):
 
 @pytest.mark.parametrize("graph", ["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo",
                                    "genrm_grpo"])
-def test_every_critic_free_graph_trains_lora(tmp_path, graph):
+def test_every_critic_free_graph_trains_lora(tmp_path, varied_reward, graph):
     train(compose(BASE + [f"trainer.output_dir={tmp_path}", f"graph={graph}",
                           "trainer.total_steps=1", "rollout.sampling.max_new_tokens=8"]))
     m = read_metrics(tmp_path)[1]

@@ -65,10 +65,10 @@ def test_gpt2_module_names_are_checked_against_its_own_modules():
 
 
 # ---------------------------------------------------------------- engines
-def _lora_actor(lora=None, shared=False, **cfg):
+def _lora_actor(lora=None, sync="changed", **cfg):
     eng_cfg = TrainEngineConfig(lr=1e-2, micro_batch_size=2, **cfg)
     return build_lora_actor(LocalTrainEngine, tiny_llama(), lora or LoraConfig(rank=4),
-                            eng_cfg, serve_shared=shared)
+                            eng_cfg, sync=sync)
 
 
 def test_optimizer_holds_only_the_adapters():
@@ -133,6 +133,11 @@ def test_merged_weights_are_base_names_and_equal_peft_merge():
     assert len(merged) == 15
     for n, t in merged.items():
         assert torch.allclose(t, want[n], atol=1e-6), n
+    # the complete set (vLLM): exactly the plain model's parameter names, tied ones once
+    full = dict(merged_weights(actor.model, full=True))
+    assert set(full) == {n for n, _ in tiny_llama().named_parameters()}
+    for n, t in full.items():
+        assert torch.allclose(t, want[n], atol=1e-6), n
 
 
 @pytest.mark.parametrize("sync", [True, False])
@@ -162,7 +167,7 @@ def test_rollout_copy_sees_every_update(tokenizer, sync):
 
 
 def test_shared_rollout_module_needs_no_copy(tokenizer):
-    actor = _lora_actor(shared=True)
+    actor = _lora_actor(sync="shared")
     roll = HFRolloutEngine(actor.model, tokenizer, shared=True)
     batch = _train_batch()
     actor.train_step(batch, token_mean_loss(batch), temperature=1.0)
