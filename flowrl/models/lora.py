@@ -334,6 +334,7 @@ class AdapterDisabledReference:
     def __init__(self, actor: Any) -> None:
         self.actor = actor
         self.model = actor.model
+        self.cfg = actor.cfg  # micro-batching and balance_across_ranks: the actor's
         self.device = actor.device
         self.last_timings: dict[str, float] = {}
 
