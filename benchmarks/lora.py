@@ -47,7 +47,8 @@ def run_mode(args) -> dict:
 
     device = torch.device(args.device)
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**SHAPES[args.shape])
+    config = transformers.LlamaConfig(**{**SHAPES[args.shape], **(
+        {"num_hidden_layers": args.layers} if args.layers else {})})
     with device:
         model = transformers.LlamaForCausalLM(config)
     cfg = TrainEngineConfig(lr=1e-5, micro_batch_size=args.rows)
@@ -109,6 +110,7 @@ def main() -> None:
     p.add_argument("--mode", choices=("full", "lora"))
     p.add_argument("--device", default="cpu")
     p.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
+    p.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=64)
@@ -140,7 +142,7 @@ def main() -> None:
         f"Command: `python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}`".rstrip() + "  ",
         f"Commit: {git_revision()}  ", f"Date: {utc_now()}  ",
         f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m['memory']}; device {args.device}  ",
-        f"Shape: {args.shape} (random init), LoRA rank {args.rank} alpha {2 * args.rank} on all "
+        f"Shape: {args.shape}{f' cut to {args.layers} layers' if args.layers else ''} (random init), LoRA rank {args.rank} alpha {2 * args.rank} on all "
         f"linear layers; batch {args.rows} x ({args.prompt_len} + {args.response_len}) tokens, "
         f"median of {args.repeats} steps after a warm-up.", "", *table, ""])
     print(text)
