@@ -66,7 +66,7 @@ def test_fsdp_rollout_copy_gets_every_update(tmp_path, varied_reward, one_rank_g
     if stale:
         from flowrl.models import lora
 
-        monkeypatch.setattr(lora, "merged_weights", lambda model, adapter="default": iter(()))
+        monkeypatch.setattr(lora, "merged_weights", lambda model, adapter="default", full=False: iter(()))
     train(compose(BASE + [f"trainer.output_dir={tmp_path}", "trainer.engine.strategy=fsdp",
                           "trainer.engine.lr=0.05"]))
     m = read_metrics(tmp_path)
