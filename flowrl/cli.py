@@ -4,7 +4,8 @@
     flowrl plan  [hydra overrides...]        print the compiled execution plan; loads no model
                  [--format text|mermaid|dot]  placement=auto: explains the choice without training
     flowrl graph validate FILE [FILE ...]    check graph files (exit 1 on the first invalid one)
-    flowrl export CKPT OUT_DIR [overrides]   checkpoint -> plain HF model dir (save_pretrained)
+    flowrl export CKPT OUT_DIR [overrides]   checkpoint -> plain HF model dir (save_pretrained;
+                                             LoRA: merged, or --adapter-only: the PEFT dir)
 
     flowrl train launcher.nproc=N ...        the same job on N processes (re-executes under torchrun)
 """

@@ -2,6 +2,11 @@
 
     flowrl export outputs/run/checkpoints/step_000010 exported/        # model config from the ckpt
     flowrl export ckpt/step_000010 exported/ model=tiny                 # or from Hydra overrides
+    flowrl export ckpt/step_000010 adapter/ --adapter-only              # LoRA run: the PEFT dir
+
+A LoRA run (``model.lora``) is exported merged (``W0 + (alpha/r) B A``: a plain model of the base
+architecture), or with ``--adapter-only`` as the PEFT adapter directory
+(``peft.PeftModel.from_pretrained(base, OUT_DIR)``).
 
 The result loads with ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` (safetensors + config +
 tokenizer). Works for checkpoints of any world size (DCP re-shards on load) in one process.
@@ -22,7 +27,7 @@ def _check_exists(ckpt: Path) -> None:
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=None, *,
-                      role: str = "actor") -> Path:
+                      role: str = "actor", adapter_only: bool = False) -> Path:
     """Load ``role``'s weights from a checkpoint and ``save_pretrained`` them with the tokenizer.
 
     Args:
@@ -31,13 +36,16 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
         model_cfg: :class:`flowrl.models.loading.ModelConfig` of the architecture; default: the
             ``model`` entry of the checkpoint's ``trainer_state.json``.
         role: which trainable engine's weights (``actor``; ``critic`` is a value model, not a LM).
+        adapter_only: a LoRA checkpoint: write the PEFT adapter directory instead of the merged
+            model.
 
     Returns: ``out_dir``.
 
     Raises:
         FileNotFoundError: no such directory, or not a complete checkpoint. ValueError: no model
-            config anywhere, or a tampered / corrupt checkpoint
-            (``runtime.checkpoint.verify_checkpoint``; nothing is loaded, connected or written then).
+            config anywhere, a tampered / corrupt checkpoint
+            (``runtime.checkpoint.verify_checkpoint``; nothing is loaded, connected or written then),
+            or ``adapter_only`` for a checkpoint without ``model.lora``.
     """
     ckpt = Path(checkpoint)
     _check_exists(ckpt)
@@ -62,13 +70,27 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
                              "(flowrl export CKPT OUT model=...)")
         model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
                                                         meta["model"]))
+    if adapter_only and model_cfg.lora is None:
+        raise ValueError(f"export: --adapter-only needs a LoRA checkpoint; {ckpt} has no model.lora")
     model = load_model(model_cfg)  # the architecture; every weight is replaced below
-    state = {role: {"model": model.state_dict()}}
+    peft_model = None
+    if model_cfg.lora is not None:  # the base weights are the model config's; adapters are saved
+        from flowrl.models.lora import inject_lora
+
+        peft_model = inject_lora(model, model_cfg.lora)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    wanted = {n: t for n, t in model.state_dict().items() if peft_model is None or n in trainable}
+    state = {role: {"model": wanted}}
     dcp.load(state, storage_reader=WeightsOnlyReader(ckpt))
-    model.load_state_dict(state[role]["model"])
+    model.load_state_dict(state[role]["model"], strict=peft_model is None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    if peft_model is None:
+        model.save_pretrained(out)
+    elif adapter_only:
+        peft_model.save_pretrained(out)
+    else:
+        peft_model.merge_and_unload().save_pretrained(out)
     load_tokenizer(model_cfg).save_pretrained(out)
     return out
 
@@ -81,6 +103,8 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("checkpoint", type=Path)
     p.add_argument("out_dir", type=Path)
     p.add_argument("--role", default="actor")
+    p.add_argument("--adapter-only", action="store_true",
+                   help="LoRA checkpoint: write the PEFT adapter directory, not the merged model")
     args, overrides = p.parse_known_args(argv)
     _check_exists(args.checkpoint)
     model_cfg: Optional[object] = None
@@ -91,6 +115,7 @@ def export_main(argv: list[str]) -> int:
         cfg = compose(overrides)
         cfg.trainer.output_dir = str(args.out_dir)  # no Hydra run dir when composing
         model_cfg = to_train_config(cfg).model
-    out = export_checkpoint(args.checkpoint, args.out_dir, model_cfg, role=args.role)
+    out = export_checkpoint(args.checkpoint, args.out_dir, model_cfg, role=args.role,
+                            adapter_only=args.adapter_only)
     print(f"exported {args.checkpoint} ({args.role}) -> {out}")
     return 0

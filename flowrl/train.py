@@ -66,6 +66,11 @@ def _prepare(raw: DictConfig | dict) -> tuple[TrainConfig, ExecutionPlan, list[R
     from flowrl.ops.token_rewards import check_kl_in_reward
 
     check_kl_in_reward(plan, cfg.algorithm)
+    from flowrl.models.lora import check_lora
+
+    check_lora(cfg, set(plan.roles))  # model.lora: module names from a meta-device model
+    if cfg.model.lora is not None and "ref" in plan.roles:
+        plan.served_by["ref"] = "the actor engine with its LoRA adapters disabled (no weight copy)"
     prepare_placement(cfg, plan, world_size(cfg))  # an impossible placement fails here
     from flowrl.runtime.preflight import check_run_inputs
 
@@ -162,14 +167,28 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer,
             kw["mesh"] = pool_mesh(group, device)
     engines: dict[str, Any] = {}
     later = {"rollout", "critic", "genrm"} & set(plan.roles)
-    # before any update (and before the rollout engine casts `model`): the frozen copies
-    ref_copy = copy.deepcopy(model) if "ref" in plan.roles else None
+    lora = cfg.model.lora
+    # a LoRA actor's module shares only with an HF rollout engine on one process; vLLM and an
+    # FSDP run's HF engine start from a plain copy of the base weights
+    shared = not fsdp and "actor" in plan.roles and (lora is None or cfg.rollout.backend == "hf")
+    # before any update (and before the rollout engine casts `model`): the frozen copies;
+    # LoRA: the reference is the actor with its adapters disabled (flowrl/models/lora.py)
+    ref_copy = copy.deepcopy(model) if "ref" in plan.roles and lora is None else None
     # FSDP shards the actor's own copy; `model` stays whole as the rollout engine's module and
     # gets the gathered weights at every sync. One process: rollout shares the module (no copy).
     # A partitioned train pool with no later reader of `model` shards it in place (no copy).
     if "actor" in plan.roles:
-        engines["actor"] = LocalTrainEngine(copy.deepcopy(model) if fsdp and later else model,
-                                            cfg.trainer.engine, trainable=True, **kw)
+        actor_model = copy.deepcopy(model) if later and (fsdp or not shared) else model
+        if lora is None:
+            engines["actor"] = LocalTrainEngine(actor_model, cfg.trainer.engine, trainable=True, **kw)
+        else:
+            from flowrl.models.lora import AdapterDisabledReference, build_lora_actor
+
+            sync = "shared" if shared else "full" if cfg.rollout.backend == "vllm" else "changed"
+            engines["actor"] = build_lora_actor(LocalTrainEngine, actor_model, lora,
+                                                cfg.trainer.engine, sync=sync, **kw)
+            if "ref" in plan.roles:
+                engines["ref"] = AdapterDisabledReference(engines["actor"])
     if ref_copy is not None:
         engines["ref"] = LocalTrainEngine(ref_copy, cfg.trainer.engine, trainable=False, **kw)
     if "reward_model" in plan.roles:  # classifier RM, frozen
@@ -192,8 +211,7 @@ def build_engines(cfg: TrainConfig, plan: ExecutionPlan, tokenizer,
         engines["critic"] = ValueTrainEngine(value_model_from_causal_lm(model), critic_cfg, **kw)
     if "rollout" in plan.roles:  # partitioned rollout pool: its own copy, no actor
         # a pool's rank (group set) must keep vLLM off the job's torch world: child processes
-        engines["rollout"] = build_rollout_engine(cfg.rollout, model, tokenizer,
-                                                  shared=not fsdp and "actor" in engines,
+        engines["rollout"] = build_rollout_engine(cfg.rollout, model, tokenizer, shared=shared,
                                                   own_process=group is not None)
     return engines
 
@@ -211,11 +229,14 @@ def resolve_offload(cfg: TrainConfig, engines: dict[str, Any]) -> tuple[bool, st
     device = _device(cfg)
     if device.type != "cuda":
         return False, "CPU run: nothing to free"
+    from flowrl.models.lora import AdapterDisabledReference
+
     state = 0
     for role in ("actor", "critic", "ref"):
-        if role in engines:
-            n = sum(p.numel() for p in engines[role].model.parameters())
-            state += n * (16 if role != "ref" else 4)
+        if role in engines and not isinstance(engines[role], AdapterDisabledReference):
+            # frozen tensors (a reference, a LoRA actor's base) hold no grads or AdamW moments
+            state += sum(p.numel() * (16 if p.requires_grad and role != "ref" else 4)
+                         for p in engines[role].model.parameters())
     rollout = 0
     if "rollout" in engines:
         total = torch.cuda.get_device_properties(device).total_memory

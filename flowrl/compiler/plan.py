@@ -91,6 +91,8 @@ class ExecutionPlan:
     placement: str = "colocated"
     resident_at_end: list[str] = field(default_factory=list)
     refill: dict[str, "RefillSpec"] = field(default_factory=dict)
+    # role -> how another role's engine serves it (LoRA: ref = the actor with adapters disabled)
+    served_by: dict[str, str] = field(default_factory=dict)
 
     @property
     def order(self) -> list[str]:

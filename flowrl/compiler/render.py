@@ -13,6 +13,7 @@ def format_plan(plan: "ExecutionPlan") -> str:
     g = plan.graph
     lines = [f"ExecutionPlan  graph={g.name}  placement={plan.placement}  pool=[rank 0]",
              f"roles with a model: {', '.join(plan.roles) or '-'}"]
+    lines += [f"  {role} served by {how}" for role, how in plan.served_by.items()]
     if plan.pruned:
         lines.append(f"pruned (when=false): {', '.join(plan.pruned)}")
     lines.append("")
@@ -105,6 +106,8 @@ def _text(pp: "PlacementPlan") -> str:
     for name, pool in pp.pools.items():
         lines.append("")
         lines.append(f"Pool {name}  ranks {pool.ranks}  roles: {', '.join(pool.roles) or '-'}")
+        lines += [f"  {role} served by {how}" for role, how in pp.full.served_by.items()
+                  if role in pool.roles]
         for i, (kind, text) in enumerate(pool_timeline(pp, name), 1):
             lines.append(f"  {i:>2}. {kind:<9} {text}")
     if pp.transfers:

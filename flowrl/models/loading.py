@@ -19,6 +19,8 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig,
                           PreTrainedModel, PreTrainedTokenizerBase)
 
+from flowrl.models.lora import as_lora_config
+
 log = logging.getLogger(__name__)
 
 SMOLLM2 = "smollm2"
@@ -74,6 +76,9 @@ class ModelConfig:
             installed, else ``sdpa``), ``sdpa``, ``eager``, ``flash_attention_2`` or ``flex_attention``
             (torch flex_attention: packed micro-batches run document-masked without a dense mask).
         gradient_checkpointing: enable activation checkpointing on the loaded model.
+        lora: train LoRA adapters (``flowrl/models/lora.py``: rank, alpha, dropout,
+            target_modules, modules_to_save); None (default) = full fine-tuning. Set from the
+            command line with ``+model.lora.rank=8`` or ``model.lora={rank: 8}``.
     """
 
     path: str = SMOLLM2
@@ -83,6 +88,7 @@ class ModelConfig:
     dtype: str = "auto"
     attn_implementation: str = "auto"
     gradient_checkpointing: bool = False
+    lora: Any = None  # Optional[LoraConfig]; Any so a CLI/YAML dict can fill a None section
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
@@ -91,6 +97,7 @@ class ModelConfig:
             if not isinstance(self.tiny, dict) or "model_type" not in self.tiny:
                 raise ValueError(f"model.tiny must be a dict with a 'model_type' key, got {self.tiny!r}")
             self.tiny = dict(self.tiny)  # OmegaConf DictConfig -> plain dict
+        self.lora = as_lora_config(self.lora)
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"model.dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:

@@ -64,3 +64,32 @@ def test_two_ranks_fsdp_gather_into_vllm(tmp_path):
     for step in (1, 2):
         assert rows[step]["rollout/logprob_mismatch"] < TOL  # each rank's vLLM == FSDP actor
         assert rows[step]["perf/weight_sync_bytes"] > 0  # gathered from the shards
+
+
+LORA = ["+model.lora.rank=4", "trainer.engine.lr=0.05", "trainer.eval.before=false",
+        "trainer.eval.after=false"]
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_lora_merged_weights_reach_vllm(tmp_path, monkeypatch, stale):
+    """model.lora with vLLM: the actor's merged weights (W0 + s·BA, base HF names) are reloaded
+    into vLLM after every update; a sync that delivers the old weights shows in the mismatch."""
+    pytest.importorskip("peft")
+    if stale:
+        from flowrl.models import lora
+
+        real = lora.merged_weights
+
+        def base_only(model, adapter="default", *, full=False):  # the adapters never arrive
+            for n, t in real(model, adapter, full=full):
+                m = model.get_submodule(n.rsplit(".", 1)[0])
+                yield n, (m.get_base_layer().weight.detach() if hasattr(m, "get_base_layer") else t)
+        monkeypatch.setattr(lora, "merged_weights", base_only)
+    train(compose(ARGS + LORA + [f"trainer.output_dir={tmp_path}"]))
+    rows = metrics(tmp_path)
+    assert rows[1]["rollout/logprob_mismatch"] < TOL
+    assert rows[2]["perf/weight_sync_bytes"] > 0
+    if stale:
+        assert rows[2]["rollout/logprob_mismatch"] > 100 * TOL
+    else:
+        assert rows[2]["rollout/logprob_mismatch"] < TOL

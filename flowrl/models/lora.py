@@ -1,0 +1,365 @@
+"""LoRA RL (``model.lora``): the actor trains ``peft`` adapters; the reference is the same weights
+with the adapters disabled; the rollout engine gets the merged weights after every update.
+
+LoRA: Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", eq. 3:
+``h = W0 x + (alpha / r) · B A x`` with ``A`` (r, in) random, ``B`` (out, r) zero at the start, so
+the initial policy is exactly the base model.
+
+How the roles share one model (``build_lora_actor``, called by ``flowrl.train.build_engines``):
+
+- actor: the HF model with LoRA layers injected in place by ``peft.get_peft_model`` (the engine
+  holds the transformers model, not the ``PeftModel`` wrapper, so the chunked LM head, packing and
+  ``logits_to_keep`` paths of the train engine still apply); the optimizer holds only the
+  trainable tensors (adapters and ``modules_to_save``).
+- ref: :class:`AdapterDisabledReference`, the actor engine's forward inside peft's
+  ``disable_adapter()``: no second copy of the weights.
+- rollout: the HF engine shares the actor's module on one process (it samples with the live
+  adapters, nothing to sync); any other rollout engine (HF with its own copy under FSDP, vLLM)
+  holds a plain base-model copy and receives ``W0 + (alpha / r) · B A`` of every adapted module
+  (and the fully trained modules) under the base model's HF names after each update, with their
+  bytes in ``perf/weight_sync_bytes``: an HF copy only the tensors that changed; vLLM the whole
+  merged set (its in-place ``reload_weights`` re-processes whole layers and checks completeness).
+- checkpoints: only trainable tensors + optimizer + scheduler (the frozen base is the model
+  config's); ``flowrl export`` merges them (or ``--adapter-only`` writes the PEFT directory).
+"""
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+ALL_LINEAR = "all-linear"  # peft's name: every linear layer except the LM head
+
+
+@dataclass
+class LoraConfig:
+    """``model.lora``: train LoRA adapters instead of every weight (null = full fine-tuning).
+
+    Attributes:
+        rank: r, the adapters' inner dimension (>= 1).
+        alpha: scaling numerator: the update is ``(alpha / rank) · B A``.
+        dropout: dropout on the adapters' input (peft ``lora_dropout``). The train engine zeroes
+            every dropout while ``trainer.engine.disable_dropout`` is true (the default: the PPO
+            ratio must be 1 at step 0), so this applies only with that switched off.
+        target_modules: module names (the last dotted part, e.g. ``q_proj``, or ``c_attn`` for
+            GPT-2) that get adapters; ``["all-linear"]`` = every linear layer but the LM head.
+            Checked against the model's module names before any weights load.
+        modules_to_save: modules trained in full next to the adapters (e.g. ``lm_head``); their
+            full weights are saved in checkpoints and synced to the rollout engine.
+        init_seed: seed of the adapters' random ``A`` init (same on every rank, global RNG
+            untouched).
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
+    modules_to_save: list[str] = field(default_factory=list)
+    init_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"model.lora.rank must be >= 1, got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"model.lora.alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        self.target_modules = [str(t) for t in self.target_modules]
+        self.modules_to_save = [str(t) for t in self.modules_to_save]
+        if not self.target_modules:
+            raise ValueError("model.lora.target_modules must name at least one module "
+                             "(or be [all-linear])")
+
+    def peft_config(self):
+        """The ``peft.LoraConfig`` of this section (causal LM task)."""
+        import peft
+
+        targets = ALL_LINEAR if self.target_modules == [ALL_LINEAR] else list(self.target_modules)
+        return peft.LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                               target_modules=targets,
+                               modules_to_save=list(self.modules_to_save) or None,
+                               task_type="CAUSAL_LM")
+
+
+def as_lora_config(value: Any) -> Optional[LoraConfig]:
+    """None, a LoraConfig or a mapping of its fields (``model.lora={rank: 8}``) → LoraConfig.
+
+    Raises:
+        ValueError: anything else, or an unknown field, naming ``model.lora``.
+    """
+    if value is None or isinstance(value, LoraConfig):
+        return value
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(value, DictConfig):
+        value = OmegaConf.to_container(value, resolve=True)
+    if isinstance(value, dict):
+        try:
+            return LoraConfig(**value)
+        except TypeError as e:
+            raise ValueError(f"model.lora: {e}") from e
+    raise ValueError(f"model.lora must be null or a section (rank, alpha, dropout, "
+                     f"target_modules, modules_to_save), got {value!r}")
+
+
+# ------------------------------------------------------------------ validation (no weights)
+def _gguf_architecture(path: str) -> str:
+    """``general.architecture`` from a GGUF header: reads the first key-value pairs only
+    (``gguf.GGUFReader`` maps every tensor: seconds on a 135M file)."""
+    with open(path, "rb") as f:
+        magic, _version, _n_tensors, n_kv = struct.unpack("<4sIQQ", f.read(24))
+        if magic != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+        for _ in range(n_kv):
+            (klen,) = struct.unpack("<Q", f.read(8))
+            key = f.read(klen).decode()
+            (vtype,) = struct.unpack("<I", f.read(4))
+            if vtype == 8:  # string
+                (vlen,) = struct.unpack("<Q", f.read(8))
+                value = f.read(vlen).decode()
+                if key == "general.architecture":
+                    return value
+            elif vtype in sizes:
+                f.read(sizes[vtype])
+            else:  # an array before the architecture: leave it to the gguf library
+                break
+    import gguf
+
+    return str(gguf.GGUFReader(path).fields["general.architecture"].contents())
+
+
+def _hf_config(model_cfg: Any):
+    """The transformers config of ``model_cfg`` (tiny dict, HF dir, or a GGUF's architecture with
+    default sizes: module *names* do not depend on sizes), without loading weights."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from flowrl.models.loading import SMOLLM2, smollm2_dir
+
+    if model_cfg.tiny is not None:
+        tiny = dict(model_cfg.tiny)
+        return AutoConfig.for_model(tiny.pop("model_type"), **tiny)
+    folder = smollm2_dir() if model_cfg.path == SMOLLM2 else Path(model_cfg.path)
+    if model_cfg.gguf_file is not None:
+        arch = _gguf_architecture(str(folder / model_cfg.gguf_file))
+        return AutoConfig.for_model(arch, num_hidden_layers=1)
+    return AutoConfig.from_pretrained(str(folder))
+
+
+def module_names(model_cfg: Any) -> set[str]:
+    """Dotted names of every module of the model (one layer is enough), from a ``meta``-device
+    instance: no weights are read or allocated."""
+    from transformers import AutoModelForCausalLM
+
+    config = _hf_config(model_cfg)
+    config.num_hidden_layers = 1
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {n for n, _ in model.named_modules() if n}
+
+
+def check_lora(cfg: Any, roles: set[str]) -> None:
+    """Reject a ``model.lora`` run that could not train as asked, before any model loads.
+
+    Args:
+        cfg: the run's ``TrainConfig``. roles: the plan's roles.
+
+    Raises:
+        ValueError: one line naming the field: a critic graph (the value head shares nothing with
+            the adapters and would not train), a placement other than ``colocated``, or a
+            ``target_modules`` / ``modules_to_save`` name the model does not have.
+    """
+    lora = cfg.model.lora
+    if lora is None:
+        return
+    if "critic" in roles:
+        raise ValueError("model.lora: the graph has a critic (PPO); a LoRA actor leaves the "
+                         "critic's value head untrained; use a critic-free graph (grpo, rloo, ...)")
+    if cfg.placement.mode != "colocated":
+        raise ValueError(f"model.lora: placement.mode={cfg.placement.mode} is not supported with "
+                         "LoRA yet (colocated only)")
+    names = module_names(cfg.model)
+    leaves = {n.rsplit(".", 1)[-1] for n in names}
+    for fld, wanted in (("target_modules", lora.target_modules),
+                        ("modules_to_save", lora.modules_to_save)):
+        for t in wanted:
+            if fld == "target_modules" and t == ALL_LINEAR:
+                continue
+            if t not in leaves and t not in names:
+                linear = sorted({n.rsplit(".", 1)[-1] for n in names
+                                 if ".layers.0." in n or ".h.0." in n})
+                raise ValueError(f"model.lora.{fld}: the model has no module {t!r} "
+                                 f"(modules of a layer: {', '.join(linear)})")
+
+
+# ------------------------------------------------------------------ building
+def inject_lora(model: nn.Module, lora: LoraConfig):
+    """Add adapters to ``model`` in place (``peft.get_peft_model``); returns the ``PeftModel``
+    wrapper (``disable_adapter``, ``save_pretrained``). ``model`` itself stays the transformers
+    model the engines run; only adapters and ``modules_to_save`` keep ``requires_grad``."""
+    import peft
+
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(lora.init_seed)
+        return peft.get_peft_model(model, lora.peft_config())
+
+
+class LoraEngineMixin:
+    """The LoRA actor engine over any train engine class (``lora_variant(cls)``): checkpoints hold
+    the trainable tensors only, and ``named_weights`` serves merged weights to the rollout engine.
+
+    Extra keyword args: ``peft_model`` (the wrapper of ``model``), ``sync`` (what
+    ``named_weights`` hands the rollout engine): ``changed`` (default: the merged tensors the
+    adapters change; an HF engine with its own copy), ``full`` (every tensor, merged: vLLM reloads
+    whole layers), ``shared`` (nothing: the rollout engine runs this very module).
+    """
+
+    def __init__(self, model: nn.Module, cfg=None, trainable: bool = True, *,
+                 peft_model: Any, sync: str = "changed", **kw: Any) -> None:
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
+        self.peft_model = peft_model
+        self.sync = sync
+        super().__init__(model, cfg, trainable=trainable, **kw)
+
+    def disable_adapter(self):
+        """Context: forwards of this engine run the base weights (peft ``disable_adapter``)."""
+        return self.peft_model.disable_adapter()
+
+    def named_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, Tensor]]:
+        """(base HF name, full tensor) of every tensor the adapters change: ``W0 + (alpha/r) B A``
+        of each adapted module, the full weights of ``modules_to_save`` (``sync="full"``: every
+        other tensor too; ``"shared"``: nothing, the rollout engine runs this module). Every rank iterates it to the end (FSDP: gathers). Records
+        ``gather_bytes`` / ``gather_s`` in ``last_timings``."""
+        t0, total = time.perf_counter(), 0
+        dtype = dtype or getattr(self, "gather_dtype", None)
+        if self.sync != "shared":
+            for name, t in merged_weights(self.model, full=self.sync == "full"):
+                t = t if dtype is None else t.to(dtype)
+                total += t.numel() * t.element_size()
+                yield name, t
+        self.last_timings = {"gather_s": time.perf_counter() - t0, "gather_bytes": float(total)}
+
+    def state_dict(self) -> dict:
+        """``{"model", "optimizer", "scheduler"}`` with ``model`` holding only the trainable
+        tensors (adapters, ``modules_to_save``)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optimizer,
+                                  options=StateDictOptions(ignore_frozen_params=True))
+        return {"model": msd, "optimizer": osd, "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore adapters, optimizer and scheduler (the frozen base comes from the model config).
+
+        Raises:
+            RuntimeError: the checkpoint lacks a trainable tensor of this model."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        want = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        missing = want - set(state["model"])
+        if missing:
+            raise RuntimeError(f"LoRA checkpoint lacks {sorted(missing)[:3]} ...")
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(strict=False))
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+SYNC_MODES = ("changed", "full", "shared")
+_VARIANTS: dict[type, type] = {}
+
+
+def lora_variant(engine_cls: type) -> type:
+    """The LoRA version of a train engine class (cached): ``LoraEngineMixin`` in front."""
+    if engine_cls not in _VARIANTS:
+        _VARIANTS[engine_cls] = type(f"Lora{engine_cls.__name__}", (LoraEngineMixin, engine_cls), {})
+    return _VARIANTS[engine_cls]
+
+
+def _full(t: Tensor) -> Tensor:
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 DTensor: all-gather
+
+
+@torch.no_grad()
+def merged_weights(model: nn.Module, adapter: str = "default", *,
+                   full: bool = False) -> Iterator[tuple[str, Tensor]]:
+    """(base model name, merged full tensor) of what the adapters change, without touching the
+    module (an in-place merge and unmerge would round the frozen base weights):
+    ``weight = W0 + scaling · B A`` (transposed for GPT-2's ``Conv1D``, ``fan_in_fan_out``) of every
+    LoRA layer, the trained copy of every ``modules_to_save`` module. Names drop peft's
+    ``base_layer.`` / ``modules_to_save.<adapter>.`` parts, so they are the base model's HF names.
+    ``full``: also every unchanged parameter (tied ones once): the complete set an engine that
+    reloads whole layers needs (vLLM's ``reload_weights``).
+    """
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    wrapped = [n for n, m in model.named_modules()
+               if isinstance(m, (LoraLayer, ModulesToSaveWrapper))]
+    if full:
+        for name, p in model.named_parameters():
+            if not any(name.startswith(w + ".") for w in wrapped):
+                yield name, _full(p)
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLayer) and adapter in m.lora_A:
+            base = m.get_base_layer()
+            delta = _full(m.lora_B[adapter].weight) @ _full(m.lora_A[adapter].weight)
+            delta = delta * m.scaling[adapter]
+            if getattr(m, "fan_in_fan_out", False):
+                delta = delta.T
+            w = _full(base.weight)
+            yield f"{name}.weight", w + delta.to(w.dtype)
+        elif isinstance(m, ModulesToSaveWrapper):
+            for pname, p in m.modules_to_save[adapter].named_parameters():
+                yield f"{name}.{pname}", _full(p)
+
+
+class AdapterDisabledReference:
+    """The ``ref`` role of a LoRA run: the actor engine's logprobs with the adapters disabled
+    (the frozen base model), so no second copy of the weights exists.
+
+    Shares the actor's device and memory moves (a swap of ``ref`` moves the actor's state)."""
+
+    trainable = False
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self.model = actor.model
+        self.cfg = actor.cfg  # micro-batching and balance_across_ranks: the actor's
+        self.device = actor.device
+        self.last_timings: dict[str, float] = {}
+
+    def logprobs(self, batch, temperature: float, with_entropy: bool = False):
+        """:meth:`LocalTrainEngine.logprobs` of the base weights ((B, R) float32, no grad)."""
+        with self.actor.disable_adapter():
+            return self.actor.logprobs(batch, temperature, with_entropy=with_entropy)
+
+    def offload(self, keep_weights: bool = False) -> None:
+        self.actor.offload(keep_weights=keep_weights)
+        self.last_timings = self.actor.last_timings
+
+    def onload(self) -> None:
+        self.actor.onload()
+        self.last_timings = self.actor.last_timings
+
+    def state_dict(self) -> dict:
+        return {}
+
+
+def build_lora_actor(engine_cls: type, model: nn.Module, lora: LoraConfig, engine_cfg: Any, *,
+                     sync: str = "changed", **kw: Any):
+    """The LoRA actor engine over ``engine_cls`` (local or FSDP) on ``model`` (adapters injected in
+    place before any sharding, with the same init on every rank); ``sync``: see
+    :class:`LoraEngineMixin`."""
+    peft_model = inject_lora(model, lora)
+    return lora_variant(engine_cls)(model, engine_cfg, trainable=True, peft_model=peft_model,
+                                    sync=sync, **kw)

@@ -1,0 +1,203 @@
+"""LoRA RL (flowrl/models/lora.py): config checks before any model loads, adapter-only optimizer,
+the free reference (adapters disabled = base model), merged-weight sync to the rollout engine."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from flowrl.cli import compose
+from flowrl.engines.base import SamplingConfig
+from flowrl.engines.rollout.hf import HFRolloutConfig, HFRolloutEngine
+from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+from flowrl.models.lora import (AdapterDisabledReference, LoraConfig, build_lora_actor,
+                                merged_weights)
+from flowrl.train import ConfigError, prepare
+from test_engines import PROMPT_MASK, PROMPTS, _train_batch, tiny_llama, token_mean_loss
+
+BASE = ["model=tiny", "trainer=smoke", "trainer.output_dir=/tmp/flowrl-lora-plan"]
+
+
+def _prepare(*overrides: str):
+    return prepare(compose(BASE + list(overrides)))
+
+
+# ---------------------------------------------------------------- config, before any model loads
+@pytest.mark.parametrize("override, match", [
+    ("model.lora={rank: 0}", "model.lora.rank must be >= 1, got 0"),
+    ("model.lora={target_modules: [q_prj]}", "model.lora.target_modules: the model has no module 'q_prj'"),
+    ("model.lora={modules_to_save: [head]}", "model.lora.modules_to_save: the model has no module 'head'"),
+    ("model.lora={rnk: 4}", "model.lora: .*unexpected keyword argument 'rnk'"),
+])
+def test_bad_lora_config_is_rejected_naming_the_field(override, match, monkeypatch):
+    import flowrl.models.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    with pytest.raises(ConfigError, match=match):
+        _prepare(override)
+
+
+def test_lora_with_a_critic_graph_is_rejected():
+    with pytest.raises(ConfigError, match="model.lora: the graph has a critic"):
+        _prepare("graph=ppo", "+model.lora.rank=4")
+
+
+def test_plan_shows_the_reference_served_by_the_actor():
+    cfg, plan = _prepare("+model.lora.rank=4", "algorithm.kl_coef=0.1")
+    assert cfg.model.lora == LoraConfig(rank=4)
+    assert "ref served by the actor engine with its LoRA adapters disabled" in plan.format_text()
+    _, plain = _prepare("algorithm.kl_coef=0.1")
+    assert "ref" in plain.roles and "served by" not in plain.format_text()
+
+
+def test_gpt2_module_names_are_checked_against_its_own_modules():
+    _prepare("model.tiny.model_type=gpt2", "~model.tiny.hidden_size", "~model.tiny.num_hidden_layers",
+             "~model.tiny.num_attention_heads", "~model.tiny.num_key_value_heads",
+             "~model.tiny.intermediate_size", "+model.tiny.n_embd=64", "+model.tiny.n_layer=2",
+             "+model.tiny.n_head=4", "model.lora={target_modules: [c_attn]}")
+    with pytest.raises(ConfigError, match="no module 'q_proj'"):
+        _prepare("model.tiny.model_type=gpt2", "~model.tiny.hidden_size",
+                 "~model.tiny.num_hidden_layers", "~model.tiny.num_attention_heads",
+                 "~model.tiny.num_key_value_heads", "~model.tiny.intermediate_size",
+                 "+model.tiny.n_embd=64", "+model.tiny.n_layer=2", "+model.tiny.n_head=4",
+                 "model.lora={target_modules: [q_proj]}")
+
+
+# ---------------------------------------------------------------- engines
+def _lora_actor(lora=None, sync="changed", **cfg):
+    eng_cfg = TrainEngineConfig(lr=1e-2, micro_batch_size=2, **cfg)
+    return build_lora_actor(LocalTrainEngine, tiny_llama(), lora or LoraConfig(rank=4),
+                            eng_cfg, sync=sync)
+
+
+def test_optimizer_holds_only_the_adapters():
+    actor = _lora_actor(LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]))
+    in_opt = {id(p) for g in actor.optimizer.param_groups for p in g["params"]}
+    names = {n for n, p in actor.model.named_parameters() if id(p) in in_opt}
+    # 2 layers × (q_proj, v_proj) × (lora_A, lora_B)
+    assert len(names) == 8 and all(".lora_A." in n or ".lora_B." in n for n in names)
+    n_adapter = sum(p.numel() for n, p in actor.model.named_parameters() if id(p) in in_opt)
+    # q: A (4, 64) + B (64, 4); v: A (4, 64) + B (32, 4) (2 KV heads of 16); per layer, 2 layers
+    assert n_adapter == 2 * (4 * 64 + 64 * 4 + 4 * 64 + 32 * 4)
+    osd = actor.state_dict()
+    assert set(osd["model"]) == names  # checkpoints: adapters only, the frozen base is not saved
+    before = {n: p.clone() for n, p in actor.model.named_parameters()}
+    batch = _train_batch()
+    m = actor.train_step(batch, token_mean_loss(batch), temperature=1.0)
+    assert m["grad_norm"] > 0
+    changed = {n for n, p in actor.model.named_parameters() if not torch.equal(p, before[n])}
+    # only lora_B moves at step 1 (B = 0 ⇒ dL/dA = 0); the frozen base never does
+    assert changed == {n for n in names if ".lora_B." in n}
+
+
+def test_chunked_head_and_plain_path_agree_on_a_lora_model():
+    batch = _train_batch()
+    chunked, plain = _lora_actor(), _lora_actor(logprob_chunk_size=None)
+    assert chunked._head is not None  # the engine runs the transformers model, not PeftModel
+    for eng in (chunked, plain):
+        eng.train_step(batch, token_mean_loss(batch), temperature=1.0)
+    a = chunked.logprobs(batch, 1.0).logprobs
+    b = plain.logprobs(batch, 1.0).logprobs
+    assert (a - b).abs().max().item() < 1e-5
+
+
+def test_reference_is_the_base_model_and_no_copy():
+    batch = _train_batch()
+    actor = _lora_actor()
+    ref = AdapterDisabledReference(actor)
+    assert ref.model is actor.model  # one set of weights
+    base = LocalTrainEngine(tiny_llama(), TrainEngineConfig(micro_batch_size=2), trainable=False)
+    want = base.logprobs(batch, 0.7).logprobs
+    for _ in range(2):
+        actor.train_step(batch, token_mean_loss(batch), temperature=0.7)
+    moved = actor.logprobs(batch, 0.7).logprobs
+    assert (moved - want).abs().max().item() > 1e-3  # the adapters changed the policy
+    got = ref.logprobs(batch, 0.7).logprobs
+    assert (got - want).abs().max().item() < 1e-5
+    # adapters are back on after the reference forward
+    assert torch.equal(actor.logprobs(batch, 0.7).logprobs, moved)
+
+
+def test_merged_weights_are_base_names_and_equal_peft_merge():
+    actor = _lora_actor(LoraConfig(rank=4, modules_to_save=["lm_head"]))
+    batch = _train_batch()
+    for _ in range(2):
+        actor.train_step(batch, token_mean_loss(batch), temperature=1.0)
+    merged = dict(merged_weights(actor.model))
+    ref = copy.deepcopy(actor.peft_model).merge_and_unload()
+    want = ref.state_dict()
+    plain_names = set(tiny_llama().state_dict())
+    assert set(merged) <= plain_names and "lm_head.weight" in merged
+    # only what changed: 7 linears per layer × 2 layers + lm_head, not embeddings or norms
+    assert len(merged) == 15
+    for n, t in merged.items():
+        assert torch.allclose(t, want[n], atol=1e-6), n
+    # the complete set (vLLM): exactly the plain model's parameter names, tied ones once
+    full = dict(merged_weights(actor.model, full=True))
+    assert set(full) == {n for n, _ in tiny_llama().named_parameters()}
+    for n, t in full.items():
+        assert torch.allclose(t, want[n], atol=1e-6), n
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_rollout_copy_sees_every_update(tokenizer, sync):
+    """The stale-adapter bug: a rollout engine with its own copy that misses the update keeps
+    sampling the initial policy; its logprobs then disagree with the trainer's."""
+    actor = _lora_actor()
+    roll = HFRolloutEngine(tiny_llama(), tokenizer, HFRolloutConfig(batch_size=4))
+    batch = _train_batch()
+    for _ in range(3):
+        actor.train_step(batch, token_mean_loss(batch), temperature=1.0)
+        if sync:
+            roll.load_weights(actor.named_weights())
+            # only the 14 adapted linears (2 layers × 7) cross, fp32
+            assert roll.last_load_counts == {"copied": 14, "shared": 0}
+            assert actor.last_timings["gather_bytes"] == 4 * sum(
+                t.numel() for _, t in merged_weights(actor.model))
+    params = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8)
+    rb = roll.generate(PROMPTS, PROMPT_MASK, params, torch.Generator().manual_seed(0))
+    lp = actor.logprobs(dict(prompt_ids=PROMPTS, prompt_mask=PROMPT_MASK,
+                             response_ids=rb.response_ids, response_mask=rb.response_mask), 1.0)
+    mismatch = (lp.logprobs - rb.rollout_logprobs).abs().max().item()
+    if sync:
+        assert mismatch < 1e-4
+    else:
+        assert mismatch > 1e-2
+
+
+def test_shared_rollout_module_needs_no_copy(tokenizer):
+    actor = _lora_actor(sync="shared")
+    roll = HFRolloutEngine(actor.model, tokenizer, shared=True)
+    batch = _train_batch()
+    actor.train_step(batch, token_mean_loss(batch), temperature=1.0)
+    roll.load_weights(actor.named_weights())
+    assert roll.last_load_counts == {"copied": 0, "shared": 0}
+    assert actor.last_timings["gather_bytes"] == 0.0
+    params = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8)
+    rb = roll.generate(PROMPTS, PROMPT_MASK, params, torch.Generator().manual_seed(0))
+    lp = actor.logprobs(dict(prompt_ids=PROMPTS, prompt_mask=PROMPT_MASK,
+                             response_ids=rb.response_ids, response_mask=rb.response_mask), 1.0)
+    assert (lp.logprobs - rb.rollout_logprobs).abs().max().item() < 1e-4
+
+
+def test_state_dict_round_trip_continues_identically():
+    batch = _train_batch()
+    a = _lora_actor()
+    a.train_step(batch, token_mean_loss(batch), temperature=1.0)
+    saved = copy.deepcopy(a.state_dict())
+    b = _lora_actor(LoraConfig(rank=4, init_seed=1))  # other adapter init: overwritten by the load
+    b.load_state_dict(saved)
+    for eng in (a, b):
+        eng.train_step(batch, token_mean_loss(batch), temperature=1.0)
+    for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    import transformers
+
+    from test_engines import TOKENIZER_DIR
+
+    return transformers.AutoTokenizer.from_pretrained(TOKENIZER_DIR)
