@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -66,6 +67,43 @@ def run_once(args, config_env: dict[str, str], out: Path) -> float:
     return statistics.median(r["perf/step_s"] for r in rows if r["step"] > 1 and "perf/step_s" in r)
 
 
+def report(args, cpus: int, cfgs: dict, runs: list, load_before: tuple) -> None:
+    """Print the table of medians and (``--out``) write it with every run's time and load."""
+    headers = ["busy neighbours", *[f"s/step, {name}" for name in cfgs]]
+    rows = []
+    for k in args.neighbours:
+        med = [statistics.median([r[3] for r in runs if r[1] == k and r[2] == name] or [math.nan])
+               for name in cfgs]
+        if not all(math.isnan(m) for m in med):
+            rows.append([k, *[f"{m:.2f} ({m / med[0]:.2f}x)" for m in med]])
+    print(text_table(headers, rows))
+    if not args.out:
+        return
+    m = machine_info()
+    every = markdown_table(["repeat", "busy neighbours", "config", "s/step", "load average (1 min) at start"],
+                           [[r[0], r[1], r[2], f"{r[3]:.2f}", f"{r[4]:.1f}"] for r in runs])
+    args.out.write_text(f"""# Torch threads under CPU contention
+
+- Command: `{command_line()}`
+- Date: {utc_now()} · commit {git_revision()}
+- Machine: {m.get('cpu', '?')}, {m.get('logical_cpus', cpus)} logical CPUs, {m.get('memory', '?')}, {m.get('os', '?')}, Python {m.get('python', '?')}
+- Versions: {', '.join(f'{k} {v}' for k, v in versions(['torch', 'transformers']).items())}
+- Load average (1 min) before / now: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f}
+  (a shared machine: other jobs are neighbours too, see the load of every run below)
+- Workload: `flowrl train` on a tiny Llama (hidden 256, 4 layers, 49k vocab), {args.steps} steps
+  of 2 prompts x 4 samples x {args.max_new_tokens} new tokens; median `perf/step_s` after the
+  first step, median over {args.repeats} interleaved repeats (in brackets: relative to 1 thread).
+  A neighbour is a process running 512x512 matmuls in a loop with torch's default threads ({cpus}).
+  {len(runs)} runs done.
+
+{markdown_table(headers, rows)}
+
+Every run:
+
+{every}
+""")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=4)
@@ -78,45 +116,23 @@ def main() -> int:
     cpus = os.cpu_count() or 1
     cfgs = configs(cpus)
     load_before = os.getloadavg()
-    results: dict[tuple[int, str], list[float]] = {}
+    runs: list[tuple[int, int, str, float, float]] = []  # repeat, neighbours, config, s, load
     tmp = Path(tempfile.mkdtemp(prefix="flowrl_threads_"))
     for rep in range(args.repeats):
         for k in args.neighbours:
             procs = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) for _ in range(k)]
             try:
                 for i, (name, env) in enumerate(cfgs.items()):
+                    load = os.getloadavg()[0]
                     s = run_once(args, env, tmp / f"r{rep}_n{k}_c{i}")
-                    results.setdefault((k, name), []).append(s)
-                    print(f"repeat {rep}: {k} neighbour(s), {name}: {s:.2f} s/step", flush=True)
+                    runs.append((rep, k, name, s, load))
+                    print(f"repeat {rep}: {k} neighbour(s), {name}: {s:.2f} s/step "
+                          f"(load {load:.1f})", flush=True)
+                    report(args, cpus, cfgs, runs, load_before)  # kept if a later run is cut
             finally:
                 for p in procs:
                     p.kill()
                     p.wait()
-    load_after = os.getloadavg()
-    headers = ["busy neighbours", *[f"s/step, {name}" for name in cfgs]]
-    rows = []
-    for k in args.neighbours:
-        med = [statistics.median(results[(k, name)]) for name in cfgs]
-        rows.append([k, *[f"{m:.2f} ({m / med[0]:.2f}x)" for m in med]])
-    print(text_table(headers, rows))
-    if args.out:
-        m = machine_info()
-        text = f"""# Torch threads under CPU contention
-
-- Command: `{command_line()}`
-- Date: {utc_now()} · commit {git_revision()}
-- Machine: {m.get('cpu', '?')}, {m.get('logical_cpus', cpus)} logical CPUs, {m.get('memory', '?')}, {m.get('os', '?')}, Python {m.get('python', '?')}
-- Versions: {', '.join(f'{k} {v}' for k, v in versions(['torch', 'transformers']).items())}
-- Load average (1 min) before / after: {load_before[0]:.2f} / {load_after[0]:.2f} (the machine is shared)
-- Workload: `flowrl train` on a tiny Llama (hidden 256, 4 layers, 49k vocab), {args.steps} steps
-  of 2 prompts x 4 samples x {args.max_new_tokens} new tokens; median `perf/step_s` after the
-  first step, median of {args.repeats} interleaved repeats (in brackets: relative to 1 thread).
-  A neighbour is a process running 512x512 matmuls in a loop with torch's default threads ({cpus}).
-
-{markdown_table(headers, rows)}
-"""
-        args.out.write_text(text)
-        print(f"wrote {args.out}")
     return 0
 
 
