@@ -84,7 +84,10 @@ def test_tiny_one_step_writes_both_rows(tmp_path):
 def test_vllm_cuda_pair_maps_onto_grpo_config(tmp_path):
     """The pair a CPU cannot run: every TRL argument exists in GRPOConfig and mirrors flowrl's."""
     trl = pytest.importorskip("trl")
+    # a model directory as the benchmark saves it (flowrl checks model.path holds a config)
     (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2"}')
+    (tmp_path / "model" / "tokenizer_config.json").write_text("{}")
     bc = bench.BenchConfig(model="qwen05b", rollout="vllm", device="cuda", steps=4, prompts_per_step=32,
                            n=8, max_new_tokens=256, micro_batch_size=32, model_dir=str(tmp_path / "model"),
                            extra=["rollout.vllm.gpu_memory_utilization=0.4", "rollout.vllm.max_model_len=1024"])
