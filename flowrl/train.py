@@ -412,8 +412,6 @@ def _train_in(out_dir: Path, raw, cfg: TrainConfig, plan: ExecutionPlan, resolve
         logger.print(f"machine: device={cfg.trainer.device} rollout={cfg.rollout.backend} "
                      f"dtype={cfg.model.dtype} strategy={cfg.trainer.engine.strategy} "
                      f"offload={'on' if swap else 'off'} ({why_swap})")
-        for r in resolved:
-            logger.print(f"  resolved {r}")
         if ev.before and start == 1 and rank0:  # rank 0's rollout engine holds full weights
             before = evaluate_greedy(engines["rollout"], prompts, tokenizer, scorer, **eval_kw,
                                      samples_path=out_dir / "eval_before.jsonl",
