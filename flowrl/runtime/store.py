@@ -19,35 +19,16 @@ import torch
 from flowrl.runtime.devices import to_device
 
 
-def nbytes(value: Any) -> int:
+def nbytes(value: Any, device_only: bool = False) -> int:
     """Bytes held by a value: tensor storage (deduplicated by data_ptr), recursing into
-    lists/tuples/dicts; other objects count 0 (strings are noise next to logits)."""
+    lists/tuples/dicts; other objects count 0 (strings are noise next to logits).
+    ``device_only``: count only storage on an accelerator (not CPU, not meta)."""
     seen: set[int] = set()
 
     def walk(v) -> int:
         if isinstance(v, torch.Tensor):
             st = v.untyped_storage()
-            if st.data_ptr() in seen:
-                return 0
-            seen.add(st.data_ptr())
-            return st.nbytes()
-        if isinstance(v, dict):
-            return sum(walk(x) for x in v.values())
-        if isinstance(v, (list, tuple)):
-            return sum(walk(x) for x in v)
-        return 0
-
-    return walk(value)
-
-
-def device_nbytes(value: Any) -> int:
-    """Like :func:`nbytes`, counting only storage on an accelerator (not CPU, not meta)."""
-    seen: set[int] = set()
-
-    def walk(v) -> int:
-        if isinstance(v, torch.Tensor):
-            st = v.untyped_storage()
-            if v.device.type in ("cpu", "meta") or st.data_ptr() in seen:
+            if (device_only and v.device.type in ("cpu", "meta")) or st.data_ptr() in seen:
                 return 0
             seen.add(st.data_ptr())
             return st.nbytes()
@@ -106,7 +87,7 @@ class TensorStore:
             if self.device is not None:
                 value = to_device(value, self.device)
             self._data[key] = value
-            size = self._size[key] = (nbytes(value), device_nbytes(value))
+            size = self._size[key] = (nbytes(value), nbytes(value, device_only=True))
             st.live_bytes += size[0]
             st.produced_bytes += size[0]
             st.live_device_bytes += size[1]

@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowrl.runtime.metrics import read_metrics  # noqa: F401 (test_train_2gpu imports it from here)
+
 REPO = Path(__file__).resolve().parents[2]
 GRAPHS = sorted(p.stem for p in (REPO / "graphs").glob("*.yaml"))
 MEAN_TOL, MAX_TOL = 0.05, 1.0
@@ -66,12 +68,6 @@ def varied_rewards(monkeypatch):
     monkeypatch.setitem(REWARD_FUNCTIONS, "gsm8k", stand_in_reward)
 
 
-def read_metrics(d: Path) -> dict[int, dict]:
-    rows: dict[int, dict] = {}
-    for line in (d / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        rows.setdefault(r["step"], {}).update(r)
-    return rows
 
 
 def run_train(out: Path, *extra: str) -> dict[int, dict]:

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowrl.runtime.metrics import read_metrics
+
 from flowrl.cli import compose
 from flowrl.train import train
 
@@ -19,12 +21,6 @@ BASE = ["model=tiny", "trainer=smoke", "data.limit=64", "logger.progress=false",
 SYNC_BYTES = 4 * 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64)
 
 
-def read_metrics(d: Path) -> dict[int, dict]:
-    rows: dict[int, dict] = {}
-    for line in (d / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        rows.setdefault(r["step"], {}).update(r)
-    return rows
 
 
 @pytest.fixture
