@@ -10,7 +10,7 @@ import torch
 
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import NoConfig, register_op
-from flowrl.runtime.rebalance import balance_rows
+from flowrl.ops.rebalance import balance_rows
 
 _PROMPT_RESPONSE = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 

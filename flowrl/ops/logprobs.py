@@ -7,7 +7,7 @@ import torch
 
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import register_op
-from flowrl.runtime.rebalance import balance_rows
+from flowrl.ops.rebalance import balance_rows
 
 
 @dataclass

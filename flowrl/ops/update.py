@@ -106,8 +106,8 @@ def run_minibatches(ctx: StageContext, batch: dict, make_loss_fn, *, prefix: str
     ``<prefix>/optimizer_steps``.
     """
     from flowrl.algorithms.losses import loss_denominators
-    from flowrl.runtime.distributed import all_reduce_floats
-    from flowrl.runtime.rebalance import balance_rows
+    from flowrl.ops.collectives import all_reduce_floats
+    from flowrl.ops.rebalance import balance_rows
 
     algo = ctx.resource("algorithm")
     # before the shuffle: every rank then has the same B (and nearly the same tokens); the

@@ -53,7 +53,7 @@ def run(balance: bool, batch: dict, info) -> dict:
     from flowrl.ops.critic import values
     from flowrl.ops.logprobs import LogprobsConfig, logprobs
     from flowrl.ops.update import update_policy
-    from flowrl.runtime.rebalance import balance_rows
+    from flowrl.ops.rebalance import balance_rows
 
     cfg = TrainEngineConfig(lr=worker.LR, micro_batch_size=2, balance_across_ranks=balance)
     actor = FSDPTrainEngine(worker.make_model(), cfg)

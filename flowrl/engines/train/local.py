@@ -52,7 +52,7 @@ class TrainEngineConfig:
             many MiB, so the rollout hand-off never materialises the whole model at once.
         balance_across_ranks: before each forward stage (logprobs, values, updates) the pool's
             ranks swap rows so each holds as many rows with nearly equal tokens
-            (``runtime/rebalance.py``); outputs return to their rows' owners in order. No-op at
+            (``ops/rebalance.py``); outputs return to their rows' owners in order. No-op at
             world size 1.
         logprob_chunk_size: tokens per chunk of the fused LM head + fp32 log-softmax
             (``algorithms/logprobs.linear_logprobs``): logprobs and entropy of the valid response
