@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from flowrl.compiler.footprint import (ModelSize, fmt_bytes, model_size, pool_peak_memory,
+from flowrl.compiler.footprint import (ModelSize, fmt_bytes, pool_peak_memory,
                                        role_model_configs, tensor_bytes)
 from flowrl.compiler.placement import (PlacementConfig, PlacementError, PlacementPlan,
                                        ROLLOUT_POOL, TRAIN_POOL, place, split_candidates)
@@ -156,11 +156,11 @@ class StageCosts:
     @classmethod
     def from_config(cls, plan: Any, cfg: Any, world_size: int, device: Optional[str] = None,
                     parallelism: Optional[dict[str, int]] = None) -> "StageCosts":
-        """Model sizes read without loading weights (``footprint.model_size``); device kind from
+        """Model sizes read without loading weights (each role's ``ModelConfig.size()``); device kind from
         ``placement.auto.device`` unless given."""
         kind = device or resolve_device(cfg.placement.auto.device, cfg.trainer.device)
         models = role_model_configs(cfg)
-        sizes = {r: model_size(models[r]) for r in plan.roles}
+        sizes = {r: models[r].size() for r in plan.roles}
         return cls.from_plan(plan, sizes, Workload.from_config(cfg, world_size), DEVICES[kind],
                              parallelism)
 
