@@ -20,6 +20,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from flowrl.algorithms.variants import POLICY_LOSSES as POLICY_LOSS_NAMES
+
 LOG_RATIO_CLAMP = 20.0  # |log r| beyond 20 (r > 4.8e8) only happens on garbage; keeps exp finite
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
@@ -39,7 +41,14 @@ def _register(table: dict, name: str):
 
 def register_policy_loss(name: str):
     """Decorator: register ``fn(logprobs, old_logprobs, advantages, response_mask, *, clip_ratio_low,
-    clip_ratio_high, clip_ratio_c=None) -> (per_token_loss, stats)`` in :data:`POLICY_LOSSES`."""
+    clip_ratio_high, clip_ratio_c=None) -> (per_token_loss, stats)`` in :data:`POLICY_LOSSES`.
+
+    Raises:
+        ValueError: ``name`` is not declared in ``algorithms/variants.py`` (POLICY_LOSSES), where a
+            graph's ``policy_loss`` param is checked without torch.
+    """
+    if name not in POLICY_LOSS_NAMES:
+        raise ValueError(f"policy loss {name!r} is not declared in flowrl/algorithms/variants.py")
     return _register(POLICY_LOSSES, name)
 
 

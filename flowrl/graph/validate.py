@@ -12,7 +12,7 @@ import networkx as nx
 
 from flowrl.graph.graph import Graph, GraphError, parse_ref
 from flowrl.graph.roles import ROLES
-from flowrl.ops.registry import OPS, load_builtin_ops
+from flowrl.ops.registry import OPS
 
 
 class UnusedOutputWarning(UserWarning):
@@ -48,7 +48,6 @@ def validate_graph(graph: Graph, *, check_params: bool = True) -> list[str]:
             role not allowed for the op, misspelled/missing/malformed inputs, references to unknown
             stages or outputs, bad params, cycles, bad weight-sync edges.
     """
-    load_builtin_ops()
     problems: list[tuple[str, str, str]] = []
     names = graph.stage_names
     seen: set[str] = set()
