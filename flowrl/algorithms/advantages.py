@@ -301,7 +301,7 @@ def _check(rewards: Tensor, group_id: Tensor, response_mask: Tensor) -> None:
 
 @register_estimator("grpo")
 def _grpo(*, rewards, group_id, response_mask, cfg, **_):
-    a = grpo_advantages(rewards, group_id, response_mask, eps=cfg.adv_eps, norm_by_std=cfg.norm_adv_by_std)
+    a = grpo_advantages(rewards, group_id, response_mask, eps=cfg.adv_eps)
     return a, a
 
 

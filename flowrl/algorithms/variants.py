@@ -43,6 +43,8 @@ ESTIMATORS: dict[str, EstimatorSpec] = {s.name: s for s in (
 # update.policy's ``policy_loss`` param: token-level PPO clip, GSPO's sequence-level ratio
 # (Zheng et al. 2025), plain policy gradient
 POLICY_LOSSES = ("ppo_clip", "gspo", "vanilla")
+# algorithm.rollout_is: no correction, or truncated importance sampling (Yao et al. 2025)
+ROLLOUT_IS = ("none", "tis")
 
 
 def validate_estimator(name: str, n: int) -> None:

@@ -79,6 +79,8 @@ class TrainEngineConfig:
             <= 0 keeps only the finiteness check.
     """
 
+    # 1e-6: TRL's GRPO default and the low end of the 1e-6..3e-6 used for full fine-tuning of
+    # 0.1-0.5B models with GRPO; short CPU recipes raise it in their conf/trainer file
     lr: float = 1e-6
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
