@@ -163,7 +163,8 @@ def prepare_run(bc: BenchConfig, out_dir: str):
     if ops != _TRL_STAGES:
         raise ValueError(f"graph stages {ops} differ from the GRPO stages TRL runs {_TRL_STAGES}")
     a = tc.algorithm
-    if (a.policy_loss, a.loss_agg_mode, a.ppo_epochs, a.entropy_coef, a.clip_ratio_c) != \
+    loss = next(c.config.policy_loss for c in plan.stages if c.stage.name == "update")
+    if (loss, a.loss_agg_mode, a.ppo_epochs, a.entropy_coef, a.clip_ratio_c) != \
             ("ppo_clip", "token-mean", 1, 0.0, None) or a.mini_batch_size not in (None, bc.batch):
         raise ValueError("benchmark needs policy_loss=ppo_clip, loss_agg_mode=token-mean, one "
                          "optimizer step per batch, no entropy bonus, no dual-clip")
@@ -200,7 +201,7 @@ def trl_kwargs(tc, bc: BenchConfig, out_dir: str) -> dict:
         disable_dropout=e.disable_dropout,
         beta=a.kl_coef, num_iterations=a.ppo_epochs, epsilon=a.clip_ratio_low,
         epsilon_high=a.clip_ratio_high, loss_type="dapo", importance_sampling_level="token",
-        scale_rewards="group" if a.norm_adv_by_std else "none",
+        scale_rewards="group",  # advantage.grpo divides by the group std (checked: _TRL_STAGES)
         mask_truncated_completions=a.mask_truncated, top_entropy_quantile=1.0,
         log_completions=False, remove_unused_columns=False)
     if tc.rollout.backend == "vllm":
@@ -256,10 +257,10 @@ def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, 
          f"{kw['optim']} lr={kw['learning_rate']} betas=[{kw['adam_beta1']}, {kw['adam_beta2']}] "
          f"eps={kw['adam_epsilon']} wd={kw['weight_decay']} clip={kw['max_grad_norm']} "
          f"{kw['lr_scheduler_type']}"),
-        ("loss", f"{a.policy_loss} ε={a.clip_ratio_low}/{a.clip_ratio_high}, {a.loss_agg_mode}, "
+        ("loss", f"ppo_clip ε={a.clip_ratio_low}/{a.clip_ratio_high}, {a.loss_agg_mode}, "
          f"rollout_is={a.rollout_is}",
          f"loss_type={kw['loss_type']} ε={kw['epsilon']}/{kw['epsilon_high']}"),
-        ("advantage", f"advantage.grpo, std-normalised={a.norm_adv_by_std}, eps={a.adv_eps}",
+        ("advantage", f"advantage.grpo, std-normalised=True, eps={a.adv_eps}",
          f"scale_rewards={kw['scale_rewards']} (eps 1e-4, fixed)"),
         ("KL", f"kl_coef={a.kl_coef} (no ref stage)", f"beta={kw['beta']} (no ref model)"),
         ("truncated completions", f"mask_truncated={a.mask_truncated}",

@@ -57,6 +57,7 @@ def main() -> None:
     from flowrl.engines.train.local import TrainEngineConfig
     from flowrl.ops.context import StageContext
     from flowrl.ops.logprobs import LogprobsConfig, logprobs
+    from flowrl.ops.builtin import PolicyUpdateConfig
     from flowrl.ops.update import update_policy
     from flowrl.runtime import distributed as fdist
 
@@ -82,7 +83,7 @@ def main() -> None:
             t0 = time.perf_counter()
             fwd = {k: v for k, v in batch.items() if k != "advantages"}
             old = logprobs(ctx, LogprobsConfig(), **fwd)["logprobs"]
-            update_policy(ctx, None, **batch, old_logprobs=old)
+            update_policy(ctx, PolicyUpdateConfig(), **batch, old_logprobs=old)
             sync()
             dt = fdist.all_reduce_max(time.perf_counter() - t0)
             if it:

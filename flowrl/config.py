@@ -79,7 +79,7 @@ class EvalConfig:
     split: str = "test"
     limit: Optional[int] = 32
     batch_size: int = 32
-    max_new_tokens: int = 256
+    max_new_tokens: int = 256  # = SamplingConfig.max_new_tokens: one answer budget for both
     before: bool = True
     after: bool = True
 
@@ -213,11 +213,39 @@ class TrainConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
 
+def graph_options() -> dict[str, dict[str, Any]]:
+    """``graph=<name>`` options: one per ``graphs/<name>.yaml`` (the working directory's first,
+    then flowrl's: the order :meth:`GraphConfig.resolve` finds files in), each setting
+    ``graph.path`` and the file's ``algorithm`` block (the recipe's settings that differ from
+    ``AlgorithmConfig``'s defaults). A graph has this one source: no ``conf/graph/<name>.yaml``.
+    A file that is not a YAML mapping gets its path only (using it reports the problem)."""
+    import yaml
+
+    out: dict[str, dict[str, Any]] = {}
+    for folder in (Path.cwd() / "graphs", REPO_ROOT / "graphs"):
+        for f in sorted(folder.glob("*.yaml")) if folder.is_dir() else []:
+            if f.stem in out:
+                continue
+            try:
+                algorithm = (yaml.safe_load(f.read_text()) or {}).get("algorithm") or {}
+            except (yaml.YAMLError, AttributeError, OSError):
+                algorithm = {}
+            node: dict[str, Any] = {"graph": {"path": f"graphs/{f.name}"}}
+            if isinstance(algorithm, dict) and algorithm:
+                node["algorithm"] = algorithm
+            out[f.stem] = node
+    return out
+
+
 def register_configs() -> None:
-    """Register the schema with Hydra's ConfigStore (``conf/train.yaml`` lists it first)."""
+    """Register the schema (``conf/train.yaml`` lists it first) and the ``graph`` options
+    (:func:`graph_options`) with Hydra's ConfigStore."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for name, node in graph_options().items():
+        cs.store(group="graph", name=name, node=node, package="_global_")
 
 
 def to_train_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:

@@ -28,6 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from flowrl.algorithms.variants import ESTIMATORS, validate_estimator  # noqa: F401 (re-exported)
+
 AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
 
 
@@ -55,25 +57,24 @@ class AdvantageEstimator:
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
-def register_estimator(name: str, *, needs_groups: bool = False, needs_values: bool = False,
-                       produces_returns: bool = False):
-    """Decorator: register ``fn`` under ``name`` in :data:`ADVANTAGE_ESTIMATORS`."""
+def register_estimator(name: str):
+    """Decorator: register ``fn`` under ``name`` in :data:`ADVANTAGE_ESTIMATORS`, with the
+    interface flags ``variants.ESTIMATORS[name]`` declares.
+
+    Raises:
+        ValueError: ``name`` is registered twice or not declared in ``algorithms/variants.py``.
+    """
     def deco(fn: AdvantageFn) -> AdvantageFn:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} registered twice")
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, fn, needs_groups, needs_values,
-                                                        produces_returns)
+        if name not in ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is not declared in "
+                             "flowrl/algorithms/variants.py (ESTIMATORS)")
+        spec = ESTIMATORS[name]
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, fn, spec.needs_groups,
+                                                        spec.needs_values, spec.produces_returns)
         return fn
     return deco
-
-
-def validate_estimator(name: str, n: int) -> None:
-    """Raise ValueError if ``name`` is unknown, or needs groups and ``n`` (samples/prompt) < 2 (C01)."""
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}")
-    if ADVANTAGE_ESTIMATORS[name].needs_groups and n < 2:
-        raise ValueError(f"algorithm.n must be >= 2 for the group-baseline estimator {name!r} "
-                         f"(got {n}): a group of one sample has advantage 0 and trains nothing")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -298,43 +299,43 @@ def _check(rewards: Tensor, group_id: Tensor, response_mask: Tensor) -> None:
 
 # ----------------------------------------------------------------------------- registry entries
 
-@register_estimator("grpo", needs_groups=True)
+@register_estimator("grpo")
 def _grpo(*, rewards, group_id, response_mask, cfg, **_):
-    a = grpo_advantages(rewards, group_id, response_mask, eps=cfg.adv_eps, norm_by_std=cfg.norm_adv_by_std)
+    a = grpo_advantages(rewards, group_id, response_mask, eps=cfg.adv_eps)
     return a, a
 
 
-@register_estimator("dr_grpo", needs_groups=True)
+@register_estimator("dr_grpo")
 def _dr_grpo(*, rewards, group_id, response_mask, **_):
     a = dr_grpo_advantages(rewards, group_id, response_mask)
     return a, a
 
 
-@register_estimator("rloo", needs_groups=True)
+@register_estimator("rloo")
 def _rloo(*, rewards, group_id, response_mask, **_):
     a = rloo_advantages(rewards, group_id, response_mask)
     return a, a
 
 
-@register_estimator("rloo_std", needs_groups=True)
+@register_estimator("rloo_std")
 def _rloo_std(*, rewards, group_id, response_mask, cfg, **_):
     a = rloo_advantages(rewards, group_id, response_mask, norm_by_std=True, eps=cfg.adv_eps)
     return a, a
 
 
-@register_estimator("reinforce_pp", produces_returns=True)
+@register_estimator("reinforce_pp")
 def _reinforce_pp(*, rewards, response_mask, token_rewards, cfg, **_):
     tr = place_on_last_token(rewards, response_mask) if token_rewards is None else token_rewards
     return reinforce_pp_advantages(tr, response_mask, rewards=rewards, gamma=cfg.gamma, eps=cfg.adv_eps)
 
 
-@register_estimator("reinforce_pp_baseline", needs_groups=True, produces_returns=True)
+@register_estimator("reinforce_pp_baseline")
 def _reinforce_pp_baseline(*, rewards, group_id, response_mask, token_rewards, cfg, **_):
     return reinforce_pp_baseline_advantages(rewards, group_id, response_mask, token_rewards=token_rewards,
                                             gamma=cfg.gamma, eps=cfg.adv_eps)
 
 
-@register_estimator("gae", needs_values=True, produces_returns=True)
+@register_estimator("gae")
 def _gae(*, response_mask, token_rewards, values, cfg, **_):
     adv, ret = gae(token_rewards, values, response_mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:

@@ -1,14 +1,16 @@
 """The algorithm knobs a user sweeps (``algorithm.kl_coef=0,0.01``); defaults live here once.
 
 Ops read this from ``ctx.resources["algorithm"]``; graph files pick *which* estimator and loss
-(one op per variant), this config gives their numbers.
+(``op: advantage.<estimator>``, the update stage's ``policy_loss`` param: one way each, by the
+variant's registered name), this config gives their numbers. No torch import (the run config is
+checked before torch loads).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from .losses import POLICY_LOSSES, ROLLOUT_IS
+from flowrl.algorithms.variants import ROLLOUT_IS
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_TYPES = ("k1", "k2", "k3")
@@ -25,13 +27,11 @@ class AlgorithmConfig:
         clip_ratio_c: dual-clip constant c > 1 for negative advantages (Ye et al. 2020), None = off.
         loss_agg_mode: how per-token losses are reduced (see algorithms/losses.py).
         entropy_coef: weight of the entropy bonus (0 = metric only).
-        norm_adv_by_std: GRPO divides by the group std (False = Dr.GRPO-style centring only).
         adv_eps: ε in (r - mean) / (std + ε).
         ppo_epochs: passes over each rollout batch.
         mini_batch_size: sequences per optimizer step (None = the whole rollout batch).
         gamma / lam: discount and GAE λ (GAE, REINFORCE++ return-to-go).
         whiten_advantages: GAE only — batch-whiten the advantages (PPO practice).
-        policy_loss: key of ``algorithms.losses.POLICY_LOSSES`` (ppo_clip, gspo, vanilla).
         clip_range_value: PPO value-loss clip around the old values, None = unclipped.
         vf_coef: weight of the value loss in the critic update.
         kl_in_reward: subtract kl_coef·KL from the token rewards (True) instead of a KL loss term.
@@ -42,8 +42,8 @@ class AlgorithmConfig:
             step per rollout batch (ppo_epochs 1, no mini_batch_size): π_old is then the current
             policy and the update's own forward gives its logprobs, which saves a full forward pass
             (TRL does the same when num_iterations = 1).
-        rollout_is: correction of the rollout-vs-trainer policy mismatch, a key of
-            ``algorithms.losses.ROLLOUT_IS``: ``none`` or ``tis`` (truncated importance sampling,
+        rollout_is: correction of the rollout-vs-trainer policy mismatch, a name of
+            ``algorithms/variants.py`` ROLLOUT_IS: ``none`` or ``tis`` (truncated importance sampling,
             Yao et al. 2025); needs the batch's rollout_logprobs.
         rollout_is_cap: C of ``tis``: per-token weight min(π_old/π_rollout, C), C >= 1.
     """
@@ -57,14 +57,12 @@ class AlgorithmConfig:
     clip_ratio_c: Optional[float] = None
     loss_agg_mode: str = "token-mean"
     entropy_coef: float = 0.0
-    norm_adv_by_std: bool = True
     adv_eps: float = 1e-6
     ppo_epochs: int = 1
     mini_batch_size: Optional[int] = None
     gamma: float = 1.0
     lam: float = 0.95
     whiten_advantages: bool = True
-    policy_loss: str = "ppo_clip"
     clip_range_value: Optional[float] = 0.2
     vf_coef: float = 0.5
     kl_in_reward: bool = False
@@ -103,9 +101,6 @@ class AlgorithmConfig:
             v = getattr(self, name)
             if not 0 <= v <= 1:
                 raise ValueError(f"algorithm.{name} must be in [0, 1], got {v}")
-        if self.policy_loss not in POLICY_LOSSES:
-            raise ValueError(f"algorithm.policy_loss must be one of {sorted(POLICY_LOSSES)}, "
-                             f"got {self.policy_loss!r}")
         if self.clip_range_value is not None and self.clip_range_value <= 0:
             raise ValueError(f"algorithm.clip_range_value must be > 0 or None, got {self.clip_range_value}")
         if self.vf_coef < 0:

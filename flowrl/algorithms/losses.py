@@ -2,7 +2,7 @@
 
 Policy-loss registry calling convention (what ``ops/update.py`` does)::
 
-    per_token_loss, stats = POLICY_LOSSES[cfg.policy_loss](
+    per_token_loss, stats = POLICY_LOSSES[policy_loss](    # the update stage's policy_loss param
         logprobs, old_logprobs, advantages, response_mask,
         clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c)
     loss = aggregate_loss(per_token_loss, response_mask, cfg.loss_agg_mode,
@@ -19,6 +19,9 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+from flowrl.algorithms.variants import POLICY_LOSSES as POLICY_LOSS_NAMES
+from flowrl.algorithms.variants import ROLLOUT_IS as ROLLOUT_IS_NAMES
 
 LOG_RATIO_CLAMP = 20.0  # |log r| beyond 20 (r > 4.8e8) only happens on garbage; keeps exp finite
 
@@ -39,7 +42,14 @@ def _register(table: dict, name: str):
 
 def register_policy_loss(name: str):
     """Decorator: register ``fn(logprobs, old_logprobs, advantages, response_mask, *, clip_ratio_low,
-    clip_ratio_high, clip_ratio_c=None) -> (per_token_loss, stats)`` in :data:`POLICY_LOSSES`."""
+    clip_ratio_high, clip_ratio_c=None) -> (per_token_loss, stats)`` in :data:`POLICY_LOSSES`.
+
+    Raises:
+        ValueError: ``name`` is not declared in ``algorithms/variants.py`` (POLICY_LOSSES), where a
+            graph's ``policy_loss`` param is checked without torch.
+    """
+    if name not in POLICY_LOSS_NAMES:
+        raise ValueError(f"policy loss {name!r} is not declared in flowrl/algorithms/variants.py")
     return _register(POLICY_LOSSES, name)
 
 
@@ -199,7 +209,10 @@ ROLLOUT_IS: dict[str, RolloutISFn] = {}
 
 def register_rollout_is(name: str):
     """Decorator: register ``fn(ratio, cap) -> per-token weight (B, R) or None`` in
-    :data:`ROLLOUT_IS` (``algorithm.rollout_is``)."""
+    :data:`ROLLOUT_IS` (``algorithm.rollout_is``). Raises ValueError for a name
+    ``algorithms/variants.py`` does not declare."""
+    if name not in ROLLOUT_IS_NAMES:
+        raise ValueError(f"rollout_is {name!r} is not declared in flowrl/algorithms/variants.py")
     return _register(ROLLOUT_IS, name)
 
 

@@ -24,45 +24,13 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from flowrl.compiler.footprint import (ModelSize, fmt_bytes, model_size, pool_peak_memory,
+from flowrl.compiler.devices import DEVICES, INF, DeviceProfile
+from flowrl.compiler.footprint import (ModelSize, fmt_bytes, pool_peak_memory,
                                        role_model_configs, tensor_bytes)
 from flowrl.compiler.placement import (PlacementConfig, PlacementError, PlacementPlan,
                                        ROLLOUT_POOL, TRAIN_POOL, place, split_candidates)
 from flowrl.graph.roles import ROLES
 
-INF = float("inf")
-
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    """Throughput defaults of one device kind.
-
-    Attributes:
-        flops: effective FLOP/s of one device on dense matmuls (peak × an assumed utilisation).
-        mem_bw: effective bytes/s of weight reads while decoding (bounds small-batch decode).
-        link_bw: bytes/s between two devices of the job (weight broadcast, transfers).
-        host_bw: bytes/s device <-> host (offload/onload); inf = a swap moves nothing (CPU).
-        memory: bytes of one device (None = host RAM, not checked).
-    """
-
-    name: str
-    flops: float
-    mem_bw: float
-    link_bw: float
-    host_bw: float
-    memory: Optional[int] = None
-
-
-DEVICES: dict[str, DeviceProfile] = {
-    # calibrated on benchmarks/results/default_job_cpu.md (SmolLM2-135M fp32, B=16, R≈200 on 2
-    # cores: update ≈ 30 s → 1.5e11 FLOP/s; rollout ≈ 32 s → 3.4e9 B/s of weights per token step);
-    # gloo over loopback TCP ≈ 1 GB/s.
-    "cpu": DeviceProfile("cpu", flops=1.5e11, mem_bw=3.4e9, link_bw=1e9, host_bw=INF),
-    # H200 SXM: 989 TFLOP/s dense bf16 at 40% MFU; 4.8 TB/s HBM3e at 70%; NVLink 4 broadcast bus
-    # bandwidth ≈ 300 GB/s; PCIe 5 x16 ≈ 50 GB/s to host; 141 GB HBM.
-    "h200": DeviceProfile("h200", flops=989e12 * 0.4, mem_bw=4.8e12 * 0.7, link_bw=3e11,
-                          host_bw=5e10, memory=141 * 10**9),
-}
 
 
 @dataclass(frozen=True)
@@ -156,11 +124,11 @@ class StageCosts:
     @classmethod
     def from_config(cls, plan: Any, cfg: Any, world_size: int, device: Optional[str] = None,
                     parallelism: Optional[dict[str, int]] = None) -> "StageCosts":
-        """Model sizes read without loading weights (``footprint.model_size``); device kind from
+        """Model sizes read without loading weights (each role's ``ModelConfig.size()``); device kind from
         ``placement.auto.device`` unless given."""
         kind = device or resolve_device(cfg.placement.auto.device, cfg.trainer.device)
         models = role_model_configs(cfg)
-        sizes = {r: model_size(models[r]) for r in plan.roles}
+        sizes = {r: models[r].size() for r in plan.roles}
         return cls.from_plan(plan, sizes, Workload.from_config(cfg, world_size), DEVICES[kind],
                              parallelism)
 

@@ -1,21 +1,16 @@
-"""Sizes the cost model needs, computed without loading any weights: parameter counts and
-architecture of each role's model, bytes of each intermediate tensor, and memory per role.
+"""Sizes the cost model needs, computed without loading any weights: bytes of each intermediate
+tensor and memory per role, from each role's :class:`ModelSize` (parameter count and attention
+shape, which the run's model configs report: ``ModelConfig.size()`` in ``flowrl/models/size.py``).
 
-* Parameter counts: a tiny or local HF model is instantiated on torch's ``meta`` device (shapes
-  only, no memory); the SmolLM2 GGUF is read with the ``gguf`` library (metadata and tensor
-  shapes, memory-mapped, nothing dequantized).
 * Tensor bytes use the shapes and dtypes the ops document (``B`` rows, ``P`` prompt tokens, ``R``
   response tokens): see :data:`OUTPUT_LAYOUT`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from flowrl.graph.roles import ROLES
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # output name -> (dims, bytes per element). dims: "B" = (B,), "BP" = (B, P), "BR" = (B, R).
 # ground_truth is a list of short strings (GSM8K answers): counted as 16 bytes a row.
 OUTPUT_LAYOUT: dict[str, tuple[str, int]] = {
@@ -28,95 +23,20 @@ OUTPUT_LAYOUT: dict[str, tuple[str, int]] = {
 UNKNOWN_LAYOUT = ("BR", 4)  # an output not in the table: assume a float32 per response token
 
 
-@dataclass(frozen=True)
-class ModelSize:
-    """What the cost model knows about one model.
-
-    Attributes:
-        n_params: parameter count (tied embeddings counted once).
-        n_layers, n_kv_heads, head_dim: attention shape, for the KV cache.
-        dtype_bytes: bytes per parameter in the training dtype (``model.dtype``).
-    """
+class ModelSize(Protocol):
+    """What the cost model reads of one model. ``flowrl.models.size.ModelSize`` is one; a run's
+    ``ModelConfig.size()`` makes it (the compiler imports no model code: DESIGN.md "Layers")."""
 
     n_params: int
     n_layers: int
     n_kv_heads: int
     head_dim: int
-    dtype_bytes: int = 4
+    dtype_bytes: int
 
     @property
-    def weight_bytes(self) -> int:
-        return self.n_params * self.dtype_bytes
+    def weight_bytes(self) -> int: ...
 
-    def kv_bytes(self, tokens: int) -> int:
-        """KV cache of ``tokens`` cached positions: 2 (K and V) × layers × kv_heads × head_dim ×
-        tokens × dtype bytes."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * tokens * self.dtype_bytes
-
-
-def _size_from_hf_config(config: Any, dtype_bytes: int) -> ModelSize:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):  # shapes only: no allocation, no init cost
-        model = AutoModelForCausalLM.from_config(config)
-    n = sum(p.numel() for p in model.parameters())  # parameters() yields tied weights once
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    return ModelSize(int(n), config.num_hidden_layers, kv, head_dim, dtype_bytes)
-
-
-@lru_cache(maxsize=16)
-def _gguf_size(path: str, dtype_bytes: int) -> ModelSize:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    arch = reader.fields["general.architecture"].contents()
-
-    def meta(key: str) -> int:
-        return int(reader.fields[f"{arch}.{key}"].contents())
-
-    heads = meta("attention.head_count")
-    n = sum(int(t.n_elements) for t in reader.tensors)
-    return ModelSize(n, meta("block_count"), meta("attention.head_count_kv"),
-                     meta("embedding_length") // heads, dtype_bytes)
-
-
-def model_size(cfg: Any) -> ModelSize:
-    """ModelSize of a ``ModelConfig`` without loading weights (see the module docstring).
-
-    Raises:
-        FileNotFoundError: the SmolLM2 package or GGUF file is missing.
-    """
-    from flowrl.models.loading import SMOLLM2, smollm2_dir
-
-    nbytes = DTYPE_BYTES.get(cfg.dtype, 4)  # "auto" = fp32 master weights
-    if cfg.tiny is not None:
-        from transformers import AutoConfig
-
-        from flowrl.models.loading import bundled_tokenizer_dir
-
-        tiny = dict(cfg.tiny)
-        if "vocab_size" not in tiny:  # load_model takes it from the bundled tokenizer
-            from tokenizers import Tokenizer
-
-            tok = Tokenizer.from_file(str(bundled_tokenizer_dir() / "tokenizer.json"))
-            tiny["vocab_size"] = tok.get_vocab_size(with_added_tokens=True)
-        for name in ("bos_token_id", "eos_token_id"):  # special ids do not change the size
-            tiny.setdefault(name, None)
-        return _size_from_hf_config(AutoConfig.for_model(tiny.pop("model_type"), **tiny), nbytes)
-    folder = smollm2_dir() if cfg.path == SMOLLM2 else cfg.path
-    if cfg.gguf_file is not None:
-        from pathlib import Path
-
-        f = Path(folder) / cfg.gguf_file
-        if not f.is_file():
-            raise FileNotFoundError(f"model.gguf_file {cfg.gguf_file!r} not found in {folder}")
-        return _gguf_size(str(f), nbytes)
-    from transformers import AutoConfig
-
-    return _size_from_hf_config(AutoConfig.from_pretrained(str(folder)), nbytes)
+    def kv_bytes(self, tokens: int) -> int: ...
 
 
 def role_model_configs(cfg: Any) -> dict[str, Any]:
@@ -180,5 +100,5 @@ def pool_peak_memory(roles: list[str], sizes: dict[str, ModelSize], pool_size: i
     return best, who
 
 
-__all__ = ["DTYPE_BYTES", "ModelSize", "OUTPUT_LAYOUT", "fmt_bytes", "model_size",
+__all__ = ["ModelSize", "OUTPUT_LAYOUT", "fmt_bytes",
            "pool_peak_memory", "role_memory", "role_model_configs", "tensor_bytes"]

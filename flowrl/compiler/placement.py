@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from flowrl.compiler.devices import DEVICES
 from flowrl.compiler.plan import Action, CompiledStage, ExecutionPlan, TensorLife, _swap_actions
 from flowrl.graph.graph import Graph
 from flowrl.ops.registry import OPS
@@ -50,8 +51,6 @@ class AutoConfig:
             raise ValueError(f"placement.auto.profile_steps must be >= 1, got {self.profile_steps}")
         if self.min_gain < 1.0:
             raise ValueError(f"placement.auto.min_gain must be >= 1.0, got {self.min_gain}")
-        from flowrl.compiler.cost import DEVICES  # cost.py imports this module: import late
-
         if self.device != "auto" and self.device not in DEVICES:
             raise ValueError(f"placement.auto.device must be auto or one of {sorted(DEVICES)}, "
                              f"got {self.device!r}")

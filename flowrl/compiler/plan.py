@@ -332,6 +332,23 @@ def refill_specs(graph: Graph, order: list[str], compiled: list[CompiledStage]) 
     return specs
 
 
+def recipe_notes(graph: Graph, run_cfg: Mapping | DictConfig | None) -> list[str]:
+    """One line per setting of the graph's ``algorithm`` block that the run does not use: a
+    command-line override (which wins on purpose), or a file loaded with ``graph.path=`` (only
+    ``graph=<name>`` applies a graph's block), so neither goes unnoticed in the plan."""
+    algo = (run_cfg or {}).get("algorithm") if run_cfg is not None else None
+    if not graph.algorithm or algo is None:
+        return []
+    notes = []
+    for key, want in graph.algorithm.items():
+        have = algo.get(key) if hasattr(algo, "get") else getattr(algo, key, None)
+        if have != want:
+            notes.append(f"graph '{graph.name}' sets algorithm.{key}: {want}, this run uses {have} "
+                         f"(a command-line override; a graph.path= file's algorithm block is "
+                         f"applied only by graph=<name>)")
+    return notes
+
+
 def compile_plan(graph: Graph, run_cfg: Mapping | DictConfig | None = None,
                  placement: str = "colocated") -> ExecutionPlan:
     """Validate, resolve, prune, order and annotate a graph.
@@ -347,7 +364,7 @@ def compile_plan(graph: Graph, run_cfg: Mapping | DictConfig | None = None,
         validate_graph(graph, check_params=False)
     g = resolve(_rewrite_interpolations(graph), run_cfg)
     g, dropped = prune(g)
-    warns = validate_graph(g, check_params=True)
+    warns = validate_graph(g, check_params=True) + recipe_notes(graph, run_cfg)
     order = order_stages(g)
     compiled = [CompiledStage(g[n], OPS[g[n].op].make_config(g[n].params, stage=n)) for n in order]
     actions, resident = _swap_actions(g, order)

@@ -21,9 +21,15 @@ class SamplingConfig:
     in the response (and in ``response_mask``).
     """
 
+    # 1.0: the on-policy sampling standard for GRPO/PPO (TRL's and verl's default): the sampler's
+    # distribution is the policy's, so rollout_logprobs and the trainer's logprobs describe the
+    # same π. A model that needs a cooler sampler says so in its conf/model group (SmolLM2: 0.7)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = disabled
+    # 256: GSM8K chain-of-thought answers of small instruct models run ~150-250 tokens; the same
+    # budget as greedy evaluation (EvalConfig.max_new_tokens). CPU recipes that shorten it for
+    # speed do so in their conf/trainer file
     max_new_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)
 

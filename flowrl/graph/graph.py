@@ -6,7 +6,9 @@ never written twice. The one loop-carried dependency (update → next rollout) i
 YAML form (``graphs/*.yaml``)::
 
     # <description lines: what it runs and the command that runs it>
-    name: grpo
+    name: dapo
+    algorithm:                      # optional: the run's algorithm settings this recipe changes
+      clip_ratio_high: 0.28
     stages:
     - name: rollout
       op: rollout.generate
@@ -18,8 +20,10 @@ YAML form (``graphs/*.yaml``)::
       to: rollout
       staleness: 0
 
-``Graph.from_yaml(text).to_yaml() == text`` for files written in this canonical form, and a graph
-built in Python dumps to the same text as the file that declares it.
+``algorithm`` holds the values of the run's ``algorithm`` section (``AlgorithmConfig`` fields)
+that differ from their defaults for this recipe; ``graph=<name>`` applies them (the command line
+still wins: ``flowrl/config.py`` registers one Hydra option per file of ``graphs/``).
+``Graph.from_yaml(text).to_yaml() == text`` for files written in this canonical form.
 """
 from __future__ import annotations
 
@@ -123,6 +127,7 @@ class Graph:
     stages: list[Stage] = field(default_factory=list)
     weight_sync: list[WeightSync] = field(default_factory=list)
     description: str = ""
+    algorithm: dict[str, Any] = field(default_factory=dict)
 
     # ---- builder -------------------------------------------------------------------------
     def stage(self, name: str, op: str, *, role: Optional[str] = None,
@@ -151,7 +156,10 @@ class Graph:
 
     # ---- (de)serialisation ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"name": self.name, "stages": [s.to_dict() for s in self.stages]}
+        d: dict[str, Any] = {"name": self.name}
+        if self.algorithm:
+            d["algorithm"] = dict(self.algorithm)
+        d["stages"] = [s.to_dict() for s in self.stages]
         if self.weight_sync:
             d["weight_sync"] = [w.to_dict() for w in self.weight_sync]
         return d
@@ -171,7 +179,7 @@ class Graph:
         problems: list[tuple[str, str, str]] = []
         if not isinstance(d, dict):
             raise GraphError([("<graph>", "<root>", f"expected a mapping, got {type(d).__name__}")])
-        unknown = sorted(set(d) - {"name", "stages", "weight_sync"})
+        unknown = sorted(set(d) - {"name", "algorithm", "stages", "weight_sync"})
         if unknown:
             problems.append(("<graph>", unknown[0], f"unknown top-level key(s) {unknown}"))
         name = d.get("name")
@@ -215,9 +223,15 @@ class Graph:
                                  "must be a mapping with keys from, to and optional staleness"))
                 continue
             syncs.append(WeightSync(str(w["from"]), str(w["to"]), w.get("staleness", 0)))
+        algorithm = d.get("algorithm") or {}
+        if not isinstance(algorithm, dict):
+            problems.append(("<graph>", "algorithm", "must be a mapping of algorithm settings "
+                                                     f"(field: value), got a {type(algorithm).__name__}"))
+            algorithm = {}
         if problems:
             raise GraphError(problems)
-        return cls(name=name, stages=stages, weight_sync=syncs, description=description)
+        return cls(name=name, stages=stages, weight_sync=syncs, description=description,
+                   algorithm=dict(algorithm))
 
     @classmethod
     def from_yaml(cls, text: str) -> "Graph":

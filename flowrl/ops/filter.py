@@ -15,11 +15,9 @@ import torch
 from torch import Tensor
 
 from flowrl.ops.context import StageContext
-from flowrl.ops.registry import register_op
+from flowrl.ops.builtin import CARRIED, DynamicSamplingConfig  # noqa: F401 (re-exported)
+from flowrl.ops.registry import implements
 
-# (B, ...) batch fields the filter carries through; any may be left unbound (output None)
-CARRIED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "rollout_logprobs",
-           "truncated")
 
 
 def informative_groups(scores: Tensor, group_id: Tensor, min_std: float = 0.0) -> tuple[Tensor, dict]:
@@ -52,33 +50,7 @@ def informative_groups(scores: Tensor, group_id: Tensor, min_std: float = 0.0) -
     return informative[inverse], counts
 
 
-@dataclass
-class DynamicSamplingConfig:
-    """Attributes:
-        refill: re-sample until ``target_groups`` informative groups are in (the executor
-            re-runs the upstream sub-graph); False = just drop (error if nothing is left).
-        max_attempts: sample → … → filter passes per step at most (the first one included).
-        target_groups: groups the step trains on; 0 = as many as one attempt samples.
-        min_std: a group with std <= min_std counts as constant (0 = exactly constant).
-    """
-
-    refill: bool = True
-    max_attempts: int = 4
-    target_groups: int = 0
-    min_std: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.target_groups < 0:
-            raise ValueError(f"target_groups must be >= 0, got {self.target_groups}")
-        if self.min_std < 0:
-            raise ValueError(f"min_std must be >= 0, got {self.min_std}")
-
-
-@register_op("filter.dynamic_sampling", inputs=("rewards", "group_id"),
-             optional_inputs=("filter_by",) + CARRIED,
-             outputs=("rewards", "group_id") + CARRIED, config=DynamicSamplingConfig)
+@implements("filter.dynamic_sampling")
 def dynamic_sampling(ctx: StageContext, cfg: DynamicSamplingConfig, *, rewards, group_id,
                      filter_by=None, **carried) -> dict:
     """Keep the rows of informative groups (see :func:`informative_groups`).

@@ -13,47 +13,11 @@ from typing import Optional
 import torch
 
 from flowrl.ops.context import StageContext
-from flowrl.ops.registry import register_op
+from flowrl.ops.builtin import GenRMConfig  # noqa: F401 (re-exported)
+from flowrl.ops.registry import implements
 
 
-@dataclass
-class GenRMConfig:
-    """Attributes:
-        template: judge prompt with ``{question}``, ``{response}``, ``{ground_truth}``
-            (rendered through the judge tokenizer's chat template as the user turn).
-        system_prompt: optional system message of the judge conversation.
-        response_prefix: text put at the start of the judge's turn (after the chat template's
-            generation prompt), e.g. ``"Score (0-10): "``: a small judge then writes the number
-            first instead of wandering; the parser reads prefix + judgement.
-        k: judgements per response; their parseable scores are averaged.
-        max_new_tokens: judgement length limit.
-        temperature: judge sampling temperature (0 = greedy, then ``k`` > 1 repeats itself).
-        scale: maximum of a score written without a scale (``[[7]]``, ``Rating: 4.5``).
-    """
-
-    template: str = ""
-    system_prompt: Optional[str] = None
-    response_prefix: str = ""
-    k: int = 1
-    max_new_tokens: int = 128
-    temperature: float = 0.7
-    scale: float = 10.0
-
-    def __post_init__(self) -> None:
-        from flowrl.rewards.genrm import DEFAULT_JUDGE_TEMPLATE, render_judge_prompt
-
-        self.template = self.template or DEFAULT_JUDGE_TEMPLATE
-        render_judge_prompt(self.template, question="q", response="r", ground_truth="g",
-                            stage="params")
-        if self.k < 1 or self.max_new_tokens < 1:
-            raise ValueError(f"k and max_new_tokens must be >= 1, got {self.k}, {self.max_new_tokens}")
-        if self.temperature < 0 or self.scale <= 0:
-            raise ValueError(f"temperature must be >= 0 and scale > 0, got {self.temperature}, {self.scale}")
-
-
-@register_op("reward.genrm",
-             inputs=("prompt_ids", "prompt_mask", "response_ids", "response_mask", "ground_truth"),
-             outputs=("rewards",), config=GenRMConfig, roles=("genrm",))
+@implements("reward.genrm")
 def genrm_reward(ctx: StageContext, cfg: GenRMConfig, *, prompt_ids, prompt_mask, response_ids,
                  response_mask, ground_truth) -> dict:
     """Judge every response ``k`` times; reward = mean parseable score in [0, 1].

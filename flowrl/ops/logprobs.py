@@ -1,26 +1,15 @@
 """Log-probabilities of the sampled responses under a model role (old policy or reference)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from flowrl.ops.context import StageContext
-from flowrl.ops.registry import register_op
-from flowrl.runtime.rebalance import balance_rows
+from flowrl.ops.builtin import LogprobsConfig
+from flowrl.ops.registry import implements
+from flowrl.ops.rebalance import balance_rows
 
 
-@dataclass
-class LogprobsConfig:
-    """with_entropy: also log the policy entropy (nats, mean over valid tokens)."""
-
-    with_entropy: bool = False
-
-
-@register_op("logprobs",
-             inputs=("prompt_ids", "prompt_mask", "response_ids", "response_mask"),
-             optional_inputs=("rollout_logprobs",), outputs=("logprobs",),
-             config=LogprobsConfig, roles=("actor", "ref"))
+@implements("logprobs")
 def logprobs(ctx: StageContext, cfg: LogprobsConfig, *, prompt_ids, prompt_mask, response_ids,
              response_mask, rollout_logprobs=None) -> dict:
     """Recompute log π(response token) at the sampling temperature (case C08).

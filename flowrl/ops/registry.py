@@ -1,72 +1,63 @@
 """Op registry: every graph stage names an op registered here.
 
-An op is a plain function ``fn(ctx, cfg, **inputs) -> dict[str, Any]`` declared with
-:func:`register_op`. The declaration (inputs, optional inputs, outputs, config dataclass, roles it
-may run under) is what the graph validator and the compiler read; neither ever calls the function.
+``OPS`` starts with the built-in ops' declarations (``ops/builtin.py``: inputs, optional inputs,
+outputs, config dataclass, roles), which is all the graph validator and the compiler read; neither
+ever calls an op, so neither imports torch or op code. A built-in op's function is bound by its
+module's ``@implements(name)`` when ``OpSpec.fn`` first needs it. An op of your own is declared
+and bound at once with ``@register_op(name, inputs=..., outputs=..., config=..., roles=...)``.
+
+An op is a plain function ``fn(ctx, cfg, *, <inputs>) -> dict[str, Any]``.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+import importlib
+import inspect
+from typing import Callable
+
+from flowrl.ops.builtin import BUILTIN_OPS
+from flowrl.ops.spec import NoConfig, OpSpec
+
+__all__ = ["NoConfig", "OPS", "OpSpec", "get_op", "implements", "load_builtin_ops", "register_op"]
+
+OPS: dict[str, OpSpec] = {s.name: s for s in BUILTIN_OPS}
 
 
-@dataclass
-class NoConfig:
-    """Config of an op that takes no parameters."""
+def _check_signature(spec: OpSpec, fn: Callable) -> None:
+    """The function takes ``(ctx, cfg)`` and a keyword argument per declared input (the executor
+    passes every input, ``None`` for an unbound optional one), or ``**kwargs`` for the rest.
 
-
-@dataclass(frozen=True)
-class OpSpec:
-    """Declaration of one op.
-
-    Attributes:
-        name: registry key used in graph files (``op: advantage.grpo``).
-        fn: ``fn(ctx: StageContext, cfg: config_cls, **inputs) -> dict[str, Any]``; the dict's keys
-            must be exactly ``outputs``.
-        inputs: required keyword arguments, each bound by the stage to ``"stage.output"``.
-        optional_inputs: keyword arguments that may be left unbound (the op receives ``None``).
-        outputs: names the op produces; referenced by consumers as ``"<stage name>.<output>"``.
-        config_cls: dataclass holding the op's parameters and their defaults; graph ``params``
-            override its fields.
-        roles: roles the stage may declare (``()`` = the op uses no model and takes no role).
+    Raises:
+        TypeError: naming the op and the arguments that disagree with its declaration.
     """
-
-    name: str
-    fn: Callable[..., Mapping[str, Any]]
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    optional_inputs: tuple[str, ...] = ()
-    config_cls: type = NoConfig
-    roles: tuple[str, ...] = ()
-    doc: str = ""
-
-    @property
-    def all_inputs(self) -> tuple[str, ...]:
-        return self.inputs + self.optional_inputs
-
-    def make_config(self, params: Mapping[str, Any] | None, *, stage: str) -> Any:
-        """Build the op's config from graph ``params``.
-
-        Raises:
-            ValueError: an unknown field or a value the config's ``__post_init__`` rejects; the
-                message names the stage and the field.
-        """
-        params = dict(params or {})
-        known = {f.name for f in dataclasses.fields(self.config_cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(
-                f"stage '{stage}': unknown param(s) {unknown} for op '{self.name}'; "
-                f"known: {sorted(known)}"
-            )
-        try:
-            return self.config_cls(**params)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"stage '{stage}': params: {e}") from e
+    params = list(inspect.signature(fn).parameters.values())[2:]
+    named = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    extra = sorted(named - set(spec.all_inputs))
+    missing = [] if var_kw else sorted(set(spec.all_inputs) - named)
+    if extra or missing:
+        raise TypeError(f"op '{spec.name}': {fn.__module__}.{fn.__name__} does not match its "
+                        f"declaration (inputs {list(spec.inputs)}, optional "
+                        f"{list(spec.optional_inputs)}): undeclared {extra}, missing {missing}")
 
 
-OPS: dict[str, OpSpec] = {}
+def implements(name: str) -> Callable[[Callable], Callable]:
+    """Bind ``fn`` to the declared op ``name`` (``ops/builtin.py``).
+
+    Raises:
+        KeyError: ``name`` is not declared. ValueError: already bound to another function.
+        TypeError: the function's keyword arguments disagree with the declared inputs.
+    """
+    def deco(fn: Callable) -> Callable:
+        if name not in OPS:
+            raise KeyError(f"op '{name}' is not declared in flowrl/ops/builtin.py")
+        spec = OPS[name]
+        if spec.bound is not None and spec.bound is not fn:
+            raise ValueError(f"op '{name}' is already implemented by {spec.bound.__module__}")
+        _check_signature(spec, fn)
+        spec.bound = fn
+        return fn
+
+    return deco
 
 
 def register_op(
@@ -78,16 +69,23 @@ def register_op(
     config: type = NoConfig,
     roles: tuple[str, ...] = (),
 ) -> Callable[[Callable], Callable]:
-    """Register ``fn`` as op ``name``. Raises ValueError on a duplicate name."""
+    """Declare op ``name`` and register ``fn`` as its function (ops of your own; built-in ops are
+    declared in ``ops/builtin.py`` and bound with :func:`implements`).
+
+    Raises:
+        ValueError: a duplicate name. TypeError: see :func:`implements`.
+    """
 
     def deco(fn: Callable) -> Callable:
         if name in OPS:
             raise ValueError(f"op '{name}' is already registered")
-        OPS[name] = OpSpec(
-            name=name, fn=fn, inputs=tuple(inputs), outputs=tuple(outputs),
-            optional_inputs=tuple(optional_inputs), config_cls=config, roles=tuple(roles),
-            doc=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "",
-        )
+        spec = OpSpec(name=name, inputs=tuple(inputs), outputs=tuple(outputs),
+                      optional_inputs=tuple(optional_inputs), config_cls=config,
+                      roles=tuple(roles),
+                      doc=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "")
+        _check_signature(spec, fn)
+        spec.bound = fn
+        OPS[name] = spec
         return fn
 
     return deco
@@ -95,16 +93,13 @@ def register_op(
 
 def get_op(name: str) -> OpSpec:
     """Look up an op. Raises KeyError listing the registered names."""
-    load_builtin_ops()
     if name not in OPS:
         raise KeyError(f"unknown op '{name}'; registered ops: {sorted(OPS)}")
     return OPS[name]
 
 
 def load_builtin_ops() -> None:
-    """Import flowrl's op modules so their ``register_op`` calls run (idempotent)."""
-    import importlib
-
-    for mod in ("sample", "rollout", "reward", "genrm", "filter", "token_rewards", "logprobs",
-                "critic", "advantage", "update"):
-        importlib.import_module(f"flowrl.ops.{mod}")
+    """Import every built-in op's implementing module, binding all functions (idempotent; imports
+    torch). Validation and compilation never need it; a run binds each op on first call."""
+    for module in sorted({s.module for s in BUILTIN_OPS}):
+        importlib.import_module(module)

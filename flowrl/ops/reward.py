@@ -15,7 +15,9 @@ from typing import Any, Optional
 import torch
 
 from flowrl.ops.context import StageContext
-from flowrl.ops.registry import register_op
+from flowrl.ops.builtin import (MIX_COMPONENTS, FunctionRewardConfig, MixConfig,  # noqa: F401
+                                OverlongConfig, RuleRewardConfig)
+from flowrl.ops.registry import implements
 
 log = logging.getLogger(__name__)
 
@@ -75,24 +77,7 @@ def log_reward_stats(ctx: StageContext, rewards: torch.Tensor, prefix: str = "re
 
 
 # --------------------------------------------------------------------------- reward.rule
-@dataclass
-class RuleRewardConfig:
-    """verifier: key in ``flowrl.rewards.REWARD_FUNCTIONS``; format_score: reward for a
-    well-formed but wrong answer; fallback_last_number: accept the last number when no ``####``."""
-
-    verifier: str = "gsm8k"
-    format_score: float = 0.0
-    fallback_last_number: bool = False
-
-    def __post_init__(self) -> None:
-        from flowrl.rewards import REWARD_FUNCTIONS
-
-        if self.verifier not in REWARD_FUNCTIONS:
-            raise ValueError(f"verifier must be one of {sorted(REWARD_FUNCTIONS)}, got {self.verifier!r}")
-
-
-@register_op("reward.rule", inputs=("response_ids", "response_mask", "ground_truth"),
-             outputs=("rewards",), config=RuleRewardConfig)
+@implements("reward.rule")
 def rule_reward(ctx: StageContext, cfg: RuleRewardConfig, *, response_ids, response_mask,
                 ground_truth) -> dict:
     """Score each response against its ground truth.
@@ -122,34 +107,6 @@ def rule_reward(ctx: StageContext, cfg: RuleRewardConfig, *, response_ids, respo
 
 
 # --------------------------------------------------------------------------- reward.function
-@dataclass
-class FunctionRewardConfig:
-    """A user reward function (contract: ``flowrl.rewards.function``).
-
-    Attributes:
-        path: ``"package.module:function"``; imported when the graph is compiled, so a bad path
-            fails before any model loads.
-        num_workers: 0 = call in the trainer process; >= 1 = a process pool of that size.
-        timeout_s: per-call limit in seconds (None or 0 = none); a call over it scores NaN.
-        weights: component name → weight for functions returning a dict (absent names: 1.0).
-    """
-
-    path: str = ""
-    num_workers: int = 0
-    timeout_s: Optional[float] = 30.0
-    weights: dict[str, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        from flowrl.rewards.function import load_reward_function
-
-        if self.num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
-        if self.timeout_s is not None and self.timeout_s < 0:
-            raise ValueError(f"timeout_s must be >= 0 or null, got {self.timeout_s}")
-        load_reward_function(self.path)
-        self.weights = dict(self.weights)
-
-
 _RUNNERS: dict[tuple, Any] = {}
 
 
@@ -166,10 +123,7 @@ def _runner(cfg: FunctionRewardConfig):
     return _RUNNERS[key]
 
 
-@register_op("reward.function",
-             inputs=("response_ids", "response_mask", "ground_truth", "group_id"),
-             optional_inputs=("prompt_ids", "prompt_mask"),
-             outputs=("rewards",), config=FunctionRewardConfig)
+@implements("reward.function")
 def function_reward(ctx: StageContext, cfg: FunctionRewardConfig, *, response_ids, response_mask,
                     ground_truth, group_id, prompt_ids=None, prompt_mask=None) -> dict:
     """Call the user's reward function on every response.
@@ -223,8 +177,7 @@ def log_unscorable(ctx: StageContext, path: str, outcomes) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------- reward.model
-@register_op("reward.model", inputs=("prompt_ids", "prompt_mask", "response_ids", "response_mask"),
-             outputs=("rewards",), roles=("reward_model",))
+@implements("reward.model")
 def model_reward(ctx: StageContext, cfg, *, prompt_ids, prompt_mask, response_ids,
                  response_mask) -> dict:
     """Classifier reward model score of prompt + response (``engines/reward_model.py``).
@@ -239,39 +192,7 @@ def model_reward(ctx: StageContext, cfg, *, prompt_ids, prompt_mask, response_id
 
 
 # --------------------------------------------------------------------------- reward.overlong
-@dataclass
-class OverlongConfig:
-    """DAPO soft overlong punishment (``flowrl.rewards.shaping.overlong_penalty``).
-
-    Attributes:
-        max_length: L_max in tokens; usually ``${rollout.sampling.max_new_tokens}``.
-        buffer_length: L_cache, the width of the linear penalty ramp before L_max (DAPO: 4096
-            of 20480); 0 = ``buffer_fraction * max_length`` (rounded, at least 1), so one graph
-            fits any generation length.
-        buffer_fraction: used when ``buffer_length`` is 0 (DAPO's ratio is 0.2).
-        penalty_factor: scale of the penalty (1.0 = the paper's).
-    """
-
-    max_length: int = 256
-    buffer_length: int = 0
-    buffer_fraction: float = 0.2
-    penalty_factor: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.buffer_fraction <= 1:
-            raise ValueError(f"buffer_fraction must be in (0, 1], got {self.buffer_fraction}")
-        if self.max_length < 1:
-            raise ValueError(f"max_length must be >= 1, got {self.max_length}")
-        if self.buffer_length == 0:
-            self.buffer_length = max(1, round(self.buffer_fraction * self.max_length))
-        if not 1 <= self.buffer_length <= self.max_length:
-            raise ValueError(f"need 1 <= buffer_length <= max_length, got buffer_length="
-                             f"{self.buffer_length}, max_length={self.max_length}")
-        if self.penalty_factor < 0:
-            raise ValueError(f"penalty_factor must be >= 0, got {self.penalty_factor}")
-
-
-@register_op("reward.overlong", inputs=("response_mask",), outputs=("rewards",), config=OverlongConfig)
+@implements("reward.overlong")
 def overlong_reward(ctx: StageContext, cfg: OverlongConfig, *, response_mask) -> dict:
     """Length penalty component: rewards (B,) float32 in [-penalty_factor, 0] from the response
     lengths (EOS included). Logged: ``reward/overlong/mean``, ``reward/overlong/penalised_frac``."""
@@ -283,25 +204,9 @@ def overlong_reward(ctx: StageContext, cfg: OverlongConfig, *, response_mask) ->
 
 
 # --------------------------------------------------------------------------- reward.mix
-MIX_COMPONENTS = ("rule", "function", "model", "genrm", "format", "overlong")
 
 
-@dataclass
-class MixConfig:
-    """weights: component name (an input of ``reward.mix``) → weight. A bound component without
-    an entry weighs 1.0; an entry for an unbound component (e.g. a stage pruned by ``when``) is
-    ignored. Weight 0 leaves a component out of the sum (it is still logged)."""
-
-    weights: dict[str, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.weights = {str(k): float(v) for k, v in dict(self.weights).items()}
-        unknown = sorted(set(self.weights) - set(MIX_COMPONENTS))
-        if unknown:
-            raise ValueError(f"weights: unknown component(s) {unknown}; components: {list(MIX_COMPONENTS)}")
-
-
-@register_op("reward.mix", optional_inputs=MIX_COMPONENTS, outputs=("rewards",), config=MixConfig)
+@implements("reward.mix")
 def mix_reward(ctx: StageContext, cfg: MixConfig, **components) -> dict:
     """Weighted sum of the bound reward components (``flowrl.rewards.shaping.mix_rewards``).
 
@@ -329,6 +234,3 @@ def mix_reward(ctx: StageContext, cfg: MixConfig, **components) -> dict:
     log_reward_stats(ctx, rewards)
     return {"rewards": rewards}
 
-
-# the other reward-path op modules register when this one is imported by load_builtin_ops
-from flowrl.ops import filter as _filter, genrm as _genrm  # noqa: E402,F401

@@ -4,12 +4,10 @@ from __future__ import annotations
 import time
 
 from flowrl.ops.context import StageContext
-from flowrl.ops.registry import NoConfig, register_op
+from flowrl.ops.registry import NoConfig, implements
 
 
-@register_op("rollout.generate", inputs=("prompt_ids", "prompt_mask"),
-             outputs=("response_ids", "response_mask", "rollout_logprobs", "truncated"),
-             roles=("rollout",))
+@implements("rollout.generate")
 def generate(ctx: StageContext, cfg: NoConfig, *, prompt_ids, prompt_mask) -> dict:
     """One response per prompt row with the run's ``rollout.sampling`` settings.
 

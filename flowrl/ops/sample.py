@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 from flowrl.ops.context import StageContext
-from flowrl.ops.registry import NoConfig, register_op
+from flowrl.ops.registry import NoConfig, implements
 
 
-@register_op("data.sample",
-             outputs=("prompt_ids", "prompt_mask", "group_id", "ground_truth"))
+@implements("data.sample")
 def sample(ctx: StageContext, cfg: NoConfig) -> dict:
     """Draw ``trainer.prompts_per_step`` prompts and repeat each ``algorithm.n`` times.
 

@@ -27,7 +27,7 @@ import torch
 from flowrl.algorithms.advantages import place_on_last_token
 from flowrl.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_controller
 from flowrl.ops.context import StageContext
-from flowrl.ops.registry import NoConfig, register_op
+from flowrl.ops.registry import NoConfig, implements
 
 OP_NAME = "reward.token_rewards"
 RESOURCE = "kl_controller"
@@ -70,8 +70,7 @@ def check_kl_in_reward(plan, algo) -> None:
                              f"bound (is the ref stage disabled by its 'when'?)")
 
 
-@register_op(OP_NAME, inputs=("rewards", "response_mask"),
-             optional_inputs=("old_logprobs", "ref_logprobs"), outputs=("token_rewards",))
+@implements(OP_NAME)
 def token_rewards(ctx: StageContext, cfg: NoConfig, *, rewards, response_mask, old_logprobs=None,
                   ref_logprobs=None) -> dict:
     """Sequence rewards → token rewards, minus β·KL when ``algorithm.kl_in_reward``.

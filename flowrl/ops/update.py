@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from flowrl.ops.context import StageContext
-from flowrl.ops.registry import NoConfig, register_op
+from flowrl.ops.builtin import PolicyUpdateConfig
+from flowrl.ops.registry import implements
 
 _RANK_INVARIANT = ("grad_norm", "lr", "skipped")
 _BATCH_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "old_logprobs",
@@ -106,8 +107,8 @@ def run_minibatches(ctx: StageContext, batch: dict, make_loss_fn, *, prefix: str
     ``<prefix>/optimizer_steps``.
     """
     from flowrl.algorithms.losses import loss_denominators
-    from flowrl.runtime.distributed import all_reduce_floats
-    from flowrl.runtime.rebalance import balance_rows
+    from flowrl.ops.collectives import all_reduce_floats
+    from flowrl.ops.rebalance import balance_rows
 
     algo = ctx.resource("algorithm")
     # before the shuffle: every rank then has the same B (and nearly the same tokens); the
@@ -153,15 +154,11 @@ def run_minibatches(ctx: StageContext, batch: dict, make_loss_fn, *, prefix: str
     return out
 
 
-@register_op("update.policy",
-             inputs=("prompt_ids", "prompt_mask", "response_ids", "response_mask", "advantages"),
-             optional_inputs=("old_logprobs", "ref_logprobs", "truncated", "rollout_logprobs"),
-             outputs=(),
-             roles=("actor",))
-def update_policy(ctx: StageContext, cfg: NoConfig, **inputs) -> dict:
+@implements("update.policy")
+def update_policy(ctx: StageContext, cfg: PolicyUpdateConfig, **inputs) -> dict:
     """``algorithm.ppo_epochs`` passes over the rollout batch in shuffled mini-batches of
-    ``algorithm.mini_batch_size`` sequences, one optimizer step each, with the policy loss
-    ``algorithm.policy_loss`` (a key of ``algorithms.losses.POLICY_LOSSES``). old_logprobs are computed
+    ``algorithm.mini_batch_size`` sequences, one optimizer step each, with the policy loss the
+    stage's ``policy_loss`` param names (``PolicyUpdateConfig``: ppo_clip, gspo, vanilla). old_logprobs are computed
     once per rollout batch (by the upstream stage), not per epoch. Without old_logprobs (the stage
     pruned by ``algorithm.recompute_old_logprobs=false``) exactly one optimizer step is allowed and
     π_old is the current policy. Logs loss terms, KL, entropy, clip fraction, grad norm and lr
@@ -192,7 +189,7 @@ def update_policy(ctx: StageContext, cfg: NoConfig, **inputs) -> dict:
         if ratio.numel():
             ctx.log(**{"rollout/is_ratio_mean": ratio.mean(), "rollout/is_ratio_max": ratio.max()})
     out = run_minibatches(
-        ctx, batch, lambda **den: make_policy_loss_fn(algo, algo.policy_loss, **den),
+        ctx, batch, lambda **den: make_policy_loss_fn(algo, cfg.policy_loss, **den),
         prefix="actor", temperature=temp, with_entropy=True,
         # entropy is a metric unless it is in the loss: then only it needs a backward graph
         entropy_grad=bool(algo.entropy_coef))

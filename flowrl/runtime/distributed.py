@@ -26,6 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from flowrl.ops.collectives import (  # noqa: F401 (re-exported: the runtime's collectives too)
+    all_reduce, all_reduce_floats, all_reduce_max, all_reduce_mean, all_reduce_sum, device_for,
+    is_initialized)
 from flowrl.ops.context import DistInfo
 
 log = logging.getLogger(__name__)
@@ -232,10 +235,6 @@ def peer_report() -> str:
     return "; ".join(mon.describe(r) for r in sorted(mon.stale)) + " (frozen, dead or stuck)"
 
 
-def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def dist_info() -> DistInfo:
     """Rank/world of the default group, or the single-process DistInfo."""
     if not is_initialized():
@@ -251,63 +250,6 @@ def is_rank0() -> bool:
 def barrier() -> None:
     if is_initialized():
         dist.barrier()
-
-
-def _device_for(group: Any) -> torch.device:
-    """Where a CPU value must go for a collective: a NCCL-only group needs the current GPU."""
-    if str(dist.get_backend(group)) == "nccl":  # a mixed "cpu:gloo,cuda:nccl" group takes CPU tensors
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-def all_reduce(value: float | Tensor, op: str = "sum", group: Any = None) -> float | Tensor:
-    """All-reduce a Python float or a tensor (returned as a new value; the input is not modified).
-
-    Args:
-        value: float, or tensor of any shape (float tensors reduce in their own dtype).
-        op: ``sum`` | ``max`` | ``min`` | ``mean`` (mean = sum / world size).
-        group: process group (default world). Without a process group the value comes back.
-
-    Raises:
-        ValueError: unknown ``op``.
-    """
-    if op not in (*_OPS, "mean"):
-        raise ValueError(f"all_reduce: op must be sum, max, min or mean, got {op!r}")
-    if not is_initialized():
-        return value
-    is_float = not isinstance(value, Tensor)
-    t = torch.tensor([value], dtype=torch.float64) if is_float else value.detach().clone()
-    orig = t.device
-    if t.device.type == "cpu":
-        t = t.to(_device_for(group))
-    dist.all_reduce(t, op=_OPS["sum" if op == "mean" else op], group=group)
-    if op == "mean":
-        t = t / dist.get_world_size(group)
-    t = t.to(orig)
-    return float(t.item()) if is_float else t
-
-
-def all_reduce_sum(value, group: Any = None):
-    return all_reduce(value, "sum", group)
-
-
-def all_reduce_max(value, group: Any = None):
-    return all_reduce(value, "max", group)
-
-
-def all_reduce_mean(value, group: Any = None):
-    return all_reduce(value, "mean", group)
-
-
-def all_reduce_floats(values: Sequence[float], op: str = "sum", group: Any = None) -> list[float]:
-    """All-reduce several floats in one collective (float64)."""
-    if not is_initialized() or not values:
-        return [float(v) for v in values]
-    out = all_reduce(torch.tensor(list(values), dtype=torch.float64), op, group)
-    return [float(v) for v in out.tolist()]
 
 
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:

@@ -52,8 +52,9 @@ def run(balance: bool, batch: dict, info) -> dict:
     from flowrl.engines.train.value import ValueTrainEngine, value_model_from_causal_lm
     from flowrl.ops.critic import values
     from flowrl.ops.logprobs import LogprobsConfig, logprobs
+    from flowrl.ops.builtin import PolicyUpdateConfig
     from flowrl.ops.update import update_policy
-    from flowrl.runtime.rebalance import balance_rows
+    from flowrl.ops.rebalance import balance_rows
 
     cfg = TrainEngineConfig(lr=worker.LR, micro_batch_size=2, balance_across_ranks=balance)
     actor = FSDPTrainEngine(worker.make_model(), cfg)
@@ -68,7 +69,7 @@ def run(balance: bool, batch: dict, info) -> dict:
     critic = ValueTrainEngine(value_model_from_causal_lm(worker.make_model(seed=3)), cfg)
     out["values"] = values(ctx_for("values", critic, info), None, **fwd)["values"]
     up_ctx = ctx_for("update", actor, info)
-    update_policy(up_ctx, None, **batch, old_logprobs=old)
+    update_policy(up_ctx, PolicyUpdateConfig(), **batch, old_logprobs=old)
     out["update_metrics"] = dict(up_ctx.metrics)
     out["weights"] = {k: v.clone() for k, v in actor.named_weights()}
     return out

@@ -54,6 +54,7 @@ def shard(batch: dict, rank: int, world: int) -> dict:
 
 def update_once(engine, batch: dict, dist: DistInfo, step: int) -> dict[str, float]:
     """old_logprobs from the engine, then one ``update.policy`` op call (the real op)."""
+    from flowrl.ops.builtin import PolicyUpdateConfig
     from flowrl.ops.update import update_policy
 
     batch = dict(batch)
@@ -62,7 +63,7 @@ def update_once(engine, batch: dict, dist: DistInfo, step: int) -> dict[str, flo
                        resources={"algorithm": AlgorithmConfig(**ALGO),
                                   "sampling": SamplingConfig(temperature=1.0)},
                        generator=torch.Generator().manual_seed(step))
-    update_policy(ctx, None, **batch)
+    update_policy(ctx, PolicyUpdateConfig(), **batch)
     return {**ctx.metrics, "old_logprobs": batch["old_logprobs"]}
 
 

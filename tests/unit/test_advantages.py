@@ -167,15 +167,23 @@ def test_registry_calling_convention_and_flags():
 def test_registry_grpo_follows_config():
     kw = dict(rewards=torch.tensor([1.0, 0.0]), group_id=torch.tensor([0, 0]),
               response_mask=torch.ones(2, 1, dtype=torch.bool))
-    a, _ = ADVANTAGE_ESTIMATORS["grpo"](**kw, cfg=AlgorithmConfig(norm_adv_by_std=False))
+    # Dr.GRPO's centring without the std is its own estimator (not a config flag)
+    a, _ = ADVANTAGE_ESTIMATORS["dr_grpo"](**kw, cfg=AlgorithmConfig())
     assert a[:, 0].tolist() == [0.5, -0.5]
     a, _ = ADVANTAGE_ESTIMATORS["grpo"](**kw, cfg=AlgorithmConfig(adv_eps=0.0))
     assert a[:, 0].tolist() == pytest.approx([0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5)])
 
 
+def test_policy_loss_is_a_param_of_the_update_stage_checked_by_name():
+    from flowrl.ops.registry import get_op
+
+    assert get_op("update.policy").make_config({"policy_loss": "gspo"}, stage="update").policy_loss == "gspo"
+    with pytest.raises(ValueError, match="stage 'update': params: policy_loss must be one of"):
+        get_op("update.policy").make_config({"policy_loss": "x"}, stage="update")
+
+
 def test_config_validation_names_fields():
     for kw, field in [({"gamma": 1.5}, "algorithm.gamma"), ({"lam": -0.1}, "algorithm.lam"),
-                      ({"policy_loss": "x"}, "algorithm.policy_loss"),
                       ({"clip_range_value": 0}, "algorithm.clip_range_value"),
                       ({"kl_target": 0}, "algorithm.kl_target"), ({"kl_horizon": 0}, "algorithm.kl_horizon"),
                       ({"vf_coef": -1}, "algorithm.vf_coef"), ({"kl_clamp": 0}, "algorithm.kl_clamp")]:

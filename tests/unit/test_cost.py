@@ -8,7 +8,8 @@ import pytest
 from flowrl.compiler.cost import (DeviceProfile, StageCosts, Workload, choose_placement,
                                   decode_seconds, estimate, forward_seconds, ternary_search,
                                   train_seconds)
-from flowrl.compiler.footprint import ModelSize, model_size, role_memory, tensor_bytes
+from flowrl.compiler.footprint import role_memory, tensor_bytes
+from flowrl.models.size import ModelSize, model_size
 from flowrl.compiler.placement import PlacementConfig, place, split_candidates
 from flowrl.compiler.plan import compile_plan
 from flowrl.graph.graph import Graph

@@ -15,10 +15,18 @@ def test_grpo_yaml_round_trips_identically():
     assert Graph.from_yaml(text).to_yaml() == text
 
 
-def test_python_builder_matches_yaml_file():
-    from grpo_graph import grpo_graph
+def test_python_api_example_builds_a_valid_graph_that_is_no_builtin_copy():
+    from python_api import overlong_grpo_graph
 
-    assert grpo_graph().to_yaml() == GRPO.read_text()
+    g = overlong_grpo_graph()
+    text = g.to_yaml()
+    assert Graph.from_yaml(text).to_yaml() == text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnusedOutputWarning)
+        assert validate_graph(g) == []
+    assert [s.op for s in g.stages][2:5] == ["reward.rule", "reward.overlong", "reward.mix"]
+    builtins = {p.read_text().split("\nname: ", 1)[1] for p in (REPO / "graphs").glob("*.yaml")}
+    assert text.split("\nname: ", 1)[1] not in builtins  # an example, not a second source
 
 
 def test_yaml_opens_with_run_command():

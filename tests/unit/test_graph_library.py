@@ -1,6 +1,5 @@
-"""The algorithm graph library: graphs/*.yaml == their Python builders, each Hydra graph config
-composes and compiles (no model loaded), one advantage op per estimator, the in-reward KL op."""
-import importlib
+"""The algorithm graph library: graphs/*.yaml in canonical form, one graph=<name> option per file
+that composes and compiles (no model loaded), one advantage op per estimator, the in-reward KL op."""
 import math
 import warnings
 from pathlib import Path
@@ -25,10 +24,8 @@ def cfg_for(*overrides):
 
 
 @pytest.mark.parametrize("name", NEW_GRAPHS)
-def test_builder_output_equals_file(name):
-    builder = getattr(importlib.import_module(f"{name}_graph"), f"{name}_graph")
+def test_graph_file_round_trips(name):
     text = (REPO / "graphs" / f"{name}.yaml").read_text()
-    assert builder().to_yaml() == text
     assert Graph.from_yaml(text).to_yaml() == text  # round-trips
 
 
@@ -47,20 +44,23 @@ def test_graph_files_open_with_command_and_validate(name):
 
 
 @pytest.mark.parametrize("name", ALL_GRAPHS)
-def test_conf_graph_opens_with_command(name):
-    text = (REPO / "conf" / "graph" / f"{name}.yaml").read_text()
-    assert text.startswith("# @package _global_\n")
-    assert f"flowrl train graph={name}" in text
+def test_graph_option_is_the_file_and_its_algorithm_block(name):
+    from flowrl.config import graph_options
+
+    assert not (REPO / "conf" / "graph").exists()  # one source per graph: graphs/<name>.yaml
+    g = Graph.load(REPO / "graphs" / f"{name}.yaml")
+    node = {"graph": {"path": f"graphs/{name}.yaml"}}
+    assert graph_options()[name] == ({**node, "algorithm": g.algorithm} if g.algorithm else node)
 
 
 EXPECTED_ALGO = {
-    "grpo": {"loss_agg_mode": "token-mean", "policy_loss": "ppo_clip", "kl_in_reward": False},
-    "dr_grpo": {"loss_agg_mode": "seq-mean-token-sum-norm", "norm_adv_by_std": False},
+    "grpo": {"loss_agg_mode": "token-mean", "kl_in_reward": False},
+    "dr_grpo": {"loss_agg_mode": "seq-mean-token-sum-norm"},
     "dapo": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "token-mean",
              "mask_truncated": True, "kl_coef": 0.0},
     "rloo": {"loss_agg_mode": "token-mean"},
     "reinforce_pp": {"kl_in_reward": True, "kl_coef": 0.01, "kl_type": "k1"},
-    "gspo": {"policy_loss": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4,
+    "gspo": {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4,
              "loss_agg_mode": "seq-mean-token-mean"},
     "ppo": {"kl_in_reward": True, "kl_coef": 0.01, "kl_type": "k1", "lam": 0.95, "vf_coef": 0.5},
 }
@@ -78,6 +78,9 @@ def test_graph_config_composes_and_compiles(name):
     for k, v in EXPECTED_ALGO[name].items():
         assert getattr(cfg.algorithm, k) == v, k
     assert [c.stage.op for c in plan.stages if c.stage.op.startswith("advantage.")] == [EXPECTED_OPS[name]]
+    # the policy loss is chosen by the update stage's param (its registered name), nowhere else
+    update = next(c for c in plan.stages if c.stage.op == "update.policy")
+    assert update.config.policy_loss == ("gspo" if name == "gspo" else "ppo_clip")
     # a command-line override still beats the graph config
     cfg2, _ = prepare(cfg_for(f"graph={name}", "algorithm.loss_agg_mode=seq-mean-token-sum"))
     assert cfg2.algorithm.loss_agg_mode == "seq-mean-token-sum"

@@ -1,11 +1,11 @@
-"""runtime/rebalance.py without processes: the assignment, the per-rank exchange simulated over
+"""ops/rebalance.py without processes: the assignment, the per-rank exchange simulated over
 3 ranks (pack → send → assemble → return trip → restore), and the world-size-1 identity."""
 import pytest
 import torch
 
 from flowrl.engines.train.local import TrainEngineConfig
 from flowrl.ops.context import StageContext
-from flowrl.runtime.rebalance import (RowExchange, _pad_width, balance_assignment, balance_rows,
+from flowrl.ops.rebalance import (RowExchange, _pad_width, balance_assignment, balance_rows,
                                       check_batch, pack_rows, unpack_rows)
 
 

@@ -59,6 +59,7 @@ def test_tis_weights_each_token_loss(mode, weights):
 def test_update_op_logs_the_ratio_mean_and_max():
     from flowrl.engines.base import SamplingConfig
     from flowrl.ops.context import StageContext
+    from flowrl.ops.builtin import PolicyUpdateConfig
     from flowrl.ops.update import update_policy
 
     class Engine:  # records nothing; the metric is computed before any train step
@@ -69,7 +70,7 @@ def test_update_op_logs_the_ratio_mean_and_max():
     ctx = StageContext(stage="update", step=1, engine=Engine(),
                        resources={"algorithm": AlgorithmConfig(), "sampling": SamplingConfig()})
     B, R = mb["response_mask"].shape
-    update_policy(ctx, None, prompt_ids=torch.ones(B, 2, dtype=torch.long),
+    update_policy(ctx, PolicyUpdateConfig(), prompt_ids=torch.ones(B, 2, dtype=torch.long),
                   prompt_mask=torch.ones(B, 2, dtype=torch.bool),
                   response_ids=torch.ones(B, R, dtype=torch.long), **mb)
     # ratios old/rollout over the 5 valid tokens: 2, 0.5, 3, 1, 1

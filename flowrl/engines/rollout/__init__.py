@@ -23,6 +23,8 @@ def _build_hf(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_pro
 def _build_vllm(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_process: bool):
     # vLLM always holds its own copy of the weights (``shared`` does not apply): the plan's weight
     # syncs feed it through load_weights.
+    from flowrl.engines.rollout.vllm import weights_and_device_memory
+
     cfg = rollout_cfg.vllm
     procs = cfg.engine_procs_for(*weights_and_device_memory(model), own_process=own_process)
     if procs >= 1:
@@ -32,19 +34,6 @@ def _build_vllm(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_p
     from flowrl.engines.rollout.vllm import VLLMRolloutEngine
 
     return VLLMRolloutEngine(model, tokenizer, cfg)
-
-
-def weights_and_device_memory(model: nn.Module) -> tuple[int, int | None]:
-    """(parameter bytes of ``model``, tied tensors once; its CUDA device's memory or None)."""
-    import torch
-
-    from flowrl.engines.rollout.vllm import unique_parameters
-
-    params = [p for _, p in unique_parameters(model)]
-    nbytes = sum(p.numel() * p.element_size() for p in params)
-    if not params or params[0].device.type != "cuda":
-        return nbytes, None
-    return nbytes, torch.cuda.get_device_properties(params[0].device).total_memory
 
 
 ROLLOUT_BACKENDS: dict[str, Callable[..., Any]] = {"hf": _build_hf, "vllm": _build_vllm}

@@ -67,6 +67,15 @@ def unique_parameters(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
             yield name, p
 
 
+def weights_and_device_memory(model: nn.Module) -> tuple[int, int | None]:
+    """(parameter bytes of ``model``, tied tensors once; its CUDA device's memory or None)."""
+    params = [p for _, p in unique_parameters(model)]
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    if not params or params[0].device.type != "cuda":
+        return nbytes, None
+    return nbytes, torch.cuda.get_device_properties(params[0].device).total_memory
+
+
 def export_hf_dir(model: nn.Module, tokenizer, path: Path) -> list[str]:
     """Write ``model``'s weights (safetensors), config and ``tokenizer`` to ``path``.
 

@@ -38,7 +38,8 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from flowrl.engines.base import RolloutBatch, SamplingConfig
-from flowrl.engines.rollout.vllm import PolicyExport, _groups, _prompt_rows, export_policy
+from flowrl.engines.rollout.vllm import (PolicyExport, _groups, _prompt_rows, export_policy,
+                                         weights_and_device_memory)
 from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig, check_model_for_vllm
 
 # the torchrun variables of the parent's job: vLLM must not see them (it would join that world)
@@ -195,8 +196,6 @@ class VLLMProcessEngine:
                  procs: int | None = None) -> None:
         self.cfg = cfg = cfg or VLLMRolloutConfig()
         if procs is None:
-            from flowrl.engines.rollout import weights_and_device_memory
-
             procs = cfg.engine_procs_for(*weights_and_device_memory(model), own_process=True)
         self.procs_n = procs
         if self.procs_n < 1:

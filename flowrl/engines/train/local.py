@@ -52,7 +52,7 @@ class TrainEngineConfig:
             many MiB, so the rollout hand-off never materialises the whole model at once.
         balance_across_ranks: before each forward stage (logprobs, values, updates) the pool's
             ranks swap rows so each holds as many rows with nearly equal tokens
-            (``runtime/rebalance.py``); outputs return to their rows' owners in order. No-op at
+            (``ops/rebalance.py``); outputs return to their rows' owners in order. No-op at
             world size 1.
         logprob_chunk_size: tokens per chunk of the fused LM head + fp32 log-softmax
             (``algorithms/logprobs.linear_logprobs``): logprobs and entropy of the valid response
@@ -79,6 +79,8 @@ class TrainEngineConfig:
             <= 0 keeps only the finiteness check.
     """
 
+    # 1e-6: TRL's GRPO default and the low end of the 1e-6..3e-6 used for full fine-tuning of
+    # 0.1-0.5B models with GRPO; short CPU recipes raise it in their conf/trainer file
     lr: float = 1e-6
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])

@@ -261,7 +261,7 @@ class Balanced:
 
 def enabled(ctx) -> bool:
     """``trainer.engine.balance_across_ranks`` of the stage's engine, in a pool of > 1 ranks."""
-    from flowrl.runtime.distributed import is_initialized
+    from flowrl.ops.collectives import is_initialized
 
     on = getattr(getattr(ctx.engine, "cfg", None), "balance_across_ranks", False)
     return bool(on) and ctx.dist.world_size > 1 and is_initialized()
@@ -286,14 +286,14 @@ def balance_rows(ctx, batch: Mapping[str, Tensor], pad_id: int | None = None) ->
     """
     import torch.distributed as dist
 
-    from flowrl.runtime.distributed import _device_for
+    from flowrl.ops.collectives import device_for
 
     B, P, R = check_batch(ctx.stage, batch)
     if not enabled(ctx):
         return Balanced(dict(batch))
     group = ctx.dist.group if ctx.dist.group is not None else dist.group.WORLD
     W, rank = dist.get_world_size(group), dist.get_rank(group)
-    device = _device_for(group)
+    device = device_for(group)
     shapes = [torch.zeros(3, dtype=torch.long, device=device) for _ in range(W)]
     dist.all_gather(shapes, torch.tensor([B, P, R], device=device), group=group)
     counts, Ps, Rs = zip(*(s.tolist() for s in shapes))

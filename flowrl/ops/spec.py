@@ -1,0 +1,84 @@
+"""What an op is, as the graph validator and the compiler see it: :class:`OpSpec`.
+
+No torch and no op code here: a spec names the module that implements the op
+(``OpSpec.module``), imported only when the function is needed (``OpSpec.fn``), so validating a
+graph or printing a plan imports no torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+
+@dataclass
+class NoConfig:
+    """Config of an op that takes no parameters."""
+
+
+@dataclass
+class OpSpec:
+    """Declaration of one op.
+
+    Attributes:
+        name: registry key used in graph files (``op: advantage.grpo``).
+        inputs: required keyword arguments, each bound by the stage to ``"stage.output"``.
+        outputs: names the op produces; referenced by consumers as ``"<stage name>.<output>"``.
+        optional_inputs: keyword arguments that may be left unbound (the op receives ``None``).
+        config_cls: dataclass holding the op's parameters and their defaults; graph ``params``
+            override its fields.
+        roles: roles the stage may declare (``()`` = the op uses no model and takes no role).
+        doc: one line saying what the op does (``flowrl`` listings).
+        module: module whose import binds the function (``registry.implements``); empty for an
+            op registered with its function (``registry.register_op``).
+    """
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    optional_inputs: tuple[str, ...] = ()
+    config_cls: type = NoConfig
+    roles: tuple[str, ...] = ()
+    doc: str = ""
+    module: str = ""
+    bound: Callable[..., Mapping[str, Any]] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def all_inputs(self) -> tuple[str, ...]:
+        return self.inputs + self.optional_inputs
+
+    @property
+    def fn(self) -> Callable[..., Mapping[str, Any]]:
+        """``fn(ctx: StageContext, cfg: config_cls, **inputs) -> dict[str, Any]`` (keys exactly
+        ``outputs``), importing :attr:`module` on first use.
+
+        Raises:
+            LookupError: the module registered no function under this name.
+        """
+        if self.bound is None and self.module:
+            importlib.import_module(self.module)  # its @implements(name) binds the function
+        if self.bound is None:
+            raise LookupError(f"op '{self.name}' has no function: {self.module or 'no module'} "
+                              f"registered none with @implements({self.name!r})")
+        return self.bound
+
+    def make_config(self, params: Mapping[str, Any] | None, *, stage: str) -> Any:
+        """Build the op's config from graph ``params``.
+
+        Raises:
+            ValueError: an unknown field or a value the config's ``__post_init__`` rejects; the
+                message names the stage and the field.
+        """
+        params = dict(params or {})
+        known = {f.name for f in dataclasses.fields(self.config_cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(
+                f"stage '{stage}': unknown param(s) {unknown} for op '{self.name}'; "
+                f"known: {sorted(known)}"
+            )
+        try:
+            return self.config_cls(**params)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"stage '{stage}': params: {e}") from e
