@@ -208,13 +208,15 @@ class PreflightCallback(Callback):
     """Hydra callback (``conf/train.yaml``: ``hydra.callbacks``): validate the run config and its
     run directory in ``on_run_start``, before Hydra creates the directory and writes ``.hydra/``
     into it (which would overwrite the record of a previous run held there). A rejected run prints
-    one line and exits with status 2, leaving nothing on disk. Multirun jobs are checked by
-    ``flowrl.train.train`` itself (their directories are created per job)."""
+    one line and exits with status 2, leaving nothing on disk. The result goes to the job of
+    the same config (``preflight.remember``), which does not check it again. Multirun jobs are
+    checked by ``flowrl.train.train`` itself (their directories are created per job)."""
 
     def on_run_start(self, config, **kwargs: Any) -> None:
         from omegaconf import OmegaConf
 
-        from flowrl.train import ConfigError, prepare
+        from flowrl.runtime import preflight
+        from flowrl.runtime.preflight import ConfigError
 
         run_dir = os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
         task = OmegaConf.create(OmegaConf.to_container(config, resolve=False))
@@ -223,7 +225,8 @@ class PreflightCallback(Callback):
         if node is not None and "${hydra:" in str(node._value()):
             task.trainer.output_dir = run_dir  # what the run will resolve it to
         try:
-            cfg, _ = prepare(task)
+            result = preflight.prepare_run(task)
+            cfg = result[0]
             out_dir = Path(cfg.trainer.output_dir)
             owner = RunDirLock(out_dir).held_elsewhere()
             if owner is not None:
@@ -233,3 +236,4 @@ class PreflightCallback(Callback):
         except (ConfigError, RunDirError) as e:
             print(f"flowrl train: error: {e}", file=sys.stderr)
             sys.exit(2)
+        preflight.remember(task, result)  # the job takes it: pre-flight runs once per process

@@ -153,7 +153,7 @@ def test_ppo_checkpoint_holds_critic_and_kl_controller(ppo_run):
     meta = json.loads((ck / "trainer_state.json").read_text())
     beta2 = m[2]["kl/coef"]
     err = max(min(m[2]["kl/in_reward"] / 0.1 - 1, 0.2), -0.2)
-    assert meta["kl_controller"]["kl_coef"] == pytest.approx(beta2 * (1 + err * 8 / 100))
+    assert meta["op_state"]["kl_controller"]["kl_coef"] == pytest.approx(beta2 * (1 + err * 8 / 100))
     sd = checkpoint(ck)
     assert sd["critic"]["model"]["score.weight"].shape == (1, 64)
     assert "optimizer" in sd["critic"] and "scheduler" in sd["critic"]
