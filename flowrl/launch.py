@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from flowrl.config import LauncherConfig  # noqa: F401  (the launcher section of the run config)
+from flowrl.runtime.launcher import LauncherConfig  # noqa: F401  (re-exported)
 
 
 def torchrun_argv(cfg: LauncherConfig, overrides: list[str]) -> list[str]:
@@ -68,7 +68,7 @@ def _validate_before_launch(overrides: list[str]) -> None:
     this process, exit status 2, instead of the same error from every rank plus torchrun's
     failure report. Loads no model."""
     from flowrl.config import compose
-    from flowrl.runtime.preflight import prepare
+    from flowrl.train import prepare
 
     try:
         cfg = compose(overrides)

@@ -1,9 +1,10 @@
 """``flowrl train`` / ``python -m flowrl.train``: the Hydra entry point of one training run.
 
-Bad input loses nothing: the config, graph, placement and data are checked
-(``runtime/preflight.py``, one line naming the field, stage or file) before any model loads;
-then ``runtime/job.py`` runs the job, the same loop for every placement. Nothing heavy is
-imported at module level, so a rejected config answers before torch loads.
+Bad input loses nothing: :func:`prepare_run` checks the config fields, resolves the machine's
+``auto`` settings and hands the rest of the pre-flight to ``runtime/preflight.py`` (graph,
+placement, model folder, every data row: one line naming the field, stage or file) before any
+model loads; then ``runtime/job.py`` runs the job, one loop for every placement. Nothing heavy
+is imported at module level, so a rejected config answers before torch loads.
 """
 from __future__ import annotations
 
@@ -12,13 +13,52 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import hydra
+from hydra.experimental.callback import Callback
 
 from flowrl.config import REPO_ROOT, register_configs
-from flowrl.runtime.preflight import (ConfigError, prepare, prepare_placement, prepare_run,
-                                      role_parallelism, world_size)
+from flowrl.runtime.preflight import ConfigError, prepare_placement, role_parallelism, world_size
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
+
+    from flowrl.compiler.plan import ExecutionPlan
+    from flowrl.config import TrainConfig
+    from flowrl.machine import Resolved
+
+
+def prepare_run(raw: "DictConfig | dict") -> "tuple[TrainConfig, ExecutionPlan, list[Resolved]]":
+    """Validate the config, resolve its ``auto`` settings for this machine (returned with their
+    reasons) and pre-flight the run (``runtime/preflight.check_run``); loads no model.
+
+    Raises:
+        ConfigError: naming the field, stage, file or row.
+    """
+    from flowrl.config import to_train_config
+    from flowrl.machine import resolve_machine_defaults
+    from flowrl.runtime.preflight import check_run
+
+    try:
+        cfg = to_train_config(raw)  # a bad field stops here, before torch is imported
+        resolved = resolve_machine_defaults(cfg)
+        return cfg, check_run(cfg, raw), resolved
+    except (ValueError, FileNotFoundError) as e:
+        raise e if isinstance(e, ConfigError) else ConfigError(str(e)) from e
+
+
+def prepare(raw: "DictConfig | dict") -> "tuple[TrainConfig, ExecutionPlan]":
+    """:func:`prepare_run` without the resolved settings."""
+    cfg, plan, _ = prepare_run(raw)
+    return cfg, plan
+
+
+def check_machine(cfg: "TrainConfig") -> None:
+    """Raises ConfigError naming the first thing this machine cannot run (vLLM missing, no CUDA;
+    ``flowrl plan`` only prints them: a GPU job may be planned anywhere)."""
+    from flowrl.machine import machine_problems
+
+    problems = machine_problems(cfg)
+    if problems:
+        raise ConfigError(problems[0])
 
 
 def train(raw: "DictConfig | dict") -> dict[str, Any]:
@@ -31,10 +71,31 @@ def train(raw: "DictConfig | dict") -> dict[str, Any]:
     from flowrl.runtime import preflight
     from flowrl.runtime.job import run_job
 
-    # the Hydra callback pre-flighted this very config: its result, not a second check
+    # pre-flight runs once: the Hydra callback already checked this very config
     cfg, plan, resolved = preflight.take(raw) or prepare_run(raw)
-    preflight.check_machine(cfg)  # what this machine cannot run: refused before anything loads
+    check_machine(cfg)  # what this machine cannot run: refused before anything loads
     return run_job(cfg, plan, resolved)
+
+
+class PreflightCallback(Callback):
+    """Hydra callback (``conf/train.yaml``: ``hydra.callbacks``): pre-flight the run and check
+    its run directory in ``on_run_start``, before Hydra creates the directory and writes
+    ``.hydra/`` into it (which would overwrite the record of a previous run held there). A
+    rejected run prints one line and exits with status 2, leaving nothing on disk; an accepted
+    one hands its result to :func:`train`. Multirun jobs are checked by :func:`train` itself
+    (their directories are created per job)."""
+
+    def on_run_start(self, config, **kwargs: Any) -> None:
+        from flowrl.runtime import preflight, rundir
+
+        task = rundir.task_config(config)
+        try:
+            result = prepare_run(task)
+            rundir.check_run_dir(Path(result[0].trainer.output_dir), result[0].trainer)
+        except (ConfigError, rundir.RunDirError) as e:
+            print(f"flowrl train: error: {e}", file=sys.stderr)
+            sys.exit(2)
+        preflight.remember(task, result)
 
 
 register_configs()
@@ -72,8 +133,8 @@ def main(cfg: "DictConfig") -> None:
             teardown()
 
 
-__all__ = ["ConfigError", "main", "prepare", "prepare_placement", "prepare_run",
-           "role_parallelism", "train", "world_size"]
+__all__ = ["ConfigError", "PreflightCallback", "check_machine", "main", "prepare",
+           "prepare_placement", "prepare_run", "role_parallelism", "train", "world_size"]
 
 
 if __name__ == "__main__":

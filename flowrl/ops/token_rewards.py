@@ -12,7 +12,7 @@ or adaptive (Ziegler et al. 2019 §2.2, eq. 3) towards ``algorithm.kl_target`` n
 ``algorithm.kl_horizon`` samples). The batch is the pool's *global* batch: the mean and the sample
 count are summed over the data-parallel ranks (``ctx.dist.group``) before the update, so every
 rank holds the same β, the one a single rank would compute on the whole batch. The controller is
-the op's registered state (``OpStateSpec``, resource ``kl_controller``): the job checkpoints its β
+the op's declared state (``ops/state.py``, resource ``kl_controller``): the job checkpoints its β
 and a resumed run continues with the adapted value, not the initial one, in every placement.
 
 With the penalty in the reward, the policy update's KL *loss* term is off (``update.policy`` skips
@@ -29,7 +29,8 @@ import torch
 from flowrl.algorithms.advantages import place_on_last_token
 from flowrl.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_controller
 from flowrl.ops.context import StageContext
-from flowrl.ops.registry import NoConfig, OpStateSpec, register_op
+from flowrl.ops.registry import NoConfig, register_op
+from flowrl.ops.state import OpStateSpec, declare_state
 
 OP_NAME = "reward.token_rewards"
 RESOURCE = "kl_controller"
@@ -51,7 +52,8 @@ def load_controller_state(ctrl, state: dict[str, Any]) -> None:
 
 
 # the op's cross-step state: built by the executor, checkpointed and restored by the job
-KL_STATE = OpStateSpec(RESOURCE, lambda resources: make_kl_controller(resources["algorithm"]))
+KL_STATE = declare_state(OP_NAME, OpStateSpec(
+    RESOURCE, lambda resources: make_kl_controller(resources["algorithm"])))
 
 
 def kl_in_reward_active(algo) -> bool:
@@ -77,8 +79,7 @@ def check_kl_in_reward(plan, algo) -> None:
 
 
 @register_op(OP_NAME, inputs=("rewards", "response_mask"),
-             optional_inputs=("old_logprobs", "ref_logprobs"), outputs=("token_rewards",),
-             state=KL_STATE)
+             optional_inputs=("old_logprobs", "ref_logprobs"), outputs=("token_rewards",))
 def token_rewards(ctx: StageContext, cfg: NoConfig, *, rewards, response_mask, old_logprobs=None,
                   ref_logprobs=None) -> dict:
     """Sequence rewards → token rewards, minus β·KL when ``algorithm.kl_in_reward``.

@@ -70,7 +70,7 @@ def init_distributed(device: str = "auto", timeout_s: Optional[float] = None) ->
         torch.cuda.set_device(local_rank)
     backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
     if timeout_s is None:
-        from flowrl.config import LauncherConfig
+        from flowrl.runtime.launcher import LauncherConfig
 
         timeout_s = LauncherConfig.collective_timeout_s
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))

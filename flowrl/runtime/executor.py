@@ -37,7 +37,8 @@ import torch
 from flowrl.compiler.plan import ExecutionPlan
 from flowrl.graph.roles import ROLES
 from flowrl.ops.context import DistInfo, StageContext
-from flowrl.ops.registry import OPS, OpState, init_op_states
+from flowrl.ops.registry import OPS
+from flowrl.ops.state import OpState, init_op_states
 from flowrl.runtime.devices import home_device, stage_device, to_device
 from flowrl.runtime.store import TensorStore
 
@@ -88,7 +89,7 @@ class Executor:
             every model fits on the device side by side (``trainer.offload``): the actions are
             skipped and cost nothing.
 
-    The cross-step state of every op of the plan that declares one (``OpStateSpec``) is created
+    The cross-step state of every op of the plan that declares one (``ops/state.py``) is created
     in ``resources`` at construction; :meth:`op_state_dict` / :meth:`load_op_state_dict` are what
     the job checkpoints and restores.
 

@@ -38,7 +38,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from flowrl.runtime.preflight import ConfigError
 
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from flowrl.machine import Resolved
     from flowrl.ops.context import DistInfo
     from flowrl.runtime.checkpoint import CheckpointManager
+    from flowrl.runtime.evaluate import Evaluator
     from flowrl.runtime.executor import Executor
     from flowrl.runtime.resources import Engines
 
@@ -58,9 +59,6 @@ OP_STATE_KEY = "op_state"  # trainer_state.json: every stateful op's state dict,
 LEGACY_OP_STATE = ("kl_controller",)  # written at the top level before op_state existed
 HISTORY_KEYS = ("reward/mean", "reward/accuracy", "perf/step_s", "placement/version_lag")
 
-# evaluate(samples_path, on_progress) -> eval metrics, or None on a rank that reports none
-Evaluator = Callable[[Optional[Path], Optional[Callable[[int, int], None]]],
-                     Optional[dict[str, float]]]
 
 
 class JobEvents(Protocol):
@@ -161,6 +159,8 @@ class Colocated:
     def evaluator(self, cfg, plan, engines, prompts, tokenizer) -> Optional[Evaluator]:
         if not self.logs:  # rank 0's rollout engine holds full weights; it evaluates alone
             return None  # (trainer.eval.limit=0: it returns {} and logs nothing)
+        from flowrl.runtime.evaluate import greedy_evaluator
+
         return greedy_evaluator(cfg, plan, engines.rollout, prompts, tokenizer)
 
     def summary_fields(self, earlier: dict[str, Any], start: int) -> dict[str, Any]:
@@ -168,22 +168,6 @@ class Colocated:
 
     def final_fields(self, summary: dict[str, Any]) -> dict[str, Any]:
         return {}
-
-
-def greedy_evaluator(cfg: "TrainConfig", plan: "ExecutionPlan", engine: Any, prompts: Any,
-                     tokenizer: Any) -> Evaluator:
-    """``trainer.eval`` on ``engine``, scored by the graph's own verifier (``evaluate.eval_scorer``)."""
-    from flowrl.runtime.evaluate import eval_scorer, evaluate_greedy
-
-    ev, scorer = cfg.trainer.eval, eval_scorer(plan)
-
-    def evaluate(samples_path: Optional[Path], on_progress=None) -> dict[str, float]:
-        return evaluate_greedy(engine, prompts, tokenizer, scorer, split=ev.split, limit=ev.limit,
-                               batch_size=ev.batch_size, max_new_tokens=ev.max_new_tokens,
-                               stop_token_ids=cfg.rollout.sampling.stop_token_ids,
-                               samples_path=samples_path, on_progress=on_progress)
-
-    return evaluate
 
 
 def rank_placement(cfg: "TrainConfig", pp: "PlacementPlan", dinfo: "DistInfo") -> RankPlacement:
@@ -500,7 +484,7 @@ def rescale_prompt_state(state: dict[str, Any], world_size: int) -> dict[str, An
     return {**state, "sampler": sampler}
 
 
-__all__ = ["Colocated", "Evaluator", "JobEvents", "OP_STATE_KEY", "RankPlacement",
-           "finished_run", "greedy_evaluator", "merge_op_states", "rank_placement",
+__all__ = ["Colocated", "JobEvents", "OP_STATE_KEY", "RankPlacement",
+           "finished_run", "merge_op_states", "rank_placement",
            "rescale_prompt_state", "run_job", "run_placement", "saved_op_state",
            "start_checkpoints"]

@@ -412,7 +412,7 @@ class TrainRank(_PoolRank):
         joins the gather of the actor's weights and rank 0 evaluates a full model copy it loads
         for the eval and then drops. Returns None on ranks that take no part."""
         from flowrl.engines.rollout.hf import HFRolloutEngine
-        from flowrl.runtime.job import greedy_evaluator
+        from flowrl.runtime.evaluate import greedy_evaluator
 
         ev = cfg.trainer.eval
         if not (ev.before or ev.after) or ev.limit == 0:

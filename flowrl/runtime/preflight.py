@@ -1,17 +1,15 @@
 """Pre-flight: everything a run is checked for before any model loads, in one place.
 
-:func:`prepare_run` is the one entry (``flowrl train`` in every launch mode, ``flowrl plan``, the
-torchrun launcher's check in the parent process, the Hydra callback): the config (field
-validation in the dataclasses' ``__post_init__``), the machine's ``auto`` settings, the graph
-compiled to a plan, the estimators, LoRA, in-reward KL, the placement (``auto`` included) and what
-the run reads from disk (:func:`check_run_inputs`: the model folder's tokenizer files, every
-training and evaluation row, a verifier for the evaluation). Each problem is one line naming the
-file, row, field or stage, raised as :class:`ConfigError`.
+The entry (``flowrl/train.py`` ``prepare_run``: ``flowrl train`` in every launch mode, ``flowrl
+plan``, the torchrun launcher's check in the parent process, the Hydra callback) validates the
+config fields (the dataclasses' ``__post_init__``) and resolves the machine's ``auto`` settings,
+then hands the typed config here, to :func:`check_run`: the graph compiled to a plan, the
+estimators, LoRA, in-reward KL, the placement (``auto`` included) and what the run reads from disk
+(:func:`check_run_inputs`: the model folder's tokenizer files, every training and evaluation row,
+a verifier for the evaluation). Each problem is one line naming the file, row, field or stage.
 
-Fast on a bad config: nothing here imports torch before the config has been validated
-(``flowrl train algorithm.n=0`` answers before torch loads). Run once per process: the Hydra
-callback hands its result to the job (:func:`remember` / :func:`take`) instead of the job
-checking the same config again.
+Nothing here is imported before the config itself has been validated: a mistyped field answers
+before torch loads.
 """
 from __future__ import annotations
 
@@ -21,54 +19,31 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
-
     from flowrl.compiler.placement import PlacementPlan
     from flowrl.compiler.plan import ExecutionPlan
     from flowrl.config import TrainConfig
-    from flowrl.machine import Resolved
 
 
 class ConfigError(ValueError):
     """The run was rejected before any model loaded (bad config, graph or file); nothing ran."""
 
 
-def prepare(raw: "DictConfig | dict") -> "tuple[TrainConfig, ExecutionPlan]":
-    """Validate the config, resolve its ``auto`` settings for this machine and compile the graph;
-    loads no model. :func:`prepare_run` also returns what was resolved.
+def check_run(cfg: "TrainConfig", raw: Any) -> "ExecutionPlan":
+    """The plan of a validated, machine-resolved ``cfg`` (``raw``: the composed config the
+    graph's ``when:`` / ``${...}`` params resolve against), with every check a run needs before
+    its models load.
 
     Raises:
-        ConfigError: with a message naming the field or stage (wraps ValueError / GraphError /
-            FileNotFoundError of the checks).
+        ValueError / GraphError / FileNotFoundError / PlacementError: naming the field, stage,
+            file or row (the entry wraps them in :class:`ConfigError`).
     """
-    cfg, plan, _ = prepare_run(raw)
-    return cfg, plan
-
-
-def prepare_run(raw: "DictConfig | dict") -> "tuple[TrainConfig, ExecutionPlan, list[Resolved]]":
-    """:func:`prepare`, plus the ``auto`` settings resolved from the machine, with their reasons
-    (``flowrl/machine.py``; printed by ``flowrl plan`` and at the start of a run)."""
-    try:
-        return _prepare(raw)
-    except (ValueError, FileNotFoundError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(str(e)) from e
-
-
-def _prepare(raw: "DictConfig | dict") -> "tuple[TrainConfig, ExecutionPlan, list[Resolved]]":
     from omegaconf import DictConfig, OmegaConf
 
-    from flowrl.config import to_train_config
-
-    raw = raw if isinstance(raw, DictConfig) else OmegaConf.create(raw)
-    cfg = to_train_config(raw)  # a bad field stops here, before torch is imported
     from flowrl.compiler.plan import compile_plan
     from flowrl.graph.graph import Graph
-    from flowrl.machine import resolve_machine_defaults
 
-    resolved = resolve_machine_defaults(cfg)
-    plan = compile_plan(Graph.load(cfg.graph.resolve()), OmegaConf.to_container(raw, resolve=True),
+    node = raw if isinstance(raw, DictConfig) else OmegaConf.create(raw)
+    plan = compile_plan(Graph.load(cfg.graph.resolve()), OmegaConf.to_container(node, resolve=True),
                         placement=cfg.placement.mode)
     _check_estimators(plan, cfg)
     if "reward_model" in plan.roles and cfg.reward.model.model is None:
@@ -84,54 +59,39 @@ def _prepare(raw: "DictConfig | dict") -> "tuple[TrainConfig, ExecutionPlan, lis
         plan.served_by["ref"] = "the actor engine with its LoRA adapters disabled (no weight copy)"
     prepare_placement(cfg, plan, world_size(cfg))  # an impossible placement fails here
     check_run_inputs(cfg, plan)  # a bad model folder, data file, column or row: one line
-    return cfg, plan, resolved
+    return plan
 
 
-def check_machine(cfg: "TrainConfig") -> None:
-    """What this machine cannot run (``machine.machine_problems``: vLLM missing, no CUDA, ...).
-
-    Raises:
-        ConfigError: the first problem, before anything loads (``flowrl plan`` only prints them:
-            a GPU job may be planned anywhere).
-    """
-    from flowrl.machine import machine_problems
-
-    problems = machine_problems(cfg)
-    if problems:
-        raise ConfigError(problems[0])
+# ---- run once: the Hydra callback's result, handed to the job of the same config -----------------
+_PREFLIGHTED: dict[str, tuple] = {}
 
 
-# ---- run once: the Hydra callback's result, handed to the job of the same config ---------------
-_PREPARED: dict[str, tuple] = {}
-
-
-def config_key(raw: "DictConfig | dict") -> Optional[str]:
-    """A stable text of the resolved run config (``hydra`` left out), or None when it does not
-    resolve (e.g. a ``${hydra:...}`` outside a Hydra app)."""
+def _config_key(raw: Any) -> Optional[str]:
+    """The resolved run config as stable text (``hydra`` left out); None when it does not
+    resolve (``${hydra:...}`` outside a Hydra app)."""
     from omegaconf import DictConfig, OmegaConf
 
     try:
-        node = raw if isinstance(raw, DictConfig) else OmegaConf.create(raw)
-        tree = OmegaConf.to_container(node, resolve=True)
+        tree = OmegaConf.to_container(raw if isinstance(raw, DictConfig) else OmegaConf.create(raw),
+                                      resolve=True)
     except Exception:  # an unresolvable interpolation: nothing to share
         return None
     tree.pop("hydra", None)
     return json.dumps(tree, sort_keys=True, default=str)
 
 
-def remember(raw: "DictConfig | dict", result: tuple) -> None:
-    """Keep ``result`` of :func:`prepare_run` for the job that will run ``raw`` in this process
-    (one entry: a later config replaces it)."""
-    key = config_key(raw)
-    _PREPARED.clear()
+def remember(raw: Any, result: tuple) -> None:
+    """Keep a pre-flight ``result`` for the job that will run ``raw`` in this process (one entry)."""
+    _PREFLIGHTED.clear()
+    key = _config_key(raw)
     if key is not None:
-        _PREPARED[key] = result
+        _PREFLIGHTED[key] = result
 
 
-def take(raw: "DictConfig | dict") -> Optional[tuple]:
-    """The remembered :func:`prepare_run` result of this very config (consumed), else None."""
-    key = config_key(raw)
-    return _PREPARED.pop(key, None) if key is not None else None
+def take(raw: Any) -> Optional[tuple]:
+    """The remembered pre-flight result of this very config (consumed), else None."""
+    key = _config_key(raw)
+    return _PREFLIGHTED.pop(key, None) if key is not None else None
 
 
 def world_size(cfg: "TrainConfig") -> int:

@@ -222,7 +222,7 @@ def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
 def resolve_offload(cfg: "TrainConfig", engines: Engines) -> tuple[bool, str]:
     """``trainer.offload`` → (move idle models to host memory at the swap points?, why).
 
-    ``auto`` keeps everything resident when it fits (:func:`flowrl.machine.keep_resident`): the
+    ``auto`` keeps everything resident when it fits (:func:`keep_resident`): the
     training state counts 16 bytes per trainable parameter (fp32 weight, gradient, two AdamW
     moments) and 4 per frozen one; the rollout engine its share of the device (vLLM's
     ``gpu_memory_utilization``, an HF copy its weights)."""
@@ -234,7 +234,6 @@ def resolve_offload(cfg: "TrainConfig", engines: Engines) -> tuple[bool, str]:
         return False, "CPU run: nothing to free"
     import torch
 
-    from flowrl.machine import keep_resident
     from flowrl.models.lora import AdapterDisabledReference
 
     state = 0
@@ -255,6 +254,22 @@ def resolve_offload(cfg: "TrainConfig", engines: Engines) -> tuple[bool, str]:
                       f"{rollout / 2**30:.1f} GiB {'fit' if keep else 'do not fit'} in 80% of the device")
 
 
+def keep_resident(state_bytes: int, rollout_bytes: int, device: "torch.device",
+                  fraction: float = 0.8) -> bool:
+    """``trainer.offload=auto``: keep every model on the device (no host offload at the swap
+    points) when the training state (parameters, gradients, optimizer moments of trainable roles;
+    parameters of frozen ones) plus the rollout engine's budget fit in ``fraction`` of the device's
+    memory. Moving the state to host memory and back costs seconds per step (5 s for a 0.5B model,
+    ``benchmarks/results/scaling.md``) and host RAM; it is only worth it when memory is short.
+    Always False on CPU (nothing to free)."""
+    if device.type != "cuda":
+        return False
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    return state_bytes + rollout_bytes <= fraction * total
+
+
 def peak_rss_gib() -> float:
     """This process's peak resident host memory since it started (GiB; Linux ru_maxrss in KiB)."""
     import resource
@@ -262,5 +277,5 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-__all__ = ["Engines", "RunResources", "TRAINABLE_ROLES", "build_engines", "peak_rss_gib",
+__all__ = ["Engines", "RunResources", "TRAINABLE_ROLES", "build_engines", "keep_resident", "peak_rss_gib",
            "resolve_offload", "run_device", "use_fsdp"]
