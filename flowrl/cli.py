@@ -36,7 +36,7 @@ def plan_main(argv: list[str]) -> int:
     """``flowrl plan [--format text|mermaid|dot] [overrides]``: the placement plan (per-pool
     timelines, transfers, predicted step time and memory; ``placement=auto``: the choice and why)."""
     from flowrl.compiler.render import FORMATS, format_placement
-    from flowrl.runtime.preflight import prepare_placement, prepare_run, role_parallelism, world_size
+    from flowrl.train import prepare_placement, prepare_run, role_parallelism, world_size
 
     fmt, rest = "text", []
     it = iter(argv)

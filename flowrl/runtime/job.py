@@ -2,8 +2,8 @@
 
     flowrl train ...  (flowrl/train.py: the Hydra entry)
         │
-        ▼  preflight.prepare_run: config · machine defaults · graph → plan · placement ·
-        │  model folder + every data row                                  (no model loaded)
+        ▼  pre-flight: config fields · machine defaults (train.prepare_run) · graph → plan ·
+        │  placement · model folder + every data row (runtime/preflight.check_run); no model loaded
         ▼
     run_job          process group · run directory claimed (one run per directory)
         │            placement=auto: runtime/auto.py re-plans between phases, each one
@@ -14,7 +14,7 @@
         │                    = the part of the plan this rank runs, its pool, how batches and
         │                      weights cross pools
         ├─ setup    tokenizer · PromptSource(pool shard) · build_engines(pool's roles) ·
-        │           Executor(the rank's plan) ─► op states (ops/registry.py OpStateSpec)
+        │           Executor(the rank's plan) ─► op states (ops/state.py, declared per op)
         ├─ resume   checkpoint ─► trainable engines + RNG · prompt sampler · op states · history
         ├─ start    weights to the rollout engine (load, or broadcast version start-1)
         ├─ eval     before ─► metrics.jsonl step 0
@@ -181,7 +181,7 @@ def rank_placement(cfg: "TrainConfig", pp: "PlacementPlan", dinfo: "DistInfo") -
 
 # ---- the job --------------------------------------------------------------------------------------
 def run_job(cfg: "TrainConfig", plan: "ExecutionPlan", resolved: "list[Resolved]") -> dict[str, Any]:
-    """Run a pre-flighted training job (:func:`flowrl.runtime.preflight.prepare_run`); returns the
+    """Run a pre-flighted training job (``flowrl.train.prepare_run``); returns the
     summary also written to ``summary.json``.
 
     Raises:
