@@ -416,7 +416,9 @@ def child_flowrl(bc: BenchConfig, out_dir: str) -> dict:
 
     seen: dict = {}
     engine: dict = {}
-    load, close = loading.load_model, ftrain.close_engines
+    from flowrl.runtime.resources import Engines
+
+    load, close = loading.load_model, Engines.close
 
     def observed_load(cfg, *args, **kwargs):
         m = load(cfg, *args, **kwargs)
@@ -424,11 +426,12 @@ def child_flowrl(bc: BenchConfig, out_dir: str) -> dict:
         return m
 
     def observed_close(engines):
-        r = engines.get("rollout")
-        engine.update(type=type(r).__name__, procs=getattr(r, "procs_n", 0))
+        r = engines.rollout
+        if r is not None:  # the first close of the run's engines (a second finds none)
+            engine.update(type=type(r).__name__, procs=getattr(r, "procs_n", 0))
         return close(engines)
 
-    loading.load_model, ftrain.close_engines = observed_load, observed_close
+    loading.load_model, Engines.close = observed_load, observed_close
     summary = ftrain.train(compose(flowrl_overrides(bc, out_dir)))
     by_step: dict[int, dict] = {}
     for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines():

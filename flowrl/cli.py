@@ -16,18 +16,20 @@ import warnings
 from pathlib import Path
 
 
+# Every import below is inside a function: a command pays only for what it uses (graph
+# validation never loads torch; a rejected config answers before the model code is imported).
 def compose(overrides: list[str]):
-    """The run config Hydra would build for ``flowrl train <overrides>``, without running it.
+    """The run config Hydra would build for ``flowrl train <overrides>`` (``flowrl.config.compose``)."""
+    from flowrl.config import compose as compose_config
 
-    ``trainer.output_dir`` still points at Hydra's run dir unless overridden; set it before use.
-    """
-    from hydra import compose as hydra_compose, initialize_config_dir
+    return compose_config(overrides)
 
-    from flowrl.config import REPO_ROOT, register_configs
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=overrides)
+def one_line(e: BaseException) -> str:
+    """A Hydra/OmegaConf error as one line (``flowrl.config.one_line``)."""
+    from flowrl.config import one_line as config_one_line
+
+    return config_one_line(e)
 
 
 def plan_main(argv: list[str]) -> int:
@@ -95,23 +97,6 @@ def graph_main(argv: list[str]) -> int:
             print(f"{f}: warning: {w.message}")
         print(f"{f}: ok")
     return 0
-
-
-def one_line(e: BaseException) -> str:
-    """A Hydra/OmegaConf error as one line: its message lines and its cause's, without the
-    indented ``full_key/object_type`` detail."""
-    parts: list[str] = []
-    while e is not None and len(parts) < 8:
-        parts += [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.strip()
-                  .startswith(("full_key:", "object_type=", "reference_type=", "msg:"))]
-        if any(p.startswith("Config search path") for p in parts):
-            parts = parts[:next(i for i, p in enumerate(parts) if p.startswith("Config search path"))]
-        e = e.__cause__
-    seen: list[str] = []
-    for p in parts:
-        if p not in seen:
-            seen.append(p)
-    return "; ".join(seen[:6]).replace(":; ", ": ")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,13 +16,11 @@ from flowrl.algorithms.config import AlgorithmConfig
 from flowrl.compiler.placement import PlacementConfig
 from flowrl.data import DataConfig
 from flowrl.engines.base import SamplingConfig
-from flowrl.engines.reward_model import RewardModelConfig
+from flowrl.engines.config import HFRolloutConfig, RewardModelConfig, TrainEngineConfig
 from flowrl.engines.rollout import ROLLOUT_BACKENDS
-from flowrl.engines.rollout.hf import HFRolloutConfig
 from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
-from flowrl.engines.train.local import TrainEngineConfig
-from flowrl.launch import LauncherConfig
 from flowrl.models.loading import ModelConfig
+from flowrl.runtime.launcher import LauncherConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -297,3 +295,32 @@ def unknown_keys(base: DictConfig, cfg: Any, prefix: str = "") -> list[tuple[str
             out += unknown_keys(node, child if isinstance(child, DictConfig) else cfg[key],
                                 f"{prefix}{key}.")
     return out
+
+
+def compose(overrides: list[str]):
+    """The run config Hydra would build for ``flowrl train <overrides>``, without running it.
+
+    ``trainer.output_dir`` still points at Hydra's run dir unless overridden; set it before use.
+    """
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=overrides)
+
+
+def one_line(e: BaseException) -> str:
+    """A Hydra/OmegaConf error as one line: its message lines and its cause's, without the
+    indented ``full_key/object_type`` detail."""
+    parts: list[str] = []
+    while e is not None and len(parts) < 8:
+        parts += [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.strip()
+                  .startswith(("full_key:", "object_type=", "reference_type=", "msg:"))]
+        if any(p.startswith("Config search path") for p in parts):
+            parts = parts[:next(i for i, p in enumerate(parts) if p.startswith("Config search path"))]
+        e = e.__cause__
+    seen: list[str] = []
+    for p in parts:
+        if p not in seen:
+            seen.append(p)
+    return "; ".join(seen[:6]).replace(":; ", ": ")

@@ -109,8 +109,7 @@ def export_main(argv: list[str]) -> int:
     _check_exists(args.checkpoint)
     model_cfg: Optional[object] = None
     if overrides:
-        from flowrl.cli import compose
-        from flowrl.config import to_train_config
+        from flowrl.config import compose, to_train_config
 
         cfg = compose(overrides)
         cfg.trainer.output_dir = str(args.out_dir)  # no Hydra run dir when composing

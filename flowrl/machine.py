@@ -31,7 +31,8 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-import torch
+# trainer.offload=auto is decided where the engines are built (runtime/resources.py)
+from flowrl.runtime.resources import keep_resident  # noqa: F401  (re-exported)
 
 # the token budget of a GPU micro-batch: the scaling benchmark's bins (benchmarks/results/scaling.md)
 GPU_TOKENS_PER_MICRO_BATCH = 16384
@@ -50,6 +51,8 @@ class Resolved:
 
 
 def cuda_available() -> bool:
+    import torch
+
     return torch.cuda.is_available()
 
 
@@ -145,17 +148,3 @@ def machine_problems(cfg, *, cuda: bool | None = None, vllm: bool | None = None,
         out.append("model.attn_implementation=flex_attention runs on CUDA only (on CPU its kernels "
                    "fail to compile); use auto or sdpa")
     return out
-
-
-def keep_resident(state_bytes: int, rollout_bytes: int, device: torch.device,
-                  fraction: float = 0.8) -> bool:
-    """``trainer.offload=auto``: keep every model on the device (no host offload at the swap
-    points) when the training state (parameters, gradients, optimizer moments of trainable roles;
-    parameters of frozen ones) plus the rollout engine's budget fit in ``fraction`` of the device's
-    memory. Moving the state to host memory and back costs seconds per step (5 s for a 0.5B model,
-    ``benchmarks/results/scaling.md``) and host RAM; it is only worth it when memory is short.
-    Always False on CPU (nothing to free)."""
-    if device.type != "cuda":
-        return False
-    total = torch.cuda.get_device_properties(device).total_memory
-    return state_bytes + rollout_bytes <= fraction * total

@@ -12,7 +12,7 @@ at ``clamp`` (case C05), so the gradient is finite (0 in the saturated region).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -110,6 +110,14 @@ class FixedKLController:
     def update(self, current_kl: float, n_steps: int) -> float:
         return self.value
 
+    def state_dict(self) -> dict[str, Any]:
+        """``{"kl_coef": β}`` (JSON-able; checkpointed by the job through the op registry)."""
+        return {"kl_coef": float(self.value)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`. Raises KeyError when ``kl_coef`` is missing."""
+        self.value = float(state["kl_coef"])
+
 
 class AdaptiveKLController:
     """Adaptive β (Ziegler et al. 2019, "Fine-Tuning LMs from Human Preferences", §2.2 eq. 3):
@@ -130,6 +138,14 @@ class AdaptiveKLController:
         err = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + err * n_steps / self.horizon
         return self.value
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"kl_coef": β}``: the adapted coefficient; target and horizon are config."""
+        return {"kl_coef": float(self.value)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`. Raises KeyError when ``kl_coef`` is missing."""
+        self.value = float(state["kl_coef"])
 
 
 def kl_controller(kl_coef: float, target: Optional[float] = None, horizon: int = 10000):

@@ -60,8 +60,10 @@ class AutoConfig:
 class PlacementConfig:
     """Attributes:
         mode: colocated | partitioned | auto.
-        pools: partitioned: pool name → global ranks, e.g. ``{train: [0], rollout: [1]}``. Empty =
-            the first half of the ranks train (rounded up), the rest roll out.
+        pools: partitioned: pool name → global ranks, e.g. ``{train: [0], rollout: [1]}``. A pool
+            left out or given as an empty list takes its ranks of the default split
+            (:func:`default_pools`: the first half of the ranks train, rounded up, the rest roll
+            out), so ``launcher.nproc=4 placement=partitioned`` splits 2 / 2.
         roles: role → pool name, overriding :data:`DEFAULT_ROLE_POOL` (e.g. ``{ref: rollout}``).
         staleness: weight versions the rollout pool may run behind the trainer (0 = the next rollout
             waits for the new weights; 1 = one-step off-policy). None = the graph's
@@ -84,10 +86,10 @@ class PlacementConfig:
             raise ValueError(f"placement.staleness must be >= 0 or null, got {self.staleness}")
         if self.bucket_mb < 1:
             raise ValueError(f"placement.bucket_mb must be >= 1, got {self.bucket_mb}")
-        for name, ranks in self.pools.items():
-            if not ranks or any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
-                raise ValueError(f"placement.pools.{name} must be a non-empty list of distinct "
-                                 f"ranks >= 0, got {list(ranks)}")
+        for name, ranks in self.pools.items():  # [] = the pool's ranks of the default split
+            if any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
+                raise ValueError(f"placement.pools.{name} must be a list of distinct ranks >= 0 "
+                                 f"(empty: the default split), got {list(ranks)}")
         for role, pool in self.roles.items():
             if role not in DEFAULT_ROLE_POOL:
                 raise ValueError(f"placement.roles.{role}: unknown role (roles: "
@@ -267,11 +269,15 @@ def partitioned(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int,
     if world_size < 2:
         raise PlacementError(f"placement.mode=partitioned needs >= 2 ranks (launcher.nproc), "
                              f"got {world_size}")
-    pools = {k: list(v) for k, v in (cfg.pools or default_pools(world_size)).items()}
-    notes = [] if cfg.pools else [f"placement.pools not set: default split {pools}"]
-    if sorted(pools) != sorted([TRAIN_POOL, ROLLOUT_POOL]):
+    if set(cfg.pools) - {TRAIN_POOL, ROLLOUT_POOL}:
         raise PlacementError(f"placement.pools must name exactly the pools '{TRAIN_POOL}' and "
-                             f"'{ROLLOUT_POOL}', got {sorted(pools)}")
+                             f"'{ROLLOUT_POOL}', got {sorted(cfg.pools)}")
+    # a pool not given (or given as []) takes its ranks of the default split
+    given = {k: list(v) for k, v in cfg.pools.items() if v}
+    pools = {**default_pools(world_size), **given}
+    notes = [f"placement.pools not set: default split {pools}"] if not given else [
+        f"placement.pools.{k} not set: {pools[k]} of the default split"
+        for k in sorted(set(pools) - set(given))]
     seen: dict[int, str] = {}
     for name, ranks in pools.items():
         for r in ranks:
@@ -346,7 +352,7 @@ def place(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int,
     if world_size < 1:
         raise PlacementError(f"launcher.nproc: world size must be >= 1, got {world_size}")
     if cfg.mode == "colocated":
-        if cfg.pools or cfg.roles:
+        if any(cfg.pools.values()) or cfg.roles:
             raise PlacementError("placement.pools/roles are for placement.mode=partitioned; "
                                  "colocated uses every rank for every role")
         check_parallelism({"all": world_size}, {r: "all" for r in plan.roles}, plan.roles,

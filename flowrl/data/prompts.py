@@ -7,13 +7,13 @@ import dataclasses
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 from flowrl.data.gsm8k import DATASETS, SPLITS
 from flowrl.data.sampler import PromptSampler
+
+if TYPE_CHECKING:  # DataConfig is read by the run config, before torch loads
+    from torch import Tensor
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +198,8 @@ def collate_prompts(token_lists: Sequence[Sequence[int]], pad_id: int) -> tuple[
     lengths = [len(t) for t in token_lists]
     if min(lengths) == 0:
         raise ValueError(f"collate_prompts got an empty prompt at row {lengths.index(0)}")
+    import torch
+
     width = max(lengths)
     ids = torch.full((len(token_lists), width), pad_id, dtype=torch.int64)
     mask = torch.zeros((len(token_lists), width), dtype=torch.bool)
@@ -276,6 +278,8 @@ class PromptSource:
 
     def _batch(self, indices: list[int], n: int, group_ids: list[int], records, texts,
                tokens) -> PromptBatch:
+        import torch
+
         rows = [i for i in indices for _ in range(n)]
         ids, mask = collate_prompts([tokens[i] for i in rows], self.tokenizer.pad_token_id)
         return PromptBatch(

@@ -4,9 +4,10 @@ All ``n`` samples of a prompt are made from one drawn index, so a group never sp
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:  # the run config imports this package before anything heavy (flowrl/config.py)
+    import numpy as np
 
 
 class PromptSampler:
@@ -42,11 +43,13 @@ class PromptSampler:
         self.shard_size = num_items // world_size
         self.epoch = 0
         self.position = 0  # next entry of the current epoch's shard
-        self._cache: tuple[int, np.ndarray] | None = None
+        self._cache: "tuple[int, np.ndarray] | None" = None
 
-    def shard(self, epoch: int) -> np.ndarray:
+    def shard(self, epoch: int) -> "np.ndarray":
         """This rank's dataset indices for ``epoch``: (shard_size,) int64."""
         if self._cache is None or self._cache[0] != epoch:
+            import numpy as np
+
             if self.shuffle:
                 perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_items)
             else:

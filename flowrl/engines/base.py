@@ -6,10 +6,11 @@ Shapes: B = sequences in the batch, P = prompt width (left-padded), R = response
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Mapping, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, Protocol
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # the configs here are read before torch loads (flowrl/config.py)
+    import torch
+    from torch import Tensor
 
 
 @dataclass
@@ -99,8 +100,8 @@ class LogprobOutput:
 # micro-batch gradients (never averages them). Metrics are detached 0-dim tensors (or floats) on
 # the engine's device; the engine sums them and reads them once per train_step (no sync per
 # micro-batch).
-LossFn = Callable[[Mapping[str, Tensor], Tensor, "Tensor | None"],
-                  tuple[Tensor, dict[str, "Tensor | float"]]]
+LossFn = Callable[[Mapping[str, "Tensor"], "Tensor", "Tensor | None"],
+                  tuple["Tensor", dict[str, "Tensor | float"]]]
 
 
 class TrainEngine(Protocol):

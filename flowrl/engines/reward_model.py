@@ -5,44 +5,13 @@ output (``num_labels=1``) scoring prompt + response, the Bradley-Terry RM of Ins
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Mapping
 
 import torch
 from torch import Tensor, nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
-from flowrl.models.loading import SMOLLM2, ModelConfig, build_tiny
-
-
-@dataclass
-class RewardModelConfig:
-    """``reward.model`` of the run config (used when a graph has a ``reward_model`` stage).
-
-    Attributes:
-        model: the RM checkpoint: ``path`` = a local HF directory holding a sequence-classification
-            model (its head is loaded with ``num_labels=1``), or ``tiny`` = a random one for tests.
-            ``path: smollm2`` alone is rejected: the causal LM has no trained reward head.
-        batch_size: sequences per forward pass.
-    """
-
-    model: Any = None  # Optional[ModelConfig]; Any so a CLI/YAML dict can fill a None section
-    batch_size: int = 8
-
-    def __post_init__(self) -> None:
-        if isinstance(self.model, Mapping):
-            try:
-                self.model = ModelConfig(**{str(k): v for k, v in self.model.items()})
-            except TypeError as e:
-                raise ValueError(f"reward.model.model: {e}") from e
-        if self.model is not None and not isinstance(self.model, ModelConfig):
-            raise ValueError(f"reward.model.model must be null or a model section, got {self.model!r}")
-        if self.batch_size < 1:
-            raise ValueError(f"reward.model.batch_size must be >= 1, got {self.batch_size}")
-        if self.model is not None and self.model.tiny is None and self.model.path == SMOLLM2:
-            raise ValueError("reward.model.model.path must be a local sequence-classification "
-                             "checkpoint directory (or set reward.model.model.tiny for tests); "
-                             "'smollm2' is a causal LM with no reward head")
+from flowrl.engines.config import RewardModelConfig  # noqa: F401  (reward.model; re-exported)
+from flowrl.models.loading import ModelConfig, build_tiny
 
 
 def load_reward_model(cfg: ModelConfig) -> PreTrainedModel:

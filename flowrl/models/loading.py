@@ -11,23 +11,24 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig,
-                          PreTrainedModel, PreTrainedTokenizerBase)
+# torch and transformers load with the first model, not with ModelConfig: the run config is
+# validated before them (flowrl/config.py)
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flowrl.models.bundled import (  # noqa: F401 (re-exported)
     SMOLLM2, SMOLLM2_GGUF, SMOLLM2_PACKAGE, bundled_tokenizer_dir, smollm2_dir)
-from flowrl.models.lora import as_lora_config
 from flowrl.models.size import ModelSize, model_size
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # torch dtypes by name (ModelConfig.torch_dtype)
 # "auto" is resolved from the machine before a run loads anything (flowrl/machine.py); a config
 # loaded outside a run (a reward model, a test) reads it as fp32 / SDPA
-MODEL_DTYPES = ("auto", *DTYPES)
+MODEL_DTYPES = ("auto", *DTYPE_NAMES)
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
 
 
@@ -90,7 +91,10 @@ class ModelConfig:
             if not isinstance(self.tiny, dict) or "model_type" not in self.tiny:
                 raise ValueError(f"model.tiny must be a dict with a 'model_type' key, got {self.tiny!r}")
             self.tiny = dict(self.tiny)  # OmegaConf DictConfig -> plain dict
-        self.lora = as_lora_config(self.lora)
+        if self.lora is not None:  # (the adapters' module imports torch: only when asked)
+            from flowrl.models.lora import as_lora_config
+
+            self.lora = as_lora_config(self.lora)
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"model.dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
@@ -112,9 +116,11 @@ class ModelConfig:
             check_model_dir(Path(self.path))  # (a missing gguf_file: load_model names it)
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
         """The parameter dtype (``auto`` unresolved: float32)."""
-        return DTYPES.get(self.dtype, torch.float32)
+        import torch
+
+        return getattr(torch, self.dtype) if self.dtype in DTYPE_NAMES else torch.float32
 
     @property
     def attn(self) -> str:
@@ -154,7 +160,7 @@ def check_model_dir(folder: Path, gguf_file: Optional[str] = None, *, tokenizer:
                          "(save_pretrained output), or use model=smollm2 / model=tiny")
 
 
-def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+def load_tokenizer(cfg: ModelConfig) -> "PreTrainedTokenizerBase":
     """Fast tokenizer with ``padding_side="left"`` and a pad token (pad = eos if it had none).
 
     SmolLM2 and tiny models use the bundled tokenizer (no GGUF parse); an HF directory its own.
@@ -163,6 +169,8 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
         ValueError: the directory has no tokenizer files (:func:`check_model_dir`).
     For SmolLM2 ``<|im_end|>`` (id 2) is EOS and pad at once, so masks must come from lengths.
     """
+    from transformers import AutoTokenizer
+
     src = bundled_tokenizer_dir() if cfg.uses_bundled_tokenizer else Path(cfg.path)
     if not cfg.uses_bundled_tokenizer:
         check_model_dir(src, cfg.gguf_file, tokenizer=True)
@@ -175,7 +183,7 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return tok
 
 
-def _clear_quantization_flags(model: PreTrainedModel) -> None:
+def _clear_quantization_flags(model: "PreTrainedModel") -> None:
     """Make a dequantized GGUF model an ordinary one.
 
     transformers keeps ``model.hf_quantizer`` (a ``GgufHfQuantizer``, whose ``is_serializable()``
@@ -184,6 +192,8 @@ def _clear_quantization_flags(model: PreTrainedModel) -> None:
     into a GGUF load) and ``config._is_quantized`` (read by the flash-attention integration).
     The weights themselves are plain dense tensors at this point.
     """
+    from transformers import PreTrainedModel
+
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)  # drops hf_quantizer, config entry, method
@@ -197,13 +207,17 @@ def _clear_quantization_flags(model: PreTrainedModel) -> None:
                 del module.hf_quantizer
 
 
-def build_tiny(cfg: ModelConfig, dtype: torch.dtype, auto_cls=AutoModelForCausalLM,
-               device: torch.device | str = "cpu", **config_extra: Any) -> PreTrainedModel:
-    """Random-init ``auto_cls`` model from ``cfg.tiny`` (vocabulary and special ids taken from the
-    bundled tokenizer), seeded by ``cfg.seed`` without touching the global RNG, built directly on
-    ``device`` (no host copy of a GPU run's model; the random values then come from that device's
-    generator, so a CUDA init differs from a CPU one). ``config_extra`` goes to the config (e.g.
-    ``num_labels=1`` for a reward model)."""
+def build_tiny(cfg: ModelConfig, dtype: "torch.dtype", auto_cls=None,
+               device: "torch.device | str" = "cpu", **config_extra: Any) -> "PreTrainedModel":
+    """Random-init ``auto_cls`` model (default ``AutoModelForCausalLM``) from ``cfg.tiny``
+    (vocabulary and special ids taken from the bundled tokenizer), seeded by ``cfg.seed`` without
+    touching the global RNG, built directly on ``device`` (no host copy of a GPU run's model; the
+    random values then come from that device's generator, so a CUDA init differs from a CPU one).
+    ``config_extra`` goes to the config (e.g. ``num_labels=1`` for a reward model)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    auto_cls = AutoModelForCausalLM if auto_cls is None else auto_cls
     tok = load_tokenizer(cfg)
     tiny = dict(cfg.tiny)
     model_type = tiny.pop("model_type")
@@ -218,7 +232,7 @@ def build_tiny(cfg: ModelConfig, dtype: torch.dtype, auto_cls=AutoModelForCausal
     return model
 
 
-def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> PreTrainedModel:
+def load_model(cfg: ModelConfig, device: "torch.device | str" = "cpu") -> "PreTrainedModel":
     """Load the causal LM described by ``cfg`` on ``device`` in ``cfg.dtype``, in train mode.
 
     A tiny model is built on ``device`` and an HF directory loaded straight onto it
@@ -229,6 +243,9 @@ def load_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> PreTrain
     Raises:
         FileNotFoundError: ``path='smollm2'`` without the package, or a missing gguf file.
     """
+    import torch
+    from transformers import AutoModelForCausalLM, GgufConfig
+
     dtype = cfg.torch_dtype
     device = torch.device(device)
     if cfg.tiny is not None:

@@ -9,9 +9,11 @@ at every valid token (Ziegler et al. 2019, eq. 2; Ouyang et al. 2022, eq. 2)::
 β comes from a KL controller (``algorithms.kl.kl_controller``): fixed (``algorithm.kl_target`` None)
 or adaptive (Ziegler et al. 2019 §2.2, eq. 3) towards ``algorithm.kl_target`` nats *per sequence*
 (the controller sees the batch mean of Σ_t KL_t, as in the paper; its horizon is
-``algorithm.kl_horizon`` samples). The controller lives in the run resources under
-``kl_controller`` so ``flowrl.train`` checkpoints its β (:func:`controller_state`) and a resumed
-run continues with the adapted value, not the initial one.
+``algorithm.kl_horizon`` samples). The batch is the pool's *global* batch: the mean and the sample
+count are summed over the data-parallel ranks (``ctx.dist.group``) before the update, so every
+rank holds the same β, the one a single rank would compute on the whole batch. The controller is
+the op's declared state (``ops/state.py``, resource ``kl_controller``): the job checkpoints its β
+and a resumed run continues with the adapted value, not the initial one, in every placement.
 
 With the penalty in the reward, the policy update's KL *loss* term is off (``update.policy`` skips
 it when ``kl_in_reward`` is set): the KL would otherwise be charged twice.
@@ -28,6 +30,7 @@ from flowrl.algorithms.advantages import place_on_last_token
 from flowrl.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_controller
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import NoConfig, implements
+from flowrl.ops.state import OpStateSpec, declare_state
 
 OP_NAME = "reward.token_rewards"
 RESOURCE = "kl_controller"
@@ -40,12 +43,17 @@ def make_kl_controller(algo) -> FixedKLController | AdaptiveKLController:
 
 def controller_state(ctrl) -> dict[str, float]:
     """JSON-able state of a KL controller (its current β); the rest is config."""
-    return {"kl_coef": float(ctrl.value)}
+    return ctrl.state_dict()
 
 
 def load_controller_state(ctrl, state: dict[str, Any]) -> None:
     """Restore what :func:`controller_state` returned. Raises KeyError when ``kl_coef`` is missing."""
-    ctrl.value = float(state["kl_coef"])
+    ctrl.load_state_dict(state)
+
+
+# the op's cross-step state: built by the executor, checkpointed and restored by the job
+KL_STATE = declare_state(OP_NAME, OpStateSpec(
+    RESOURCE, lambda resources: make_kl_controller(resources["algorithm"])))
 
 
 def kl_in_reward_active(algo) -> bool:
@@ -79,9 +87,10 @@ def token_rewards(ctx: StageContext, cfg: NoConfig, *, rewards, response_mask, o
     bool; old_logprobs / ref_logprobs (B, R) float32 (needed only with the penalty).
     Output: token_rewards (B, R) float32, 0 at masked positions.
     Logged: ``reward/token_sum_mean`` (batch mean of Σ_t r_t); with the penalty also ``kl/coef``
-    (β used for this batch, before the controller update), ``kl/in_reward`` (batch mean of
-    Σ_t KL_t, nats per sequence), ``kl/in_reward_token_mean`` and ``reward/kl_penalty_mean``
-    (batch mean of β·Σ_t KL_t).
+    (β used for this batch, before the controller update), ``kl/in_reward`` (this rank's batch
+    mean of Σ_t KL_t, nats per sequence), ``kl/in_reward_token_mean`` and
+    ``reward/kl_penalty_mean`` (batch mean of β·Σ_t KL_t). The controller is updated with the mean
+    over the pool's global batch (one all-reduce of two floats over ``ctx.dist.group``).
     Raises: ValueError naming the stage when the penalty is on and a logprob input is missing.
     """
     algo = ctx.resource("algorithm")
@@ -92,14 +101,19 @@ def token_rewards(ctx: StageContext, cfg: NoConfig, *, rewards, response_mask, o
             raise ValueError(f"stage '{ctx.stage}': algorithm.kl_in_reward=true needs old_logprobs "
                              f"and ref_logprobs bound")
         ctrl = ctx.resources.get(RESOURCE)
-        if ctrl is None:  # runs outside flowrl.train (which creates and checkpoints it)
-            ctrl = ctx.resources[RESOURCE] = make_kl_controller(algo)
+        if ctrl is None:  # a direct call, outside an Executor (which creates the op's state)
+            ctrl = ctx.resources[RESOURCE] = KL_STATE.make(ctx.resources)
         beta = ctrl.value
         tr, kl = apply_kl_penalty(tr, old_logprobs, ref_logprobs, mask, beta, kind=algo.kl_type,
                                   clamp=algo.kl_clamp)
         seq_kl = kl.sum(-1)
         mean_kl = float(seq_kl.mean()) if seq_kl.numel() else 0.0
-        ctrl.update(mean_kl, n_steps=int(rewards.shape[0]))
+        # every data-parallel rank updates with the global batch's mean and size: one β per pool
+        from flowrl.runtime.distributed import all_reduce_floats
+
+        kl_sum, n = all_reduce_floats([mean_kl * seq_kl.numel(), float(seq_kl.numel())], "sum",
+                                      ctx.dist.group)
+        ctrl.update(kl_sum / n if n else 0.0, n_steps=int(n))
         ctx.log(**{"kl/coef": beta, "kl/in_reward": mean_kl,
                    "kl/in_reward_token_mean": kl.sum() / mask.sum().clamp(min=1),
                    "reward/kl_penalty_mean": beta * mean_kl})

@@ -17,28 +17,38 @@ The decision is written to ``<output_dir>/placement_auto.json``; a resumed auto 
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-from omegaconf import DictConfig, OmegaConf
+if TYPE_CHECKING:
+    from flowrl.compiler.placement import PlacementPlan
+    from flowrl.compiler.plan import ExecutionPlan
+    from flowrl.config import TrainConfig
+    from flowrl.ops.context import DistInfo
 
 log = logging.getLogger("flowrl")
 DECISION_FILE = "placement_auto.json"
+# runtime/job.run_placement: (cfg, plan, placement, dinfo, out_dir) -> summary
+RunPlacement = Callable[["TrainConfig", "ExecutionPlan", "PlacementPlan", "DistInfo", Path],
+                        dict[str, Any]]
 
 
-def _derive(raw: DictConfig | dict, out_dir: Path, **overrides: Any) -> DictConfig:
-    """A copy of the run config with dotted-key ``overrides`` (``trainer__total_steps=2``) and the
-    output dir pinned (Hydra's ``${hydra:...}`` cannot resolve in a derived config)."""
-    base = raw if isinstance(raw, DictConfig) else OmegaConf.create(raw)
-    cfg = OmegaConf.create(OmegaConf.to_container(base, resolve=False))
-    OmegaConf.update(cfg, "trainer.output_dir", str(out_dir), merge=False)
-    for key, value in overrides.items():
-        OmegaConf.update(cfg, key.replace("__", "."), value, merge=False)
-    return cfg
+def phase_config(cfg: "TrainConfig", *, mode: str, pools: dict[str, list[int]] | None = None,
+                 trainer: dict[str, Any], eval_: dict[str, Any],
+                 vllm: dict[str, Any] | None = None) -> "TrainConfig":
+    """The run config of one phase: ``cfg`` with the placement set to ``mode`` (``pools``: the
+    partitioned split; roles: the defaults) and the given ``trainer`` / ``trainer.eval`` /
+    ``rollout.vllm`` fields replaced (each section validated again)."""
+    placement = dataclasses.replace(cfg.placement, mode=mode, pools=dict(pools or {}), roles={})
+    rollout = cfg.rollout if not vllm else dataclasses.replace(
+        cfg.rollout, vllm=dataclasses.replace(cfg.rollout.vllm, **vllm))
+    ev = dataclasses.replace(cfg.trainer.eval, **eval_)
+    return dataclasses.replace(cfg, placement=placement, rollout=rollout,
+                               trainer=dataclasses.replace(cfg.trainer, eval=ev, **trainer))
 
 
 def read_step_metrics(out_dir: Path, first: int, last: int) -> list[dict[str, float]]:
@@ -55,7 +65,7 @@ def decide(cfg, plan, world_size: int, profile: list[dict[str, float]]) -> dict[
     """The refined choice as a plain dict: ``mode``, ``pools`` (partitioned), ``prompts_per_step``
     of each sampling rank, ``predicted_step_s`` and the cost model's ``notes``."""
     from flowrl.compiler.cost import StageCosts, refine_and_choose
-    from flowrl.train import role_parallelism
+    from flowrl.runtime.preflight import role_parallelism
 
     rp = role_parallelism(cfg)
     costs = StageCosts.from_config(plan, cfg, world_size, parallelism=rp)
@@ -82,14 +92,18 @@ def decide(cfg, plan, world_size: int, profile: list[dict[str, float]]) -> dict[
     return out
 
 
-def train_auto(raw: DictConfig | dict, cfg, plan, dinfo, out_dir: Path,
-               run: Callable[[DictConfig], dict[str, Any]]) -> dict[str, Any]:
-    """Run a ``placement=auto`` job (see the module docstring). ``run`` is ``flowrl.train.train``.
+def run_auto(cfg: "TrainConfig", plan: "ExecutionPlan", dinfo: "DistInfo", out_dir: Path,
+             run: RunPlacement) -> dict[str, Any]:
+    """Run a ``placement=auto`` job (see the module docstring): each phase is one
+    ``run(cfg, plan, placement, dinfo, out_dir)`` (``runtime/job.run_placement``), the second
+    resuming the first one's checkpoint under the placement :func:`decide` chose.
 
     Returns the summary of the whole run with ``placement_auto``: the decision, the predicted
     and the measured mean step time after the switch.
     """
     from flowrl.runtime.distributed import broadcast_object
+    from flowrl.runtime.preflight import prepare_placement
+    from flowrl.runtime.resources import run_device
 
     P = cfg.placement.auto.profile_steps
     T = cfg.trainer.total_steps
@@ -97,18 +111,16 @@ def train_auto(raw: DictConfig | dict, cfg, plan, dinfo, out_dir: Path,
     decision = broadcast_object(json.loads(decision_path.read_text())
                                 if dinfo.rank == 0 and decision_path.is_file() else None)
     if decision is None:
-        profile: dict[str, Any] = {}
+        vllm: dict[str, Any] = {}
         if cfg.rollout.backend == "vllm":
             # an in-process vLLM's shutdown destroys the job's process group, which phase 2
             # still needs: the profile's engines run in processes with their own torch world
-            from flowrl.train import _device
-
             procs = cfg.rollout.vllm.engine_procs
-            if procs == 0 or (procs is None and _device(cfg).type != "cuda"):
-                profile["rollout__vllm__engine_procs"] = 1  # (null on CUDA: >= 1 already)
-        run(_derive(raw, out_dir, placement__mode="colocated", placement__pools={},
-                    placement__roles={}, trainer__total_steps=min(P, T),
-                    trainer__eval__after=False, **profile))
+            if procs == 0 or (procs is None and run_device(cfg).type != "cuda"):
+                vllm["engine_procs"] = 1  # (null on CUDA: >= 1 already)
+        profile = phase_config(cfg, mode="colocated", trainer={"total_steps": min(P, T)},
+                               eval_={"after": False}, vllm=vllm)
+        run(profile, plan, prepare_placement(profile, plan, dinfo.world_size), dinfo, out_dir)
         _free_memory()
         if T <= P:  # the whole job fit in the profile
             return json.loads((out_dir / "summary.json").read_text()) if dinfo.rank == 0 else {}
@@ -118,14 +130,14 @@ def train_auto(raw: DictConfig | dict, cfg, plan, dinfo, out_dir: Path,
             decision_path.write_text(json.dumps(decision, indent=1))
             print("\n".join(decision["notes"]), flush=True)
         decision = broadcast_object(decision)
-    over: dict[str, Any] = {"placement__mode": decision["mode"], "trainer__resume": True,
-                            "trainer__eval__before": False}
-    if decision["mode"] == "partitioned":
-        over.update(placement__pools=decision["pools"],
-                    trainer__prompts_per_step=decision["prompts_per_step"])
-    else:
-        over.update(placement__pools={}, placement__roles={})
-    summary = run(_derive(raw, out_dir, **over))
+    # re-plan: the chosen placement continues from the profile's checkpoint
+    partitioned = decision["mode"] == "partitioned"
+    chosen = phase_config(
+        cfg, mode=decision["mode"], pools=decision["pools"] if partitioned else None,
+        trainer={"resume": True, **({"prompts_per_step": decision["prompts_per_step"]}
+                                    if partitioned else {})},
+        eval_={"before": False})
+    summary = run(chosen, plan, prepare_placement(chosen, plan, dinfo.world_size), dinfo, out_dir)
     _free_memory()
     if dinfo.rank == 0:
         after = read_step_metrics(out_dir, decision["profile_steps"] + 1, T)
@@ -148,6 +160,8 @@ def train_auto(raw: DictConfig | dict, cfg, plan, dinfo, out_dir: Path,
 def _free_memory() -> None:
     """Engines of the finished phase are unreachable once ``run`` returned; give their memory
     back before the next phase loads its own."""
+    import torch
+
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

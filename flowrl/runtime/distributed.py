@@ -73,7 +73,7 @@ def init_distributed(device: str = "auto", timeout_s: Optional[float] = None) ->
         torch.cuda.set_device(local_rank)
     backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
     if timeout_s is None:
-        from flowrl.launch import LauncherConfig
+        from flowrl.runtime.launcher import LauncherConfig
 
         timeout_s = LauncherConfig.collective_timeout_s
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
@@ -314,3 +314,12 @@ def combine_metrics(dicts: Sequence[Mapping[str, float]]) -> dict[str, float]:
         out[key] = (sum(vals) if rule == "sum" else max(vals) if rule == "max"
                     else min(vals) if rule == "min" else sum(vals) / len(vals))
     return out
+
+
+def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (``[obj]`` when not distributed)."""
+    if not is_initialized():
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered

@@ -10,11 +10,15 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from flowrl.engines.base import SamplingConfig
 from flowrl.ops.reward import decode_responses
 from flowrl.rewards import REWARD_FUNCTIONS, RewardFn, gsm8k_format_reward, math_verify_reward
+
+if TYPE_CHECKING:
+    from flowrl.compiler.plan import ExecutionPlan
+    from flowrl.config import TrainConfig
 
 # (response texts, per-answer fields: ground_truth, question, data.extra_keys, the answers' rows
 # in the evaluation slice) -> rewards (float; NaN = unscorable)
@@ -95,6 +99,12 @@ def eval_scorer(plan) -> Optional[EvalScorer]:
                                             stage=c.stage.name)
                 return function_eval_scorer(c.config, stage=c.stage.name)
     return None
+
+
+# evaluate(samples_path, on_progress) -> eval metrics, or None on a rank that reports none (the
+# job's evaluator of a rank: runtime/job.py RankPlacement.evaluator)
+Evaluator = Callable[[Optional[Path], Optional[Callable[[int, int], None]]],
+                     Optional[dict[str, float]]]
 
 
 def evaluate_greedy(rollout_engine, prompts, tokenizer, scorer: EvalScorer, *, split: str,
@@ -183,6 +193,20 @@ def evaluate_greedy(rollout_engine, prompts, tokenizer, scorer: EvalScorer, *, s
             "eval/response_length_mean": sum(r["length"] for r in rows) / n,
             "eval/truncated_frac": frac(lambda r: r["truncated"]),
             "eval/seconds": time.perf_counter() - t0}
+
+
+def greedy_evaluator(cfg: "TrainConfig", plan: "ExecutionPlan", engine: Any, prompts: Any,
+                     tokenizer: Any) -> Evaluator:
+    """``trainer.eval`` on ``engine``, scored by the graph's own verifier (``evaluate.eval_scorer``)."""
+    ev, scorer = cfg.trainer.eval, eval_scorer(plan)
+
+    def evaluate(samples_path: Optional[Path], on_progress=None) -> dict[str, float]:
+        return evaluate_greedy(engine, prompts, tokenizer, scorer, split=ev.split, limit=ev.limit,
+                               batch_size=ev.batch_size, max_new_tokens=ev.max_new_tokens,
+                               stop_token_ids=cfg.rollout.sampling.stop_token_ids,
+                               samples_path=samples_path, on_progress=on_progress)
+
+    return evaluate
 
 
 def eval_line(m: dict[str, float]) -> str:

@@ -38,6 +38,7 @@ from flowrl.compiler.plan import ExecutionPlan
 from flowrl.graph.roles import ROLES
 from flowrl.ops.context import DistInfo, StageContext
 from flowrl.ops.registry import OPS
+from flowrl.ops.state import OpState, init_op_states
 from flowrl.runtime.devices import home_device, stage_device, to_device
 from flowrl.runtime.store import TensorStore
 
@@ -88,6 +89,10 @@ class Executor:
             every model fits on the device side by side (``trainer.offload``): the actions are
             skipped and cost nothing.
 
+    The cross-step state of every op of the plan that declares one (``ops/state.py``) is created
+    in ``resources`` at construction; :meth:`op_state_dict` / :meth:`load_op_state_dict` are what
+    the job checkpoints and restores.
+
     Raises:
         KeyError: at construction, when a role of the plan has no engine.
     """
@@ -102,6 +107,8 @@ class Executor:
         self.plan = plan
         self.engines = dict(engines)
         self.resources = dict(resources)
+        self.op_states: dict[str, OpState] = init_op_states(
+            sorted({c.stage.op for c in plan.stages}), self.resources)
         self.seed = seed
         self.dist = dist or DistInfo()
         self.sends = list(sends)
@@ -112,6 +119,20 @@ class Executor:
         self._cfg = {c.stage.name: c.config for c in plan.stages}
         self._resident: set[str] = set(plan.resident_at_end)
         self.stage_metrics: dict[str, dict[str, float]] = {}  # this step's, per stage
+
+    # ---- op state across steps ----------------------------------------------------------------
+    def op_state_dict(self) -> dict[str, dict[str, Any]]:
+        """key → state dict of every stateful op of this plan (JSON-able)."""
+        return {k: st.state_dict() for k, st in sorted(self.op_states.items())}
+
+    def load_op_state_dict(self, states: Mapping[str, Mapping[str, Any]]) -> list[str]:
+        """Restore :meth:`op_state_dict` (a checkpoint's). Keys this plan has no state for are
+        left alone (another pool's ops); returns this plan's keys the checkpoint lacked (they
+        keep their initial state)."""
+        for key, st in self.op_states.items():
+            if key in states:
+                st.load_state_dict(states[key])
+        return sorted(set(self.op_states) - set(states))
 
     # ---- swap / sync points -----------------------------------------------------------------
     def _offload(self, role: str, keep_weights: bool = False) -> None:

@@ -50,6 +50,9 @@ from flowrl.runtime.transport import PendingSend, WeightBroadcaster, recv_batch,
 
 # fault injection for tests: a rollout rank exits abruptly (no teardown) after sending this step
 FAULT_EXIT_AFTER = int(os.environ.get("FLOWRL_FAULT_ROLLOUT_EXIT_AFTER", "0") or 0)
+# seconds a pool waits for the other before raising PoolPeerError (a dead peer is reported at
+# once; this bounds a silent one). Covers the other pool's model load and first generation.
+POOL_TIMEOUT_S = float(os.environ.get("FLOWRL_POOL_TIMEOUT_S", 1800))
 
 
 class StalenessError(RuntimeError):
@@ -307,6 +310,150 @@ class TrainPool:
         return reduce_metrics(out, group=self.ctx.dist.group)
 
 
-__all__ = ["PoolContext", "RolloutPool", "StalenessError", "TrainPool", "check_partitioned",
-           "concat_batches", "merge_rank_metrics", "pool_context", "pool_metrics", "pool_peers",
-           "split_batch"]
+# ---- what placement=partitioned supplies to the job (runtime/job.py RankPlacement) -------------
+class _PoolRank:
+    """A rank of a partitioned job: its pool's plan, data-parallel group and peers.
+
+    Each rank builds only its pool's engines: the rollout pool a rollout engine on its own model
+    copy (weights arrive by broadcast, version ``start - 1`` first), the train pool the actor
+    (+ ref, critic) and no rollout engine; a train pool of several ranks shards them with FSDP2
+    over the pool's own process group, so the rollout ranks never join a training collective.
+    Seeds and prompt shards follow the *pool* data-parallel rank, so pool rank 0 draws what rank
+    0 of a colocated run draws: with ``staleness=0`` a partitioned run trains the same weights as
+    a colocated one on the same seeds.
+    """
+
+    name = "partitioned"
+
+    def __init__(self, cfg, pp: PlacementPlan, dinfo: DistInfo):
+        from flowrl.runtime.resources import run_device
+
+        self.device = run_device(cfg)
+        self.ctx = pool_context(pp, dinfo.rank, bucket_mb=cfg.placement.bucket_mb,
+                                device=self.device, timeout_s=POOL_TIMEOUT_S)
+        self.pp, self.k, self.total_steps = pp, pp.staleness, cfg.trainer.total_steps
+        self.plan, self.dist, self.sends = self.ctx.pool.plan, self.ctx.dist, self.ctx.pool.sends
+        self.engine_ranks, self.engine_group = self.ctx.dist.world_size, self.ctx.dist.group
+        self.logs = dinfo.rank == pp.pools[TRAIN_POOL].ranks[0]
+        self.sampling_ranks = len(pp.pools[ROLLOUT_POOL].ranks)
+
+    def header(self, cfg, out_dir) -> str:
+        return (f"[bold]flowrl[/bold] graph={self.pp.full.graph.name} placement=partitioned "
+                f"train={self.pp.pools[TRAIN_POOL].ranks} rollout={self.pp.pools[ROLLOUT_POOL].ranks}"
+                f" staleness={self.k} steps={self.total_steps} out={out_dir}")
+
+    def summary_fields(self, earlier: dict[str, Any], start: int) -> dict[str, Any]:
+        return {**earlier, "placement": "partitioned", "staleness": self.k,
+                "version_lags": earlier.get("version_lags", [])[:start - 1]}
+
+    def final_fields(self, summary: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+
+class RolloutRank(_PoolRank):
+    """A rollout-pool rank: waits for the weights it needs, generates, sends. It holds no
+    training state; it joins the checkpoint of step ``s`` right after it received weight version
+    ``s`` (or after its last step when no later rollout needs that version), which is where the
+    train pool waits for it."""
+
+    holds_state, samples = False, True
+
+    def start(self, executor, engines, start: int, resumed: bool) -> None:
+        self.pool = RolloutPool(executor, self.ctx, staleness=self.k, timeout_s=POOL_TIMEOUT_S,
+                                device=self.device)
+        self.pool.receive_weights()  # version start - 1
+
+    def step(self, step: int, events) -> None:
+        while self.pool.version < step - 1 - self.k:
+            self.pool.receive_weights()
+            events.reached(self.pool.version)
+        self.pool.step(step)
+
+    def finish(self, events) -> None:
+        for version in range(self.pool.version + 1, self.total_steps + 1):
+            events.reached(version)  # versions no rollout needed: the train pool saves them
+        self.pool.finish()
+
+    def prompt_state(self, prompts) -> Any:
+        return None  # the sampler's state travels with each batch; the train pool saves it
+
+    def evaluator(self, cfg, plan, engines, prompts, tokenizer):
+        return None
+
+
+class TrainRank(_PoolRank):
+    """A train-pool rank: receives its peers' batches, updates, broadcasts the weights; its
+    pool rank 0 logs both pools' metrics and writes the checkpoint metadata."""
+
+    holds_state, samples = True, False
+
+    def start(self, executor, engines, start: int, resumed: bool) -> None:
+        self.pool = TrainPool(executor, self.ctx, staleness=self.k, timeout_s=POOL_TIMEOUT_S,
+                              device=self.device, total_steps=self.total_steps)
+        self.pool.send_weights(start - 1)
+
+    def step(self, step: int, events) -> None:
+        events.record(step, self.pool.step(step))
+        events.reached(step)
+
+    def finish(self, events) -> None:
+        pass
+
+    def prompt_state(self, prompts) -> Any:
+        return self.pool.rollout_state  # rollout pool rank 0's, from its last batch
+
+    def final_fields(self, summary: dict[str, Any]) -> dict[str, Any]:
+        return {"version_lags": summary.get("version_lags", []) + self.pool.lags}
+
+    def evaluator(self, cfg, plan, engines, prompts, tokenizer):
+        """Greedy eval on train-pool rank 0 (the trainer holds the newest weights; the rollout
+        pool keeps generating meanwhile). One train rank: an HF engine over the actor's own
+        module (shared, no copy). Several (FSDP): the module is sharded, so every train rank
+        joins the gather of the actor's weights and rank 0 evaluates a full model copy it loads
+        for the eval and then drops. Returns None on ranks that take no part."""
+        from flowrl.engines.rollout.hf import HFRolloutEngine
+        from flowrl.runtime.evaluate import greedy_evaluator
+
+        ev = cfg.trainer.eval
+        if not (ev.before or ev.after) or ev.limit == 0:
+            return None
+        actor = engines.actor
+        if prompts.world_size > 1:  # the train pool's shard of the eval slice: rank 0 evaluates it all
+            from flowrl.data import PromptSource
+
+            prompts = PromptSource(cfg.data, tokenizer)
+        if not getattr(actor, "_lockstep", False):
+            if not self.logs:
+                return None
+            shared = HFRolloutEngine(actor.model, tokenizer, cfg.rollout.hf, shared=True)
+            return greedy_evaluator(cfg, plan, shared, prompts, tokenizer)
+        rank0 = self.logs
+
+        def gathered(samples_path=None, on_progress=None):
+            from flowrl.models.loading import load_model
+
+            named = actor.named_weights()  # collective over the train pool: iterate to the end
+            if not rank0:
+                for _ in named:
+                    pass
+                return None
+            with torch.random.fork_rng(devices=[]):  # a random init must not move rank 0's RNG
+                model = load_model(cfg.model)
+            engine = HFRolloutEngine(model.to(actor.device), tokenizer, cfg.rollout.hf)
+            engine.load_weights(named)
+            return greedy_evaluator(cfg, plan, engine, prompts, tokenizer)(samples_path, on_progress)
+
+        return gathered
+
+
+def partitioned_rank(cfg, pp: PlacementPlan, dinfo: DistInfo) -> _PoolRank:
+    """This rank's side of a partitioned job (creates the pool groups: a collective, every rank
+    calls it in the same order)."""
+    check_partitioned(pp)
+    pool = pp.pool_of(dinfo.rank).name
+    return (TrainRank if pool == TRAIN_POOL else RolloutRank)(cfg, pp, dinfo)
+
+
+__all__ = ["POOL_TIMEOUT_S", "PoolContext", "RolloutPool", "RolloutRank", "StalenessError",
+           "TrainPool", "TrainRank", "check_partitioned", "concat_batches", "merge_rank_metrics",
+           "partitioned_rank", "pool_context", "pool_metrics", "pool_peers", "split_batch"]

@@ -1,9 +1,163 @@
-"""What a run reads from disk, checked before any model loads (``flowrl.train.prepare``): the
-model folder's tokenizer files, every training and evaluation row, and that the graph has a
-verifier for the evaluation. Each problem is one line naming the file, the row and the field."""
+"""Pre-flight: everything a run is checked for before any model loads, in one place.
+
+The entry (``flowrl/train.py`` ``prepare_run``: ``flowrl train`` in every launch mode, ``flowrl
+plan``, the torchrun launcher's check in the parent process, the Hydra callback) validates the
+config fields (the dataclasses' ``__post_init__``) and resolves the machine's ``auto`` settings,
+then hands the typed config here, to :func:`check_run`: the graph compiled to a plan, the
+estimators, LoRA, in-reward KL, the placement (``auto`` included) and what the run reads from disk
+(:func:`check_run_inputs`: the model folder's tokenizer files, every training and evaluation row,
+a verifier for the evaluation). Each problem is one line naming the file, row, field or stage.
+
+Nothing here is imported before the config itself has been validated: a mistyped field answers
+before torch loads.
+"""
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from flowrl.compiler.placement import PlacementPlan
+    from flowrl.compiler.plan import ExecutionPlan
+    from flowrl.config import TrainConfig
+
+
+class ConfigError(ValueError):
+    """The run was rejected before any model loaded (bad config, graph or file); nothing ran."""
+
+
+def check_run(cfg: "TrainConfig", raw: Any) -> "ExecutionPlan":
+    """The plan of a validated, machine-resolved ``cfg`` (``raw``: the composed config the
+    graph's ``when:`` / ``${...}`` params resolve against), with every check a run needs before
+    its models load.
+
+    Raises:
+        ValueError / GraphError / FileNotFoundError / PlacementError: naming the field, stage,
+            file or row (the entry wraps them in :class:`ConfigError`).
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    from flowrl.compiler.plan import compile_plan
+    from flowrl.graph.graph import Graph
+
+    node = raw if isinstance(raw, DictConfig) else OmegaConf.create(raw)
+    plan = compile_plan(Graph.load(cfg.graph.resolve()), OmegaConf.to_container(node, resolve=True),
+                        placement=cfg.placement.mode)
+    _check_estimators(plan, cfg)
+    if "reward_model" in plan.roles and cfg.reward.model.model is None:
+        raise ValueError("the graph has a reward_model stage: set reward.model.model "
+                         "(a local sequence-classification checkpoint, or tiny for tests)")
+    from flowrl.ops.token_rewards import check_kl_in_reward
+
+    check_kl_in_reward(plan, cfg.algorithm)
+    from flowrl.models.lora import check_lora
+
+    check_lora(cfg, set(plan.roles))  # model.lora: module names from a meta-device model
+    if cfg.model.lora is not None and "ref" in plan.roles:
+        plan.served_by["ref"] = "the actor engine with its LoRA adapters disabled (no weight copy)"
+    prepare_placement(cfg, plan, world_size(cfg))  # an impossible placement fails here
+    check_run_inputs(cfg, plan)  # a bad model folder, data file, column or row: one line
+    return plan
+
+
+# ---- run once: the Hydra callback's result, handed to the job of the same config -----------------
+_PREFLIGHTED: dict[str, tuple] = {}
+
+
+def _config_key(raw: Any) -> Optional[str]:
+    """The resolved run config as stable text (``hydra`` left out); None when it does not
+    resolve (``${hydra:...}`` outside a Hydra app)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    try:
+        tree = OmegaConf.to_container(raw if isinstance(raw, DictConfig) else OmegaConf.create(raw),
+                                      resolve=True)
+    except Exception:  # an unresolvable interpolation: nothing to share
+        return None
+    tree.pop("hydra", None)
+    return json.dumps(tree, sort_keys=True, default=str)
+
+
+def remember(raw: Any, result: tuple) -> None:
+    """Keep a pre-flight ``result`` for the job that will run ``raw`` in this process (one entry)."""
+    _PREFLIGHTED.clear()
+    key = _config_key(raw)
+    if key is not None:
+        _PREFLIGHTED[key] = result
+
+
+def take(raw: Any) -> Optional[tuple]:
+    """The remembered pre-flight result of this very config (consumed), else None."""
+    key = _config_key(raw)
+    return _PREFLIGHTED.pop(key, None) if key is not None else None
+
+
+def world_size(cfg: "TrainConfig") -> int:
+    """Ranks of the job: ``WORLD_SIZE`` under torchrun, else launcher.nproc × launcher.nnodes."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return cfg.launcher.nproc * cfg.launcher.nnodes
+
+
+def role_parallelism(cfg: "TrainConfig") -> dict[str, int]:
+    """role → tensor-parallel size of its engine: the rollout backend's ``tensor_parallel_size``
+    (``rollout.<backend>.tensor_parallel_size``; 1 when the backend has none)."""
+    backend_cfg = getattr(cfg.rollout, cfg.rollout.backend, None)
+    return {"rollout": int(getattr(backend_cfg, "tensor_parallel_size", 1) or 1)}
+
+
+def prepare_placement(cfg: "TrainConfig", plan: "ExecutionPlan", world_size: int) -> "PlacementPlan":
+    """The PlacementPlan of ``placement.mode`` on ``world_size`` ranks; loads no model
+    (``auto``: the cost model reads model sizes from configs/GGUF metadata and picks one).
+
+    Raises:
+        PlacementError (a ValueError): an impossible placement, naming the ``placement.*`` field.
+    """
+    from flowrl.compiler.placement import place
+
+    if cfg.placement.mode == "auto":
+        from flowrl.compiler.cost import StageCosts, choose_placement
+
+        costs = StageCosts.from_config(plan, cfg, world_size, parallelism=role_parallelism(cfg))
+        placement = choose_placement(plan, cfg, world_size, costs, role_parallelism(cfg))
+    else:
+        placement = place(plan, cfg.placement, world_size, role_parallelism(cfg))
+    if placement.mode == "partitioned":
+        check_partitioned_run(placement, cfg)
+    return placement
+
+
+def check_partitioned_run(placement: "PlacementPlan", cfg: "TrainConfig") -> None:
+    """What the partitioned runtime needs beyond a valid cut: pool sizes it can route between
+    (``runtime/partitioned.check_partitioned``) and, for k >= 1 (batches from older weights),
+    the trainer's recomputed old logprobs.
+
+    Raises:
+        PlacementError: naming ``placement.pools``, or ``placement.staleness >= 1`` with
+            ``algorithm.recompute_old_logprobs=false``.
+    """
+    from flowrl.compiler.placement import PlacementError, check_pool_sizes
+
+    check_pool_sizes(len(placement.pools["rollout"].ranks), len(placement.pools["train"].ranks))
+    if placement.staleness >= 1 and not cfg.algorithm.recompute_old_logprobs:
+        raise PlacementError(
+            f"placement.staleness={placement.staleness} trains on batches up to "
+            f"{placement.staleness} weight versions old: the trainer must recompute old logprobs "
+            "(set algorithm.recompute_old_logprobs=true, or placement.staleness=0)")
+
+
+def _check_estimators(plan: "ExecutionPlan", cfg: "TrainConfig") -> None:
+    """Group-baseline estimators with n = 1 would train on all-zero advantages (case C01)."""
+    from flowrl.algorithms.advantages import validate_estimator
+
+    for c in plan.stages:
+        if c.stage.op.startswith("advantage."):
+            try:
+                validate_estimator(c.stage.op.split(".", 1)[1], cfg.algorithm.n)
+            except ValueError as e:
+                raise ValueError(f"stage '{c.stage.name}': {e}") from e
 
 
 def check_run_inputs(cfg, plan) -> None:

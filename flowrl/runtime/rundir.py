@@ -14,11 +14,9 @@ import fcntl
 import os
 import shutil
 import socket
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from hydra.experimental.callback import Callback
 
 # what a flowrl run writes into its directory (Hydra's .hydra/ and train.log are not counted:
 # Hydra writes them before the run starts)
@@ -204,32 +202,29 @@ def resume_hint(out_dir: Path, hydra_dir: Optional[str] = None) -> str:
             "overrides)")
 
 
-class PreflightCallback(Callback):
-    """Hydra callback (``conf/train.yaml``: ``hydra.callbacks``): validate the run config and its
-    run directory in ``on_run_start``, before Hydra creates the directory and writes ``.hydra/``
-    into it (which would overwrite the record of a previous run held there). A rejected run prints
-    one line and exits with status 2, leaving nothing on disk. Multirun jobs are checked by
-    ``flowrl.train.train`` itself (their directories are created per job)."""
+def check_run_dir(out_dir: Path, trainer_cfg) -> None:
+    """Before Hydra writes into ``out_dir``: no other process holds it, and it holds no previous
+    run unless ``trainer.resume`` / ``trainer.overwrite`` says what to do with it.
 
-    def on_run_start(self, config, **kwargs: Any) -> None:
-        from omegaconf import OmegaConf
+    Raises:
+        RunDirError: naming the directory and the option to set.
+    """
+    owner = RunDirLock(out_dir).held_elsewhere()
+    if owner is not None:
+        raise RunDirError(f"{Path(out_dir).resolve()} is in use by another flowrl run ({owner}): "
+                          "wait for it to finish or choose another directory")
+    check_fresh(out_dir, trainer_cfg.resume, trainer_cfg.overwrite)
 
-        from flowrl.train import ConfigError, prepare
 
-        run_dir = os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
-        task = OmegaConf.create(OmegaConf.to_container(config, resolve=False))
-        task.pop("hydra", None)
-        node = task.trainer._get_node("output_dir") if "trainer" in task else None
-        if node is not None and "${hydra:" in str(node._value()):
-            task.trainer.output_dir = run_dir  # what the run will resolve it to
-        try:
-            cfg, _ = prepare(task)
-            out_dir = Path(cfg.trainer.output_dir)
-            owner = RunDirLock(out_dir).held_elsewhere()
-            if owner is not None:
-                raise RunDirError(f"{out_dir.resolve()} is in use by another flowrl run ({owner}): "
-                                  "wait for it to finish or choose another directory")
-            check_fresh(out_dir, cfg.trainer.resume, cfg.trainer.overwrite)
-        except (ConfigError, RunDirError) as e:
-            print(f"flowrl train: error: {e}", file=sys.stderr)
-            sys.exit(2)
+def task_config(config):
+    """The task's run config from the config a Hydra callback receives (``hydra`` removed,
+    ``trainer.output_dir=${hydra:...}`` pinned to the run directory it will resolve to)."""
+    from omegaconf import OmegaConf
+
+    run_dir = os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
+    task = OmegaConf.create(OmegaConf.to_container(config, resolve=False))
+    task.pop("hydra", None)
+    node = task.trainer._get_node("output_dir") if "trainer" in task else None
+    if node is not None and "${hydra:" in str(node._value()):
+        task.trainer.output_dir = run_dir
+    return task

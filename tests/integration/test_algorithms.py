@@ -153,7 +153,7 @@ def test_ppo_checkpoint_holds_critic_and_kl_controller(ppo_run):
     meta = json.loads((ck / "trainer_state.json").read_text())
     beta2 = m[2]["kl/coef"]
     err = max(min(m[2]["kl/in_reward"] / 0.1 - 1, 0.2), -0.2)
-    assert meta["kl_controller"]["kl_coef"] == pytest.approx(beta2 * (1 + err * 8 / 100))
+    assert meta["op_state"]["kl_controller"]["kl_coef"] == pytest.approx(beta2 * (1 + err * 8 / 100))
     sd = checkpoint(ck)
     assert sd["critic"]["model"]["score.weight"].shape == (1, 64)
     assert "optimizer" in sd["critic"] and "scheduler" in sd["critic"]
@@ -171,6 +171,24 @@ def test_ppo_resume_restores_critic_and_kl_controller(ppo_run, tmp_path):
     wb = checkpoint(tmp_path / "checkpoints" / "step_000002")["critic"]["model"]
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_with_the_legacy_kl_field_resumes_its_beta(ppo_run, tmp_path):
+    """A checkpoint written before op states went through the registry holds β at the top level
+    (``kl_controller``) and no ``op_state``: resuming it continues from that β."""
+    import shutil
+
+    straight, _, a = ppo_run
+    shutil.copytree(straight / "checkpoints", tmp_path / "checkpoints")
+    shutil.copy(straight / "metrics.jsonl", tmp_path / "metrics.jsonl")
+    meta_path = tmp_path / "checkpoints" / "step_000002" / "trainer_state.json"
+    meta = json.loads(meta_path.read_text())
+    meta["kl_controller"] = meta.pop("op_state")["kl_controller"]
+    meta_path.write_text(json.dumps(meta))
+    b = run(tmp_path, *PPO, "trainer.total_steps=3", "trainer.resume=true")
+    err = max(min(a[2]["kl/in_reward"] / 0.1 - 1, 0.2), -0.2)
+    assert b[3]["kl/coef"] == pytest.approx(meta["kl_controller"]["kl_coef"], rel=1e-9)
+    assert b[3]["kl/coef"] == pytest.approx(a[2]["kl/coef"] * (1 + err * 8 / 100), rel=1e-6)
 
 
 # ----------------------------------------------------------------------------- PPO epochs

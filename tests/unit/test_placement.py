@@ -9,7 +9,7 @@ from flowrl.cli import compose, main
 from flowrl.compiler.placement import (PlacementConfig, PlacementError, place, split_candidates)
 from flowrl.compiler.plan import compile_plan
 from flowrl.graph.graph import Graph
-from flowrl.train import ConfigError, prepare
+from flowrl.train import ConfigError, prepare, prepare_placement
 
 GRPO = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
 
@@ -94,10 +94,29 @@ def test_train_rejects_bad_placement_before_loading(tmp_path, capsys):
     cfg = compose(["placement=partitioned", f"trainer.output_dir={tmp_path}"])  # 1 rank
     with pytest.raises(ConfigError, match="placement.mode=partitioned needs >= 2 ranks"):
         prepare(cfg)
-    assert main(["plan", "placement=partitioned", "launcher.nproc=3",
-                 f"trainer.output_dir={tmp_path}"]) == 2  # default pools [0] / [1]: rank 2 left out
-    assert "placement.pools: ranks [2] are in no pool" in capsys.readouterr().err
+    assert main(["plan", "placement=partitioned", "launcher.nproc=3", "placement.pools.train=[0]",
+                 f"trainer.output_dir={tmp_path}"]) == 2  # rollout: [2] of the default split
+    assert "placement.pools: ranks [1] are in no pool" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing written: no run started
+
+
+@pytest.mark.parametrize("nproc,train,rollout", [(2, [0], [1]), (3, [0, 1], [2]), (4, [0, 1], [2, 3])])
+def test_partitioned_without_pools_takes_the_default_split(nproc, train, rollout, tmp_path):
+    """conf/placement/partitioned.yaml leaves both pools empty: any launcher.nproc splits."""
+    cfg, plan = prepare(compose(["placement=partitioned", f"launcher.nproc={nproc}", "model=tiny",
+                                 "trainer=smoke", f"trainer.output_dir={tmp_path}"]))
+    assert cfg.placement.pools == {"train": [], "rollout": []}
+    pp = prepare_placement(cfg, plan, nproc)
+    assert (pp.pools["train"].ranks, pp.pools["rollout"].ranks) == (train, rollout)
+    assert pp.notes == [f"placement.pools not set: default split {{'train': {train}, 'rollout': {rollout}}}"]
+    # one pool given: the other keeps its ranks of the default split
+    cfg, plan = prepare(compose(["placement=partitioned", "launcher.nproc=4", "model=tiny",
+                                 "trainer=smoke", "placement.pools.rollout=[3]",
+                                 "placement.pools.train=[0,1,2]", f"trainer.output_dir={tmp_path}"]))
+    pp = prepare_placement(cfg, plan, 4)
+    assert (pp.pools["train"].ranks, pp.pools["rollout"].ranks, pp.notes) == ([0, 1, 2], [3], [])
+    with pytest.raises(PlacementError, match="rank 2 is in both 'train' and 'rollout'"):
+        place(plan, part({"train": [0, 1, 2], "rollout": []}), 4)  # [] = rollout's [2, 3]
 
 
 def plan_output(capsys, *args):

@@ -12,7 +12,8 @@ from flowrl.engines.rollout import build_rollout_engine
 from flowrl.engines.rollout import hf as hf_mod
 from flowrl.engines.rollout import vllm as vllm_mod
 from flowrl.engines.rollout import vllm_proc
-from flowrl.train import build_engines, prepare, prepare_placement
+from flowrl.runtime.resources import build_engines
+from flowrl.train import prepare, prepare_placement
 
 PARTITIONED_VLLM = ["rollout=vllm", "placement=partitioned", "launcher.nproc=2", "model=tiny",
                     "trainer=smoke", "model.tiny.num_attention_heads=2",
@@ -96,7 +97,7 @@ def test_build_engines_gives_a_pool_rank_its_own_process(tmp_path, monkeypatch):
     tok = load_tokenizer(cfg.model)
     pools = prepare_placement(cfg, plan, 2).pools
     engines = build_engines(cfg, pools["rollout"].plan, tok, world_size=1, group=object())
-    assert engines == {"rollout": "engine"}
+    assert engines.by_role() == {"rollout": "engine"}
     assert calls == [{"shared": False, "own_process": True}]
     calls.clear()
     colo_cfg, colo_plan = prepare(compose(["rollout=vllm", "model=tiny", "trainer=smoke",
@@ -106,8 +107,11 @@ def test_build_engines_gives_a_pool_rank_its_own_process(tmp_path, monkeypatch):
     assert calls == [{"shared": True, "own_process": False}]
 
 
-def test_partitioned_run_closes_its_engines_on_error(monkeypatch):
-    from flowrl.runtime import partitioned_train
+def test_partitioned_run_closes_its_engines_on_error(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from flowrl.ops.context import DistInfo
+    from flowrl.runtime import job
 
     closed = []
 
@@ -115,11 +119,12 @@ def test_partitioned_run_closes_its_engines_on_error(monkeypatch):
         def close(self):
             closed.append(True)
 
-    def fail(cfg, plan, placement, dinfo, out_dir, engines):
-        engines["rollout"] = Engine()
+    def fail(self, resume_from):  # the job's run, after its rank built a rollout engine
+        self.engines.rollout = Engine()
         raise RuntimeError("rollout failed")
 
-    monkeypatch.setattr(partitioned_train, "_train_partitioned", fail)
+    monkeypatch.setattr(job._Job, "run", fail)
+    cfg = SimpleNamespace(trainer=SimpleNamespace(keep_last=2, resume=False, total_steps=1))
     with pytest.raises(RuntimeError, match="rollout failed"):
-        partitioned_train.train_partitioned(None, None, None, None, None)
+        job.run_placement(cfg, None, None, DistInfo(), tmp_path)
     assert closed == [True]

@@ -8,9 +8,10 @@ partitioned rollout pool, whose ranks must not let vLLM build process groups ove
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from torch import nn
+if TYPE_CHECKING:  # ROLLOUT_BACKENDS is read by the run config, before torch loads
+    from torch import nn
 
 
 def _build_hf(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_process: bool):

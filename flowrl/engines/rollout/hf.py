@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
@@ -22,51 +21,7 @@ from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList
 from flowrl.algorithms.logprobs import token_logprobs
 from flowrl.algorithms.masks import response_mask
 from flowrl.engines.base import RolloutBatch, SamplingConfig
-
-
-_CACHE_IMPLEMENTATIONS = (None, "static", "dynamic")
-
-
-@dataclass
-class HFRolloutConfig:
-    """Configuration of :class:`HFRolloutEngine`.
-
-    Attributes:
-        batch_size: most sequences per ``generate`` call; larger batches are cut into chunks.
-        cache_implementation: KV cache kind handed to transformers ("static", "dynamic", or None for
-            the model's default).
-        compile: let transformers compile the decoding forward. Needs the static cache; transformers
-            only compiles on accelerators (on CPU it is silently a no-op).
-        dtype: weights dtype of an engine with its own copy (not ``shared``): ``auto`` (the
-            module's own; a run resolves it to the trainer's compute dtype, bf16 on CUDA:
-            ``flowrl/machine.py``), ``float32``, ``bfloat16``, ``float16``. Decoding is
-            memory-bound: bf16 weights read half the bytes of fp32 per token.
-        logprobs_mode: what ``rollout_logprobs`` holds, see :meth:`HFRolloutEngine.generate`.
-            "tempered" (default) = log softmax(logits / T) over the full vocabulary, the quantity the
-            trainer recomputes; "processed" = log-probability under the truncated (top-k/top-p),
-            renormalised distribution the token was actually drawn from.
-    """
-
-    batch_size: int = 64
-    cache_implementation: Optional[str] = None
-    compile: bool = False
-    dtype: str = "auto"
-    logprobs_mode: str = "tempered"  # "tempered" | "processed" (OmegaConf has no Literal)
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.cache_implementation not in _CACHE_IMPLEMENTATIONS:
-            raise ValueError(f"cache_implementation must be one of {_CACHE_IMPLEMENTATIONS}, "
-                             f"got {self.cache_implementation!r}")
-        if self.compile and self.cache_implementation != "static":
-            raise ValueError("compile=True needs cache_implementation='static' "
-                             f"(got {self.cache_implementation!r})")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.logprobs_mode not in ("tempered", "processed"):
-            raise ValueError(f"logprobs_mode must be 'tempered' or 'processed', "
-                             f"got {self.logprobs_mode!r}")
+from flowrl.engines.config import HFRolloutConfig  # noqa: F401  (rollout.hf; re-exported)
 
 
 class _LogprobRecorder(LogitsProcessor):

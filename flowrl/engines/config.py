@@ -1,0 +1,206 @@
+"""The engines' settings as the run config holds them: ``rollout.hf`` (:class:`HFRolloutConfig`),
+``trainer.engine`` (:class:`TrainEngineConfig`), ``reward.model`` (:class:`RewardModelConfig`).
+
+No torch or transformers here: ``flowrl/config.py`` composes these into the run config, which is
+validated before anything heavy is imported (a mistyped field answers at once). The engines
+import their section from here (``rollout.vllm``: ``engines/rollout/vllm_config.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from flowrl.models.loading import SMOLLM2, ModelConfig
+
+
+_CACHE_IMPLEMENTATIONS = (None, "static", "dynamic")
+
+
+@dataclass
+class HFRolloutConfig:
+    """Configuration of :class:`HFRolloutEngine`.
+
+    Attributes:
+        batch_size: most sequences per ``generate`` call; larger batches are cut into chunks.
+        cache_implementation: KV cache kind handed to transformers ("static", "dynamic", or None for
+            the model's default).
+        compile: let transformers compile the decoding forward. Needs the static cache; transformers
+            only compiles on accelerators (on CPU it is silently a no-op).
+        dtype: weights dtype of an engine with its own copy (not ``shared``): ``auto`` (the
+            module's own; a run resolves it to the trainer's compute dtype, bf16 on CUDA:
+            ``flowrl/machine.py``), ``float32``, ``bfloat16``, ``float16``. Decoding is
+            memory-bound: bf16 weights read half the bytes of fp32 per token.
+        logprobs_mode: what ``rollout_logprobs`` holds, see :meth:`HFRolloutEngine.generate`.
+            "tempered" (default) = log softmax(logits / T) over the full vocabulary, the quantity the
+            trainer recomputes; "processed" = log-probability under the truncated (top-k/top-p),
+            renormalised distribution the token was actually drawn from.
+    """
+
+    batch_size: int = 64
+    cache_implementation: Optional[str] = None
+    compile: bool = False
+    dtype: str = "auto"
+    logprobs_mode: str = "tempered"  # "tempered" | "processed" (OmegaConf has no Literal)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.cache_implementation not in _CACHE_IMPLEMENTATIONS:
+            raise ValueError(f"cache_implementation must be one of {_CACHE_IMPLEMENTATIONS}, "
+                             f"got {self.cache_implementation!r}")
+        if self.compile and self.cache_implementation != "static":
+            raise ValueError("compile=True needs cache_implementation='static' "
+                             f"(got {self.cache_implementation!r})")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.logprobs_mode not in ("tempered", "processed"):
+            raise ValueError(f"logprobs_mode must be 'tempered' or 'processed', "
+                             f"got {self.logprobs_mode!r}")
+
+
+_NO_TOTAL = ("constant", "constant_with_warmup", "reduce_lr_on_plateau", "inverse_sqrt")
+
+
+@dataclass
+class TrainEngineConfig:
+    """Optimisation settings of :class:`LocalTrainEngine` (AdamW + a transformers scheduler).
+
+    Attributes:
+        lr, weight_decay, betas, eps: torch AdamW arguments (``betas`` a list for OmegaConf).
+        max_grad_norm: global grad-norm clip; <= 0 disables clipping (the norm is still reported).
+        micro_batch_size: sequences per forward/backward; a mini-batch is cut into these.
+        lr_scheduler: any name ``transformers.get_scheduler`` takes ("constant", "cosine", ...).
+        warmup_steps: scheduler warm-up steps (needs a scheduler with warm-up, not "constant").
+        total_steps: optimizer steps of the run; required by decaying schedulers.
+        gradient_checkpointing: recompute activations in backward (HF models only).
+        disable_dropout: zero every dropout probability of a trainable model. The policy-gradient
+            ratio compares two forwards of the same weights; dropout would make it != 1 at step 0.
+        strategy: ``auto`` (FSDP2 when the world size is > 1, else local), ``local`` or ``fsdp``
+            (:class:`flowrl.engines.train.fsdp.FSDPTrainEngine`, also at world size 1).
+        max_tokens_per_micro_batch: dynamic micro-batching: cut a mini-batch into the fewest
+            micro-batches of at most this many valid (prompt + response) tokens, balanced by
+            Karmarkar–Karp (``algorithms/balance.py``); replaces ``micro_batch_size``. None = off.
+        mixed_precision: FSDP only. ``auto`` = bf16 parameters with fp32 gradient reduction on
+            CUDA, fp32 on CPU; ``bf16`` / ``fp32`` force it.
+        weight_bucket_mb: FSDP only. ``named_weights`` gathers full tensors in buckets of about this
+            many MiB, so the rollout hand-off never materialises the whole model at once.
+        balance_across_ranks: before each forward stage (logprobs, values, updates) the pool's
+            ranks swap rows so each holds as many rows with nearly equal tokens
+            (``ops/rebalance.py``); outputs return to their rows' owners in order. No-op at
+            world size 1.
+        logprob_chunk_size: tokens per chunk of the fused LM head + fp32 log-softmax
+            (``algorithms/logprobs.linear_logprobs``): logprobs and entropy of the valid response
+            tokens come from the final hidden states without materialising (B, R, V) logits, in
+            forward or backward; peak extra memory is a few (chunk, V) fp32 buffers. Used for
+            transformers causal LMs whose LM head is a plain ``nn.Linear`` (checked once against
+            the model's own logits: a softcapped or scaled head falls back); None = the plain
+            path (full logits, then ``token_logprobs``).
+        logprob_compile: run the chunked head's per-chunk softmax math through ``torch.compile``
+            (fewer memory passes over the (chunk, V) logits; compiles on first use, tens of
+            seconds). Off by default until ``benchmarks/logprobs.py`` (``chunked+compile``) shows
+            it faster on the GPU.
+        padding_free: pack each micro-batch's valid tokens into one row with per-sequence position
+            ids and document-masked attention (``algorithms/packing.py``), so no padding token is
+            computed. ``auto`` = on for transformers models on CUDA whose attention implementation
+            handles packed rows without a dense mask (``flash_attention_*``, ``flex_attention``;
+            under ``sdpa``/``eager`` transformers builds a dense (T, T) mask over the packed row
+            and attention cost grows with the square of the micro-batch's tokens); ``true`` /
+            ``false`` force it (``true`` needs a transformers model). A micro-batch whose rows are
+            not one contiguous run of valid tokens runs padded.
+        max_param_growth: the post-step guard (``engines/train/guard.py``): the run stops
+            with a clear error when a step leaves non-finite parameters or multiplies the
+            largest |parameter| by more than this (an AdamW step moves a weight by about lr);
+            <= 0 keeps only the finiteness check.
+    """
+
+    # 1e-6: TRL's GRPO default and the low end of the 1e-6..3e-6 used for full fine-tuning of
+    # 0.1-0.5B models with GRPO; short CPU recipes raise it in their conf/trainer file
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 4
+    lr_scheduler: str = "constant"
+    warmup_steps: int = 0
+    total_steps: Optional[int] = None
+    gradient_checkpointing: bool = False
+    disable_dropout: bool = True
+    strategy: str = "auto"
+    max_tokens_per_micro_batch: Optional[int] = None
+    mixed_precision: str = "auto"
+    weight_bucket_mb: int = 512
+    balance_across_ranks: bool = True
+    logprob_chunk_size: Optional[int] = 1024
+    logprob_compile: bool = False
+    padding_free: str = "auto"
+    max_param_growth: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.lr < 0:
+            raise ValueError(f"lr must be >= 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two values in [0, 1), got {list(self.betas)}")
+        if self.eps <= 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.warmup_steps > 0 and self.lr_scheduler == "constant":
+            raise ValueError("warmup_steps > 0 is ignored by lr_scheduler='constant'; "
+                             "use 'constant_with_warmup'")
+        if self.lr_scheduler not in _NO_TOTAL and self.total_steps is None:
+            raise ValueError(f"total_steps is required by lr_scheduler={self.lr_scheduler!r}")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
+        if self.strategy not in ("auto", "local", "fsdp"):
+            raise ValueError(f"strategy must be auto, local or fsdp, got {self.strategy!r}")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ValueError(f"max_tokens_per_micro_batch must be >= 1 or None, "
+                             f"got {self.max_tokens_per_micro_batch}")
+        if self.mixed_precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"mixed_precision must be auto, bf16 or fp32, got {self.mixed_precision!r}")
+        if self.weight_bucket_mb < 1:
+            raise ValueError(f"weight_bucket_mb must be >= 1, got {self.weight_bucket_mb}")
+        if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
+            raise ValueError(f"logprob_chunk_size must be >= 1 or None, got {self.logprob_chunk_size}")
+        # YAML `true`/`false` reach a str field as "True"/"False" (OmegaConf) or as bools
+        self.padding_free = str(self.padding_free).lower()
+        if self.padding_free not in ("auto", "true", "false"):
+            raise ValueError(f"padding_free must be auto, true or false, got {self.padding_free!r}")
+
+
+@dataclass
+class RewardModelConfig:
+    """``reward.model`` of the run config (used when a graph has a ``reward_model`` stage).
+
+    Attributes:
+        model: the RM checkpoint: ``path`` = a local HF directory holding a sequence-classification
+            model (its head is loaded with ``num_labels=1``), or ``tiny`` = a random one for tests.
+            ``path: smollm2`` alone is rejected: the causal LM has no trained reward head.
+        batch_size: sequences per forward pass.
+    """
+
+    model: Any = None  # Optional[ModelConfig]; Any so a CLI/YAML dict can fill a None section
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, Mapping):
+            try:
+                self.model = ModelConfig(**{str(k): v for k, v in self.model.items()})
+            except TypeError as e:
+                raise ValueError(f"reward.model.model: {e}") from e
+        if self.model is not None and not isinstance(self.model, ModelConfig):
+            raise ValueError(f"reward.model.model must be null or a model section, got {self.model!r}")
+        if self.batch_size < 1:
+            raise ValueError(f"reward.model.batch_size must be >= 1, got {self.batch_size}")
+        if self.model is not None and self.model.tiny is None and self.model.path == SMOLLM2:
+            raise ValueError("reward.model.model.path must be a local sequence-classification "
+                             "checkpoint directory (or set reward.model.model.tiny for tests); "
+                             "'smollm2' is a causal LM with no reward head")
+
+
+__all__ = ["HFRolloutConfig", "RewardModelConfig", "TrainEngineConfig"]

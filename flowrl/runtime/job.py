@@ -1,0 +1,490 @@
+"""The training job, written once for every placement.
+
+    flowrl train ...  (flowrl/train.py: the Hydra entry)
+        │
+        ▼  pre-flight: config fields · machine defaults (train.prepare_run) · graph → plan ·
+        │  placement · model folder + every data row (runtime/preflight.check_run); no model loaded
+        ▼
+    run_job          process group · run directory claimed (one run per directory)
+        │            placement=auto: runtime/auto.py re-plans between phases, each one
+        │            a run_placement resuming the previous one's checkpoint
+        ▼
+    run_placement    this rank, one PlacementPlan:
+        │  RankPlacement ◄── colocated (Colocated, below) | partitioned (runtime/partitioned.py)
+        │                    = the part of the plan this rank runs, its pool, how batches and
+        │                      weights cross pools
+        ├─ setup    tokenizer · PromptSource(pool shard) · build_engines(pool's roles) ·
+        │           Executor(the rank's plan) ─► op states (ops/state.py, declared per op)
+        ├─ resume   checkpoint ─► trainable engines + RNG · prompt sampler · op states · history
+        ├─ start    weights to the rollout engine (load, or broadcast version start-1)
+        ├─ eval     before ─► metrics.jsonl step 0
+        ├─ loop     placement.step(s) ──record(s, metrics)──► logger · history
+        │                             ──reached(v)─────────► checkpoint v (every rank joins;
+        │                                                     async, perf/checkpoint_s)
+        ├─ eval     after
+        └─ summary  summary.json; engines closed on the way out, error or not
+
+What differs between placements is only what a :class:`RankPlacement` supplies; what a
+checkpoint holds, when it is written, how a run resumes, evaluates and reports is here, so a
+fix lands in every placement at once. A rank *reaches* version v when it holds (or, on a
+partitioned rollout rank, has received) the weights after update v: every rank of the job
+joins the save of a checkpoint step at that point (DCP saves are collective), which is where
+the other ranks wait for it, so saving never deadlocks a pool's queue.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Protocol
+
+from flowrl.runtime.preflight import ConfigError
+
+if TYPE_CHECKING:
+    from flowrl.compiler.placement import PlacementPlan
+    from flowrl.compiler.plan import ExecutionPlan
+    from flowrl.config import TrainConfig
+    from flowrl.machine import Resolved
+    from flowrl.ops.context import DistInfo
+    from flowrl.runtime.checkpoint import CheckpointManager
+    from flowrl.runtime.evaluate import Evaluator
+    from flowrl.runtime.executor import Executor
+    from flowrl.runtime.resources import Engines
+
+log = logging.getLogger("flowrl")
+
+OP_STATE_KEY = "op_state"  # trainer_state.json: every stateful op's state dict, by its key
+LEGACY_OP_STATE = ("kl_controller",)  # written at the top level before op_state existed
+HISTORY_KEYS = ("reward/mean", "reward/accuracy", "perf/step_s", "placement/version_lag")
+
+
+
+class JobEvents(Protocol):
+    """What a placement reports to the job while it runs a step."""
+
+    def record(self, step: int, metrics: dict[str, float]) -> None:
+        """The step's metrics (already reduced over the ranks that log them)."""
+
+    def reached(self, version: int) -> None:
+        """This rank holds the state after update ``version``: join its checkpoint if one is due."""
+
+
+class RankPlacement(Protocol):
+    """What one placement supplies to the job on this rank.
+
+    Attributes:
+        name: ``colocated`` | ``partitioned`` (recorded in the checkpoint).
+        plan: the part of the plan this rank runs. dist: its pool's data-parallel rank, size and
+            process group (prompt shard, seed offset, the ops' collectives).
+        sends: keys this rank's pool hands to the other pool after each step.
+        engine_ranks / engine_group: ``build_engines``'s ``world_size`` / ``group`` (None: world).
+        logs: this rank logs metrics and writes ``summary.json``.
+        holds_state: its engines hold the training state (checkpointed tensors, torch RNG).
+        samples: it samples prompts (its prompt sampler is restored on resume).
+        sampling_ranks: ranks of the job that sample prompts each step (for tokens/s).
+    """
+
+    name: str
+    plan: "ExecutionPlan"
+    dist: "DistInfo"
+    sends: list[str]
+    engine_ranks: Optional[int]
+    engine_group: Any
+    logs: bool
+    holds_state: bool
+    samples: bool
+    sampling_ranks: int
+
+    def header(self, cfg: "TrainConfig", out_dir: Path) -> str:
+        """The run's first console line."""
+
+    def start(self, executor: "Executor", engines: "Engines", start: int, resumed: bool) -> None:
+        """Bring the rollout engine to the weights of version ``start - 1``."""
+
+    def step(self, step: int, events: JobEvents) -> None:
+        """Run training step ``step`` on this rank; report through ``events``."""
+
+    def finish(self, events: JobEvents) -> None:
+        """After the last step: report what is still to be reached; let the other pool finish."""
+
+    def prompt_state(self, prompts: Any) -> Any:
+        """The prompt sampler state this rank puts into a checkpoint (read from rank 0's)."""
+
+    def evaluator(self, cfg: "TrainConfig", plan: "ExecutionPlan", engines: "Engines",
+                  prompts: Any, tokenizer: Any) -> Optional[Evaluator]:
+        """Greedy eval on this rank (None: it takes no part)."""
+
+    def summary_fields(self, earlier: dict[str, Any], start: int) -> dict[str, Any]:
+        """Placement fields of ``summary.json`` at the start (``earlier``: a resumed run's)."""
+
+    def final_fields(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """Placement fields of ``summary.json`` after the last step."""
+
+
+class Colocated:
+    """One pool of every rank; every role takes its turn on the same devices (the whole plan)."""
+
+    name = "colocated"
+
+    def __init__(self, pp: "PlacementPlan", dinfo: "DistInfo"):
+        self.plan, self.dist, self.sends = pp.full, dinfo, []
+        self.engine_ranks, self.engine_group = None, None
+        self.logs, self.holds_state, self.samples = dinfo.rank == 0, True, True
+        self.sampling_ranks = dinfo.world_size
+        self.executor: Optional["Executor"] = None
+
+    def header(self, cfg: "TrainConfig", out_dir: Path) -> str:
+        return (f"[bold]flowrl[/bold] graph={self.plan.graph.name} steps={cfg.trainer.total_steps} "
+                f"batch={cfg.trainer.prompts_per_step}x{cfg.algorithm.n} out={out_dir}")
+
+    def start(self, executor: "Executor", engines: "Engines", start: int, resumed: bool) -> None:
+        self.executor = executor
+        if resumed:  # the rollout engine's copy (or shared module) gets the restored weights
+            engines.rollout.load_weights(engines.actor.named_weights())
+
+    def step(self, step: int, events: JobEvents) -> None:
+        from flowrl.runtime.distributed import reduce_metrics
+
+        events.record(step, reduce_metrics(self.executor.run_step(step)))  # sum/mean/max
+        events.reached(step)
+
+    def finish(self, events: JobEvents) -> None:
+        pass
+
+    def prompt_state(self, prompts: Any) -> Any:
+        return prompts.state_dict()
+
+    def evaluator(self, cfg, plan, engines, prompts, tokenizer) -> Optional[Evaluator]:
+        if not self.logs:  # rank 0's rollout engine holds full weights; it evaluates alone
+            return None  # (trainer.eval.limit=0: it returns {} and logs nothing)
+        from flowrl.runtime.evaluate import greedy_evaluator
+
+        return greedy_evaluator(cfg, plan, engines.rollout, prompts, tokenizer)
+
+    def summary_fields(self, earlier: dict[str, Any], start: int) -> dict[str, Any]:
+        return dict(earlier)
+
+    def final_fields(self, summary: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+
+def rank_placement(cfg: "TrainConfig", pp: "PlacementPlan", dinfo: "DistInfo") -> RankPlacement:
+    """This rank's part of ``pp`` (partitioned: creates the pool groups, a collective)."""
+    if pp.mode == "partitioned":
+        from flowrl.runtime.partitioned import partitioned_rank
+
+        return partitioned_rank(cfg, pp, dinfo)
+    return Colocated(pp, dinfo)
+
+
+# ---- the job --------------------------------------------------------------------------------------
+def run_job(cfg: "TrainConfig", plan: "ExecutionPlan", resolved: "list[Resolved]") -> dict[str, Any]:
+    """Run a pre-flighted training job (``flowrl.train.prepare_run``); returns the
+    summary also written to ``summary.json``.
+
+    Raises:
+        ConfigError: an impossible placement on the world the job got. RunDirError: the run
+            directory holds a previous run (``trainer.resume`` / ``trainer.overwrite``) or
+            another run.
+    """
+    from flowrl.runtime import distributed as fdist
+    from flowrl.runtime import rundir
+
+    dinfo = fdist.init_distributed(cfg.trainer.device, timeout_s=cfg.launcher.collective_timeout_s)
+    if dinfo.world_size == 1 and cfg.trainer.engine.strategy == "fsdp" and \
+            {"actor", "critic"} & set(plan.roles):
+        dinfo = fdist.init_single_process(cfg.trainer.device)  # FSDP2 needs a (1-rank) group
+    rank0 = dinfo.rank == 0
+    if rank0:
+        for r in resolved:  # the machine's defaults, before anything loads
+            log.info("resolved %s", r)
+    # ranks' Hydra run dirs can differ by a timestamp second: all use rank 0's (DCP needs one dir)
+    out_dir = Path(fdist.broadcast_object(cfg.trainer.output_dir))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = rundir.claim_run_dir(out_dir, cfg.trainer, rank0=rank0)  # one run per directory
+    try:
+        if cfg.placement.mode == "auto" and dinfo.world_size > 1:
+            placement_for(cfg, plan, dinfo.world_size)  # still impossible on this world: one line
+            done = finished_run(cfg, out_dir, rank0)
+            if done is not None:
+                return done
+            from flowrl.runtime import auto  # profile colocated, choose, continue
+
+            return auto.run_auto(cfg, plan, dinfo, out_dir, run_placement)
+        return run_placement(cfg, plan, placement_for(cfg, plan, dinfo.world_size), dinfo, out_dir)
+    finally:
+        lock.release()
+
+
+def placement_for(cfg: "TrainConfig", plan: "ExecutionPlan", world_size: int) -> "PlacementPlan":
+    """The placement on the world the job got (pre-flight placed it on the configured one).
+
+    Raises:
+        ConfigError: the placement is impossible on ``world_size`` ranks (nothing loaded).
+    """
+    from flowrl.runtime.preflight import prepare_placement
+
+    try:
+        return prepare_placement(cfg, plan, world_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def finished_run(cfg: "TrainConfig", out_dir: Path, rank0: bool) -> Optional[dict[str, Any]]:
+    """A resumed run whose newest checkpoint is at ``trainer.total_steps``: say so once and
+    return its summary (load nothing); else None."""
+    from flowrl.runtime.rundir import finished_run_summary
+
+    if not cfg.trainer.resume:
+        return None
+    done = finished_run_summary(out_dir, cfg.trainer.total_steps)
+    if done is None:
+        return None
+    if rank0:
+        print(f"run already complete at step {done[0]} (trainer.total_steps="
+              f"{cfg.trainer.total_steps}); raise trainer.total_steps to train further", flush=True)
+    return done[1]
+
+
+def start_checkpoints(ckpts: "CheckpointManager", resume: bool):
+    """Start-up of the run's checkpoint folder: stale ``.tmp`` saves removed; with ``resume``,
+    the checkpoint to continue from (a corrupt newest one falls back to the previous).
+
+    Raises:
+        ConfigError: a tampered or unloadable checkpoint; nothing was loaded or written.
+    """
+    from flowrl.runtime.checkpoint import CorruptCheckpointError, UnsafeCheckpointError
+
+    try:
+        ckpts.remove_stale()
+        return ckpts.resume_point() if resume else None
+    except (UnsafeCheckpointError, CorruptCheckpointError) as e:
+        raise ConfigError(f"trainer.resume: {e}") from e
+
+
+def run_placement(cfg: "TrainConfig", plan: "ExecutionPlan", pp: "PlacementPlan",
+                  dinfo: "DistInfo", out_dir: Path) -> dict[str, Any]:
+    """The job on this rank for one placement (see the module docstring); returns the summary.
+
+    Every engine is closed on the way out, error or not: vLLM engine processes must not outlive
+    the run (torchrun would wait for them)."""
+    from flowrl.runtime.checkpoint import CheckpointManager
+    from flowrl.runtime.resources import Engines
+
+    # a tampered or corrupt checkpoint is refused (ConfigError) before anything reads it further
+    ckpts = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
+    resume_from = start_checkpoints(ckpts, cfg.trainer.resume)  # before anything writes here
+    done = finished_run(cfg, out_dir, dinfo.rank == 0)  # a finished run: say so once, load nothing
+    if done is not None:
+        return done
+    engines = Engines()
+    try:
+        return _Job(cfg, plan, pp, dinfo, out_dir, ckpts, engines).run(resume_from)
+    finally:
+        engines.close()  # vLLM's shutdown destroys process groups: before the job's teardown
+
+
+class _Job:
+    """One :func:`run_placement`: the state the loop shares with the placement's events."""
+
+    def __init__(self, cfg: "TrainConfig", plan: "ExecutionPlan", pp: "PlacementPlan",
+                 dinfo: "DistInfo", out_dir: Path, ckpts: "CheckpointManager", engines: "Engines"):
+        self.cfg, self.full, self.pp, self.dinfo = cfg, plan, pp, dinfo
+        self.out_dir, self.ckpts, self.engines = out_dir, ckpts, engines
+        self.history: list[dict[str, Any]] = []
+        self.save_steps: set[int] = set()
+        self.logger: Any = None
+
+    def run(self, resume_from: Optional[Path]) -> dict[str, Any]:
+        import torch
+        from omegaconf import OmegaConf
+
+        from flowrl.data import PromptSource
+        from flowrl.models.loading import load_tokenizer
+        from flowrl.runtime import distributed as fdist
+        from flowrl.runtime.evaluate import eval_line
+        from flowrl.runtime.executor import Executor
+        from flowrl.runtime.metrics import MetricsLogger
+        from flowrl.runtime.resources import RunResources, build_engines, peak_rss_gib, resolve_offload
+
+        cfg, dinfo, out_dir, T = self.cfg, self.dinfo, self.out_dir, self.cfg.trainer.total_steps
+        place = self.place = rank_placement(cfg, self.pp, dinfo)
+        torch.manual_seed(cfg.trainer.seed)
+        if dinfo.rank == 0:
+            (out_dir / "plan.txt").write_text(self.full.format_text() + "\n")
+
+        # ---- setup: this rank's engines, resources, executor
+        tokenizer = load_tokenizer(cfg.model)
+        prompts = PromptSource(cfg.data, tokenizer, rank=place.dist.rank,
+                               world_size=place.dist.world_size)
+        t0 = time.perf_counter()
+        built = build_engines(cfg, place.plan, tokenizer, world_size=place.engine_ranks,
+                              group=place.engine_group)
+        for f in dataclasses.fields(built):  # into the engines the caller closes
+            setattr(self.engines, f.name, getattr(built, f.name))
+        load_s = time.perf_counter() - t0
+        log.info("engines built in %.1f s; host peak RSS so far %.2f GiB", load_s, peak_rss_gib())
+        resources = RunResources(
+            tokenizer=tokenizer, prompts=prompts, algorithm=cfg.algorithm,
+            sampling=cfg.rollout.sampling, trainer=cfg.trainer,
+            genrm_tokenizer=(load_tokenizer(cfg.reward.genrm.model or cfg.model)
+                             if "genrm" in place.plan.roles else None))
+        swap, why_swap = resolve_offload(cfg, self.engines)
+        # the pool rank offsets the seed: pool rank 0 draws what colocated rank 0 draws, and
+        # rank 0 keeps the run seed (world size 1 unchanged)
+        executor = self.executor = Executor(
+            place.plan, self.engines.by_role(), resources.for_ops(),
+            seed=cfg.trainer.seed + 1_000_003 * place.dist.rank, dist=place.dist,
+            sends=place.sends, swap=swap)
+
+        # ---- resume
+        start, earlier = 1, {}
+        if cfg.trainer.resume and resume_from is not None:
+            start, earlier = self.resume(resume_from, prompts)
+        elif cfg.trainer.resume:
+            log.info("trainer.resume=true but no checkpoint in %s: starting fresh", self.ckpts.root)
+        self.save_steps = {s for s in range(start, T + 1)
+                           if s == T or (cfg.trainer.save_every and s % cfg.trainer.save_every == 0)}
+        summary: dict[str, Any] = place.summary_fields(earlier, start)
+        summary.update({"model_load_s": load_s, "plan_order": self.pp.full.order})
+        finished = start > T  # resumed a run that had already completed
+
+        self.prompts = prompts
+        place.start(executor, self.engines, start, resumed=start > 1)
+        ev = cfg.trainer.eval
+        evaluate = place.evaluator(cfg, self.full, self.engines, prompts, tokenizer)
+        self.logger = logger = MetricsLogger(
+            out_dir, cfg.logger, T, enabled=place.logs, first_step=start,
+            run_config=OmegaConf.to_container(OmegaConf.structured(cfg)))
+        with logger:
+            logger.print(place.header(cfg, out_dir))
+            logger.print(f"machine: device={cfg.trainer.device} rollout={cfg.rollout.backend} "
+                         f"dtype={cfg.model.dtype} strategy={cfg.trainer.engine.strategy} "
+                         f"offload={'on' if swap else 'off'} ({why_swap})")
+            if evaluate is not None and ev.before and start == 1:
+                before = evaluate(out_dir / "eval_before.jsonl", logger.eval_progress("eval before"))
+                if before is not None:  # the rank that evaluated
+                    summary["eval_before"] = before
+                    if before:
+                        logger.log(0, before)
+                        logger.print(f"eval before: {eval_line(before)}")
+            logger.set_progress(start - 1)
+            for step in range(start, T + 1):
+                fdist.mark_step(step)  # the peer monitor names a rank that stops making progress
+                place.step(step, self)
+                self.ckpts.poll()
+            place.finish(self)
+            self.ckpts.wait()
+            if finished:
+                logger.print(f"run already complete at step {start - 1} (trainer.total_steps="
+                             f"{T}); raise trainer.total_steps to train further")
+            if evaluate is not None and ev.after and not finished:
+                after = evaluate(out_dir / "eval_after.jsonl", logger.eval_progress("eval after"))
+                if after is not None:
+                    summary["eval_after"] = after
+                    if after:
+                        logger.log(T, after)
+                        logger.print(f"eval after: {eval_line(after)}")
+        summary["history"] = self.history
+        summary.update(place.final_fields(summary))
+        summary["checkpoint"] = str(self.ckpts.latest())
+        if place.logs:
+            (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    # ---- resume --------------------------------------------------------------------------------
+    def resume(self, path: Path, prompts: Any) -> tuple[int, dict[str, Any]]:
+        """Load ``path`` into this rank's engines, sampler and op states; returns (first step,
+        the earlier part's summary). Collective: every rank loads (DCP), holding state or not."""
+        place, executor = self.place, self.executor
+        tensors = self.engines.train_state() if place.holds_state else {}
+        meta = self.ckpts.load(path, tensors)
+        if place.holds_state:
+            self.engines.load_train_state(tensors)
+        if place.samples:  # another sampler layout (placement=auto's colocated profile) restarts
+            prompts.load_state_dict(rescale_prompt_state(meta["prompts"], place.dist.world_size))
+        missing = executor.load_op_state_dict(saved_op_state(meta))
+        if missing:
+            log.warning("resume: %s holds no state for %s; starting from the initial value",
+                        path.name, ", ".join(missing))
+        start = int(meta["step"]) + 1
+        self.history = meta.get("history", [])
+        earlier: dict[str, Any] = {}
+        if (self.out_dir / "summary.json").is_file():  # keep the record of the earlier part
+            earlier = json.loads((self.out_dir / "summary.json").read_text())
+        log.info("resumed from %s: continuing at step %d of %d", path, start,
+                 self.cfg.trainer.total_steps)
+        return start, earlier
+
+    # ---- JobEvents -----------------------------------------------------------------------------
+    def record(self, step: int, m: dict[str, float]) -> None:
+        gen_tokens = (m.get("response/length_mean", 0.0) * self.cfg.trainer.prompts_per_step
+                      * self.cfg.algorithm.n * self.place.sampling_ranks)
+        m["perf/tokens_per_s"] = gen_tokens / max(m["perf/step_s"], 1e-9)
+        self.logger.log(step, m)
+        self.history.append({"step": step, **{k: m[k] for k in HISTORY_KEYS if k in m}})
+
+    def reached(self, version: int) -> None:
+        if version in self.save_steps:
+            self.save(version)
+
+    def save(self, step: int) -> None:
+        """Checkpoint ``step`` (collective: every rank of the job calls it, in step order)."""
+        from flowrl.runtime import distributed as fdist
+        from flowrl.runtime.resources import peak_rss_gib
+
+        t0 = time.perf_counter()
+        last = step == self.cfg.trainer.total_steps
+        meta = {"prompts": self.place.prompt_state(self.prompts), "history": self.history,
+                "world_size": self.dinfo.world_size, "placement": self.place.name,
+                "model": dataclasses.asdict(self.cfg.model),
+                # every rank's op states (a pool holds its own ops'), the lowest rank's of each key
+                OP_STATE_KEY: merge_op_states(fdist.all_gather_objects(self.executor.op_state_dict()))}
+        tensors = self.engines.train_state() if self.place.holds_state else {}
+        self.ckpts.save(step, tensors, meta, async_save=self.cfg.trainer.async_save and not last)
+        # async: only the copy to host memory blocked the step
+        self.logger.log(step, {"perf/checkpoint_s": time.perf_counter() - t0,
+                               "perf/host_peak_rss_gib_after_checkpoint": peak_rss_gib()})
+
+
+def merge_op_states(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state per op-state key from every rank's :meth:`Executor.op_state_dict` (rank order:
+    the lowest rank holding a key wins; data-parallel ranks hold the same state)."""
+    out: dict[str, Any] = {}
+    for states in per_rank:
+        for key, st in states.items():
+            out.setdefault(key, st)
+    return out
+
+
+def saved_op_state(meta: dict[str, Any]) -> dict[str, Any]:
+    """The op states of a checkpoint's ``trainer_state.json``: its ``op_state``; a checkpoint
+    written before op states went through the registry keeps the KL controller's β at the top
+    level (``kl_controller``), which is read the same way."""
+    states = dict(meta.get(OP_STATE_KEY) or {})
+    for key in LEGACY_OP_STATE:
+        if key in meta and key not in states:
+            states[key] = meta[key]
+    return states
+
+
+def rescale_prompt_state(state: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """A prompt-source state saved at another world size: the shards differ, so the sampler
+    restarts at the next epoch (every prompt seen again, in a new order); step and group-id
+    offset carry over, so group ids stay unique. Same world size: returned unchanged."""
+    saved = state["sampler"].get("world_size", world_size)
+    if saved == world_size:
+        return state
+    log.warning("resuming a world-size-%d run on %d ranks: the prompt sampler restarts at epoch %d",
+                saved, world_size, state["sampler"]["epoch"] + 1)
+    sampler = {**state["sampler"], "world_size": world_size,
+               "epoch": state["sampler"]["epoch"] + 1, "position": 0}
+    return {**state, "sampler": sampler}
+
+
+__all__ = ["Colocated", "JobEvents", "OP_STATE_KEY", "RankPlacement",
+           "finished_run", "merge_op_states", "rank_placement",
+           "rescale_prompt_state", "run_job", "run_placement", "saved_op_state",
+           "start_checkpoints"]

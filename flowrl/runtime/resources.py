@@ -1,0 +1,281 @@
+"""The run's resources: the engine of every role a (pool's) plan uses, built once from the run
+config, and what the ops are handed beside them (``RunResources``).
+
+The factory loads the model once, straight onto the run's device, and derives every role's
+engine from it: the actor (FSDP2 over the pool's process group when the pool trains on several
+ranks, or when asked), the frozen reference, the critic (value head on the initial weights), a
+reward model, a generative judge, and the rollout engine last (an HF engine with its own copy
+casts ``model`` to its dtype, so every other role copies the initial weights before that).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    import torch
+
+    from flowrl.compiler.plan import ExecutionPlan
+    from flowrl.config import TrainConfig
+    from flowrl.engines.base import RolloutEngine, TrainEngine
+
+log = logging.getLogger("flowrl")
+
+TRAINABLE_ROLES = ("actor", "critic")  # their state (weights, optimizer, scheduler) is checkpointed
+
+
+@dataclass
+class Engines:
+    """role → engine of one rank (only the roles of its pool's plan are set).
+
+    Attributes:
+        actor: the trained policy (``TrainEngine``; a LoRA actor: adapters over frozen base weights).
+        ref: frozen reference (a copy of the initial policy; LoRA: the actor, adapters disabled).
+        critic: value model (PPO).
+        rollout: generation engine (HF or vLLM); colocated on one process it shares the actor's module.
+        reward_model: sequence-classification RM (``RewardModelEngine``).
+        genrm: generative judge (an HF generation engine on its own model copy).
+    """
+
+    actor: Optional["TrainEngine"] = None
+    ref: Optional["TrainEngine"] = None
+    critic: Optional["TrainEngine"] = None
+    rollout: Optional["RolloutEngine"] = None
+    reward_model: Optional[Any] = None
+    genrm: Optional["RolloutEngine"] = None
+
+    def by_role(self) -> dict[str, Any]:
+        """The engines that exist, keyed by role (what the executor and the ops' contexts take)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None}
+
+    def train_state(self) -> dict[str, Any]:
+        """What a checkpoint holds as tensors: the trainable engines' state and the torch RNG."""
+        import torch
+
+        state = {r: e.state_dict() for r, e in self.by_role().items() if r in TRAINABLE_ROLES}
+        state["rng"] = {"torch": torch.get_rng_state()}
+        return state
+
+    def load_train_state(self, tensors: dict[str, Any]) -> None:
+        """Restore what :meth:`train_state` returned (after ``CheckpointManager.load`` filled it)."""
+        import torch
+
+        for role, eng in self.by_role().items():
+            if role in TRAINABLE_ROLES:
+                eng.load_state_dict(tensors[role])
+        torch.set_rng_state(tensors["rng"]["torch"])
+
+    def close(self) -> None:
+        """Close every engine that holds processes or devices (vLLM: in-process engine shutdown,
+        or the engine processes stopped and joined); every role is unset, so a second call does
+        nothing. Run on the way out of every job, error or not (torchrun waits for child
+        processes an engine left behind)."""
+        for f in dataclasses.fields(self):
+            eng = getattr(self, f.name)
+            setattr(self, f.name, None)
+            close = getattr(type(eng), "close", None)
+            if close is not None:
+                close(eng)
+
+
+@dataclass
+class RunResources:
+    """What the ops of a rank's plan read besides their engine (``StageContext.resources``).
+
+    Attributes:
+        tokenizer: the policy's tokenizer. prompts: the stateful prompt source (this rank's shard).
+        algorithm: ``AlgorithmConfig``; sampling: ``SamplingConfig``; trainer: ``TrainerConfig``.
+        genrm_tokenizer: the judge's tokenizer when the plan has a ``genrm`` role.
+    """
+
+    tokenizer: Any
+    prompts: Any
+    algorithm: Any
+    sampling: Any
+    trainer: Any
+    genrm_tokenizer: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def for_ops(self) -> dict[str, Any]:
+        """The name → object mapping ops read through ``ctx.resource(name)``."""
+        out = {"tokenizer": self.tokenizer, "prompts": self.prompts, "algorithm": self.algorithm,
+               "sampling": self.sampling, "trainer": self.trainer, **self.extra}
+        if self.genrm_tokenizer is not None:
+            out["genrm_tokenizer"] = self.genrm_tokenizer
+        return out
+
+
+def run_device(cfg: "TrainConfig") -> "torch.device":
+    """``trainer.device`` as a torch device (``auto``: cuda when visible).
+
+    Raises:
+        ValueError: ``trainer.device=cuda`` with no CUDA device.
+    """
+    import torch
+
+    if cfg.trainer.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but no CUDA device is available")
+    return torch.device(cfg.trainer.device)
+
+
+def use_fsdp(cfg: "TrainConfig", world: int | None = None) -> bool:
+    """FSDP2 engines when asked (``trainer.engine.strategy=fsdp``) or when running on > 1 rank.
+
+    Raises:
+        ValueError: ``strategy=local`` under a world size > 1 (ranks would train separate models).
+    """
+    from flowrl.runtime.distributed import dist_info
+
+    world, strategy = world or dist_info().world_size, cfg.trainer.engine.strategy
+    if world > 1 and strategy == "local":
+        raise ValueError(f"trainer.engine.strategy=local cannot run on {world} ranks; use auto or fsdp")
+    # on CUDA the machine defaults already turned auto into fsdp (flowrl/machine.py)
+    return strategy == "fsdp" or (strategy == "auto" and world > 1)
+
+
+def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
+                  world_size: int | None = None, group: Any = None) -> Engines:
+    """Load the model once and build the engine of every role the plan uses (a partitioned
+    pool's plan: only that pool's roles; ``world_size`` = the pool's ranks, ``group`` = the pool's
+    process group: FSDP engines shard over it and run their collectives on it, never the world).
+
+    The model is loaded straight onto the run's device (no host copy on a GPU run). The rollout
+    engine is built last: an HF engine with its own copy casts ``model`` to its dtype (bf16 on
+    CUDA), and every other role must copy the initial weights before that."""
+    from flowrl.engines import rollout as rollout_engines
+    from flowrl.engines.rollout.hf import HFRolloutEngine
+    from flowrl.engines.train.local import LocalTrainEngine
+    from flowrl.models.loading import load_model, load_tokenizer
+
+    device = run_device(cfg)
+    model = load_model(cfg.model, device)
+    roles = set(plan.roles)
+    # a partitioned rollout pool trains nothing: no FSDP, no world collectives
+    fsdp = bool({"actor", "critic"} & roles) and use_fsdp(cfg, world_size)
+    kw: dict[str, Any] = {}
+    train_cls: Any = LocalTrainEngine
+    if fsdp:
+        from flowrl.engines.train.fsdp import broadcast_module, fsdp_variant, pool_mesh
+
+        broadcast_module(model, group=group)  # one random init for every rank of the pool
+        train_cls = fsdp_variant(LocalTrainEngine)
+        if group is not None:
+            kw["mesh"] = pool_mesh(group, device)
+    engines = Engines()
+    later = {"rollout", "critic", "genrm"} & roles
+    lora = cfg.model.lora
+    # a LoRA actor's module shares only with an HF rollout engine on one process; vLLM and an
+    # FSDP run's HF engine start from a plain copy of the base weights
+    shared = not fsdp and "actor" in roles and (lora is None or cfg.rollout.backend == "hf")
+    # before any update (and before the rollout engine casts `model`): the frozen copies;
+    # LoRA: the reference is the actor with its adapters disabled (flowrl/models/lora.py)
+    ref_copy = copy.deepcopy(model) if "ref" in roles and lora is None else None
+    # FSDP shards the actor's own copy; `model` stays whole as the rollout engine's module and
+    # gets the gathered weights at every sync. One process: rollout shares the module (no copy).
+    # A partitioned train pool with no later reader of `model` shards it in place (no copy).
+    if "actor" in roles:
+        actor_model = copy.deepcopy(model) if later and (fsdp or not shared) else model
+        if lora is None:
+            engines.actor = train_cls(actor_model, cfg.trainer.engine, trainable=True, **kw)
+        else:
+            from flowrl.models.lora import AdapterDisabledReference, build_lora_actor
+
+            sync = "shared" if shared else "full" if cfg.rollout.backend == "vllm" else "changed"
+            engines.actor = build_lora_actor(train_cls, actor_model, lora, cfg.trainer.engine,
+                                             sync=sync, **kw)
+            if "ref" in roles:
+                engines.ref = AdapterDisabledReference(engines.actor)
+    if ref_copy is not None:
+        engines.ref = train_cls(ref_copy, cfg.trainer.engine, trainable=False, **kw)
+    if "reward_model" in roles:  # classifier RM, frozen
+        from flowrl.engines.reward_model import RewardModelEngine, load_reward_model
+
+        rm = load_reward_model(cfg.reward.model.model).to(device)
+        engines.reward_model = RewardModelEngine(rm, pad_token_id=tokenizer.pad_token_id,
+                                                 batch_size=cfg.reward.model.batch_size)
+    if "genrm" in roles:  # generative judge: its own model copy, never updated
+        judge_cfg = cfg.reward.genrm.model or cfg.model
+        judge = copy.deepcopy(model) if judge_cfg == cfg.model else load_model(judge_cfg, device)
+        engines.genrm = HFRolloutEngine(judge, load_tokenizer(judge_cfg), cfg.reward.genrm.hf)
+    if "critic" in roles:  # PPO: value head on the actor's (initial) base weights
+        from flowrl.engines.train.value import ValueTrainEngine, value_model_from_causal_lm
+
+        value_cls: Any = ValueTrainEngine
+        if fsdp:
+            value_cls = fsdp_variant(ValueTrainEngine)
+        critic_cfg = cfg.trainer.engine if cfg.trainer.critic_lr is None else \
+            dataclasses.replace(cfg.trainer.engine, lr=cfg.trainer.critic_lr)
+        engines.critic = value_cls(value_model_from_causal_lm(model), critic_cfg, **kw)
+    if "rollout" in roles:  # partitioned rollout pool: its own copy, no actor
+        # a pool's rank (group set) must keep vLLM off the job's torch world: child processes
+        engines.rollout = rollout_engines.build_rollout_engine(
+            cfg.rollout, model, tokenizer, shared=shared, own_process=group is not None)
+    return engines
+
+
+def resolve_offload(cfg: "TrainConfig", engines: Engines) -> tuple[bool, str]:
+    """``trainer.offload`` → (move idle models to host memory at the swap points?, why).
+
+    ``auto`` keeps everything resident when it fits (:func:`keep_resident`): the
+    training state counts 16 bytes per trainable parameter (fp32 weight, gradient, two AdamW
+    moments) and 4 per frozen one; the rollout engine its share of the device (vLLM's
+    ``gpu_memory_utilization``, an HF copy its weights)."""
+    mode = cfg.trainer.offload
+    if mode != "auto":
+        return mode == "always", f"trainer.offload={mode}"
+    device = run_device(cfg)
+    if device.type != "cuda":
+        return False, "CPU run: nothing to free"
+    import torch
+
+    from flowrl.models.lora import AdapterDisabledReference
+
+    state = 0
+    for role in ("actor", "critic", "ref"):
+        eng = getattr(engines, role)
+        if eng is not None and not isinstance(eng, AdapterDisabledReference):
+            # frozen tensors (a reference, a LoRA actor's base) hold no grads or AdamW moments
+            state += sum(p.numel() * (16 if p.requires_grad and role != "ref" else 4)
+                         for p in eng.model.parameters())
+    rollout = 0
+    if engines.rollout is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        rollout = (int(cfg.rollout.vllm.gpu_memory_utilization * total)
+                   if cfg.rollout.backend == "vllm" else
+                   sum(p.numel() * p.element_size() for p in engines.rollout.model.parameters()))
+    keep = keep_resident(state, rollout, device)
+    return not keep, (f"auto: training state {state / 2**30:.1f} GiB + rollout "
+                      f"{rollout / 2**30:.1f} GiB {'fit' if keep else 'do not fit'} in 80% of the device")
+
+
+def keep_resident(state_bytes: int, rollout_bytes: int, device: "torch.device",
+                  fraction: float = 0.8) -> bool:
+    """``trainer.offload=auto``: keep every model on the device (no host offload at the swap
+    points) when the training state (parameters, gradients, optimizer moments of trainable roles;
+    parameters of frozen ones) plus the rollout engine's budget fit in ``fraction`` of the device's
+    memory. Moving the state to host memory and back costs seconds per step (5 s for a 0.5B model,
+    ``benchmarks/results/scaling.md``) and host RAM; it is only worth it when memory is short.
+    Always False on CPU (nothing to free)."""
+    if device.type != "cuda":
+        return False
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    return state_bytes + rollout_bytes <= fraction * total
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident host memory since it started (GiB; Linux ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+__all__ = ["Engines", "RunResources", "TRAINABLE_ROLES", "build_engines", "keep_resident", "peak_rss_gib",
+           "resolve_offload", "run_device", "use_fsdp"]
