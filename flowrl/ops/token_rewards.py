@@ -109,7 +109,7 @@ def token_rewards(ctx: StageContext, cfg: NoConfig, *, rewards, response_mask, o
         seq_kl = kl.sum(-1)
         mean_kl = float(seq_kl.mean()) if seq_kl.numel() else 0.0
         # every data-parallel rank updates with the global batch's mean and size: one β per pool
-        from flowrl.runtime.distributed import all_reduce_floats
+        from flowrl.ops.collectives import all_reduce_floats
 
         kl_sum, n = all_reduce_floats([mean_kl * seq_kl.numel(), float(seq_kl.numel())], "sum",
                                       ctx.dist.group)
