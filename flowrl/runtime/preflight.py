@@ -179,6 +179,13 @@ def check_run_inputs(cfg, plan) -> None:
     if not cfg.model.uses_bundled_tokenizer:
         check_model_dir(Path(cfg.model.path), cfg.model.gguf_file, tokenizer=True)
     data, ev = cfg.data, cfg.trainer.eval
+    if data.ground_truth_key is None:  # a rule verifier with no answers would score every sample 0
+        for c in plan.stages:
+            if c.stage.op == "reward.rule" and "ground_truth" in c.stage.inputs:
+                raise ValueError(
+                    f"data.ground_truth_key=null, but stage '{c.stage.name}' (reward.rule, verifier "
+                    f"{c.config.verifier!r}) scores each response against its ground truth: set "
+                    "data.ground_truth_key to the answer column, or use a graph whose reward needs none")
     scorer = eval_scorer(plan)
     evaluates = (ev.before or ev.after) and ev.limit != 0
     if evaluates and scorer is None:

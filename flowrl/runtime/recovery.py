@@ -43,13 +43,17 @@ def last_checkpoint(out_dir: str | Path) -> Optional[Path]:
 
 
 def resume_hint(out_dir: str | Path) -> str:
-    """The line that tells how to continue the run in ``out_dir``."""
+    """The line that tells how to continue the run in ``out_dir`` or, before its first
+    checkpoint, how to start it over (the run directory then refuses a plain fresh run, so the
+    line says ``trainer.overwrite=true``, as ``runtime/rundir.resume_hint`` does after Ctrl-C).
+    Reads no checkpoint (a crash report must not fail on a tampered one)."""
     ckpt = last_checkpoint(out_dir)
     if ckpt is None:
-        return (f"No checkpoint was saved in {out_dir} yet, so there is nothing to resume; "
-                "start again (trainer.save_every=k saves every k steps)")
-    return (f"Continue from the last complete checkpoint ({ckpt.name}) with: flowrl train "
-            f"hydra.run.dir={out_dir} trainer.resume=true (plus your overrides)")
+        return (f"No checkpoint was written yet, so there is nothing to continue; start again "
+                f"with: flowrl train hydra.run.dir={out_dir} trainer.overwrite=true (plus your "
+                "overrides)")
+    return (f"Continue from {ckpt.name} with: flowrl train hydra.run.dir={out_dir} "
+            "trainer.resume=true (plus your overrides)")
 
 
 def report_crash(e: BaseException, out_dir: str | Path) -> int:

@@ -117,6 +117,11 @@ def test_bad_rows_are_rejected_before_the_run_directory_is_touched(tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "answer": "1"}])
     with pytest.raises(ConfigError, match="is a single file, so it has no held-out split"):
         run(tmp_path / "run", f"data.path={data}", "data.ground_truth_key=answer")
+    # no answer column under a rule verifier would score every sample unscorable: refused
+    with pytest.raises(ConfigError, match=r"^data.ground_truth_key=null, but stage 'reward' "
+                                          r"\(reward.rule, verifier 'gsm8k'\) scores each response"):
+        run(tmp_path / "run", f"data.path={data}", "data.ground_truth_key=null",
+            "trainer.eval.limit=0")
     assert not (tmp_path / "run").exists()
 
 

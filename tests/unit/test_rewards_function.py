@@ -112,7 +112,9 @@ def test_pool_hang_times_out_and_the_pool_survives():
     out = score("hangs", ["ok", "hang", "ok", "ok"], workers=2, timeout=1.0)
     assert [o.status for o in out] == [OK, TIMEOUT, OK, OK]
     assert [o.components for o in out if o.status == OK] == [{"reward": 1.0}] * 3
-    assert time.perf_counter() - t0 < 20.0  # worker spawn included
+    # a generous bound (worker spawn included, on a loaded 2-core CI machine): a pool that waited
+    # for the hung worker would never return
+    assert time.perf_counter() - t0 < 90.0
 
 
 def test_pool_worker_deaf_to_the_alarm_is_killed():

@@ -160,10 +160,12 @@ def test_every_crash_prints_the_resume_command(tmp_path, capsys, exc, code, what
     assert report_crash(exc, tmp_path) == code
     err = capsys.readouterr().err
     assert f"flowrl train: {what}" in err
-    assert (f"Continue from the last complete checkpoint (step_000004) with: flowrl train "
+    assert (f"Continue from step_000004 with: flowrl train "
             f"hydra.run.dir={tmp_path} trainer.resume=true") in err
     assert report_crash(Terminated(), tmp_path / "empty") == 143
-    assert "No checkpoint was saved" in capsys.readouterr().err
+    # before any checkpoint the directory refuses a plain fresh run: the hint says overwrite
+    assert (f"No checkpoint was written yet, so there is nothing to continue; start again with: "
+            f"flowrl train hydra.run.dir={tmp_path / 'empty'} trainer.overwrite=true") in capsys.readouterr().err
 
 
 def moving_reward_graph(tmp_path: Path) -> Path:
@@ -202,5 +204,5 @@ def test_a_diverged_run_stops_at_step_one_with_the_guard_message_and_the_resume_
     assert "probability tensor" not in err
     last = err.rstrip().splitlines()[-1]
     assert last.startswith("flowrl train: stopped by ParameterDivergenceError") and \
-        "No checkpoint was saved" in last
+        "No checkpoint was written yet" in last and "trainer.overwrite=true" in last
     assert not list((run_dir / "checkpoints").glob("step_*"))
