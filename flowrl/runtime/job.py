@@ -60,7 +60,6 @@ LEGACY_OP_STATE = ("kl_controller",)  # written at the top level before op_state
 HISTORY_KEYS = ("reward/mean", "reward/accuracy", "perf/step_s", "placement/version_lag")
 
 
-
 class JobEvents(Protocol):
     """What a placement reports to the job while it runs a step."""
 

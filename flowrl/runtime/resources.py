@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
@@ -98,12 +98,11 @@ class RunResources:
     sampling: Any
     trainer: Any
     genrm_tokenizer: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def for_ops(self) -> dict[str, Any]:
         """The name → object mapping ops read through ``ctx.resource(name)``."""
         out = {"tokenizer": self.tokenizer, "prompts": self.prompts, "algorithm": self.algorithm,
-               "sampling": self.sampling, "trainer": self.trainer, **self.extra}
+               "sampling": self.sampling, "trainer": self.trainer}
         if self.genrm_tokenizer is not None:
             out["genrm_tokenizer"] = self.genrm_tokenizer
         return out
