@@ -31,12 +31,34 @@ import yaml
 
 
 class GraphError(ValueError):
-    """A malformed graph. ``problems`` lists every ``(stage, field, message)`` found."""
+    """A malformed graph. ``problems`` lists every ``(stage, field, message)`` found; the message
+    is one line per problem (:func:`problem_line`), each prefixed with ``source`` (the graph
+    file) when it is known."""
 
-    def __init__(self, problems: list[tuple[str, str, str]]):
+    def __init__(self, problems: list[tuple[str, str, str]], source: Optional[str] = None):
         self.problems = problems
-        lines = [f"  stage '{s}', field '{f}': {m}" for s, f, m in problems]
-        super().__init__(f"invalid graph ({len(problems)} problem(s)):\n" + "\n".join(lines))
+        self.source = source
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        head = f"{self.source}: " if self.source else ""
+        return "\n".join(head + problem_line(*p) for p in self.problems)
+
+    def with_source(self, source: str | Path) -> "GraphError":
+        """The same problems, each line prefixed with ``source``."""
+        return GraphError(self.problems, str(source))
+
+
+def problem_line(stage: str, fld: str, message: str) -> str:
+    """One problem as one line that names where it is: ``stage 'x', field 'inputs.y': ...``;
+    graph-level problems (stage ``<graph>``) name only the field, ``weight_sync[i]`` entries
+    their index."""
+    message = " ".join(message.split())  # never more than one line
+    if stage == "<graph>":
+        return message if fld.startswith("<") else f"field '{fld}': {message}"
+    if stage.startswith("weight_sync["):
+        return f"{stage}: {message}" if fld.startswith("<") else f"{stage}.{fld}: {message}"
+    return f"stage '{stage}', field '{fld}': {message}"
 
 
 def parse_ref(ref: str) -> tuple[str, str]:
@@ -167,39 +189,73 @@ class Graph:
 
     @classmethod
     def from_dict(cls, d: Any, *, description: str = "") -> "Graph":
-        """Build from parsed YAML. Raises GraphError naming the stage and field of bad entries."""
+        """Build from parsed YAML.
+
+        Raises:
+            GraphError: every problem of the graph, one line each: the malformed entries (naming
+                stage and field) and, when there are any, also what the graph checks
+                (``validate_graph``) find in the rest, so a misspelt reference or a cycle is
+                reported together with a schema error in the same file.
+        """
+        graph, problems, damaged = cls._parse(d, description=description)
+        if problems:
+            if graph.stages:  # lazy import: validate imports this module
+                from flowrl.graph.validate import graph_problems
+
+                found, _ = graph_problems(graph, require_update=False)
+                problems += [p for p in found if not _damaged(p, damaged) and p not in problems]
+            raise GraphError(problems)
+        return graph
+
+    @classmethod
+    def _parse(cls, d: Any, *, description: str = ""
+               ) -> tuple["Graph", list[tuple[str, str, str]], dict[str, set[str]]]:
+        """Best-effort graph, the schema problems, and stage -> fields that were missing or
+        malformed (left empty in the graph, so checks on them would only repeat the problem)."""
         problems: list[tuple[str, str, str]] = []
+        damaged: dict[str, set[str]] = {}
         if not isinstance(d, dict):
-            raise GraphError([("<graph>", "<root>", f"expected a mapping, got {type(d).__name__}")])
+            raise GraphError([("<graph>", "<root>", "a graph file is a mapping with keys name, "
+                               f"stages and weight_sync; got a {type(d).__name__}")])
         unknown = sorted(set(d) - {"name", "stages", "weight_sync"})
         if unknown:
-            problems.append(("<graph>", unknown[0], f"unknown top-level key(s) {unknown}"))
+            problems.append(("<graph>", unknown[0], f"unknown top-level key(s) {unknown}; a graph "
+                             "has name, stages and weight_sync"))
         name = d.get("name")
         if not isinstance(name, str) or not name:
             problems.append(("<graph>", "name", "missing or not a string"))
+            name = str(name or "graph")
         stages: list[Stage] = []
         raw_stages = d.get("stages")
         if not isinstance(raw_stages, list) or not raw_stages:
-            problems.append(("<graph>", "stages", "must be a non-empty list"))
+            problems.append(("<graph>", "stages", "must be a non-empty list of stages "
+                             "(mappings with name, op, role, inputs, params, when)"))
             raw_stages = []
         for i, rs in enumerate(raw_stages):
-            label = rs.get("name", f"#{i}") if isinstance(rs, dict) else f"#{i}"
+            label = str(rs.get("name", f"#{i}")) if isinstance(rs, dict) else f"#{i}"
             if not isinstance(rs, dict):
-                problems.append((str(label), "<stage>", "must be a mapping"))
+                problems.append((label, "<stage>", "must be a mapping with name, op and "
+                                 f"optionally role, inputs, params, when; got a {type(rs).__name__}"))
                 continue
+            bad = damaged.setdefault(label, set())
             for k in sorted(set(rs) - _STAGE_KEYS):
-                problems.append((str(label), k, f"unknown stage field; known: {sorted(_STAGE_KEYS)}"))
+                problems.append((label, k, f"unknown stage field{_close(k, _STAGE_KEYS)}; "
+                                 f"known: {sorted(_STAGE_KEYS)}"))
             for k in ("name", "op"):
                 if not isinstance(rs.get(k), str) or not rs.get(k):
-                    problems.append((str(label), k, "missing or not a string"))
+                    problems.append((label, k, "missing or not a string"))
+                    bad.add(k)
             shapes = {"inputs": "op argument: stage.output", "params": "config field: value"}
             for k in ("inputs", "params"):
                 if rs.get(k) is not None and not isinstance(rs.get(k), dict):
-                    problems.append((str(label), k, f"must be a mapping ({shapes[k]} lines), got "
-                                                    f"a {type(rs.get(k)).__name__}"))
+                    problems.append((label, k, f"must be a mapping ({shapes[k]} lines), got "
+                                               f"a {type(rs.get(k)).__name__}"))
                     rs = {**rs, k: {}}
+                    bad.add(k)
             if rs.get("role") is not None and not isinstance(rs.get("role"), str):
-                problems.append((str(label), "role", "must be a string"))
+                problems.append((label, "role", "must be a string"))
+                rs = {**rs, "role": None}
+                bad.add("role")
             stages.append(Stage(name=str(rs.get("name", label)), op=str(rs.get("op", "")),
                                 role=rs.get("role"), inputs=dict(rs.get("inputs") or {}),
                                 params=dict(rs.get("params") or {}), when=rs.get("when")))
@@ -215,9 +271,8 @@ class Graph:
                                  "must be a mapping with keys from, to and optional staleness"))
                 continue
             syncs.append(WeightSync(str(w["from"]), str(w["to"]), w.get("staleness", 0)))
-        if problems:
-            raise GraphError(problems)
-        return cls(name=name, stages=stages, weight_sync=syncs, description=description)
+        return cls(name=name, stages=stages, weight_sync=syncs, description=description), \
+            problems, damaged
 
     @classmethod
     def from_yaml(cls, text: str) -> "Graph":
@@ -231,7 +286,7 @@ class Graph:
         try:
             d = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise GraphError([("<graph>", "<yaml>", f"not valid YAML: {e}")]) from e
+            raise GraphError([("<graph>", "<yaml>", yaml_problem(e))]) from e
         return cls.from_dict(d, description="\n".join(desc_lines))
 
     @classmethod
@@ -239,4 +294,36 @@ class Graph:
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"graph file not found: {p}")
-        return cls.from_yaml(p.read_text())
+        try:
+            return cls.from_yaml(p.read_text())
+        except GraphError as e:
+            raise e.with_source(p) from None
+
+
+def yaml_problem(e: "yaml.YAMLError") -> str:
+    """A YAML syntax error as one line: where (line, column, 1-based) and what the parser
+    expected, e.g. ``not valid YAML at line 9, column 9: mapping values are not allowed here``."""
+    if not isinstance(e, yaml.MarkedYAMLError):
+        return f"not valid YAML: {' '.join(str(e).split())}"
+    mark = e.problem_mark
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    what = " ".join(str(e.problem or "syntax error").split())
+    if e.context:
+        what += f" ({' '.join(str(e.context).split())})"
+    return (f"not valid YAML{where}: {what}; check the indentation and quoting there (a value "
+            "holding ': ', '#', '[' or '{' needs quotes)")
+
+
+def _close(word: str, choices) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, sorted(choices), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _damaged(problem: tuple[str, str, str], damaged: dict[str, set[str]]) -> bool:
+    """A graph-check problem about a field that was already reported as missing/malformed."""
+    stage, fld, _ = problem
+    bad = damaged.get(stage, set())
+    root = fld.split(".")[0]
+    return root in bad or ("op" in bad and root in ("op", "role", "inputs", "params"))

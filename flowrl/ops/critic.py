@@ -57,7 +57,7 @@ def make_value_loss_fn(algo, *, num_tokens: float, num_seqs: float, max_response
 
 
 @register_op("update.critic", inputs=_PROMPT_RESPONSE + ("values", "returns"),
-             optional_inputs=("truncated",), outputs=(), roles=("critic",))
+             optional_inputs=("truncated",), outputs=(), roles=("critic",), trains=True)
 def update_critic(ctx: StageContext, cfg: NoConfig, *, prompt_ids, prompt_mask, response_ids,
                   response_mask, values, returns, truncated=None) -> dict:
     """``algorithm.ppo_epochs`` passes of shuffled mini-batches of ``algorithm.mini_batch_size``

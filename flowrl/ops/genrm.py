@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from flowrl.ops.context import StageContext
-from flowrl.ops.registry import register_op
+from flowrl.ops.registry import LIST, register_op
 
 
 @dataclass
@@ -53,7 +53,8 @@ class GenRMConfig:
 
 @register_op("reward.genrm",
              inputs=("prompt_ids", "prompt_mask", "response_ids", "response_mask", "ground_truth"),
-             outputs=("rewards",), config=GenRMConfig, roles=("genrm",))
+             outputs=("rewards",), config=GenRMConfig, roles=("genrm",),
+             kinds={"ground_truth": LIST})
 def genrm_reward(ctx: StageContext, cfg: GenRMConfig, *, prompt_ids, prompt_mask, response_ids,
                  response_mask, ground_truth) -> dict:
     """Judge every response ``k`` times; reward = mean parseable score in [0, 1].

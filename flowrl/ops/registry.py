@@ -30,6 +30,12 @@ class OpSpec:
         config_cls: dataclass holding the op's parameters and their defaults; graph ``params``
             override its fields.
         roles: roles the stage may declare (``()`` = the op uses no model and takes no role).
+        kinds: what an input or output holds where it is not a tensor with a leading batch
+            dimension: ``"list"`` = a Python list, one entry per sample (``ground_truth``). The
+            validator refuses a list wired into a tensor input, and the reverse, before any
+            model loads.
+        trains: the op updates a model's weights (``update.policy``, ``update.critic``); a
+            training graph needs at least one such stage.
     """
 
     name: str
@@ -40,10 +46,16 @@ class OpSpec:
     config_cls: type = NoConfig
     roles: tuple[str, ...] = ()
     doc: str = ""
+    kinds: Mapping[str, str] = field(default_factory=dict)
+    trains: bool = False
 
     @property
     def all_inputs(self) -> tuple[str, ...]:
         return self.inputs + self.optional_inputs
+
+    def kind(self, name: str) -> str:
+        """``"tensor"`` or ``"list"``: what input or output ``name`` holds (see ``kinds``)."""
+        return self.kinds.get(name, TENSOR)
 
     def make_config(self, params: Mapping[str, Any] | None, *, stage: str) -> Any:
         """Build the op's config from graph ``params``.
@@ -68,6 +80,8 @@ class OpSpec:
 
 OPS: dict[str, OpSpec] = {}
 
+TENSOR, LIST = "tensor", "list"  # OpSpec.kinds values
+
 
 def register_op(
     name: str,
@@ -77,8 +91,20 @@ def register_op(
     optional_inputs: tuple[str, ...] = (),
     config: type = NoConfig,
     roles: tuple[str, ...] = (),
+    kinds: Mapping[str, str] | None = None,
+    trains: bool = False,
 ) -> Callable[[Callable], Callable]:
-    """Register ``fn`` as op ``name``. Raises ValueError on a duplicate name."""
+    """Register ``fn`` as op ``name`` (``kinds``, ``trains``: see :class:`OpSpec`).
+
+    Raises:
+        ValueError: a duplicate name, or ``kinds`` naming something the op neither takes nor
+            produces, or a kind other than ``"tensor"`` / ``"list"``.
+    """
+    kinds = dict(kinds or {})
+    for key, kind in kinds.items():
+        if key not in (*inputs, *optional_inputs, *outputs) or kind not in (TENSOR, LIST):
+            raise ValueError(f"op '{name}': kinds[{key!r}] = {kind!r}: the key must be one of its "
+                             f"inputs/outputs and the kind '{TENSOR}' or '{LIST}'")
 
     def deco(fn: Callable) -> Callable:
         if name in OPS:
@@ -87,6 +113,7 @@ def register_op(
             name=name, fn=fn, inputs=tuple(inputs), outputs=tuple(outputs),
             optional_inputs=tuple(optional_inputs), config_cls=config, roles=tuple(roles),
             doc=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "",
+            kinds=kinds, trains=trains,
         )
         return fn
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from flowrl.ops.context import StageContext
-from flowrl.ops.registry import register_op
+from flowrl.ops.registry import LIST, register_op
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class RuleRewardConfig:
 
 
 @register_op("reward.rule", inputs=("response_ids", "response_mask", "ground_truth"),
-             outputs=("rewards",), config=RuleRewardConfig)
+             outputs=("rewards",), config=RuleRewardConfig, kinds={"ground_truth": LIST})
 def rule_reward(ctx: StageContext, cfg: RuleRewardConfig, *, response_ids, response_mask,
                 ground_truth) -> dict:
     """Score each response against its ground truth.
@@ -169,7 +169,7 @@ def _runner(cfg: FunctionRewardConfig):
 @register_op("reward.function",
              inputs=("response_ids", "response_mask", "ground_truth", "group_id"),
              optional_inputs=("prompt_ids", "prompt_mask"),
-             outputs=("rewards",), config=FunctionRewardConfig)
+             outputs=("rewards",), config=FunctionRewardConfig, kinds={"ground_truth": LIST})
 def function_reward(ctx: StageContext, cfg: FunctionRewardConfig, *, response_ids, response_mask,
                     ground_truth, group_id, prompt_ids=None, prompt_mask=None) -> dict:
     """Call the user's reward function on every response.

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from flowrl.ops.context import StageContext
-from flowrl.ops.registry import NoConfig, register_op
+from flowrl.ops.registry import LIST, NoConfig, register_op
 
 
 @register_op("data.sample",
-             outputs=("prompt_ids", "prompt_mask", "group_id", "ground_truth"))
+             outputs=("prompt_ids", "prompt_mask", "group_id", "ground_truth"),
+             kinds={"ground_truth": LIST})
 def sample(ctx: StageContext, cfg: NoConfig) -> dict:
     """Draw ``trainer.prompts_per_step`` prompts and repeat each ``algorithm.n`` times.
 

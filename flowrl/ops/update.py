@@ -157,7 +157,7 @@ def run_minibatches(ctx: StageContext, batch: dict, make_loss_fn, *, prefix: str
              inputs=("prompt_ids", "prompt_mask", "response_ids", "response_mask", "advantages"),
              optional_inputs=("old_logprobs", "ref_logprobs", "truncated", "rollout_logprobs"),
              outputs=(),
-             roles=("actor",))
+             roles=("actor",), trains=True)
 def update_policy(ctx: StageContext, cfg: NoConfig, **inputs) -> dict:
     """``algorithm.ppo_epochs`` passes over the rollout batch in shuffled mini-batches of
     ``algorithm.mini_batch_size`` sequences, one optimizer step each, with the policy loss
