@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         from flowrl.launch import maybe_exec_torchrun
 
         maybe_exec_torchrun(rest)  # launcher.nproc > 1: becomes torchrun, never returns
+        from flowrl.config_errors import refuse_bad_overrides
+
+        refuse_bad_overrides(rest)  # a Hydra error: one line, exit 2 (Hydra's own takes 6-15)
         sys.argv = [sys.argv[0] + " train", *rest]
         train.main()
         return 0
@@ -156,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if not isinstance(e, (HydraException, OmegaConfBaseException)):
             raise
-        print(f"flowrl {cmd}: error: {one_line(e)}", file=sys.stderr)
+        from flowrl.config_errors import explain
+
+        print(f"flowrl {cmd}: error: {explain(e, rest)}", file=sys.stderr)
         return 2
     print(f"flowrl: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2
