@@ -238,7 +238,7 @@ def no_model(monkeypatch):
     return loaded
 
 
-def _run(args: list[str], tmp_path: Path) -> tuple[int, list[str]]:
+def run_cli(args: list[str], tmp_path: Path) -> tuple[int, list[str]]:
     """``flowrl ARGS`` in this process: (exit status, non-empty stderr lines)."""
     from flowrl.cli import main
 
@@ -255,11 +255,11 @@ def _run(args: list[str], tmp_path: Path) -> tuple[int, list[str]]:
     return rc, [ln for ln in err.getvalue().splitlines() if ln.strip()]
 
 
-def _job(tmp_path: Path, *more: str) -> list[str]:
+def job_args(tmp_path: Path, *more: str) -> list[str]:
     return ["model=tiny", "trainer=smoke", f"hydra.run.dir={tmp_path / 'run'}", *more]
 
 
-def _graph_file(tmp_path: Path, graph) -> Path:
+def write_graph(tmp_path: Path, graph) -> Path:
     path = tmp_path / "g.yaml"
     path.write_text(graph if isinstance(graph, str) else yaml.safe_dump(graph, sort_keys=False))
     return path
@@ -269,10 +269,10 @@ def _graph_file(tmp_path: Path, graph) -> Path:
 @pytest.mark.parametrize("command", ["graph validate", "plan", "train"])
 def test_malformed_graph_is_one_line_before_any_model_loads(case, command, tmp_path, no_model):
     graph, fragment = GRAPH_CASES[case]
-    path = _graph_file(tmp_path, graph)
+    path = write_graph(tmp_path, graph)
     args = ["graph", "validate", str(path)] if command == "graph validate" else \
-        [command, *_job(tmp_path, f"graph.path={path}")]
-    rc, lines = _run(args, tmp_path)
+        [command, *job_args(tmp_path, f"graph.path={path}")]
+    rc, lines = run_cli(args, tmp_path)
     assert rc == (1 if command == "graph validate" else 2), lines
     assert len(lines) == 1 and fragment in lines[0], lines
     assert not no_model and not (tmp_path / "run").exists()
@@ -281,8 +281,8 @@ def test_malformed_graph_is_one_line_before_any_model_loads(case, command, tmp_p
 @pytest.mark.parametrize("case", sorted(RUN_CONFIG_GRAPH_CASES))
 def test_graph_rules_needing_the_run_config(case, tmp_path, no_model):
     graph, fragment, warning = RUN_CONFIG_GRAPH_CASES[case]
-    path = _graph_file(tmp_path, graph)
-    rc, lines = _run(["graph", "validate", str(path)], tmp_path)
+    path = write_graph(tmp_path, graph)
+    rc, lines = run_cli(["graph", "validate", str(path)], tmp_path)
     assert rc == 0 and lines == []
     if warning is not None:
         from flowrl.graph import ConditionalInputWarning, Graph, validate_graph
@@ -290,7 +290,7 @@ def test_graph_rules_needing_the_run_config(case, tmp_path, no_model):
         with pytest.warns(ConditionalInputWarning, match=re.escape(warning)):
             validate_graph(Graph.load(path))
     for command in ("plan", "train"):
-        rc, lines = _run([command, *_job(tmp_path, f"graph.path={path}")], tmp_path)
+        rc, lines = run_cli([command, *job_args(tmp_path, f"graph.path={path}")], tmp_path)
         assert rc == 2 and len(lines) == 1 and fragment in lines[0], (command, lines)
     assert not no_model and not (tmp_path / "run").exists()
 
@@ -299,7 +299,7 @@ def test_graph_rules_needing_the_run_config(case, tmp_path, no_model):
 @pytest.mark.parametrize("command", ["plan", "train"])
 def test_malformed_config_is_one_line_before_any_model_loads(case, command, tmp_path, no_model):
     overrides, fragment = CONFIG_CASES[case]
-    rc, lines = _run([command, *_job(tmp_path, *overrides)], tmp_path)
+    rc, lines = run_cli([command, *job_args(tmp_path, *overrides)], tmp_path)
     assert rc == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"flowrl {command}: error: ") and fragment in lines[0], lines
     assert not no_model and not (tmp_path / "run").exists()
@@ -311,8 +311,8 @@ def test_every_problem_of_a_file_is_reported_one_line_each(tmp_path, no_model):
     g = _edit(GRPO, _cycle)
     _stage(g, "advantage")["bogus"] = 1
     _stage(g, "update")["inputs"]["advantages"] = "advantag.advantages"
-    path = _graph_file(tmp_path, g)
-    rc, lines = _run(["graph", "validate", str(path)], tmp_path)
+    path = write_graph(tmp_path, g)
+    rc, lines = run_cli(["graph", "validate", str(path)], tmp_path)
     assert rc == 1
     assert lines == [
         f"{path}: stage 'advantage', field 'bogus': unknown stage field; known: ['inputs', "
@@ -323,13 +323,13 @@ def test_every_problem_of_a_file_is_reported_one_line_each(tmp_path, no_model):
         "closes the cycle reward -> advantage -> reward; a stage may only read stages that do not "
         "depend on it within a step (the update -> rollout loop is a weight_sync, not an input): "
         "bind 'response_ids' to another output"]
-    rc, plan_lines = _run(["plan", *_job(tmp_path, f"graph.path={path}")], tmp_path)
+    rc, plan_lines = run_cli(["plan", *job_args(tmp_path, f"graph.path={path}")], tmp_path)
     assert rc == 2 and plan_lines == [f"flowrl plan: error: {lines[0]}", *lines[1:]]
 
 
 def test_graph_validate_checks_every_file(tmp_path):
-    bad = _graph_file(tmp_path, _edit(GRPO, _no_update))
-    rc, lines = _run(["graph", "validate", str(bad), str(REPO / "graphs/grpo.yaml")], tmp_path)
+    bad = write_graph(tmp_path, _edit(GRPO, _no_update))
+    rc, lines = run_cli(["graph", "validate", str(bad), str(REPO / "graphs/grpo.yaml")], tmp_path)
     assert rc == 1 and len(lines) == 1 and lines[0].startswith(f"{bad}: field 'stages'")
 
 
