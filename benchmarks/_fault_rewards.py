@@ -30,3 +30,9 @@ def garbage(response_text, fields, metadata):
     if metadata["index"] in bad:
         return bad[metadata["index"]]
     return length_reward(response_text, fields, metadata)
+
+
+def constant(response_text, fields, metadata):
+    """The same score for every answer: every group has zero reward variance (DAPO's dynamic
+    sampling then keeps nothing)."""
+    return 0.5

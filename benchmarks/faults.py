@@ -21,6 +21,12 @@ and every update would be 0 and "bit-identical" would prove nothing). Scenarios:
   works once space is back; a stale ``.tmp`` folder that fills the disk is removed at start.
 - Reward functions that kill their worker on one sample, hang on one sample, or return garbage
   (a string, None, NaN, 1e39): the run completes and only those samples are unscorable.
+- Malformed graphs and configs (the table of ``tests/unit/test_malformed_inputs.py``) through
+  ``flowrl graph validate``, ``flowrl plan`` and ``flowrl train`` (in this process, the model
+  loader replaced by a tripwire), and one of them as a real ``flowrl train`` process: each is
+  refused before any model loads, in one line naming the stage or field and what to change.
+- DAPO dynamic sampling that can keep no group (a constant reward): the run stops with one line
+  saying which knob to turn and the resume command, no traceback.
 """
 from __future__ import annotations
 
@@ -60,15 +66,15 @@ class Row:
         return "skipped" if self.ok is None else "pass" if self.ok else "FAIL"
 
 
-def make_graph(folder: Path, fn: str, **params) -> Path:
-    """graphs/grpo.yaml with its reward stage replaced by the user function ``fn``."""
+def make_graph(folder: Path, fn: str, base: str = "grpo", **params) -> Path:
+    """graphs/<base>.yaml with its reward stage replaced by the user function ``fn``."""
     import yaml
 
-    g = yaml.safe_load((REPO_ROOT / "graphs/grpo.yaml").read_text())
+    g = yaml.safe_load((REPO_ROOT / f"graphs/{base}.yaml").read_text())
     reward = next(s for s in g["stages"] if s["name"] == "reward")
     reward.update(op="reward.function", params={"path": f"_fault_rewards:{fn}", **params})
     reward["inputs"]["group_id"] = "sample.group_id"
-    path = folder / f"graph_{fn}.yaml"
+    path = folder / f"graph_{base}_{fn}.yaml"
     path.write_text(yaml.safe_dump(g, sort_keys=False))
     return path
 
@@ -370,12 +376,116 @@ class Bench:
                  f"exit {rc}; " + "; ".join(f"step {s}: " + ", ".join(
                      f"{k}={v}" for k, v in got[s].items()) for s in (1, 2)), ok)
 
+    # ------------------------------------------------------------------ malformed inputs
+    def malformed(self) -> None:
+        """The malformed-input table through the three commands, in this process."""
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "malformed_table", REPO_ROOT / "tests/unit/test_malformed_inputs.py")
+        table = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(table)
+        from flowrl import train
+        from flowrl.models import loading
+
+        loaded: list[str] = []
+
+        def tripwire(*a, **k):
+            loaded.append("model")
+            raise RuntimeError("a model was loaded")
+
+        loading.load_model, train.build_engines = tripwire, tripwire
+        work = self.root / "malformed"
+        graph_ok, graph_n, bad = 0, 0, []
+        for case, (graph, fragment) in sorted(table.GRAPH_CASES.items()):
+            for command in ("graph validate", "plan", "train"):
+                d = work / f"{case}_{command.replace(' ', '_')}"
+                d.mkdir(parents=True)
+                path = table.write_graph(d, graph)
+                args = ["graph", "validate", str(path)] if command == "graph validate" else \
+                    [command, *table.job_args(d, f"graph.path={path}")]
+                n_loaded = len(loaded)
+                rc, lines = table.run_cli(args, d)
+                ok = rc == (1 if command == "graph validate" else 2) and len(lines) == 1 and \
+                    fragment in lines[0] and len(loaded) == n_loaded and not (d / "run").exists()
+                graph_n += 1
+                graph_ok += ok
+                if not ok:
+                    bad.append(f"{case} ({command}): exit {rc}, {len(lines)} line(s)")
+        self.row(f"malformed graphs ({len(table.GRAPH_CASES)} kinds) x graph validate / plan / "
+                 "train", "refused before any model loads: exit 1 (validate) or 2, one line "
+                 "naming the stage or field and what to change",
+                 f"{graph_ok}/{graph_n} refused so" + (f"; not: {'; '.join(bad)}" if bad else ""),
+                 graph_ok == graph_n)
+        cfg_ok, cfg_n, bad = 0, 0, []
+        cases = dict(table.CONFIG_CASES)
+        for case, (graph, fragment, _) in table.RUN_CONFIG_GRAPH_CASES.items():
+            (work / case).mkdir(parents=True)
+            cases[case] = ([f"graph.path={table.write_graph(work / case, graph)}"], fragment)
+        for case, (overrides, fragment) in sorted(cases.items()):
+            for command in ("plan", "train"):
+                d = work / f"cfg_{case}_{command}"
+                d.mkdir(parents=True)
+                n_loaded = len(loaded)
+                rc, lines = table.run_cli([command, *table.job_args(d, *overrides)], d)
+                ok = rc == 2 and len(lines) == 1 and fragment in lines[0] and \
+                    lines[0].startswith(f"flowrl {command}: error: ") and len(loaded) == n_loaded
+                cfg_n += 1
+                cfg_ok += ok
+                if not ok:
+                    bad.append(f"{case} ({command}): exit {rc}, {len(lines)} line(s)")
+        self.row(f"malformed configs and run-config graph rules ({len(cases)} kinds) x plan / "
+                 "train", "refused before any model loads: exit 2, one line naming the field "
+                 "and what to change", f"{cfg_ok}/{cfg_n} refused so"
+                 + (f"; not: {'; '.join(bad)}" if bad else ""), cfg_ok == cfg_n)
+        # the real command line, as an operator runs it
+        graph, fragment = table.GRAPH_CASES["list_into_tensor"]
+        d = work / "real_process"
+        d.mkdir()
+        path = table.write_graph(d, graph)
+        t = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "train", "model=tiny",
+                               "trainer=smoke", f"graph.path={path}", f"hydra.run.dir={d / 'run'}"],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        if lines:
+            self.notes.append(("a list wired into a tensor input (flowrl train)", lines[-1]))
+        self.row("a list output wired into a tensor input, as a real flowrl train process",
+                 "exit 2 before any model loads, one line, no run directory",
+                 f"exit {proc.returncode} after {time.monotonic() - t:.0f} s; {len(lines)} line(s); "
+                 f"run directory created: {(d / 'run').exists()}",
+                 proc.returncode == 2 and len(lines) == 1 and fragment in lines[0]
+                 and not (d / "run").exists())
+
+    # ------------------------------------------------------------------ dynamic sampling cap
+    def refill_cap(self) -> None:
+        d = self.root / "refill_cap"
+        graph = make_graph(self.root, "constant", base="dapo")
+        import yaml
+
+        g = yaml.safe_load(graph.read_text())
+        next(s for s in g["stages"] if s["name"] == "filter")["params"]["max_attempts"] = 2
+        graph.write_text(yaml.safe_dump(g, sort_keys=False))
+        job = Job(d, [*self.base(f"graph.path={graph}"), "trainer.total_steps=2"])
+        rc = job.wait()
+        out = job.output
+        line = next((ln for ln in out.splitlines() if "flowrl train: stopped" in ln), "")
+        self.note("dynamic sampling cap", out, "flowrl train: stopped")
+        names = "dynamic sampling kept 0 of the 2 groups" in line and "params.max_attempts" in line
+        self.row("DAPO dynamic sampling keeps no group (constant reward, max_attempts=2)",
+                 "exit 1, one line naming the stage and the knobs, resume command, no traceback",
+                 f"exit {rc}; names stage + knobs: {names}; resume command: "
+                 f"{'trainer.resume' in line or 'nothing to resume' in line}; traceback: "
+                 f"{'Traceback' in out}", rc == 1 and names and "Traceback" not in out)
+
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kills", type=int, default=3, help="random SIGKILLs per kind")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", default="kill,rank,disk,reward")
+    p.add_argument("--only", default="kill,rank,disk,reward,malformed")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks/results/faults_cpu.md")
     p.add_argument("--keep", action="store_true", help="keep the run folders")
     args = p.parse_args()
@@ -405,6 +515,9 @@ def main() -> None:
                         {"errors": 0, "timeouts": 1, "nonfinite": 0, "unscorable": 1})
             b.reward_fn("garbage", "reward function returns \"0.5\", None, NaN, 1e39",
                         {"errors": 2, "timeouts": 0, "nonfinite": 2, "unscorable": 4})
+        if "malformed" in only:
+            b.refill_cap()
+            b.malformed()
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -3,7 +3,7 @@
     flowrl train [hydra overrides...]        run a job (Hydra: -m sweeps, --cfg job, ...)
     flowrl plan  [hydra overrides...]        print the compiled execution plan; loads no model
                  [--format text|mermaid|dot]  placement=auto: explains the choice without training
-    flowrl graph validate FILE [FILE ...]    check graph files (exit 1 on the first invalid one)
+    flowrl graph validate FILE [FILE ...]    check graph files: every problem, one line each (exit 1)
     flowrl export CKPT OUT_DIR [overrides]   checkpoint -> plain HF model dir (save_pretrained;
                                              LoRA: merged, or --adapter-only: the PEFT dir)
 
@@ -76,27 +76,37 @@ def plan_main(argv: list[str]) -> int:
 
 
 def graph_main(argv: list[str]) -> int:
+    """``flowrl graph validate FILE...``: every problem of every file, one line each (``FILE:
+    stage 'x', field 'y': what to change``), exit 1 when any file is invalid; warnings (outputs
+    nobody reads, inputs a ``when`` can disable) do not fail it. Needs no run config."""
     import argparse
 
-    from flowrl.graph import Graph, GraphError, UnusedOutputWarning, validate_graph
+    from flowrl.graph import GraphError, GraphWarning, validate_graph
+    from flowrl.graph.validate import load_graph
 
     p = argparse.ArgumentParser(prog="flowrl graph")
     sub = p.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("validate", help="check graph YAML files")
     v.add_argument("files", nargs="+", type=Path)
     args = p.parse_args(argv)
+    status = 0
     for f in args.files:
         try:
             with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", UnusedOutputWarning)
-                validate_graph(Graph.load(f))
-        except (GraphError, FileNotFoundError) as e:
+                warnings.simplefilter("always", GraphWarning)
+                validate_graph(load_graph(f))
+        except GraphError as e:
+            print(str(e.with_source(f)), file=sys.stderr)
+            status = 1
+            continue
+        except FileNotFoundError as e:
             print(f"{f}: {e}", file=sys.stderr)
-            return 1
+            status = 1
+            continue
         for w in caught:
             print(f"{f}: warning: {w.message}")
         print(f"{f}: ok")
-    return 0
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         from flowrl.launch import maybe_exec_torchrun
 
         maybe_exec_torchrun(rest)  # launcher.nproc > 1: becomes torchrun, never returns
+        from flowrl.config_errors import refuse_bad_overrides
+
+        refuse_bad_overrides(rest)  # a Hydra error: one line, exit 2 (Hydra's own takes 6-15)
         sys.argv = [sys.argv[0] + " train", *rest]
         train.main()
         return 0
@@ -132,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if not isinstance(e, (HydraException, OmegaConfBaseException)):
             raise
-        print(f"flowrl {cmd}: error: {one_line(e)}", file=sys.stderr)
+        from flowrl.config_errors import explain
+
+        print(f"flowrl {cmd}: error: {explain(e, rest)}", file=sys.stderr)
         return 2
     print(f"flowrl: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2

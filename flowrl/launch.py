@@ -53,7 +53,9 @@ def maybe_exec_torchrun(overrides: list[str]) -> None:
         node = compose(overrides).launcher
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LauncherConfig), node))
     except Exception as e:  # Hydra/OmegaConf composition errors: one line, like train's own
-        print(f"flowrl train: error: {one_line(e)}", file=sys.stderr)
+        from flowrl.config_errors import explain
+
+        print(f"flowrl train: error: {explain(e, overrides)}", file=sys.stderr)
         sys.exit(2)
     if not cfg.distributed:
         return

@@ -86,6 +86,14 @@ class PlacementConfig:
             raise ValueError(f"placement.staleness must be >= 0 or null, got {self.staleness}")
         if self.bucket_mb < 1:
             raise ValueError(f"placement.bucket_mb must be >= 1, got {self.bucket_mb}")
+        if any(self.pools.values()) and self.mode != "partitioned":  # ignored without a word
+            raise ValueError(f"placement.pools is read only by placement=partitioned, and this run "
+                             f"is placement={self.mode}: put placement=partitioned before the "
+                             f"pools, or drop placement.pools")
+        if self.roles and self.mode == "colocated":
+            raise ValueError("placement.roles is read only by placement=partitioned or auto, and "
+                             "this run is placement=colocated: choose one of those, or drop "
+                             "placement.roles")
         for name, ranks in self.pools.items():  # [] = the pool's ranks of the default split
             if any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
                 raise ValueError(f"placement.pools.{name} must be a list of distinct ranks >= 0 "

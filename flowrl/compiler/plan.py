@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flowrl.graph.graph import Graph, GraphError, Stage
 from flowrl.graph.roles import ROLES
+from flowrl.graph.rules import pruning_problems, refill_problems, truthy
 from flowrl.graph.validate import build_dag, validate_graph
 from flowrl.ops.registry import OPS
 
@@ -117,12 +118,6 @@ class ExecutionPlan:
         return format_plan(self)
 
 
-def _truthy(v: Any) -> bool:
-    if isinstance(v, str):
-        return v.strip().lower() not in ("", "0", "0.0", "false", "no", "off", "none", "null")
-    return bool(v)
-
-
 def resolve(graph: Graph, run_cfg: Mapping | DictConfig | None) -> Graph:
     """Resolve ``${...}`` in ``when`` and ``params`` against the run config.
 
@@ -169,31 +164,31 @@ def _rewrite_interpolations(graph: Graph) -> Graph:
     return g
 
 
-def prune(graph: Graph) -> tuple[Graph, list[str]]:
+def prune(graph: Graph, shown_when: Optional[Mapping[str, Any]] = None) -> tuple[Graph, list[str]]:
     """Drop stages whose resolved ``when`` is false, and unbind optional inputs that referenced
-    them. Raises GraphError when a *required* input referenced a pruned stage."""
-    dropped = [s.name for s in graph.stages if s.when is not None and not _truthy(s.when)]
+    them.
+
+    Args:
+        shown_when: stage → its ``when`` as written (``${algorithm.kl_coef}``), for messages.
+
+    Raises:
+        GraphError: a *required* input read a pruned stage, or every update stage was pruned
+            (``graph/rules.pruning_problems``).
+    """
+    dropped = [s.name for s in graph.stages if s.when is not None and not truthy(s.when)]
     if not dropped:
         return graph, []
-    problems = []
+    problems = pruning_problems(graph, OPS, dropped, shown_when)
+    if problems:
+        raise GraphError(problems)
     g = Graph(name=graph.name, description=graph.description,
               weight_sync=[w for w in graph.weight_sync if w.src not in dropped and w.dst not in dropped])
     for s in graph.stages:
         if s.name in dropped:
             continue
-        spec = OPS.get(s.op)
-        inputs = {}
-        for arg, ref in s.inputs.items():
-            if ref.split(".")[0] in dropped:
-                if spec is not None and arg in spec.inputs:
-                    problems.append((s.name, f"inputs.{arg}", f"required input references stage "
-                                     f"'{ref.split('.')[0]}', which is disabled by its 'when'"))
-                continue
-            inputs[arg] = ref
+        inputs = {arg: ref for arg, ref in s.inputs.items() if ref.split(".")[0] not in dropped}
         g.stages.append(Stage(name=s.name, op=s.op, role=s.role, inputs=inputs, params=s.params,
                               when=None))
-    if problems:
-        raise GraphError(problems)
     return g, dropped
 
 
@@ -297,38 +292,23 @@ def refill_specs(graph: Graph, order: list[str], compiled: list[CompiledStage]) 
     an upstream stage must be consumed only by upstream stages or the refill stage itself (a
     later stage reading one would see the last attempt only, out of step with the refilled
     batch); the op must output ``group_id`` and its config have ``max_attempts`` and
-    ``target_groups``. At most one refill stage per graph.
+    ``target_groups``. At most one refill stage per graph (``graph/rules.refill_problems``).
 
     Raises:
         GraphError: naming the stage and input that breaks a rule.
     """
-    dag = build_dag(graph)
-    problems, specs = [], {}
-    for c in compiled:
-        if not getattr(c.config, "refill", False):
-            continue
-        name = c.stage.name
-        if not all(hasattr(c.config, f) for f in ("max_attempts", "target_groups")) or \
-                "group_id" not in OPS[c.stage.op].outputs or "group_id" not in c.stage.inputs:
-            problems.append((name, "params.refill", f"op '{c.stage.op}' does not support refill "
-                             "(needs group_id in and out, max_attempts, target_groups)"))
-            continue
-        upstream = set(nx.ancestors(dag, name))
-        for s in graph.stages:
-            if s.name in upstream or s.name == name:
-                continue
-            for arg, src, out in s.input_refs():
-                if src in upstream:
-                    problems.append((s.name, f"inputs.{arg}", f"reads '{src}.{out}' from the refill "
-                                     f"sub-graph of '{name}', which re-runs it; read the output "
-                                     f"of '{name}' instead"))
-        specs[name] = RefillSpec(name, [n for n in order if n in upstream], c.config.max_attempts,
-                                 c.config.target_groups)
-    if len(specs) > 1:
-        problems.append((sorted(specs)[1], "params.refill", f"only one refill stage per graph, "
-                         f"got {sorted(specs)}"))
+    refill = [c.stage.name for c in compiled if getattr(c.config, "refill", False)]
+    problems = refill_problems(graph, OPS, refill)
     if problems:
         raise GraphError(problems)
+    dag = build_dag(graph)
+    by_name = {c.stage.name: c for c in compiled}
+    specs = {}
+    for name in refill:
+        upstream = set(nx.ancestors(dag, name))
+        cfg = by_name[name].config
+        specs[name] = RefillSpec(name, [n for n in order if n in upstream], cfg.max_attempts,
+                                 cfg.target_groups)
     return specs
 
 
@@ -349,27 +329,56 @@ def recipe_notes(graph: Graph, run_cfg: Mapping | DictConfig | None) -> list[str
     return notes
 
 
-def compile_plan(graph: Graph, run_cfg: Mapping | DictConfig | None = None,
-                 placement: str = "colocated") -> ExecutionPlan:
-    """Validate, resolve, prune, order and annotate a graph.
+def check_refill_reachable(specs: Mapping[str, RefillSpec], run_cfg: Mapping | DictConfig | None) -> None:
+    """A refill target no attempt budget can reach: each attempt samples
+    ``trainer.prompts_per_step`` groups (per sampling rank), so more than ``prompts_per_step *
+    max_attempts`` kept groups is impossible, however varied the rewards.
 
     Raises:
-        GraphError: any validation problem (before any model is loaded).
+        GraphError: naming the stage's ``params.target_groups``.
+    """
+    trainer = (run_cfg or {}).get("trainer") or {}
+    per_step = trainer.get("prompts_per_step") if isinstance(trainer, Mapping) else None
+    if not isinstance(per_step, int) or per_step < 1:
+        return
+    problems = []
+    for name, spec in specs.items():
+        most = per_step * spec.max_attempts
+        if spec.target_groups > most:
+            problems.append((name, "params.target_groups", f"{spec.target_groups} groups can never "
+                             f"be kept: {spec.max_attempts} attempts of trainer.prompts_per_step="
+                             f"{per_step} sample {most} at most; lower target_groups or raise "
+                             "params.max_attempts (or trainer.prompts_per_step)"))
+    if problems:
+        raise GraphError(problems)
+
+
+def compile_plan(graph: Graph, run_cfg: Mapping | DictConfig | None = None,
+                 placement: str = "colocated", *, require_update: bool = True) -> ExecutionPlan:
+    """Validate, resolve, prune, order and annotate a graph.
+
+    Args:
+        require_update: the graph must train something (False: graph fragments in tests).
+
+    Raises:
+        GraphError: any validation problem (before any model is loaded), one line each.
         ValueError: an unsupported placement.
     """
     if placement not in ("colocated", "partitioned", "auto"):  # pools: compiler/placement.py
         raise ValueError(f"placement.mode must be colocated, partitioned or auto, got {placement!r}")
-    with warnings.catch_warnings():  # warnings are reported once, after pruning
+    with warnings.catch_warnings():  # warnings are reported once, in plan.warnings (plan text)
         warnings.simplefilter("ignore")
-        validate_graph(graph, check_params=False)
-    g = resolve(_rewrite_interpolations(graph), run_cfg)
-    g, dropped = prune(g)
-    warns = validate_graph(g, check_params=True) + recipe_notes(graph, run_cfg)
+        validate_graph(graph, check_params=False, require_update=require_update)
+        g = resolve(_rewrite_interpolations(graph), run_cfg)
+        g, dropped = prune(g, shown_when={s.name: s.when for s in graph.stages})
+        warns = validate_graph(g, check_params=True, require_update=require_update) + \
+            recipe_notes(graph, run_cfg)
     order = order_stages(g)
     compiled = [CompiledStage(g[n], OPS[g[n].op].make_config(g[n].params, stage=n)) for n in order]
     actions, resident = _swap_actions(g, order)
     lifetimes, release = lifecycle(g, order)
+    refill = refill_specs(g, order, compiled)
+    check_refill_reachable(refill, run_cfg)
     return ExecutionPlan(graph=g, stages=compiled, actions=actions, lifetimes=lifetimes,
                          release_after=release, pruned=dropped, warnings=warns,
-                         placement=placement, resident_at_end=resident,
-                         refill=refill_specs(g, order, compiled))
+                         placement=placement, resident_at_end=resident, refill=refill)

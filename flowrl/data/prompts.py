@@ -54,6 +54,16 @@ class DataConfig:
         instruction: appended to a string prompt on a new line ("" = the prompt only); null =
             the dataset's own: GSM8K's asks for the ``#### <number>`` answer line, a ``path``
             has none.
+        response_prefix: text every response starts with, pre-filled after the chat
+            template's assistant header before sampling (e.g. ``"<think>\n"``: the policy
+            continues an opened reasoning block). It belongs to the prompt: ``prompt_ids`` end
+            with its tokens (encoded on their own, so every prompt ends with the same ids), it
+            counts towards ``max_prompt_tokens``, and no response token, ``response_mask`` or
+            loss ever covers it. Rule rewards, reward functions and the evaluation score
+            ``prefix + response`` (the answer as it reads), so a format reward such as
+            ``format_think`` sees the ``<think>`` it opened. A template whose generation prompt
+            already ends with it (a thinking template that opens ``<think>`` itself) gets
+            nothing appended; the rewards still see it. ``""`` = none.
         max_prompt_tokens: prompts longer than this are skipped and counted, never cut.
         shuffle: reshuffle prompts every epoch.
         seed: sampler seed (with the epoch it fixes the order).
@@ -69,6 +79,7 @@ class DataConfig:
     limit: Optional[int] = None
     system_prompt: Optional[str] = None
     instruction: Optional[str] = None
+    response_prefix: str = ""
     max_prompt_tokens: int = 256
     shuffle: bool = True
     seed: int = 0
@@ -98,6 +109,9 @@ class DataConfig:
             self.instruction = DEFAULT_INSTRUCTION if self.path is None else ""
         if not isinstance(self.instruction, str):
             raise ValueError(f"data.instruction must be a string, got {self.instruction!r}")
+        if not isinstance(self.response_prefix, str):
+            raise ValueError(f"data.response_prefix must be a string (e.g. '<think>\\n'), got "
+                             f"{self.response_prefix!r}")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ValueError(f"data.system_prompt must be a string or None, got {self.system_prompt!r}")
 
@@ -166,18 +180,26 @@ def build_messages(question: str, cfg: DataConfig) -> list[dict[str, str]]:
 
 def render_prompts(prompts: Sequence[str | list[dict[str, str]]], tokenizer: Any,
                    cfg: DataConfig) -> tuple[list[str], list[list[int]]]:
-    """Apply the tokenizer's chat template (with the assistant generation prefix) and encode.
+    """Apply the tokenizer's chat template (with the assistant generation prefix) and encode,
+    then append ``cfg.response_prefix`` (unless the rendered text already ends with it).
 
     Each prompt is a question (rendered by :func:`build_messages`) or a list of chat messages
     (rendered as they are).
 
-    Returns ``(texts, token_lists)``; tokens are encoded without extra special tokens, so they
-    equal ``apply_chat_template(..., tokenize=True)``.
+    Returns ``(texts, token_lists)``; tokens are encoded without extra special tokens, so
+    without a prefix they equal ``apply_chat_template(..., tokenize=True)``; an appended prefix
+    is encoded on its own and its ids end every token list (the same ids in every prompt).
     """
     texts = [tokenizer.apply_chat_template(record_messages({"prompt": q}, cfg), tokenize=False,
                                            add_generation_prompt=True) for q in prompts]
-    tokens = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    return texts, [list(t) for t in tokens]
+    tokens = [list(t) for t in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+    prefix = cfg.response_prefix
+    if prefix:
+        ids = list(tokenizer(prefix, add_special_tokens=False)["input_ids"])
+        for i, text in enumerate(texts):
+            if not text.endswith(prefix):  # a template may open the block itself
+                texts[i], tokens[i] = text + prefix, tokens[i] + ids
+    return texts, tokens
 
 
 def collate_prompts(token_lists: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
@@ -275,6 +297,12 @@ class PromptSource:
     def __len__(self) -> int:
         """Number of usable prompts (after the length guard)."""
         return len(self._kept)
+
+    @property
+    def response_prefix(self) -> str:
+        """``data.response_prefix``: the pre-filled start of every response, already in the
+        prompt ids; rule rewards and the evaluation score ``response_prefix + response``."""
+        return self.cfg.response_prefix
 
     def _batch(self, indices: list[int], n: int, group_ids: list[int], records, texts,
                tokens) -> PromptBatch:

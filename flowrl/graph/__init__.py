@@ -1,5 +1,6 @@
 from flowrl.graph.graph import Graph, GraphError, Stage, WeightSync, parse_ref
-from flowrl.graph.validate import UnusedOutputWarning, validate_graph
+from flowrl.graph.validate import (ConditionalInputWarning, GraphWarning, UnusedOutputWarning,
+                                   validate_graph)
 
 __all__ = ["Graph", "GraphError", "Stage", "WeightSync", "parse_ref", "validate_graph",
-           "UnusedOutputWarning"]
+           "GraphWarning", "UnusedOutputWarning", "ConditionalInputWarning"]

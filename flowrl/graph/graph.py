@@ -35,12 +35,34 @@ import yaml
 
 
 class GraphError(ValueError):
-    """A malformed graph. ``problems`` lists every ``(stage, field, message)`` found."""
+    """A malformed graph. ``problems`` lists every ``(stage, field, message)`` found; the message
+    is one line per problem (:func:`problem_line`), each prefixed with ``source`` (the graph
+    file) when it is known."""
 
-    def __init__(self, problems: list[tuple[str, str, str]]):
+    def __init__(self, problems: list[tuple[str, str, str]], source: Optional[str] = None):
         self.problems = problems
-        lines = [f"  stage '{s}', field '{f}': {m}" for s, f, m in problems]
-        super().__init__(f"invalid graph ({len(problems)} problem(s)):\n" + "\n".join(lines))
+        self.source = source
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        head = f"{self.source}: " if self.source else ""
+        return "\n".join(head + problem_line(*p) for p in self.problems)
+
+    def with_source(self, source: str | Path) -> "GraphError":
+        """The same problems, each line prefixed with ``source``."""
+        return GraphError(self.problems, str(source))
+
+
+def problem_line(stage: str, fld: str, message: str) -> str:
+    """One problem as one line that names where it is: ``stage 'x', field 'inputs.y': ...``;
+    graph-level problems (stage ``<graph>``) name only the field, ``weight_sync[i]`` entries
+    their index."""
+    message = " ".join(message.split())  # never more than one line
+    if stage == "<graph>":
+        return message if fld.startswith("<") else f"field '{fld}': {message}"
+    if stage.startswith("weight_sync["):
+        return f"{stage}: {message}" if fld.startswith("<") else f"{stage}.{fld}: {message}"
+    return f"stage '{stage}', field '{fld}': {message}"
 
 
 def parse_ref(ref: str) -> tuple[str, str]:
@@ -175,39 +197,68 @@ class Graph:
 
     @classmethod
     def from_dict(cls, d: Any, *, description: str = "") -> "Graph":
-        """Build from parsed YAML. Raises GraphError naming the stage and field of bad entries."""
+        """Build from parsed YAML.
+
+        Raises:
+            GraphError: the malformed entries, one line each (naming stage and field). The graph
+                checks on the rest (a misspelt reference, a cycle) come with them from
+                :func:`flowrl.graph.validate.load_graph` / ``graph_from_yaml``, which the CLI and
+                the run use.
+        """
+        graph, problems, _ = cls._parse(d, description=description)
+        if problems:
+            raise GraphError(problems)
+        return graph
+
+    @classmethod
+    def _parse(cls, d: Any, *, description: str = ""
+               ) -> tuple["Graph", list[tuple[str, str, str]], dict[str, set[str]]]:
+        """Best-effort graph, the schema problems, and stage -> fields that were missing or
+        malformed (left empty in the graph, so checks on them would only repeat the problem)."""
         problems: list[tuple[str, str, str]] = []
+        damaged: dict[str, set[str]] = {}
         if not isinstance(d, dict):
-            raise GraphError([("<graph>", "<root>", f"expected a mapping, got {type(d).__name__}")])
+            raise GraphError([("<graph>", "<root>", "a graph file is a mapping with keys name, "
+                               f"algorithm, stages and weight_sync; got a {type(d).__name__}")])
         unknown = sorted(set(d) - {"name", "algorithm", "stages", "weight_sync"})
         if unknown:
-            problems.append(("<graph>", unknown[0], f"unknown top-level key(s) {unknown}"))
+            problems.append(("<graph>", unknown[0], f"unknown top-level key(s) {unknown}; a graph "
+                             "has name, algorithm, stages and weight_sync"))
         name = d.get("name")
         if not isinstance(name, str) or not name:
             problems.append(("<graph>", "name", "missing or not a string"))
+            name = str(name or "graph")
         stages: list[Stage] = []
         raw_stages = d.get("stages")
         if not isinstance(raw_stages, list) or not raw_stages:
-            problems.append(("<graph>", "stages", "must be a non-empty list"))
+            problems.append(("<graph>", "stages", "must be a non-empty list of stages "
+                             "(mappings with name, op, role, inputs, params, when)"))
             raw_stages = []
         for i, rs in enumerate(raw_stages):
-            label = rs.get("name", f"#{i}") if isinstance(rs, dict) else f"#{i}"
+            label = str(rs.get("name", f"#{i}")) if isinstance(rs, dict) else f"#{i}"
             if not isinstance(rs, dict):
-                problems.append((str(label), "<stage>", "must be a mapping"))
+                problems.append((label, "<stage>", "must be a mapping with name, op and "
+                                 f"optionally role, inputs, params, when; got a {type(rs).__name__}"))
                 continue
+            bad = damaged.setdefault(label, set())
             for k in sorted(set(rs) - _STAGE_KEYS):
-                problems.append((str(label), k, f"unknown stage field; known: {sorted(_STAGE_KEYS)}"))
+                problems.append((label, k, f"unknown stage field{_close(k, _STAGE_KEYS)}; "
+                                 f"known: {sorted(_STAGE_KEYS)}"))
             for k in ("name", "op"):
                 if not isinstance(rs.get(k), str) or not rs.get(k):
-                    problems.append((str(label), k, "missing or not a string"))
+                    problems.append((label, k, "missing or not a string"))
+                    bad.add(k)
             shapes = {"inputs": "op argument: stage.output", "params": "config field: value"}
             for k in ("inputs", "params"):
                 if rs.get(k) is not None and not isinstance(rs.get(k), dict):
-                    problems.append((str(label), k, f"must be a mapping ({shapes[k]} lines), got "
-                                                    f"a {type(rs.get(k)).__name__}"))
+                    problems.append((label, k, f"must be a mapping ({shapes[k]} lines), got "
+                                               f"a {type(rs.get(k)).__name__}"))
                     rs = {**rs, k: {}}
+                    bad.add(k)
             if rs.get("role") is not None and not isinstance(rs.get("role"), str):
-                problems.append((str(label), "role", "must be a string"))
+                problems.append((label, "role", "must be a string"))
+                rs = {**rs, "role": None}
+                bad.add("role")
             stages.append(Stage(name=str(rs.get("name", label)), op=str(rs.get("op", "")),
                                 role=rs.get("role"), inputs=dict(rs.get("inputs") or {}),
                                 params=dict(rs.get("params") or {}), when=rs.get("when")))
@@ -228,14 +279,17 @@ class Graph:
             problems.append(("<graph>", "algorithm", "must be a mapping of algorithm settings "
                                                      f"(field: value), got a {type(algorithm).__name__}"))
             algorithm = {}
-        if problems:
-            raise GraphError(problems)
         return cls(name=name, stages=stages, weight_sync=syncs, description=description,
-                   algorithm=dict(algorithm))
+                   algorithm=dict(algorithm)), problems, damaged
 
     @classmethod
-    def from_yaml(cls, text: str) -> "Graph":
-        """Parse YAML text; the leading ``#`` comment block becomes ``description``."""
+    def parse_yaml(cls, text: str) -> tuple["Graph", list[tuple[str, str, str]], dict[str, set[str]]]:
+        """Parse YAML text (the leading ``#`` comment block becomes ``description``) into a
+        best-effort graph, its schema problems and the damaged fields (see ``_parse``).
+
+        Raises:
+            GraphError: the text is not YAML (one line: where and what).
+        """
         desc_lines = []
         for line in text.splitlines():
             if line.startswith("#"):
@@ -245,12 +299,71 @@ class Graph:
         try:
             d = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise GraphError([("<graph>", "<yaml>", f"not valid YAML: {e}")]) from e
-        return cls.from_dict(d, description="\n".join(desc_lines))
+            raise GraphError([("<graph>", "<yaml>", yaml_problem(e))]) from e
+        return cls._parse(d, description="\n".join(desc_lines))
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "Graph":
+        """Parse YAML text; the leading ``#`` comment block becomes ``description``.
+
+        Raises:
+            GraphError: not YAML, or its schema problems (``from_dict``)."""
+        graph, problems, _ = cls.parse_yaml(text)
+        if problems:
+            raise GraphError(problems)
+        return graph
 
     @classmethod
     def load(cls, path: str | Path) -> "Graph":
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"graph file not found: {p}")
-        return cls.from_yaml(p.read_text())
+        try:
+            return cls.from_yaml(p.read_text())
+        except GraphError as e:
+            raise e.with_source(p) from None
+
+
+def yaml_problem(e: "yaml.YAMLError") -> str:
+    """A YAML syntax error as one line: where (line, column, 1-based) and what the parser
+    expected, e.g. ``not valid YAML at line 9, column 9: mapping values are not allowed here``."""
+    if not isinstance(e, yaml.MarkedYAMLError):
+        return f"not valid YAML: {' '.join(str(e).split())}"
+    mark = e.problem_mark
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    what = " ".join(str(e.problem or "syntax error").split())
+    if e.context:
+        what += f" ({' '.join(str(e.context).split())})"
+    return (f"not valid YAML{where}: {what}; check the indentation and quoting there (a value "
+            "holding ': ', '#', '[' or '{' needs quotes)")
+
+
+def _close(word: str, choices) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, sorted(choices), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def damaged_problem(problem: tuple[str, str, str], damaged: dict[str, set[str]]) -> bool:
+    """A graph-check problem about a field that was already reported as missing/malformed."""
+    stage, fld, _ = problem
+    bad = damaged.get(stage, set())
+    root = fld.split(".")[0]
+    return root in bad or ("op" in bad and root in ("op", "role", "inputs", "params"))
+
+
+def build_dag(graph: Graph):
+    """Producer → consumer ``networkx.DiGraph`` over stage names; edge attribute ``refs`` lists
+    (arg, output). A stage reading its own output adds no edge (it is reported as its own
+    problem)."""
+    import networkx as nx  # here, not at the top: parsing a graph needs no networkx
+
+    g = nx.DiGraph()
+    g.add_nodes_from(graph.stage_names)
+    for s in graph.stages:
+        for arg, src, out in s.input_refs():
+            if src in g and src != s.name:
+                g.add_edge(src, s.name)
+                g.edges[src, s.name].setdefault("refs", []).append((arg, out))
+    return g

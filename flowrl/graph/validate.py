@@ -8,15 +8,30 @@ import difflib
 import warnings
 from typing import Iterable
 
+from pathlib import Path
+
 import networkx as nx
 
-from flowrl.graph.graph import Graph, GraphError, parse_ref
+from flowrl.graph.graph import Graph, GraphError, build_dag, damaged_problem, parse_ref  # noqa: F401 (build_dag re-exported)
 from flowrl.graph.roles import ROLES
+from flowrl.graph.rules import (conditional_input_warnings, has_interpolation, kind_problems,
+                                pruning_problems, refill_problems, refill_stages,
+                                statically_disabled, suggest_output, update_problems,
+                                weight_sync_problems)
 from flowrl.ops.registry import OPS
 
 
-class UnusedOutputWarning(UserWarning):
+class GraphWarning(UserWarning):
+    """Something a graph check found that does not stop a run."""
+
+
+class UnusedOutputWarning(GraphWarning):
     """A stage output that no other stage consumes (it is freed right after it is produced)."""
+
+
+class ConditionalInputWarning(GraphWarning):
+    """A required input reads a stage whose ``when`` can disable it (a run config that makes
+    the condition false is refused)."""
 
 
 def _hint(word: str, choices: Iterable[str]) -> str:
@@ -24,38 +39,44 @@ def _hint(word: str, choices: Iterable[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def build_dag(graph: Graph) -> nx.DiGraph:
-    """Producer → consumer DiGraph over stage names; edge attribute ``refs`` lists (arg, output)."""
-    g = nx.DiGraph()
-    g.add_nodes_from(graph.stage_names)
-    for s in graph.stages:
-        for arg, src, out in s.input_refs():
-            if src in g:
-                g.add_edge(src, s.name)
-                g.edges[src, s.name].setdefault("refs", []).append((arg, out))
-    return g
-
-
-def validate_graph(graph: Graph, *, check_params: bool = True) -> list[str]:
-    """Check a graph; return warnings (also emitted as UnusedOutputWarning).
+def validate_graph(graph: Graph, *, check_params: bool = True, require_update: bool = True) -> list[str]:
+    """Check a graph; return warnings (also emitted as GraphWarning: UnusedOutputWarning,
+    ConditionalInputWarning).
 
     Args:
         check_params: also build each op's Config from ``params``; params that are still
             unresolved interpolations (``${...}``) are left for the compiler.
+        require_update: the graph must have a stage that updates a model (a training graph;
+            False for graph fragments built in tests).
 
     Raises:
-        GraphError: listing every (stage, field, message): duplicate names, unknown op or role,
-            role not allowed for the op, misspelled/missing/malformed inputs, references to unknown
-            stages or outputs, bad params, cycles, bad weight-sync edges.
+        GraphError: listing every (stage, field, message), one line each: duplicate names,
+            unknown op or role, role not allowed for the op, misspelled/missing/malformed
+            inputs, references to unknown stages or outputs, a list wired into a tensor input,
+            bad params, cycles, bad weight-sync edges, no update stage, a required input that
+            a literal ``when: false`` prunes, refill rules (``graph/rules.py``).
     """
+    problems, found = graph_problems(graph, check_params=check_params, require_update=require_update)
+    if problems:
+        raise GraphError(problems)
+    for msg in found:
+        cls = UnusedOutputWarning if "consumed by no stage" in msg else ConditionalInputWarning
+        warnings.warn(msg, cls, stacklevel=2)
+    return found
+
+
+def graph_problems(graph: Graph, *, check_params: bool = True, require_update: bool = True
+                   ) -> tuple[list[tuple[str, str, str]], list[str]]:
+    """:func:`validate_graph` without raising: ``(problems, warnings)``."""
     problems: list[tuple[str, str, str]] = []
     names = graph.stage_names
     seen: set[str] = set()
     for n in names:
         if n in seen:
-            problems.append((n, "name", "duplicate stage name"))
+            problems.append((n, "name", "duplicate stage name; rename one of them"))
         if "." in n:
-            problems.append((n, "name", "stage names may not contain '.'"))
+            problems.append((n, "name", "stage names may not contain '.' (references are "
+                                        "'stage.output')"))
         seen.add(n)
     by_name = {s.name: s for s in graph.stages}
 
@@ -74,13 +95,23 @@ def validate_graph(graph: Graph, *, check_params: bool = True) -> list[str]:
             allowed = list(spec.roles) or "none (it uses no model)"
             problems.append((s.name, "role", f"op '{s.op}' cannot run as role '{s.role}'; "
                                              f"allowed: {allowed}"))
+        renamed: set[str] = set()  # required inputs an unknown argument misspells
         for arg in s.inputs:
             if arg not in spec.all_inputs:
-                problems.append((s.name, f"inputs.{arg}", f"op '{s.op}' has no input '{arg}'"
-                                 f"{_hint(arg, spec.all_inputs)}; inputs: {list(spec.all_inputs)}"))
+                close = difflib.get_close_matches(arg, [a for a in spec.all_inputs
+                                                        if a not in s.inputs], n=1)
+                if close:
+                    renamed.add(close[0])
+                    problems.append((s.name, f"inputs.{arg}", f"op '{s.op}' has no input '{arg}'; "
+                                     f"rename it to '{close[0]}'"))
+                else:
+                    problems.append((s.name, f"inputs.{arg}", f"op '{s.op}' has no input '{arg}'; "
+                                     f"its inputs: {list(spec.all_inputs)}"))
         for arg in spec.inputs:
-            if arg not in s.inputs:
-                problems.append((s.name, f"inputs.{arg}", f"required input of op '{s.op}' is not bound"))
+            if arg not in s.inputs and arg not in renamed:
+                problems.append((s.name, f"inputs.{arg}", f"required input of op '{s.op}' is not "
+                                 f"bound: add 'inputs.{arg}: <stage>.<output>'"
+                                 f"{suggest_output(graph, OPS, arg, spec.kind(arg), s.name)}"))
         for arg, ref in s.inputs.items():
             try:
                 src, out = parse_ref(ref)
@@ -88,17 +119,24 @@ def validate_graph(graph: Graph, *, check_params: bool = True) -> list[str]:
                 problems.append((s.name, f"inputs.{arg}", str(e)))
                 continue
             if src not in by_name:
-                problems.append((s.name, f"inputs.{arg}", f"unknown stage '{src}'{_hint(src, names)}"))
+                close = difflib.get_close_matches(src, [n for n in names if n != s.name], n=1)
+                fix = f"did you mean '{close[0]}.{out}'?" if close else f"stages: {names}"
+                problems.append((s.name, f"inputs.{arg}", f"reads '{ref}', but no stage is named "
+                                 f"'{src}'; {fix}"))
                 continue
             if src == s.name:
-                problems.append((s.name, f"inputs.{arg}", "a stage cannot consume its own output"))
+                problems.append((s.name, f"inputs.{arg}", f"a stage cannot read its own output "
+                                 f"'{ref}'; bind it to an earlier stage's output"
+                                 f"{suggest_output(graph, OPS, arg, spec.kind(arg), s.name)}"))
                 continue
             src_spec = OPS.get(by_name[src].op)
             if src_spec is not None and out not in src_spec.outputs:
-                problems.append((s.name, f"inputs.{arg}", f"stage '{src}' (op '{src_spec.name}') has "
-                                 f"no output '{out}'{_hint(out, src_spec.outputs)}; "
-                                 f"outputs: {list(src_spec.outputs)}"))
-        if check_params and not _has_interpolation(s.params):
+                close = difflib.get_close_matches(out, src_spec.outputs, n=1)
+                fix = f"did you mean '{src}.{close[0]}'?" if close else \
+                    f"its outputs: {list(src_spec.outputs)}"
+                problems.append((s.name, f"inputs.{arg}", f"reads '{ref}', but stage '{src}' (op "
+                                 f"'{src_spec.name}') has no output '{out}'; {fix}"))
+        if check_params and not has_interpolation(s.params):
             try:
                 spec.make_config(s.params, stage=s.name)
             except ValueError as e:
@@ -108,31 +146,35 @@ def validate_graph(graph: Graph, *, check_params: bool = True) -> list[str]:
         for fld, st in (("from", w.src), ("to", w.dst)):
             if st not in by_name:
                 problems.append((f"weight_sync[{i}]", fld, f"unknown stage '{st}'{_hint(st, names)}"))
-        if not isinstance(w.staleness, int) or w.staleness < 0:
-            problems.append((f"weight_sync[{i}]", "staleness", f"must be an int >= 0, got {w.staleness!r}"))
+        if not isinstance(w.staleness, int) or isinstance(w.staleness, bool) or w.staleness < 0:
+            problems.append((f"weight_sync[{i}]", "staleness", f"must be an int >= 0 (0 = "
+                             f"on-policy), got {w.staleness!r}"))
 
     dag = build_dag(graph)
     try:
-        cycle = nx.find_cycle(dag)
-        path = " -> ".join([e[0] for e in cycle] + [cycle[-1][1]])
-        problems.append((cycle[0][0], "inputs", f"cycle: {path} (the graph must be acyclic within "
-                                                "an iteration; use weight_sync for the loop)"))
+        problems.append(_cycle_problem(graph, nx.find_cycle(dag)))
     except nx.NetworkXNoCycle:
         pass
     problems += _algorithm_problems(graph.algorithm)
 
-    if problems:
-        raise GraphError(problems)
+    problems += kind_problems(graph, OPS)
+    problems += weight_sync_problems(graph, OPS)
+    if require_update:
+        problems += update_problems(graph, OPS)
+    problems += pruning_problems(graph, OPS, statically_disabled(graph))
+    if not any(p[1] == "inputs" and "cycle" in p[2] for p in problems):  # ancestors need a DAG
+        refill = refill_stages(graph, OPS)
+        problems += refill_problems(graph, OPS, refill)
 
     found = []
-    consumed = {(src, out) for s in graph.stages for _, src, out in s.input_refs()}
-    for s in graph.stages:
-        for out in OPS[s.op].outputs:
-            if (s.name, out) not in consumed:
-                msg = f"stage '{s.name}': output '{out}' is consumed by no stage"
-                found.append(msg)
-                warnings.warn(msg, UnusedOutputWarning, stacklevel=2)
-    return found
+    if not problems:
+        consumed = {(src, out) for s in graph.stages for _, src, out in s.input_refs()}
+        for s in graph.stages:
+            for out in OPS[s.op].outputs:
+                if (s.name, out) not in consumed:
+                    found.append(f"stage '{s.name}': output '{out}' is consumed by no stage")
+        found += conditional_input_warnings(graph, OPS)
+    return problems, found
 
 
 def _algorithm_problems(settings: dict) -> list[tuple[str, str, str]]:
@@ -152,11 +194,47 @@ def _algorithm_problems(settings: dict) -> list[tuple[str, str, str]]:
     return []
 
 
-def _has_interpolation(x) -> bool:
-    if isinstance(x, str):
-        return "${" in x
-    if isinstance(x, dict):
-        return any(_has_interpolation(v) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return any(_has_interpolation(v) for v in x)
-    return False
+def _cycle_problem(graph: Graph, cycle: list[tuple[str, str]]) -> tuple[str, str, str]:
+    """The cycle as one problem at the edge that most likely closes it: a stage reading one
+    declared after it (else the cycle's last edge)."""
+    pos = {n: i for i, n in enumerate(graph.stage_names)}
+    path = " -> ".join([e[0] for e in cycle] + [cycle[-1][1]])
+    back = [e for e in cycle if pos[e[0]] > pos[e[1]]]
+    src, dst = (back or cycle[-1:])[0]
+    arg, out = next((a, o) for a, s, o in graph[dst].input_refs() if s == src)
+    return (dst, f"inputs.{arg}", f"reads '{src}.{out}', which closes the cycle {path}; a stage "
+            f"may only read stages that do not depend on it within a step (the update -> "
+            f"rollout loop is a weight_sync, not an input): bind '{arg}' to another output")
+
+
+def graph_from_yaml(text: str) -> Graph:
+    """:meth:`Graph.from_yaml` that reports every problem of the text at once: the schema
+    problems and, with them, what the graph checks find in the rest (a misspelt reference, a
+    cycle), one line each, so one edit-and-retry fixes them all.
+
+    Raises:
+        GraphError: every problem found.
+    """
+    graph, problems, damaged = Graph.parse_yaml(text)
+    if problems:
+        if graph.stages:
+            found, _ = graph_problems(graph, require_update=False)
+            problems += [p for p in found if not damaged_problem(p, damaged) and p not in problems]
+        raise GraphError(problems)
+    return graph
+
+
+def load_graph(path: str | Path) -> Graph:
+    """A graph file, every problem reported at once (:func:`graph_from_yaml`), each prefixed
+    with the file.
+
+    Raises:
+        FileNotFoundError: no such file. GraphError: every problem found.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"graph file not found: {p}")
+    try:
+        return graph_from_yaml(p.read_text())
+    except GraphError as e:
+        raise e.with_source(p) from None

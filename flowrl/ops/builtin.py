@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from flowrl.algorithms.variants import ESTIMATORS, POLICY_LOSSES
-from flowrl.ops.spec import NoConfig, OpSpec
+from flowrl.ops.spec import LIST, NoConfig, OpSpec
 from flowrl.rewards import REWARD_FUNCTIONS
 from flowrl.rewards.function import load_reward_function
 from flowrl.rewards.genrm import DEFAULT_JUDGE_TEMPLATE, render_judge_prompt
@@ -196,9 +196,14 @@ class DynamicSamplingConfig:
 # --------------------------------------------------------------------------- declarations
 def _op(name: str, module: str, doc: str, *, inputs: tuple[str, ...] = (),
         outputs: tuple[str, ...] = (), optional_inputs: tuple[str, ...] = (),
-        config: type = NoConfig, roles: tuple[str, ...] = ()) -> OpSpec:
+        config: type = NoConfig, roles: tuple[str, ...] = (),
+        kinds: dict[str, str] | None = None, trains: bool = False) -> OpSpec:
     return OpSpec(name=name, inputs=inputs, outputs=outputs, optional_inputs=optional_inputs,
-                  config_cls=config, roles=roles, doc=doc, module=f"flowrl.ops.{module}")
+                  config_cls=config, roles=roles, doc=doc, module=f"flowrl.ops.{module}",
+                  kinds=dict(kinds or {}), trains=trains)
+
+
+GT_LIST = {"ground_truth": LIST}  # the reference answers: one string per sample, not a tensor
 
 
 def _advantage_ops() -> list[OpSpec]:
@@ -219,14 +224,15 @@ def _advantage_ops() -> list[OpSpec]:
 
 BUILTIN_OPS: list[OpSpec] = [
     _op("data.sample", "sample", "Draw prompts_per_step prompts, each repeated algorithm.n times",
-        outputs=PROMPT + ("group_id", "ground_truth")),
+        outputs=PROMPT + ("group_id", "ground_truth"), kinds=GT_LIST),
     _op("rollout.generate", "rollout", "One response per prompt row with rollout.sampling",
         inputs=PROMPT, outputs=RESPONSE + ("rollout_logprobs", "truncated"), roles=("rollout",)),
     _op("reward.rule", "reward", "Score each response against its ground truth (a verifier)",
-        inputs=RESPONSE + ("ground_truth",), outputs=("rewards",), config=RuleRewardConfig),
+        inputs=RESPONSE + ("ground_truth",), outputs=("rewards",), config=RuleRewardConfig,
+        kinds=GT_LIST),
     _op("reward.function", "reward", "Call the user's reward function on every response",
         inputs=RESPONSE + ("ground_truth", "group_id"), optional_inputs=PROMPT,
-        outputs=("rewards",), config=FunctionRewardConfig),
+        outputs=("rewards",), config=FunctionRewardConfig, kinds=GT_LIST),
     _op("reward.model", "reward", "Classifier reward model score of prompt + response",
         inputs=PROMPT + RESPONSE, outputs=("rewards",), roles=("reward_model",)),
     _op("reward.overlong", "reward", "DAPO soft overlong punishment of the response lengths",
@@ -235,7 +241,7 @@ BUILTIN_OPS: list[OpSpec] = [
         optional_inputs=MIX_COMPONENTS, outputs=("rewards",), config=MixConfig),
     _op("reward.genrm", "genrm", "Judge every response k times; reward = mean parseable score",
         inputs=PROMPT + RESPONSE + ("ground_truth",), outputs=("rewards",), config=GenRMConfig,
-        roles=("genrm",)),
+        roles=("genrm",), kinds=GT_LIST),
     _op("filter.dynamic_sampling", "filter", "Keep the rows of groups with reward variance",
         inputs=("rewards", "group_id"), optional_inputs=("filter_by",) + CARRIED,
         outputs=("rewards", "group_id") + CARRIED, config=DynamicSamplingConfig),
@@ -252,8 +258,8 @@ BUILTIN_OPS: list[OpSpec] = [
     _op("update.policy", "update", "Policy update: epochs x mini-batches of the policy loss",
         inputs=PROMPT + RESPONSE + ("advantages",),
         optional_inputs=("old_logprobs", "ref_logprobs", "truncated", "rollout_logprobs"),
-        config=PolicyUpdateConfig, roles=("actor",)),
+        config=PolicyUpdateConfig, roles=("actor",), trains=True),
     _op("update.critic", "critic", "Critic update: clipped value regression towards returns",
         inputs=PROMPT + RESPONSE + ("values", "returns"), optional_inputs=("truncated",),
-        roles=("critic",)),
+        roles=("critic",), trains=True),
 ]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flowrl.errors import RunStopped
 from flowrl.ops.context import StageContext
 from flowrl.ops.builtin import CARRIED, DynamicSamplingConfig  # noqa: F401 (re-exported)
 from flowrl.ops.registry import implements
@@ -63,7 +64,8 @@ def dynamic_sampling(ctx: StageContext, cfg: DynamicSamplingConfig, *, rewards, 
     ``filter/filtered_groups``, ``filter/zero_std_groups``, ``filter/too_few_valid_groups``.
 
     Raises:
-        RuntimeError: ``refill`` is off and no group is informative (never an empty batch).
+        RunStopped (a RuntimeError): ``refill`` is off and no group is informative (never an
+            empty batch).
     """
     scores = rewards if filter_by is None else filter_by
     keep, counts = informative_groups(scores, group_id, cfg.min_std)
@@ -72,8 +74,9 @@ def dynamic_sampling(ctx: StageContext, cfg: DynamicSamplingConfig, *, rewards, 
                "filter/zero_std_groups": counts["zero_std"],
                "filter/too_few_valid_groups": counts["too_few_valid"]})
     if counts["kept"] == 0 and not cfg.refill:
-        raise RuntimeError(f"stage '{ctx.stage}': dynamic sampling dropped all {filtered} groups "
-                           "(zero reward variance) and refill is off; set refill: true")
+        raise RunStopped(f"stage '{ctx.stage}': dynamic sampling dropped all {filtered} groups "
+                         "(zero reward variance) and refill is off; set params.refill: true of "
+                         f"stage '{ctx.stage}' in the graph file, or raise algorithm.n")
     out = {"rewards": rewards[keep], "group_id": group_id[keep]}
     for name in CARRIED:
         v = carried.get(name)

@@ -28,12 +28,12 @@ def genrm_reward(ctx: StageContext, cfg: GenRMConfig, *, prompt_ids, prompt_mask
     """
     from flowrl.data.prompts import collate_prompts
     from flowrl.engines.base import SamplingConfig
-    from flowrl.ops.reward import decode_responses, log_reward_stats, prompt_fields
+    from flowrl.ops.reward import decode_responses, log_reward_stats, prompt_fields, response_prefix
     from flowrl.rewards.genrm import mean_of_judgements, parse_judge_score, render_judge_prompt
 
     policy_tok = ctx.resource("tokenizer")
     judge_tok = ctx.resources.get("genrm_tokenizer", policy_tok)
-    responses = decode_responses(policy_tok, response_ids, response_mask)
+    responses = decode_responses(policy_tok, response_ids, response_mask, response_prefix(ctx))
     fields = prompt_fields(ctx, ground_truth, prompt_ids, prompt_mask)
     tokens = []
     for text, f in zip(responses, fields):

@@ -15,9 +15,9 @@ import inspect
 from typing import Callable
 
 from flowrl.ops.builtin import BUILTIN_OPS
-from flowrl.ops.spec import NoConfig, OpSpec
+from flowrl.ops.spec import LIST, TENSOR, NoConfig, OpSpec
 
-__all__ = ["NoConfig", "OPS", "OpSpec", "get_op", "implements", "load_builtin_ops", "register_op"]
+__all__ = ["LIST", "TENSOR", "NoConfig", "OPS", "OpSpec", "get_op", "implements", "load_builtin_ops", "register_op"]
 
 OPS: dict[str, OpSpec] = {s.name: s for s in BUILTIN_OPS}
 
@@ -60,6 +60,7 @@ def implements(name: str) -> Callable[[Callable], Callable]:
     return deco
 
 
+
 def register_op(
     name: str,
     *,
@@ -68,13 +69,23 @@ def register_op(
     optional_inputs: tuple[str, ...] = (),
     config: type = NoConfig,
     roles: tuple[str, ...] = (),
+    kinds: Mapping[str, str] | None = None,
+    trains: bool = False,
 ) -> Callable[[Callable], Callable]:
     """Declare op ``name`` and register ``fn`` as its function (ops of your own; built-in ops are
-    declared in ``ops/builtin.py`` and bound with :func:`implements`).
+    declared in ``ops/builtin.py`` and bound with :func:`implements`). ``kinds``, ``trains``:
+    see :class:`OpSpec`.
 
     Raises:
-        ValueError: a duplicate name. TypeError: see :func:`implements`.
+        ValueError: a duplicate name, or ``kinds`` naming something the op neither takes nor
+            produces, or a kind other than ``"tensor"`` / ``"list"``. TypeError: see
+            :func:`implements`.
     """
+    kinds = dict(kinds or {})
+    for key, kind in kinds.items():
+        if key not in (*inputs, *optional_inputs, *outputs) or kind not in (TENSOR, LIST):
+            raise ValueError(f"op '{name}': kinds[{key!r}] = {kind!r}: the key must be one of its "
+                             f"inputs/outputs and the kind '{TENSOR}' or '{LIST}'")
 
     def deco(fn: Callable) -> Callable:
         if name in OPS:
@@ -82,7 +93,8 @@ def register_op(
         spec = OpSpec(name=name, inputs=tuple(inputs), outputs=tuple(outputs),
                       optional_inputs=tuple(optional_inputs), config_cls=config,
                       roles=tuple(roles),
-                      doc=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "")
+                      doc=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "",
+                      kinds=kinds, trains=trains)
         _check_signature(spec, fn)
         spec.bound = fn
         OPS[name] = spec

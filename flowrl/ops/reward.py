@@ -22,10 +22,21 @@ from flowrl.ops.registry import implements
 log = logging.getLogger(__name__)
 
 
-def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
-    """Text of the valid response tokens only (never the prompt or the template's prefill)."""
-    return [tokenizer.decode(ids[m].tolist(), skip_special_tokens=True)
+def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor,
+                     prefix: str = "") -> list[str]:
+    """Text of the valid response tokens only (never the prompt), after ``prefix``: the
+    pre-filled start of the response (``data.response_prefix``), which lives in the prompt ids
+    but is part of the answer a verifier reads."""
+    return [prefix + tokenizer.decode(ids[m].tolist(), skip_special_tokens=True)
             for ids, m in zip(response_ids, response_mask)]
+
+
+def response_prefix(ctx: StageContext) -> str:
+    """The run's ``data.response_prefix`` (from its prompt source; "" without one)."""
+    from flowrl.data.prompts import PromptSource
+
+    source = ctx.resources.get("prompts")
+    return source.response_prefix if isinstance(source, PromptSource) else ""
 
 
 _QUESTIONS: "weakref.WeakKeyDictionary[Any, dict[tuple, str]]" = weakref.WeakKeyDictionary()
@@ -80,7 +91,8 @@ def log_reward_stats(ctx: StageContext, rewards: torch.Tensor, prefix: str = "re
 @implements("reward.rule")
 def rule_reward(ctx: StageContext, cfg: RuleRewardConfig, *, response_ids, response_mask,
                 ground_truth) -> dict:
-    """Score each response against its ground truth.
+    """Score each response (``data.response_prefix`` + the sampled text) against its ground
+    truth.
 
     Output: rewards (B,) float32; NaN marks an unscorable sample (the verifier raised or returned a
     non-finite value): it is counted in ``reward/unscorable`` and excluded from group statistics.
@@ -89,7 +101,8 @@ def rule_reward(ctx: StageContext, cfg: RuleRewardConfig, *, response_ids, respo
     from flowrl.rewards import REWARD_FUNCTIONS
 
     fn = REWARD_FUNCTIONS[cfg.verifier]
-    texts = decode_responses(ctx.resource("tokenizer"), response_ids, response_mask)
+    texts = decode_responses(ctx.resource("tokenizer"), response_ids, response_mask,
+                             response_prefix(ctx))
     scores = []
     for text, gt in zip(texts, ground_truth):
         try:
@@ -126,7 +139,8 @@ def _runner(cfg: FunctionRewardConfig):
 @implements("reward.function")
 def function_reward(ctx: StageContext, cfg: FunctionRewardConfig, *, response_ids, response_mask,
                     ground_truth, group_id, prompt_ids=None, prompt_mask=None) -> dict:
-    """Call the user's reward function on every response.
+    """Call the user's reward function on every response (``data.response_prefix`` + the
+    sampled text).
 
     Output: rewards (B,) float32 (a dict return is combined with ``weights``); NaN where the call
     raised, returned a non-number or a value that is not finite in float32 (weights applied),
@@ -137,7 +151,8 @@ def function_reward(ctx: StageContext, cfg: FunctionRewardConfig, *, response_id
     """
     from flowrl.rewards.function import NONFINITE, OK, Outcome, combine, fits_float32
 
-    texts = decode_responses(ctx.resource("tokenizer"), response_ids, response_mask)
+    texts = decode_responses(ctx.resource("tokenizer"), response_ids, response_mask,
+                             response_prefix(ctx))
     fields = prompt_fields(ctx, ground_truth, prompt_ids, prompt_mask, group_id)
     metas = [{"group_id": int(g), "index": i, "step": ctx.step} for i, g in enumerate(group_id.tolist())]
     outcomes = _runner(cfg).score(texts, fields, metas)

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 
+TENSOR, LIST = "tensor", "list"  # OpSpec.kinds values
+
+
 @dataclass
 class NoConfig:
     """Config of an op that takes no parameters."""
@@ -32,6 +35,12 @@ class OpSpec:
         doc: one line saying what the op does (``flowrl`` listings).
         module: module whose import binds the function (``registry.implements``); empty for an
             op registered with its function (``registry.register_op``).
+        kinds: what an input or output holds where it is not a tensor with a leading batch
+            dimension: ``"list"`` = a Python list, one entry per sample (``ground_truth``). The
+            validator refuses a list wired into a tensor input, and the reverse, before any
+            model loads.
+        trains: the op updates a model's weights (``update.policy``, ``update.critic``); a
+            training graph needs at least one such stage.
     """
 
     name: str
@@ -42,11 +51,17 @@ class OpSpec:
     roles: tuple[str, ...] = ()
     doc: str = ""
     module: str = ""
+    kinds: Mapping[str, str] = field(default_factory=dict)
+    trains: bool = False
     bound: Callable[..., Mapping[str, Any]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def all_inputs(self) -> tuple[str, ...]:
         return self.inputs + self.optional_inputs
+
+    def kind(self, name: str) -> str:
+        """``"tensor"`` or ``"list"``: what input or output ``name`` holds (see ``kinds``)."""
+        return self.kinds.get(name, TENSOR)
 
     @property
     def fn(self) -> Callable[..., Mapping[str, Any]]:

@@ -3,7 +3,8 @@
     def my_reward(response_text: str, fields: dict, metadata: dict) -> float | dict[str, float]:
         ...
 
-- ``response_text``: the decoded RESPONSE only (never the prompt or the chat template's prefill).
+- ``response_text``: the decoded RESPONSE (never the prompt), starting with
+  ``data.response_prefix`` when one pre-fills the response (``<think>\n``).
 - ``fields``: the prompt's fields: ``ground_truth``, ``question`` (when the prompt source knows
   it), ``prompt`` (the rendered prompt text) and the ``data.extra_keys`` columns of the row.
 - ``metadata``: ``group_id`` (int, the prompt instance), ``index`` (row in the batch), ``step``.

@@ -157,7 +157,8 @@ def evaluate_greedy(rollout_engine, prompts, tokenizer, scorer: EvalScorer, *, s
         on_progress(0, total)
     for batch in batches:
         out = rollout_engine.generate(batch.prompt_ids, batch.prompt_mask, params)
-        texts = decode_responses(tokenizer, out.response_ids, out.response_mask)
+        texts = decode_responses(tokenizer, out.response_ids, out.response_mask,
+                                 prompts.response_prefix)  # the pre-filled start is answer text
         fields = [{"ground_truth": gt, **f} for gt, f in zip(batch.ground_truth, batch.fields)]
         rewards = scorer.score(texts, fields, batch.prompt_index.tolist())
         for i, text, truth, reward, n_tok, trunc in zip(

@@ -40,10 +40,10 @@ def check_run(cfg: "TrainConfig", raw: Any) -> "ExecutionPlan":
     from omegaconf import DictConfig, OmegaConf
 
     from flowrl.compiler.plan import compile_plan
-    from flowrl.graph.graph import Graph
+    from flowrl.graph.validate import load_graph
 
     node = raw if isinstance(raw, DictConfig) else OmegaConf.create(raw)
-    plan = compile_plan(Graph.load(cfg.graph.resolve()), OmegaConf.to_container(node, resolve=True),
+    plan = compile_plan(load_graph(cfg.graph.resolve()), OmegaConf.to_container(node, resolve=True),
                         placement=cfg.placement.mode)
     _check_estimators(plan, cfg)
     if "reward_model" in plan.roles and cfg.reward.model.model is None:

@@ -15,6 +15,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
+from flowrl.errors import RunStopped
+
 
 class Terminated(BaseException):
     """SIGTERM arrived (torchrun stopping the group, a scheduler's preemption): unwind, so the
@@ -58,7 +60,9 @@ def resume_hint(out_dir: str | Path) -> str:
 
 def report_crash(e: BaseException, out_dir: str | Path) -> int:
     """Print why the run stopped and how to continue it (stderr); returns the exit status
-    (130 Ctrl-C, 143 SIGTERM, 1 anything else). SystemExit is re-raised unchanged."""
+    (130 Ctrl-C, 143 SIGTERM, 1 anything else). A :class:`RunStopped` is one line (its
+    message names what to change), anything else adds the traceback. SystemExit is re-raised
+    unchanged."""
     from flowrl.runtime.distributed import peer_report
 
     if isinstance(e, SystemExit):
@@ -67,6 +71,8 @@ def report_crash(e: BaseException, out_dir: str | Path) -> int:
         what, code = "interrupted", 130
     elif isinstance(e, Terminated):
         what, code = "stopped by SIGTERM", 143
+    elif isinstance(e, RunStopped):  # the message says what to change; no internals
+        what, code = f"stopped: {' '.join(str(e).split()).rstrip('.')}", 1
     else:
         traceback.print_exception(e)
         first = (str(e).strip().splitlines() or [""])[0][:500].rstrip(".")

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from flowrl.compiler.plan import RefillSpec
+from flowrl.errors import RunStopped
 
 if TYPE_CHECKING:
     from flowrl.runtime.executor import Executor
@@ -83,8 +84,9 @@ def run_refill(ex: "Executor", spec: RefillSpec, step: int) -> dict[str, float]:
     replace the upstream stages' and the stage's own.
 
     Raises:
-        RuntimeError: fewer than the target groups after ``max_attempts`` attempts, naming the
-            stage, the counts and the knobs to turn.
+        RunStopped (a RuntimeError): fewer than the target groups after ``max_attempts``
+            attempts, naming the stage, the counts and the knobs to turn (one line, no
+            traceback, from ``flowrl train``).
     """
     name = spec.stage
     resident_at_stage = set(ex._resident)
@@ -119,7 +121,7 @@ def run_refill(ex: "Executor", spec: RefillSpec, step: int) -> dict[str, float]:
         if have >= target:
             break
     else:
-        raise RuntimeError(
+        raise RunStopped(
             f"stage '{name}': dynamic sampling kept {have} of the {target} groups it needs after "
             f"{spec.max_attempts} attempts ({sampled} groups sampled, the rest had no reward "
             f"variance): raise params.max_attempts of stage '{name}' in the graph file (or lower "

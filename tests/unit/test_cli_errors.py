@@ -13,17 +13,18 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 @pytest.mark.parametrize("args,expected", [
     (["train", "launcher.nproc=2", "trainer.total_step=3"],
-     "flowrl train: error: Could not override 'trainer.total_step'.; To append to your config use "
-     "+trainer.total_step=3; Key 'total_step' not in 'TrainerConfig'"),
+     "flowrl train: error: unknown key trainer.total_step (did you mean trainer.total_steps?): "
+     "nothing reads it; `flowrl train --cfg job` prints every key"),
     (["train", "launcher.nproc=2", "placement=partitoned"],
-     "flowrl train: error: In 'train': Could not find 'placement/partitoned'; Available options in "
-     "'placement': auto; colocated; partitioned"),
+     "flowrl train: error: placement=partitoned: no such option; choose one of auto, colocated, "
+     "partitioned"),
     (["train", "launcher.nproc=2", "placement=partitioned", "placement.pools.train=[0,1]"],
      "flowrl train: error: placement.pools: rank 1 is in both 'train' and 'rollout' (partitioned "
      "pools must not overlap)"),
     (["plan", "placement.staleness=abc"],
-     "flowrl plan: error: Error merging override placement.staleness=abc; Value 'abc' of type 'str' "
-     "could not be converted to Integer"),
+     "flowrl plan: error: placement.staleness=abc: placement.staleness takes an integer, got 'abc'"),
+    (["train", "placement.staleness=abc"],  # single process: before Hydra's own 6-line report
+     "flowrl train: error: placement.staleness=abc: placement.staleness takes an integer, got 'abc'"),
 ])
 def test_one_line_errors(args, expected, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "flowrl.cli", *args], cwd=tmp_path, env=ENV,

@@ -54,7 +54,7 @@ def _tiny(**overrides):
 
 def _problem(g):
     with pytest.raises(GraphError) as ei:
-        validate_graph(g)
+        validate_graph(g, require_update=False)  # fragments: sample -> rollout, no update
     return ei.value.problems
 
 
@@ -74,12 +74,19 @@ def test_role_not_allowed_for_op():
     assert (stage, field) == ("rollout", "role") and "cannot run as role 'ref'" in msg
 
 
-def test_misspelled_input_argument():
+def test_misspelled_input_argument_is_one_problem_naming_the_fix():
     g = _tiny()
     g["rollout"].inputs = {"prompt_idz": "sample.prompt_ids", "prompt_mask": "sample.prompt_mask"}
-    fields = {f: m for s, f, m in _problem(g)}
-    assert "did you mean 'prompt_ids'" in fields["inputs.prompt_idz"]
-    assert "not bound" in fields["inputs.prompt_ids"]
+    assert _problem(g) == [("rollout", "inputs.prompt_idz", "op 'rollout.generate' has no input "
+                            "'prompt_idz'; rename it to 'prompt_ids'")]
+
+
+def test_unbound_required_input_names_an_output_to_bind():
+    g = _tiny()
+    del g["rollout"].inputs["prompt_mask"]
+    assert _problem(g) == [("rollout", "inputs.prompt_mask", "required input of op "
+                            "'rollout.generate' is not bound: add 'inputs.prompt_mask: "
+                            "<stage>.<output>' (e.g. 'sample.prompt_mask')")]
 
 
 def test_misspelled_output_reference():
@@ -87,14 +94,17 @@ def test_misspelled_output_reference():
     g["rollout"].inputs["prompt_ids"] = "sample.prompt_id"
     (stage, field, msg), = _problem(g)
     assert (stage, field) == ("rollout", "inputs.prompt_ids")
-    assert "no output 'prompt_id'" in msg and "did you mean 'prompt_ids'" in msg
+    assert msg == "reads 'sample.prompt_id', but stage 'sample' (op 'data.sample') has no " \
+                  "output 'prompt_id'; did you mean 'sample.prompt_ids'?"
 
 
 def test_unknown_stage_reference():
     g = _tiny()
     g["rollout"].inputs["prompt_mask"] = "sampel.prompt_mask"
     (stage, field, msg), = _problem(g)
-    assert field == "inputs.prompt_mask" and "unknown stage 'sampel'" in msg
+    assert field == "inputs.prompt_mask"
+    assert msg == "reads 'sampel.prompt_mask', but no stage is named 'sampel'; did you mean " \
+                  "'sample.prompt_mask'?"
 
 
 def test_malformed_reference():
@@ -107,7 +117,7 @@ def test_malformed_reference():
 def test_duplicate_stage_names():
     g = _tiny()
     g.stage("sample", "data.sample")
-    assert ("sample", "name", "duplicate stage name") in _problem(g)
+    assert ("sample", "name", "duplicate stage name; rename one of them") in _problem(g)
 
 
 def test_cycle_is_reported_with_its_path():
@@ -118,8 +128,10 @@ def test_cycle_is_reported_with_its_path():
     g.stage("b", "logprobs", role="ref", inputs={
         "prompt_ids": "a.logprobs", "prompt_mask": "a.logprobs",
         "response_ids": "a.logprobs", "response_mask": "a.logprobs"})
-    probs = _problem(g)
-    assert any("cycle:" in m and "a" in m and "b" in m for _, _, m in probs)
+    (stage, field, msg), = _problem(g)  # one problem, at the reference declared backwards
+    assert (stage, field) == ("a", "inputs.prompt_ids")
+    assert msg.startswith("reads 'b.logprobs', which closes the cycle ")
+    assert "a -> b -> a" in msg or "b -> a -> b" in msg
 
 
 def test_bad_param_names_the_field():
@@ -140,7 +152,7 @@ def test_bad_weight_sync():
 def test_unused_output_warns():
     g = _tiny()
     with pytest.warns(UnusedOutputWarning, match="output 'group_id' is consumed by no stage"):
-        found = validate_graph(g)
+        found = validate_graph(g, require_update=False)
     assert any("rollout" in m and "rollout_logprobs" in m for m in found)
 
 

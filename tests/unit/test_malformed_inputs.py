@@ -48,3 +48,323 @@ def test_inputs_or_params_that_are_not_a_mapping_say_what_to_write(field, value,
         Graph.from_dict({"name": "g", "stages": [{**STAGE, field: value}]})
     assert e.value.problems == [("sample", field, f"must be a mapping ({shape} lines), got a "
                                  f"{type(value).__name__}")]
+
+
+# ---------------------------------------------------------------------------------------------
+# The reusable table: malformed graphs and configs, each run through `flowrl graph validate`,
+# `flowrl plan` and `flowrl train` in-process, with the model loader flagged. Every case must
+# exit with status 1 (graph validate) or 2 (plan, train), print ONE line naming the stage or
+# field and what to change, and load no model.
+import copy
+import io
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+GRPO = yaml.safe_load((REPO / "graphs/grpo.yaml").read_text())
+DAPO = yaml.safe_load((REPO / "graphs/dapo.yaml").read_text())
+
+
+def _stage(g: dict, name: str) -> dict:
+    return next(s for s in g["stages"] if s["name"] == name)
+
+
+def _edit(base: dict, fn) -> dict:
+    g = copy.deepcopy(base)
+    fn(g)
+    return g
+
+
+def _no_update(g):
+    g["stages"] = [s for s in g["stages"] if s["name"] != "update"]
+    g.pop("weight_sync")
+
+
+def _two_refill(g):  # a second filter after the first, the update reading the second
+    second = copy.deepcopy(_stage(g, "filter"))
+    second["name"] = "filter2"
+    second["inputs"] = {k: f"filter.{k}" for k in second["inputs"] if k != "filter_by"}
+    g["stages"].insert(g["stages"].index(_stage(g, "filter")) + 1, second)
+    for s in g["stages"][g["stages"].index(second) + 1:]:
+        s["inputs"] = {k: v.replace("filter.", "filter2.") for k, v in s.get("inputs", {}).items()}
+
+
+def _self_loop(g):
+    _stage(g, "advantage")["inputs"]["rewards"] = "advantage.advantages"
+
+
+def _cycle(g):
+    _stage(g, "reward")["inputs"]["response_ids"] = "advantage.advantages"
+
+
+def _rename_input(g):
+    inputs = _stage(g, "advantage")["inputs"]
+    inputs["rewardz"] = inputs.pop("rewards")
+
+
+GRAPH_CASES = {
+    # (graph, fragment of the one line). Rejected by all three commands.
+    "list_into_tensor": (_edit(GRPO, lambda g: _stage(g, "advantage")["inputs"].update(
+        rewards="sample.ground_truth")),
+        "stage 'advantage', field 'inputs.rewards': 'sample.ground_truth' is a list (one Python "
+        "value per sample) but input 'rewards' of op 'advantage.grpo' takes a tensor (batch "
+        "dimension first); bind a tensor output (e.g. 'reward.rewards')"),
+    "no_update_stage": (_edit(GRPO, _no_update),
+        "field 'stages': no stage updates a model, so a run would train nothing: add an update "
+        "stage (op update.critic or update.policy"),
+    "two_refill_stages": (_edit(DAPO, _two_refill),
+        "stage 'filter2', field 'params.refill': a second refill stage: 'filter' already re-runs "
+        "the sampling sub-graph and a graph has one refill loop; set 'refill: false' on one of "
+        "['filter', 'filter2']"),
+    "required_input_pruned_by_when_false": (_edit(GRPO, lambda g: _stage(g, "advantage").update(
+        when=False)),
+        "stage 'update', field 'inputs.advantages': required input reads stage 'advantage', "
+        "which its 'when: false' disables; change that 'when', or give stage 'update' the same "
+        "'when'"),
+    "update_pruned_by_when_false": (_edit(GRPO, lambda g: _stage(g, "update").update(when=0)),
+        "stage 'update', field 'when': 'when: 0' disables the only update stage, so a run would "
+        "train nothing"),
+    "weight_sync_from_roleless_stage": (_edit(GRPO, lambda g: g.update(
+        weight_sync=[{"from": "advantage", "to": "rollout", "staleness": 0}])),
+        "weight_sync[0].from: stage 'advantage' has no role (it runs no model), so it has no "
+        "weights to send; sync from the stage that updates them (e.g. 'update')"),
+    "weight_sync_into_roleless_stage": (_edit(GRPO, lambda g: g.update(
+        weight_sync=[{"from": "update", "to": "reward", "staleness": 0}])),
+        "weight_sync[0].to: stage 'reward' has no role (it runs no model), so nothing would load "
+        "the weights; sync into the stage that generates with role actor's weights (e.g. "
+        "'rollout')"),
+    "weight_sync_into_frozen_ref": (_edit(GRPO, lambda g: g.update(
+        weight_sync=[{"from": "update", "to": "ref_logprobs", "staleness": 0}])),
+        "weight_sync[0].to: stage 'ref_logprobs' (role ref) does not serve role actor's weights; "
+        "sync into a stage whose role does (e.g. 'rollout')"),
+    "read_inside_refill_subgraph": (_edit(DAPO, lambda g: _stage(g, "advantage")["inputs"].update(
+        rewards="mix.rewards")),
+        "stage 'advantage', field 'inputs.rewards': reads 'mix.rewards' from inside the refill "
+        "sub-graph of 'filter', which re-runs it until enough groups are kept; bind "
+        "'filter.rewards' instead"),
+    "self_loop": (_edit(GRPO, _self_loop),
+        "stage 'advantage', field 'inputs.rewards': a stage cannot read its own output "
+        "'advantage.advantages'; bind it to an earlier stage's output (e.g. 'reward.rewards')"),
+    "unknown_input_name": (_edit(GRPO, _rename_input),
+        "stage 'advantage', field 'inputs.rewardz': op 'advantage.grpo' has no input 'rewardz'; "
+        "rename it to 'rewards'"),
+    "cycle": (_edit(GRPO, _cycle),
+        "stage 'reward', field 'inputs.response_ids': reads 'advantage.advantages', which closes "
+        "the cycle reward -> advantage -> reward; a stage may only read stages that do not depend "
+        "on it within a step"),
+    "dangling_stage_reference": (_edit(GRPO, lambda g: _stage(g, "advantage")["inputs"].update(
+        rewards="rewardd.rewards")),
+        "stage 'advantage', field 'inputs.rewards': reads 'rewardd.rewards', but no stage is named "
+        "'rewardd'; did you mean 'reward.rewards'?"),
+    "dangling_output_reference": (_edit(GRPO, lambda g: _stage(g, "advantage")["inputs"].update(
+        rewards="reward.reward")),
+        "stage 'advantage', field 'inputs.rewards': reads 'reward.reward', but stage 'reward' (op "
+        "'reward.rule') has no output 'reward'; did you mean 'reward.rewards'?"),
+    "weight_sync_not_a_list": (_edit(GRPO, lambda g: g.update(weight_sync="update")),
+        "field 'weight_sync': must be a list of {from, to, staleness} mappings, got a str"),
+    "inputs_not_a_mapping": (_edit(GRPO, lambda g: _stage(g, "reward").update(
+        inputs=["rollout.response_ids"])),
+        "stage 'reward', field 'inputs': must be a mapping (op argument: stage.output lines), got "
+        "a list"),
+    "yaml_syntax_error": ((REPO / "graphs/grpo.yaml").read_text().replace(
+        "  op: data.sample", "  op: data.sample\n   - bad: ["),
+        "not valid YAML at line 9, column 9: mapping values are not allowed here; check the "
+        "indentation and quoting there"),
+}
+
+# need the run config: `graph validate` passes them (with a warning), plan and train reject them
+RUN_CONFIG_GRAPH_CASES = {
+    "required_input_pruned_by_when_interpolation": (
+        _edit(GRPO, lambda g: _stage(g, "advantage").update(when="${algorithm.kl_coef}")),
+        "stage 'update', field 'inputs.advantages': required input reads stage 'advantage', "
+        "which its 'when: ${algorithm.kl_coef}' disables; change that 'when', or give stage "
+        "'update' the same 'when'",
+        "stage 'update': required input 'advantages' reads stage 'advantage', which 'when: "
+        "${algorithm.kl_coef}' can disable"),
+    "unreachable_dynamic_sampling_target": (
+        _edit(DAPO, lambda g: _stage(g, "filter")["params"].update(target_groups=100)),
+        "stage 'filter', field 'params.target_groups': 100 groups can never be kept: 16 attempts "
+        "of trainer.prompts_per_step=2 sample 32 at most; lower target_groups or raise "
+        "params.max_attempts", None),
+}
+
+CONFIG_CASES = {
+    # overrides → fragment of the one line (plan and train)
+    "n_not_numeric": (["algorithm.n=abc"], "algorithm.n=abc: algorithm.n takes an integer, got 'abc'"),
+    "n_not_integer": (["algorithm.n=2.5"], "algorithm.n=2.5: algorithm.n takes an integer, got 2.5"),
+    "total_steps_float": (["trainer.total_steps=2.5"],
+                          "trainer.total_steps=2.5: trainer.total_steps takes an integer, got 2.5"),
+    "unknown_graph_option": (["graph=grpoo"], "graph=grpoo: no such option; choose one of dapo, "
+                             "dr_grpo, genrm_grpo, grpo, gspo, ppo, reinforce_pp, rloo (or "
+                             "graph.path=FILE for your own graph file)"),
+    "unknown_model_option": (["model=tiniest"], "model=tiniest: no such option; choose one of "
+                             "smollm2, tiny (or model.path=DIR for a local model folder)"),
+    "unknown_rollout_option": (["rollout=vlm"], "rollout=vlm: no such option; choose one of auto, "
+                               "hf, vllm"),
+    "unknown_key": (["algorithm.kl_coeff=0.5"], "unknown key algorithm.kl_coeff (did you mean "
+                    "algorithm.kl_coef?): nothing reads it"),
+    "appended_misspelt_key": (["+algorithm.kl_coeff=0.5"], "unknown key algorithm.kl_coeff (did "
+                              "you mean algorithm.kl_coef?): nothing reads it"),
+    "pools_under_colocated": (["placement=colocated", "placement.pools.train=[0]"],
+                              "placement.pools.train: placement.pools is read only by "
+                              "placement=partitioned: add placement=partitioned before it"),
+    "appended_pools_under_colocated": (["+placement.pools.train=[0]"],
+                                       "placement.pools is read only by placement=partitioned, "
+                                       "and this run is placement=colocated"),
+    "override_without_equals": (["trainer.total_steps"], "override 'trainer.total_steps' has no "
+                                "'=': write trainer.total_steps=VALUE"),
+    "override_syntax_error": (["algorithm.n=[1,"], "override 'algorithm.n=[1,' cannot be parsed "
+                              "(no viable alternative at input '[1,'): write key=value and quote"),
+}
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test the moment anything loads a model or builds engines."""
+    from flowrl import train
+    from flowrl.models import loading
+
+    loaded = []
+
+    def flag(*a, **k):
+        loaded.append(a)
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(loading, "load_model", flag)
+    monkeypatch.setattr(train, "build_engines", flag)
+    return loaded
+
+
+def run_cli(args: list[str], tmp_path: Path) -> tuple[int, list[str]]:
+    """``flowrl ARGS`` in this process: (exit status, non-empty stderr lines)."""
+    from flowrl.cli import main
+
+    err = io.StringIO()
+    argv = sys.argv[:]
+    try:
+        with redirect_stderr(err), redirect_stdout(io.StringIO()):
+            try:
+                rc = main(args)
+            except SystemExit as e:  # flowrl train exits through Hydra's entry point
+                rc = e.code
+    finally:
+        sys.argv = argv
+    return rc, [ln for ln in err.getvalue().splitlines() if ln.strip()]
+
+
+def job_args(tmp_path: Path, *more: str) -> list[str]:
+    return ["model=tiny", "trainer=smoke", f"hydra.run.dir={tmp_path / 'run'}", *more]
+
+
+def write_graph(tmp_path: Path, graph) -> Path:
+    path = tmp_path / "g.yaml"
+    path.write_text(graph if isinstance(graph, str) else yaml.safe_dump(graph, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(GRAPH_CASES))
+@pytest.mark.parametrize("command", ["graph validate", "plan", "train"])
+def test_malformed_graph_is_one_line_before_any_model_loads(case, command, tmp_path, no_model):
+    graph, fragment = GRAPH_CASES[case]
+    path = write_graph(tmp_path, graph)
+    args = ["graph", "validate", str(path)] if command == "graph validate" else \
+        [command, *job_args(tmp_path, f"graph.path={path}")]
+    rc, lines = run_cli(args, tmp_path)
+    assert rc == (1 if command == "graph validate" else 2), lines
+    assert len(lines) == 1 and fragment in lines[0], lines
+    assert not no_model and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("case", sorted(RUN_CONFIG_GRAPH_CASES))
+def test_graph_rules_needing_the_run_config(case, tmp_path, no_model):
+    graph, fragment, warning = RUN_CONFIG_GRAPH_CASES[case]
+    path = write_graph(tmp_path, graph)
+    rc, lines = run_cli(["graph", "validate", str(path)], tmp_path)
+    assert rc == 0 and lines == []
+    if warning is not None:
+        from flowrl.graph import ConditionalInputWarning, Graph, validate_graph
+
+        with pytest.warns(ConditionalInputWarning, match=re.escape(warning)):
+            validate_graph(Graph.load(path))
+    for command in ("plan", "train"):
+        rc, lines = run_cli([command, *job_args(tmp_path, f"graph.path={path}")], tmp_path)
+        assert rc == 2 and len(lines) == 1 and fragment in lines[0], (command, lines)
+    assert not no_model and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_malformed_config_is_one_line_before_any_model_loads(case, command, tmp_path, no_model):
+    overrides, fragment = CONFIG_CASES[case]
+    rc, lines = run_cli([command, *job_args(tmp_path, *overrides)], tmp_path)
+    assert rc == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"flowrl {command}: error: ") and fragment in lines[0], lines
+    assert not no_model and not (tmp_path / "run").exists()
+
+
+def test_every_problem_of_a_file_is_reported_one_line_each(tmp_path, no_model):
+    """A schema error (an unknown stage field) no longer hides the graph checks: the misspelt
+    reference and the cycle in the same file are reported with it."""
+    g = _edit(GRPO, _cycle)
+    _stage(g, "advantage")["bogus"] = 1
+    _stage(g, "update")["inputs"]["advantages"] = "advantag.advantages"
+    path = write_graph(tmp_path, g)
+    rc, lines = run_cli(["graph", "validate", str(path)], tmp_path)
+    assert rc == 1
+    assert lines == [
+        f"{path}: stage 'advantage', field 'bogus': unknown stage field; known: ['inputs', "
+        "'name', 'op', 'params', 'role', 'when']",
+        f"{path}: stage 'update', field 'inputs.advantages': reads 'advantag.advantages', but no "
+        "stage is named 'advantag'; did you mean 'advantage.advantages'?",
+        f"{path}: stage 'reward', field 'inputs.response_ids': reads 'advantage.advantages', which "
+        "closes the cycle reward -> advantage -> reward; a stage may only read stages that do not "
+        "depend on it within a step (the update -> rollout loop is a weight_sync, not an input): "
+        "bind 'response_ids' to another output"]
+    rc, plan_lines = run_cli(["plan", *job_args(tmp_path, f"graph.path={path}")], tmp_path)
+    assert rc == 2 and plan_lines == [f"flowrl plan: error: {lines[0]}", *lines[1:]]
+
+
+def test_graph_validate_checks_every_file(tmp_path):
+    bad = write_graph(tmp_path, _edit(GRPO, _no_update))
+    rc, lines = run_cli(["graph", "validate", str(bad), str(REPO / "graphs/grpo.yaml")], tmp_path)
+    assert rc == 1 and len(lines) == 1 and lines[0].startswith(f"{bad}: field 'stages'")
+
+
+def test_the_shipped_graphs_pass_every_rule():
+    from flowrl.graph import Graph, validate_graph
+
+    for path in sorted((REPO / "graphs").glob("*.yaml")):
+        validate_graph(Graph.load(path))  # raises on any problem
+
+
+def test_a_dynamic_sampling_cap_is_one_line_with_the_resume_command(tmp_path, capsys):
+    """The refill loop gives up with RunStopped: `flowrl train` prints its message (what to
+    change) and the resume command, no traceback."""
+    from flowrl.errors import RunStopped
+    from flowrl.runtime.recovery import report_crash
+
+    msg = ("stage 'filter': dynamic sampling kept 1 of the 2 groups it needs after 3 attempts "
+           "(6 groups sampled, the rest had no reward variance): raise params.max_attempts of "
+           "stage 'filter' in the graph file (or lower its params.target_groups), or raise "
+           "algorithm.n")
+    assert report_crash(RunStopped(msg), tmp_path) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert err == [f"flowrl train: stopped: {msg}. No checkpoint was saved in {tmp_path} yet, so "
+                   "there is nothing to resume; start again (trainer.save_every=k saves every k "
+                   "steps)"]
+
+
+def test_the_refill_loop_and_the_filter_raise_run_stopped():
+    from flowrl.errors import RunStopped
+    from flowrl.ops.filter import DynamicSamplingConfig, dynamic_sampling
+    from flowrl.ops.context import StageContext
+
+    import torch
+
+    ctx = StageContext(stage="filter", step=1)
+    with pytest.raises(RunStopped, match="set params.refill: true of stage 'filter'"):
+        dynamic_sampling(ctx, DynamicSamplingConfig(refill=False),
+                         rewards=torch.tensor([1.0, 1.0]), group_id=torch.tensor([0, 0]))

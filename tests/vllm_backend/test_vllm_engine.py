@@ -161,3 +161,20 @@ def test_incomplete_load_is_refused(setup):
         eng.generate(ids, mask, params)
     eng.load_weights((n, p.detach()) for n, p in named)
     assert eng.generate(ids, mask, params).response_ids.shape == (3, 4)
+
+
+def test_a_response_prefix_is_continued_like_the_hf_engine(setup):
+    """data.response_prefix lives in the prompt ids (both engines take ids): vLLM continues
+    after '<think>\\n' token for token like HF, and returns only the sampled tokens."""
+    from flowrl.data import DataConfig, PromptSource
+
+    eng, model, tok, _, _ = setup
+    batch = PromptSource(DataConfig(limit=3, shuffle=False, response_prefix="<think>\n"),
+                         tok).sample(3, 1)
+    prefix_ids = tok("<think>\n", add_special_tokens=False)["input_ids"]
+    assert batch.prompt_ids[:, -len(prefix_ids):].tolist() == [prefix_ids] * 3
+    params = SamplingConfig(temperature=0.0, max_new_tokens=6)
+    v = eng.generate(batch.prompt_ids, batch.prompt_mask, params)
+    h = HFRolloutEngine(model, tok).generate(batch.prompt_ids, batch.prompt_mask, params)
+    assert v.response_ids.shape == v.response_mask.shape == (3, 6)
+    assert torch.equal(v.response_ids, h.response_ids)

@@ -1,0 +1,156 @@
+"""Hydra/OmegaConf composition errors as one line that names the override and what to change.
+
+Hydra reports a bad override over 6-15 lines (the exception, its cause's ``full_key`` /
+``object_type`` block, the config search path, the HYDRA_FULL_ERROR hint) and often without
+the fix: ``Key 'kl_coeff' not in 'AlgorithmConfig'`` suggests appending with ``+``, which flowrl
+then refuses as an unknown key. :func:`explain` turns each kind into one line:
+
+- an unknown group option: ``graph=nope: no such option; choose one of dapo, ...``;
+- an unknown key: ``unknown key algorithm.kl_coeff (did you mean algorithm.kl_coef?)``;
+- a value of the wrong type: ``algorithm.n=2.5: algorithm.n takes an integer, got 2.5``;
+- an override that does not parse: ``override 'trainer.total_steps' has no '='``;
+- ``placement.pools.*`` without ``placement=partitioned``.
+
+:func:`refuse_bad_overrides` is what ``flowrl train`` calls before Hydra's own entry point, so
+``flowrl train`` and ``flowrl plan`` print the same line (exit status 2).
+"""
+from __future__ import annotations
+
+import difflib
+import re
+import sys
+from typing import Any, Optional, Sequence
+
+# OmegaConf's "could not be converted to <Type>" → what the field takes
+_TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false",
+               "String": "a string"}
+# groups whose options are files of conf/<group>/, and the way to use something else instead
+_OWN = {"graph": " (or graph.path=FILE for your own graph file)",
+        "model": " (or model.path=DIR for a local model folder)",
+        "data": " (or data.path=FILE for your own prompts)"}
+
+
+def _schema():
+    from omegaconf import OmegaConf
+
+    from flowrl.config import TrainConfig
+
+    return OmegaConf.structured(TrainConfig)
+
+
+def key_hint(full_key: str) -> str:
+    """`` (did you mean algorithm.kl_coef?)`` for a misspelt dotted key, from the schema."""
+    from omegaconf import DictConfig
+
+    parts = full_key.split(".")
+    node: Any = _schema()
+    for p in parts[:-1]:
+        if not isinstance(node, DictConfig) or p not in node:
+            return ""
+        node = node._get_node(p)
+    if not isinstance(node, DictConfig):
+        return ""
+    close = difflib.get_close_matches(parts[-1], [str(k) for k in node.keys()], n=1)
+    prefix = ".".join(parts[:-1])
+    return f" (did you mean {prefix + '.' if prefix else ''}{close[0]}?)" if close else ""
+
+
+def _default(full_key: str) -> Optional[Any]:
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.select(_schema(), full_key, throw_on_missing=False)
+    except Exception:  # a key OmegaConf cannot select (interpolation, missing): no example
+        return None
+
+
+def _first_unparsable(overrides: Sequence[str]) -> tuple[str, str]:
+    """The first override Hydra's grammar rejects, and the parser's reason."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for o in overrides:
+        try:
+            parser.parse_override(o)
+        except Exception as e:  # the grammar's own error types vary by Hydra version
+            reason = re.sub(r" expecting \{.*\}", "", str(e).split("See https://")[0])
+            return o, " ".join(reason.split())
+    return "", ""
+
+
+def _pools_message(full_key: str, overrides: Sequence[str]) -> str:
+    partitioned = any(o.strip() in ("placement=partitioned", "+placement=partitioned")
+                      for o in overrides)
+    if partitioned:
+        return (f"{full_key}: a partitioned placement has exactly two pools, placement.pools.train "
+                "and placement.pools.rollout")
+    return (f"{full_key}: placement.pools is read only by placement=partitioned: add "
+            "placement=partitioned before it (or drop the pools for this placement)")
+
+
+def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
+    """One line for a Hydra/OmegaConf composition error of ``overrides`` (no trailing period).
+
+    Unknown kinds fall back to the error's own message lines joined with ``; ``."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, OmegaConfBaseException,
+                                  ValidationError)
+
+    if isinstance(e, MissingConfigException) and e.missing_cfg_file and "/" in e.missing_cfg_file:
+        group, name = e.missing_cfg_file.rsplit("/", 1)
+        options = ", ".join(e.options or []) or "(none)"
+        return f"{group}={name}: no such option; choose one of {options}{_OWN.get(group, '')}"
+    if isinstance(e, OverrideParseException):
+        bad, reason = _first_unparsable(overrides)
+        if bad and "=" not in bad:
+            return (f"override '{bad}' has no '=': write {bad}=VALUE (+{bad}=VALUE adds a key, "
+                    f"~{bad} removes one)")
+        if bad:
+            return (f"override '{bad}' cannot be parsed ({reason}): write key=value and quote a "
+                    "value holding brackets, commas, '=' or spaces, e.g. key='a,b'")
+    cause: Optional[BaseException] = e
+    while cause is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__
+    if isinstance(cause, OmegaConfBaseException) and cause.full_key:
+        key = str(cause.full_key)
+        first = str(cause).splitlines()[0] if str(cause) else ""
+        if isinstance(cause, ValidationError):
+            m = re.search(r"could not be converted to (\w+)", first)
+            want = _TYPE_WORDS.get(m.group(1), m.group(1)) if m else None
+            value = cause.value
+            if want is not None:
+                default = _default(key)
+                example = f" (e.g. {key}={default})" if default is not None and \
+                    not isinstance(default, (dict, list)) else ""
+                return f"{key}={value}: {key} takes {want}, got {value!r}{example}"
+            if "is not a subclass of" in first:  # a section given a plain value
+                return (f"{key}={value}: {key} is a section, not a value; set one of its keys "
+                        f"({key}.<name>=VALUE)")
+            return f"{key}: {first}"
+        if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+            if key.startswith("placement.pools"):
+                return _pools_message(key, overrides)
+            return (f"unknown key {key}{key_hint(key)}: nothing reads it; `flowrl train --cfg job` "
+                    "prints every key")
+    from flowrl.config import one_line
+
+    return one_line(e)
+
+
+def refuse_bad_overrides(overrides: Sequence[str], prog: str = "flowrl train"):
+    """Compose ``overrides`` as ``flowrl train`` will; on a composition error print
+    ``<prog>: error: <one line>`` to stderr and exit with status 2 (nothing started, no run
+    directory). Returns the composed config, or None when Hydra's own command line takes over
+    (flags such as ``-m``, ``--cfg``, ``--help``; overrides of Hydra's own groups)."""
+    if any(o.startswith("-") or o.startswith(("hydra/", "+hydra/")) for o in overrides):
+        return None
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from flowrl.config import compose
+
+    try:
+        return compose(list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        print(f"{prog}: error: {explain(e, overrides)}", file=sys.stderr)
+        sys.exit(2)
