@@ -224,8 +224,8 @@ CONFIG_CASES = {
 @pytest.fixture
 def no_model(monkeypatch):
     """Fail the test the moment anything loads a model or builds engines."""
-    from flowrl import train
     from flowrl.models import loading
+    from flowrl.runtime import resources
 
     loaded = []
 
@@ -234,7 +234,7 @@ def no_model(monkeypatch):
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr(loading, "load_model", flag)
-    monkeypatch.setattr(train, "build_engines", flag)
+    monkeypatch.setattr(resources, "build_engines", flag)  # the job imports it at setup
     return loaded
 
 
@@ -352,9 +352,9 @@ def test_a_dynamic_sampling_cap_is_one_line_with_the_resume_command(tmp_path, ca
            "algorithm.n")
     assert report_crash(RunStopped(msg), tmp_path) == 1
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert err == [f"flowrl train: stopped: {msg}. No checkpoint was saved in {tmp_path} yet, so "
-                   "there is nothing to resume; start again (trainer.save_every=k saves every k "
-                   "steps)"]
+    assert err == [f"flowrl train: stopped: {msg}. No checkpoint was written yet, so there is "
+                   f"nothing to continue; start again with: flowrl train hydra.run.dir={tmp_path} "
+                   "trainer.overwrite=true (plus your overrides)"]
 
 
 def test_the_refill_loop_and_the_filter_raise_run_stopped():
