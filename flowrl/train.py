@@ -66,6 +66,9 @@ def _prepare(raw: DictConfig | dict) -> tuple[TrainConfig, ExecutionPlan, list[R
     from flowrl.ops.token_rewards import check_kl_in_reward
 
     check_kl_in_reward(plan, cfg.algorithm)
+    from flowrl.ops.multi_turn import check_multi_turn
+
+    check_multi_turn(plan, cfg)  # a multi-turn stage's tools go into every prompt (data.tools)
     from flowrl.models.lora import check_lora
 
     check_lora(cfg, set(plan.roles))  # model.lora: module names from a meta-device model
@@ -398,6 +401,9 @@ def _train_in(out_dir: Path, raw, cfg: TrainConfig, plan: ExecutionPlan, resolve
             log.info("trainer.resume=true but no checkpoint in %s: starting fresh", ckpts.root)
 
     scorer = eval_scorer(plan)  # the graph's own verifier (prepare checked there is one)
+    from flowrl.ops.multi_turn import eval_engine
+
+    eval_rollout = eval_engine(plan, engines["rollout"], tokenizer)  # multi-turn: with its tools
     ev = cfg.trainer.eval
     eval_kw = dict(split=ev.split, limit=ev.limit, batch_size=ev.batch_size,
                    max_new_tokens=ev.max_new_tokens, stop_token_ids=cfg.rollout.sampling.stop_token_ids)
@@ -413,7 +419,7 @@ def _train_in(out_dir: Path, raw, cfg: TrainConfig, plan: ExecutionPlan, resolve
                      f"dtype={cfg.model.dtype} strategy={cfg.trainer.engine.strategy} "
                      f"offload={'on' if swap else 'off'} ({why_swap})")
         if ev.before and start == 1 and rank0:  # rank 0's rollout engine holds full weights
-            before = evaluate_greedy(engines["rollout"], prompts, tokenizer, scorer, **eval_kw,
+            before = evaluate_greedy(eval_rollout, prompts, tokenizer, scorer, **eval_kw,
                                      samples_path=out_dir / "eval_before.jsonl",
                                      on_progress=logger.eval_progress("eval before"))
             summary["eval_before"] = before
@@ -448,7 +454,7 @@ def _train_in(out_dir: Path, raw, cfg: TrainConfig, plan: ExecutionPlan, resolve
             logger.print(f"run already complete at step {start - 1} (trainer.total_steps="
                          f"{cfg.trainer.total_steps}); raise trainer.total_steps to train further")
         if ev.after and rank0 and not finished:
-            after = evaluate_greedy(engines["rollout"], prompts, tokenizer, scorer, **eval_kw,
+            after = evaluate_greedy(eval_rollout, prompts, tokenizer, scorer, **eval_kw,
                                     samples_path=out_dir / "eval_after.jsonl",
                                     on_progress=logger.eval_progress("eval after"))
             summary["eval_after"] = after

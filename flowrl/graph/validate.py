@@ -99,6 +99,12 @@ def validate_graph(graph: Graph, *, check_params: bool = True) -> list[str]:
                 problems.append((s.name, f"inputs.{arg}", f"stage '{src}' (op '{src_spec.name}') has "
                                  f"no output '{out}'{_hint(out, src_spec.outputs)}; "
                                  f"outputs: {list(src_spec.outputs)}"))
+            elif src_spec is not None and out in src_spec.multi_turn_outputs and \
+                    arg in spec.single_turn_inputs:
+                problems.append((s.name, f"inputs.{arg}", f"op '{s.op}' cannot take multi-turn "
+                                 f"responses: '{ref}' (op '{src_spec.name}') holds environment "
+                                 "tokens between policy turns; score the trajectory with "
+                                 "reward.rule / reward.function or the environment's rewards"))
         if check_params and not _has_interpolation(s.params):
             try:
                 spec.make_config(s.params, stage=s.name)
@@ -128,7 +134,7 @@ def validate_graph(graph: Graph, *, check_params: bool = True) -> list[str]:
     consumed = {(src, out) for s in graph.stages for _, src, out in s.input_refs()}
     for s in graph.stages:
         for out in OPS[s.op].outputs:
-            if (s.name, out) not in consumed:
+            if (s.name, out) not in consumed and out not in OPS[s.op].info_outputs:
                 msg = f"stage '{s.name}': output '{out}' is consumed by no stage"
                 found.append(msg)
                 warnings.warn(msg, UnusedOutputWarning, stacklevel=2)

@@ -53,7 +53,9 @@ class GenRMConfig:
 
 @register_op("reward.genrm",
              inputs=("prompt_ids", "prompt_mask", "response_ids", "response_mask", "ground_truth"),
-             outputs=("rewards",), config=GenRMConfig, roles=("genrm",))
+             outputs=("rewards",), config=GenRMConfig, roles=("genrm",),
+             # the judge reads the policy's text alone: the tool results it answered are lost
+             single_turn_inputs=("response_ids", "response_mask"))
 def genrm_reward(ctx: StageContext, cfg: GenRMConfig, *, prompt_ids, prompt_mask, response_ids,
                  response_mask, ground_truth) -> dict:
     """Judge every response ``k`` times; reward = mean parseable score in [0, 1].

@@ -30,6 +30,11 @@ class OpSpec:
         config_cls: dataclass holding the op's parameters and their defaults; graph ``params``
             override its fields.
         roles: roles the stage may declare (``()`` = the op uses no model and takes no role).
+        multi_turn_outputs: outputs whose rows hold several policy turns with environment tokens
+            between them (mask False there: ``rollout.multi_turn``).
+        single_turn_inputs: inputs that cannot take such rows (the graph validator refuses a
+            multi-turn output bound to one, naming stage and field).
+        info_outputs: per-row metadata a graph may leave unconsumed (no unused-output warning).
     """
 
     name: str
@@ -40,6 +45,9 @@ class OpSpec:
     config_cls: type = NoConfig
     roles: tuple[str, ...] = ()
     doc: str = ""
+    multi_turn_outputs: tuple[str, ...] = ()
+    single_turn_inputs: tuple[str, ...] = ()
+    info_outputs: tuple[str, ...] = ()
 
     @property
     def all_inputs(self) -> tuple[str, ...]:
@@ -77,8 +85,12 @@ def register_op(
     optional_inputs: tuple[str, ...] = (),
     config: type = NoConfig,
     roles: tuple[str, ...] = (),
+    multi_turn_outputs: tuple[str, ...] = (),
+    single_turn_inputs: tuple[str, ...] = (),
+    info_outputs: tuple[str, ...] = (),
 ) -> Callable[[Callable], Callable]:
-    """Register ``fn`` as op ``name``. Raises ValueError on a duplicate name."""
+    """Register ``fn`` as op ``name`` (arguments: the :class:`OpSpec` fields). Raises ValueError
+    on a duplicate name."""
 
     def deco(fn: Callable) -> Callable:
         if name in OPS:
@@ -87,6 +99,8 @@ def register_op(
             name=name, fn=fn, inputs=tuple(inputs), outputs=tuple(outputs),
             optional_inputs=tuple(optional_inputs), config_cls=config, roles=tuple(roles),
             doc=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "",
+            multi_turn_outputs=tuple(multi_turn_outputs),
+            single_turn_inputs=tuple(single_turn_inputs), info_outputs=tuple(info_outputs),
         )
         return fn
 
@@ -106,5 +120,5 @@ def load_builtin_ops() -> None:
     import importlib
 
     for mod in ("sample", "rollout", "reward", "genrm", "filter", "token_rewards", "logprobs",
-                "critic", "advantage", "update"):
+                "critic", "advantage", "update", "multi_turn"):
         importlib.import_module(f"flowrl.ops.{mod}")

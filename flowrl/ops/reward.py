@@ -224,7 +224,9 @@ def log_unscorable(ctx: StageContext, path: str, outcomes) -> dict[str, int]:
 
 # --------------------------------------------------------------------------- reward.model
 @register_op("reward.model", inputs=("prompt_ids", "prompt_mask", "response_ids", "response_mask"),
-             outputs=("rewards",), roles=("reward_model",))
+             outputs=("rewards",), roles=("reward_model",),
+             # the classifier attends to response_mask's tokens only: tool results would be cut
+             single_turn_inputs=("response_ids", "response_mask"))
 def model_reward(ctx: StageContext, cfg, *, prompt_ids, prompt_mask, response_ids,
                  response_mask) -> dict:
     """Classifier reward model score of prompt + response (``engines/reward_model.py``).

@@ -204,8 +204,10 @@ def _evaluator(cfg, plan, engines, prompts, tokenizer, *, rank0: bool):
 
         prompts = PromptSource(cfg.data, tokenizer)
     scorer = eval_scorer(plan)
+    from flowrl.ops.multi_turn import eval_engine
+
     run = lambda engine, on_progress: evaluate_greedy(  # noqa: E731
-        engine, prompts, tokenizer, scorer, split=ev.split, limit=ev.limit,
+        eval_engine(plan, engine, tokenizer), prompts, tokenizer, scorer, split=ev.split, limit=ev.limit,
         batch_size=ev.batch_size, max_new_tokens=ev.max_new_tokens,
         stop_token_ids=cfg.rollout.sampling.stop_token_ids, on_progress=on_progress)
     if not getattr(actor, "_lockstep", False):
