@@ -126,6 +126,8 @@ class MultiTurnBatch:
         turn_spans: per row, the (start, end) columns of each policy turn in the response.
         generate_s, tool_s, env_s: wall seconds in the engine, the tool pool, the environments.
         rounds: generate calls made.
+        context_tokens, cached_tokens: context tokens sent to the engine over all rounds, and
+            how many its prefix cache served (engines that report it: vLLM in process; else 0).
     """
 
     response_ids: Tensor
@@ -142,6 +144,8 @@ class MultiTurnBatch:
     tool_s: float = 0.0
     env_s: float = 0.0
     rounds: int = 0
+    context_tokens: int = 0
+    cached_tokens: int = 0
 
     def as_rollout_batch(self) -> RolloutBatch:
         """The standard-name part (what ``RolloutEngine.generate`` returns)."""
@@ -212,6 +216,7 @@ def run_multi_turn(engine, prompt_ids: Tensor, prompt_mask: Tensor, rows: Sequen
     for env, row in zip(envs, rows):
         env.reset(row)
     env_s, gen_s, tool_s, rounds = time.perf_counter() - t_env, 0.0, 0.0, 0
+    ctx_tokens = cached = 0
     active = list(range(B))
     device = getattr(engine, "device", torch.device("cpu"))
     while active:
@@ -223,6 +228,8 @@ def run_multi_turn(engine, prompt_ids: Tensor, prompt_mask: Tensor, rows: Sequen
         out = engine.generate(ctx_ids.to(device), ctx_mask.to(device), params, generator=generator)
         gen_s += time.perf_counter() - t0
         rounds += 1
+        ctx_tokens += int(ctx_mask.sum())
+        cached += int(getattr(engine, "last_prefix_cache", {}).get("cached_tokens", 0))
         r_ids, r_mask = out.response_ids.cpu(), out.response_mask.cpu()
         r_lps, r_trunc = out.rollout_logprobs.cpu().float(), out.truncated.cpu()
         actions: dict[int, Action] = {}
@@ -305,7 +312,7 @@ def run_multi_turn(engine, prompt_ids: Tensor, prompt_mask: Tensor, rows: Sequen
         num_tool_errors=as_long([t.errors for t in trajs]),
         finish_reason=[t.finish or MAX_TURNS for t in trajs],
         turn_spans=[t.spans for t in trajs], generate_s=gen_s, tool_s=tool_s, env_s=env_s,
-        rounds=rounds)
+        rounds=rounds, context_tokens=ctx_tokens, cached_tokens=cached)
 
 
 class MultiTurnSession:

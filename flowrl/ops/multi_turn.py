@@ -78,7 +78,8 @@ def multi_turn(ctx: StageContext, cfg: MultiTurnConfig, *, prompt_ids, prompt_ma
 
     Logged: ``response/*`` as rollout.generate (policy tokens), ``multi_turn/turns_mean``,
     ``/tool_calls_mean``, ``/tool_errors_mean``, ``/env_tokens_mean``, ``/finish_<reason>_frac``,
-    ``/env_reward_mean``, ``perf/tool_s``, ``perf/env_s``, ``perf/rollout_generate_s``,
+    ``/env_reward_mean``, ``/rounds`` (generate calls), ``/prefix_cache_hit_frac`` (context
+    tokens vLLM's prefix cache served; 0 for engines that do not report it), ``perf/tool_s``, ``perf/env_s``, ``perf/rollout_generate_s``,
     ``perf/rollout_tokens_per_s`` (policy tokens per generate second).
     """
     session = session_for(cfg, ctx.resource("tokenizer"))
@@ -99,6 +100,8 @@ def multi_turn(ctx: StageContext, cfg: MultiTurnConfig, *, prompt_ids, prompt_ma
         "multi_turn/tool_errors_mean": out.num_tool_errors.float().mean(),
         "multi_turn/env_tokens_mean": (total - lengths).mean(),
         "multi_turn/env_reward_mean": out.rewards.nanmean(),
+        "multi_turn/rounds": out.rounds,
+        "multi_turn/prefix_cache_hit_frac": out.cached_tokens / max(out.context_tokens, 1),
         **{f"multi_turn/finish_{r}_frac": sum(f == r for f in out.finish_reason) / B
            for r in FINISH_REASONS},
     })
