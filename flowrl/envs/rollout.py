@@ -17,10 +17,12 @@ Rules (the per-row ``finish_reason``, ``flowrl.envs.base.FINISH_REASONS``):
 - a turn is at most ``max_new_tokens_per_turn`` tokens (None: ``rollout.sampling.max_new_tokens``)
   and never more than what is left of ``max_total_tokens`` (the whole response region: policy
   and observation tokens); a turn that ends without a stop token ends the trajectory
-  (``max_tokens``, ``truncated``): a cut-off turn is no complete message to act on;
+  (``max_tokens``, ``truncated``): a cut-off turn is no complete message to act on (with
+  ``continue_cut_turns`` a turn cut by the per-turn limit goes on to its step instead);
 - after its step the environment's ``done`` ends it (``answered``, or the reason it gives);
 - ``max_tool_errors`` failed tool calls end it (``tool_failure``);
-- the ``max_turns``-th turn ends it (``max_turns``) unless the environment was done;
+- the ``max_turns``-th turn ends it (``max_turns``) unless the environment was done (its tool
+  calls are not run: nobody could read their results);
 - an observation that would leave no room for one more policy token ends it (``max_tokens``).
 
 The observation of a step that ends the trajectory is dropped, so every row ends with a policy
@@ -63,6 +65,9 @@ class MultiTurnConfig:
             width R of ``response_ids`` is at most this.
         max_new_tokens_per_turn: tokens of one policy turn; None = ``rollout.sampling.max_new_tokens``.
         max_tool_errors: failed tool calls that end a trajectory (``tool_failure``); None = never.
+        continue_cut_turns: a turn cut by ``max_new_tokens_per_turn`` (no stop token, budget
+            left) is stepped like a finished one (its tool calls run, the observation follows
+            it directly) instead of ending the trajectory as ``max_tokens``.
         tool_workers: tool worker processes (0 = in the trainer's process: no memory cap).
         tool_timeout_s: seconds one tool call may take (then its worker is stopped).
         tool_memory_mb: address-space cap of each tool worker (MiB); None = none.
@@ -77,6 +82,7 @@ class MultiTurnConfig:
     max_total_tokens: int = 512
     max_new_tokens_per_turn: Optional[int] = None
     max_tool_errors: Optional[int] = None
+    continue_cut_turns: bool = False
     tool_workers: int = 2
     tool_timeout_s: float = 10.0
     tool_memory_mb: Optional[int] = 2048
@@ -242,6 +248,8 @@ def run_multi_turn(engine, prompt_ids: Tensor, prompt_mask: Tensor, rows: Sequen
             budget = cfg.max_total_tokens - len(t.ids)
             if len(toks) > min(per_turn, budget):  # the round's limit was another row's
                 toks, lps, stopped = toks[:min(per_turn, budget)], lps[:min(per_turn, budget)], False
+            if not stopped and cfg.continue_cut_turns and len(toks) < budget:
+                stopped = True  # cut by the per-turn limit with room left: the env decides
             t.spans.append((len(t.ids), len(t.ids) + len(toks)))
             t.ids += toks
             t.mask += [True] * len(toks)
@@ -250,7 +258,8 @@ def run_multi_turn(engine, prompt_ids: Tensor, prompt_mask: Tensor, rows: Sequen
             text = tokenizer.decode(toks, skip_special_tokens=True)
             actions[i] = Action(text=text, token_ids=list(toks), turn=t.turns - 1,
                                 truncated=not stopped)
-            if stopped and parse is not None:
+            # the max_turns-th turn's results could never be read: its calls are not run
+            if stopped and parse is not None and t.turns < cfg.max_turns:
                 calls[i] = parse(text)
         # ---- every tool call of the round at once
         flat = [(i, c) for i in calls for c in calls[i]]

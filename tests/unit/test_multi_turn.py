@@ -166,6 +166,19 @@ def test_engine_truncation_ends_the_trajectory(tok):
     assert envs[0].actions[0].truncated  # the environment still scored the cut-off turn
 
 
+def test_continue_cut_turns(tok):
+    """continue_cut_turns: a turn cut by the per-turn limit is stepped (the environment's
+    observation follows it); the total budget still ends the trajectory as max_tokens."""
+    script = {0: [([10, 11, 12, 13], True), ([14, 15, 16], True)], 1: [([20, EOS], True)]}
+    steps = {0: [StepResult(token_ids=[100]), StepResult(done=True)], 1: [StepResult(done=True)]}
+    out, _, envs = run(tok, script, steps, max_new_tokens_per_turn=3, continue_cut_turns=True,
+                       max_total_tokens=6)
+    assert out.response_ids.tolist() == [[10, 11, 12, 100, 14, 15], [20, EOS, PAD, PAD, PAD, PAD]]
+    assert out.response_mask.int().tolist() == [[1, 1, 1, 0, 1, 1], [1, 1, 0, 0, 0, 0]]
+    assert not envs[0].actions[0].truncated and envs[0].actions[1].truncated
+    assert out.finish_reason == ["max_tokens", "answered"]
+
+
 def test_observation_messages_are_rendered_by_the_chat_template(tok):
     script = {0: [([10, EOS], True), ([12, EOS], True)], 1: [([13, EOS], True)]}
     msg = [{"role": "tool", "content": "42"}]
