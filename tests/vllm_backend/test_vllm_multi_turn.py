@@ -9,7 +9,9 @@ from flowrl.cli import compose
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.rollout.vllm import VLLMRolloutConfig, VLLMRolloutEngine
 from flowrl.envs.base import StepResult
+from flowrl.envs.chat import apply_chat_template_with_tools
 from flowrl.envs.rollout import MultiTurnConfig, MultiTurnSession
+from flowrl.envs.tools import resolve_tools
 from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
 from flowrl.runtime.metrics import read_metrics
 from flowrl.train import train
@@ -53,8 +55,11 @@ def test_rounds_share_the_engine_reuse_the_prefix_cache_and_match_the_trainer():
         counting = Counting(eng)
         session = MultiTurnSession(MultiTurnConfig(env=f"{__name__}:ForcedTurns", max_turns=3,
                                                    max_total_tokens=256), tok)
-        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                         add_generation_prompt=True) for p in PROMPTS]
+        # prompts as grpo_tools renders them (the calculator's schema in the system turn): longer
+        # than one KV block, which is the unit vLLM's prefix cache keeps
+        schemas = [t.schema for t in resolve_tools(["calculator"])]
+        texts = [apply_chat_template_with_tools(tok, [{"role": "user", "content": p}], schemas)
+                 for p in PROMPTS]
         enc = tok(texts, return_tensors="pt", padding=True, padding_side="left",
                   add_special_tokens=False)
         ids = enc.input_ids.repeat_interleave(2, 0)
