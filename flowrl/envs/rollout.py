@@ -133,7 +133,8 @@ class MultiTurnBatch:
         generate_s, tool_s, env_s: wall seconds in the engine, the tool pool, the environments.
         rounds: generate calls made.
         context_tokens, cached_tokens: context tokens sent to the engine over all rounds, and
-            how many its prefix cache served (engines that report it: vLLM in process; else 0).
+            how many its prefix cache served (engines that report it: vLLM, in process or in
+            engine processes; else 0).
     """
 
     response_ids: Tensor

@@ -508,3 +508,21 @@ def test_hf_engine_token_in_token_out_and_trainer_logprobs_match(tok, padding_fr
     lp_blind = trainer.logprobs({"prompt_ids": ids, "prompt_mask": mask, "response_ids": ids2,
                                  "response_mask": m}, temperature=1.0).logprobs
     assert (lp_blind - out.rollout_logprobs).abs()[m].max() > 1e-2
+
+
+def test_grpo_tools_graph_file_is_its_builder_and_opens_with_the_command():
+    import warnings
+
+    from flowrl.graph import Graph, UnusedOutputWarning, validate_graph
+    from grpo_tools_graph import grpo_tools_graph
+
+    repo = Path(__file__).resolve().parents[2]
+    text = (repo / "graphs/grpo_tools.yaml").read_text()
+    assert grpo_tools_graph().to_yaml() == text
+    assert any("flowrl train graph=grpo_tools" in l for l in text.splitlines() if l.startswith("#"))
+    conf = (repo / "conf/graph/grpo_tools.yaml").read_text()
+    assert conf.startswith("# @package _global_\n") and "flowrl train graph=grpo_tools" in conf
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnusedOutputWarning)
+        validate_graph(Graph.from_yaml(text))
+    assert [str(w.message) for w in caught] == []  # metadata outputs may stay unconsumed

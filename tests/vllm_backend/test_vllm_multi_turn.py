@@ -46,11 +46,19 @@ class Counting:
         return self.engine.last_prefix_cache
 
 
-def test_rounds_share_the_engine_reuse_the_prefix_cache_and_match_the_trainer():
+@pytest.mark.parametrize("procs", [0, 1])
+def test_rounds_share_the_engine_reuse_the_prefix_cache_and_match_the_trainer(procs):
+    """procs=0: vLLM in this process (vllm.py); 1: in an engine process (vllm_proc.py)."""
     mcfg = ModelConfig(tiny=TINY_VLLM)
     tok, model = load_tokenizer(mcfg), load_model(mcfg)
-    eng = VLLMRolloutEngine(model, tok, VLLMRolloutConfig(
-        kv_cache_memory_gb=0.25, enforce_eager=True, max_model_len=512, max_num_seqs=16))
+    vcfg = VLLMRolloutConfig(kv_cache_memory_gb=0.25, enforce_eager=True, max_model_len=512,
+                             max_num_seqs=16)
+    if procs:
+        from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
+
+        eng = VLLMProcessEngine(model, tok, vcfg, procs=procs)
+    else:
+        eng = VLLMRolloutEngine(model, tok, vcfg)
     try:
         counting = Counting(eng)
         session = MultiTurnSession(MultiTurnConfig(env=f"{__name__}:ForcedTurns", max_turns=3,
