@@ -53,7 +53,8 @@ class ToolResult:
             a raise, a timeout, a dead worker or an output that is not text/JSON.
         status: ``ok``, ``parse_error``, ``unknown_tool``, ``bad_arguments``, ``error``,
             ``timeout`` or ``bad_output``.
-        seconds: wall time of the call in the pool (0 for calls that never ran).
+        seconds: the pool's wall time for the round's calls, divided by their number (0 for
+            calls that never ran).
     """
 
     name: str

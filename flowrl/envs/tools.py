@@ -225,7 +225,9 @@ def _runner_class():
         """The reward pool, keeping each call's raw value (a reward runner wants numbers)."""
 
         def _outcome(self, status: str, value: Any) -> Outcome:
-            return Outcome(status, {}, value if status == "ok" else ("" if value is None else str(value)))
+            if status == "ok":  # dispatch's (kind, text): "ok" or "bad_output"
+                return Outcome(value[0], {}, value[1])
+            return Outcome(status, {}, "" if value is None else str(value))
 
     return _RawRunner
 
@@ -276,10 +278,9 @@ class ToolRunner:
             dt = (time.perf_counter() - t0) / len(todo)
             for i, o in zip(todo, outs):
                 c = calls[i]
-                if o.status == "ok":
-                    status, text = o.detail
-                    ok = status == "ok"
-                    content = text if ok else f"Error: {c.name}: {text}"
+                ok, status = o.status == "ok", o.status
+                if o.status in ("ok", "bad_output"):
+                    content = o.detail if ok else f"Error: {c.name}: {o.detail}"
                 elif o.status == "timeout":
                     status, ok = "timeout", False
                     content = f"Error: {c.name} did not finish within {self._pool.timeout_s:g} s"
