@@ -27,6 +27,7 @@ observation tokens as context.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -183,7 +184,9 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None, help="results file (default results/multi_turn_<device>.md)")
     args = p.parse_args(argv)
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     results = run(args)
+    load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     out = Path(args.out or Path(__file__).parent / "results" / f"multi_turn_{args.device}.md")
     m = machine_info()
     v = versions(["torch", "transformers", "vllm"])
@@ -194,6 +197,7 @@ def main(argv=None) -> None:
 - Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m['memory']}; {m['os']}; Python {m['python']}
   {('· GPU ' + torch.cuda.get_device_name()) if args.device.startswith('cuda') else ''}
 - Versions: torch {v['torch']}, transformers {v['transformers']}, vllm {v['vllm']}
+- Load average (1 min) at start / end: {load0:.1f} / {load1:.1f} (other jobs on the machine)
 - Workload: {args.trajectories} GSM8K prompts with the calculator's schema; random-init
   `{args.shape}` shape{f' ({args.layers} layers)' if args.layers else ''}; multi-turn = {args.turns}
   turns x {args.tokens_per_turn} tokens, one calculator call after each turn
