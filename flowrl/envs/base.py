@@ -52,7 +52,8 @@ class ToolResult:
         ok: False for a call that did not parse, an unknown tool, arguments the schema rejects,
             a raise, a timeout, a dead worker or an output that is not text/JSON.
         status: ``ok``, ``parse_error``, ``unknown_tool``, ``bad_arguments``, ``error``,
-            ``timeout`` or ``bad_output``.
+            ``timeout``, ``bad_output``, or ``not_run`` (a call in the ``max_turns``-th turn:
+            counted, never executed, ``ok`` True, empty content).
         seconds: the pool's wall time for the round's calls, divided by their number (0 for
             calls that never ran).
     """

@@ -22,7 +22,8 @@ Rules (the per-row ``finish_reason``, ``flowrl.envs.base.FINISH_REASONS``):
 - after its step the environment's ``done`` ends it (``answered``, or the reason it gives);
 - ``max_tool_errors`` failed tool calls end it (``tool_failure``);
 - the ``max_turns``-th turn ends it (``max_turns``) unless the environment was done (its tool
-  calls are not run: nobody could read their results);
+  calls are counted and handed to the environment as ``not_run``, never executed: nobody could
+  read their results);
 - an observation that would leave no room for one more policy token ends it (``max_tokens``).
 
 The observation of a step that ends the trajectory is dropped, so every row ends with a policy
@@ -259,9 +260,15 @@ def run_multi_turn(engine, prompt_ids: Tensor, prompt_mask: Tensor, rows: Sequen
             text = tokenizer.decode(toks, skip_special_tokens=True)
             actions[i] = Action(text=text, token_ids=list(toks), turn=t.turns - 1,
                                 truncated=not stopped)
-            # the max_turns-th turn's results could never be read: its calls are not run
-            if stopped and parse is not None and t.turns < cfg.max_turns:
-                calls[i] = parse(text)
+            if stopped and parse is not None:
+                parsed = parse(text)
+                if t.turns < cfg.max_turns:
+                    calls[i] = parsed
+                else:  # the last allowed turn: nobody could read results, so none run; the
+                    # environment still sees that calls were made (not an answer: max_turns)
+                    actions[i].tool_results = [ToolResult(c.name, c.arguments, "", True, "not_run")
+                                               for c in parsed]
+                    t.calls += len(parsed)
         # ---- every tool call of the round at once
         flat = [(i, c) for i in calls for c in calls[i]]
         if flat:

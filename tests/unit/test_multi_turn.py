@@ -316,6 +316,19 @@ def test_tool_env_trajectory_with_a_hanging_and_a_raising_tool(tok, runner):
     assert out.finish_reason == ["tool_failure"] and out.response_ids[0].tolist() == t1
 
 
+def test_calls_in_the_last_allowed_turn_are_counted_not_run(tok):
+    t1 = text_turn(tok, call("calculator", expression="1 + 1"))
+    prompts = [[5, 6, 7]]
+    policy = ScriptedPolicy(prompts, {0: [(t1, True)]})
+    ids, mask = prompt_batch(prompts)
+    out = run_multi_turn(policy, ids, mask, [EnvRow(0, [5, 6, 7])], [ToolEnvironment()],
+                         SamplingConfig(max_new_tokens=100), MultiTurnConfig(
+                             tools=["calculator"], max_turns=1), tok,
+                         render=ObservationRenderer(tok).render, run_tools=None)  # never called
+    assert out.finish_reason == ["max_turns"] and out.num_tool_calls.tolist() == [1]
+    assert out.num_tool_errors.tolist() == [0] and out.response_ids[0].tolist() == t1
+
+
 def test_tools_in_the_prompt(tok):
     schemas = [t.schema for t in resolve_tools(["calculator"])]
     msgs = [{"role": "user", "content": "What is 2 + 2?"}]
