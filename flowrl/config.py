@@ -214,8 +214,8 @@ class TrainConfig:
 def graph_options() -> dict[str, dict[str, Any]]:
     """``graph=<name>`` options: one per ``graphs/<name>.yaml`` (the working directory's first,
     then flowrl's: the order :meth:`GraphConfig.resolve` finds files in), each setting
-    ``graph.path`` and the file's ``algorithm`` block (the recipe's settings that differ from
-    ``AlgorithmConfig``'s defaults). A graph has this one source: no ``conf/graph/<name>.yaml``.
+    ``graph.path`` and the file's ``algorithm`` and ``data`` blocks (the recipe's settings that
+    differ from ``AlgorithmConfig``'s / ``DataConfig``'s defaults). A graph has this one source: no ``conf/graph/<name>.yaml``.
     A file that is not a YAML mapping gets its path only (using it reports the problem)."""
     import yaml
 
@@ -225,12 +225,14 @@ def graph_options() -> dict[str, dict[str, Any]]:
             if f.stem in out:
                 continue
             try:
-                algorithm = (yaml.safe_load(f.read_text()) or {}).get("algorithm") or {}
+                doc = yaml.safe_load(f.read_text()) or {}
+                blocks = {k: doc.get(k) or {} for k in ("algorithm", "data")}
             except (yaml.YAMLError, AttributeError, OSError):
-                algorithm = {}
+                blocks = {}
             node: dict[str, Any] = {"graph": {"path": f"graphs/{f.name}"}}
-            if isinstance(algorithm, dict) and algorithm:
-                node["algorithm"] = algorithm
+            for key, block in blocks.items():
+                if isinstance(block, dict) and block:
+                    node[key] = block
             out[f.stem] = node
     return out
 

@@ -47,7 +47,7 @@ def maybe_exec_torchrun(overrides: list[str]) -> None:
         return
     from omegaconf import OmegaConf
 
-    from flowrl.config import compose, one_line
+    from flowrl.config import compose
 
     try:
         node = compose(overrides).launcher

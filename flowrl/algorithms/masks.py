@@ -48,3 +48,21 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """
     m = attention_mask.long()
     return (m.cumsum(dim=1) - 1).clamp(min=0) * m
+
+
+def response_attention_mask(response_mask: Tensor) -> Tensor:
+    """The response positions a forward attends to: every column up to the row's last True.
+
+    ``response_mask`` is the loss mask; the context is everything before its last valid token.
+    For a single-turn response (one run of True, right-padded) both are the same; in a
+    multi-turn row the environment's tokens between policy turns (mask False) are context the
+    policy read when it sampled the next turn, so they are attended (and scored by nobody).
+
+    Args:
+        response_mask: (B, R) bool (or 0/1).
+
+    Returns:
+        (B, R) bool on the same device.
+    """
+    m = response_mask.bool()
+    return m.flip(1).cummax(dim=1).values.flip(1)

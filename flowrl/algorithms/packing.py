@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from flowrl.algorithms.masks import position_ids_from_mask
+from flowrl.algorithms.masks import position_ids_from_mask, response_attention_mask
 
 
 @dataclass
@@ -22,7 +22,7 @@ class PackedBatch:
     """One packed row.
 
     Attributes:
-        input_ids: (1, T) int64, T = valid prompt + response tokens of the micro-batch.
+        input_ids: (1, T) int64, T = attended prompt + response tokens of the micro-batch.
         position_ids: (1, T) int64, 0.. per sequence.
         predictor_index: (N,) int64, N = valid response tokens, in row-major order of the response
             mask: the packed position whose output predicts each of them (the token before it).
@@ -36,16 +36,17 @@ class PackedBatch:
 def packable(prompt_mask: Tensor, response_mask: Tensor) -> bool:
     """Whether :func:`pack` keeps every logprob unchanged.
 
-    True when each row's valid tokens (prompt then response) form one contiguous run and every row
-    with a valid response token ends its prompt with a valid token (its first response token then
-    has a predictor of its own sequence). Left-padded prompts with right-padded responses satisfy
-    both; a hole inside a row does not (the padded layout scores the token after a hole from the
-    masked position, which packing drops).
+    True when each row's attended tokens (prompt, then the response up to its last valid token:
+    ``response_attention_mask``) form one contiguous run and every row with a valid response
+    token ends its prompt with a valid token (its first response token then has a predictor of
+    its own sequence). Left-padded prompts with right-padded responses satisfy both, multi-turn
+    responses (environment tokens between policy turns, mask False) too; a hole inside the prompt
+    does not.
 
     Args:
         prompt_mask: (B, P) bool; response_mask: (B, R) bool.
     """
-    attn = torch.cat([prompt_mask.bool(), response_mask.bool()], dim=1)
+    attn = torch.cat([prompt_mask.bool(), response_attention_mask(response_mask)], dim=1)
     starts = attn[:, :1].long().sum(1) + (attn[:, 1:] & ~attn[:, :-1]).long().sum(1)
     has_resp = response_mask.bool().any(1)
     return bool((starts <= 1).all()) and bool((prompt_mask.bool()[:, -1] | ~has_resp).all())
@@ -58,10 +59,11 @@ def pack(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
     Requires :func:`packable`; tensors on one device, and the result is on it.
     """
     p_mask, r_mask = prompt_mask.bool(), response_mask.bool()
-    attn = torch.cat([p_mask, r_mask], dim=1)
+    attn = torch.cat([p_mask, response_attention_mask(r_mask)], dim=1)
     ids = torch.cat([prompt_ids, response_ids], dim=1)
     pos = position_ids_from_mask(attn)
-    # packed index of every valid (row, column); a response token's predictor is the one before it
+    # packed index of every attended (row, column); a valid response token's predictor is the
+    # attended position before it
     packed_idx = attn.flatten().long().cumsum(0).view_as(attn) - 1
     pred = packed_idx[:, p_mask.shape[1]:][r_mask] - 1
     return PackedBatch(ids[attn].unsqueeze(0), pos[attn].unsqueeze(0), pred)

@@ -80,7 +80,7 @@ def free_seconds(m: Optional[ModelSize], w: Workload, p: int, tp: int, d: Device
 
 KIND_SECONDS: dict[str, Callable[..., float]] = {
     "forward": forward_seconds, "train": train_seconds, "decode": decode_seconds, "free": free_seconds}
-OP_KIND = {"rollout.generate": "decode", "reward.genrm": "decode", "logprobs": "forward",
+OP_KIND = {"rollout.generate": "decode", "rollout.multi_turn": "decode", "reward.genrm": "decode", "logprobs": "forward",
            "values": "forward", "reward.model": "forward", "update.policy": "train",
            "update.critic": "train"}
 

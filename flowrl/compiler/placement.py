@@ -20,7 +20,6 @@ from typing import Any, Optional
 from flowrl.compiler.devices import DEVICES
 from flowrl.compiler.plan import Action, CompiledStage, ExecutionPlan, TensorLife, _swap_actions
 from flowrl.graph.graph import Graph
-from flowrl.ops.registry import OPS
 
 MODES = ("colocated", "partitioned", "auto")
 TRAIN_POOL, ROLLOUT_POOL = "train", "rollout"

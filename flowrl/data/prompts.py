@@ -67,6 +67,9 @@ class DataConfig:
         max_prompt_tokens: prompts longer than this are skipped and counted, never cut.
         shuffle: reshuffle prompts every epoch.
         seed: sampler seed (with the epoch it fixes the order).
+        tools: JSON schemas of the tools every prompt offers, rendered by the chat template
+            (``flowrl.data.chat.apply_chat_template_with_tools``). Filled in by the run from the
+            graph's ``rollout.multi_turn`` stage (its ``params.tools``); leave it empty.
     """
 
     name: str = "gsm8k"
@@ -83,6 +86,7 @@ class DataConfig:
     max_prompt_tokens: int = 256
     shuffle: bool = True
     seed: int = 0
+    tools: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         from flowrl.data.files import check_path
@@ -184,14 +188,20 @@ def render_prompts(prompts: Sequence[str | list[dict[str, str]]], tokenizer: Any
     then append ``cfg.response_prefix`` (unless the rendered text already ends with it).
 
     Each prompt is a question (rendered by :func:`build_messages`) or a list of chat messages
-    (rendered as they are).
+    (rendered as they are); ``cfg.tools`` (schemas) are offered through the template.
 
     Returns ``(texts, token_lists)``; tokens are encoded without extra special tokens, so
     without a prefix they equal ``apply_chat_template(..., tokenize=True)``; an appended prefix
     is encoded on its own and its ids end every token list (the same ids in every prompt).
     """
-    texts = [tokenizer.apply_chat_template(record_messages({"prompt": q}, cfg), tokenize=False,
-                                           add_generation_prompt=True) for q in prompts]
+    if cfg.tools:  # tools offered in the prompt (a multi-turn graph)
+        from flowrl.data.chat import apply_chat_template_with_tools
+
+        texts = [apply_chat_template_with_tools(tokenizer, record_messages({"prompt": q}, cfg),
+                                                list(cfg.tools)) for q in prompts]
+    else:
+        texts = [tokenizer.apply_chat_template(record_messages({"prompt": q}, cfg), tokenize=False,
+                                               add_generation_prompt=True) for q in prompts]
     tokens = [list(t) for t in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
     prefix = cfg.response_prefix
     if prefix:

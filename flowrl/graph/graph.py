@@ -150,6 +150,9 @@ class Graph:
     weight_sync: list[WeightSync] = field(default_factory=list)
     description: str = ""
     algorithm: dict[str, Any] = field(default_factory=dict)
+    # the run's data settings this recipe changes (``DataConfig`` fields: a prompt budget for
+    # tool schemas, an instruction); applied like ``algorithm`` by ``graph=<name>``
+    data: dict[str, Any] = field(default_factory=dict)
 
     # ---- builder -------------------------------------------------------------------------
     def stage(self, name: str, op: str, *, role: Optional[str] = None,
@@ -181,6 +184,8 @@ class Graph:
         d: dict[str, Any] = {"name": self.name}
         if self.algorithm:
             d["algorithm"] = dict(self.algorithm)
+        if self.data:
+            d["data"] = dict(self.data)
         d["stages"] = [s.to_dict() for s in self.stages]
         if self.weight_sync:
             d["weight_sync"] = [w.to_dict() for w in self.weight_sync]
@@ -219,11 +224,11 @@ class Graph:
         damaged: dict[str, set[str]] = {}
         if not isinstance(d, dict):
             raise GraphError([("<graph>", "<root>", "a graph file is a mapping with keys name, "
-                               f"algorithm, stages and weight_sync; got a {type(d).__name__}")])
-        unknown = sorted(set(d) - {"name", "algorithm", "stages", "weight_sync"})
+                               f"algorithm, data, stages and weight_sync; got a {type(d).__name__}")])
+        unknown = sorted(set(d) - {"name", "algorithm", "data", "stages", "weight_sync"})
         if unknown:
             problems.append(("<graph>", unknown[0], f"unknown top-level key(s) {unknown}; a graph "
-                             "has name, algorithm, stages and weight_sync"))
+                             "has name, algorithm, data, stages and weight_sync"))
         name = d.get("name")
         if not isinstance(name, str) or not name:
             problems.append(("<graph>", "name", "missing or not a string"))
@@ -279,8 +284,13 @@ class Graph:
             problems.append(("<graph>", "algorithm", "must be a mapping of algorithm settings "
                                                      f"(field: value), got a {type(algorithm).__name__}"))
             algorithm = {}
+        data = d.get("data") or {}
+        if not isinstance(data, dict):
+            problems.append(("<graph>", "data", "must be a mapping of data settings (field: value), "
+                                                f"got a {type(data).__name__}"))
+            data = {}
         return cls(name=name, stages=stages, weight_sync=syncs, description=description,
-                   algorithm=dict(algorithm)), problems, damaged
+                   algorithm=dict(algorithm), data=dict(data)), problems, damaged
 
     @classmethod
     def parse_yaml(cls, text: str) -> tuple["Graph", list[tuple[str, str, str]], dict[str, set[str]]]:

@@ -136,6 +136,12 @@ def graph_problems(graph: Graph, *, check_params: bool = True, require_update: b
                     f"its outputs: {list(src_spec.outputs)}"
                 problems.append((s.name, f"inputs.{arg}", f"reads '{ref}', but stage '{src}' (op "
                                  f"'{src_spec.name}') has no output '{out}'; {fix}"))
+            elif src_spec is not None and out in src_spec.multi_turn_outputs and \
+                    arg in spec.single_turn_inputs:
+                problems.append((s.name, f"inputs.{arg}", f"op '{s.op}' cannot take multi-turn "
+                                 f"responses: '{ref}' (op '{src_spec.name}') holds environment "
+                                 "tokens between policy turns; score the trajectory with "
+                                 "reward.rule / reward.function or the environment's rewards"))
         if check_params and not has_interpolation(s.params):
             try:
                 spec.make_config(s.params, stage=s.name)
@@ -171,7 +177,7 @@ def graph_problems(graph: Graph, *, check_params: bool = True, require_update: b
         consumed = {(src, out) for s in graph.stages for _, src, out in s.input_refs()}
         for s in graph.stages:
             for out in OPS[s.op].outputs:
-                if (s.name, out) not in consumed:
+                if (s.name, out) not in consumed and out not in OPS[s.op].info_outputs:
                     found.append(f"stage '{s.name}': output '{out}' is consumed by no stage")
         found += conditional_input_warnings(graph, OPS)
     return problems, found

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from flowrl.algorithms.variants import ESTIMATORS, POLICY_LOSSES
+from flowrl.envs.config import MultiTurnConfig
 from flowrl.ops.spec import LIST, NoConfig, OpSpec
 from flowrl.rewards import REWARD_FUNCTIONS
 from flowrl.rewards.function import load_reward_function
@@ -197,12 +198,17 @@ class DynamicSamplingConfig:
 def _op(name: str, module: str, doc: str, *, inputs: tuple[str, ...] = (),
         outputs: tuple[str, ...] = (), optional_inputs: tuple[str, ...] = (),
         config: type = NoConfig, roles: tuple[str, ...] = (),
-        kinds: dict[str, str] | None = None, trains: bool = False) -> OpSpec:
+        kinds: dict[str, str] | None = None, trains: bool = False,
+        multi_turn_outputs: tuple[str, ...] = (), single_turn_inputs: tuple[str, ...] = (),
+        info_outputs: tuple[str, ...] = ()) -> OpSpec:
     return OpSpec(name=name, inputs=inputs, outputs=outputs, optional_inputs=optional_inputs,
                   config_cls=config, roles=roles, doc=doc, module=f"flowrl.ops.{module}",
-                  kinds=dict(kinds or {}), trains=trains)
+                  kinds=dict(kinds or {}), trains=trains, multi_turn_outputs=multi_turn_outputs,
+                  single_turn_inputs=single_turn_inputs, info_outputs=info_outputs)
 
 
+# per-trajectory metadata of rollout.multi_turn, which a graph may leave unconsumed
+MULTI_TURN_INFO = ("rewards", "num_turns", "num_tool_calls", "num_tool_errors", "finish_reason")
 GT_LIST = {"ground_truth": LIST}  # the reference answers: one string per sample, not a tensor
 
 
@@ -227,6 +233,12 @@ BUILTIN_OPS: list[OpSpec] = [
         outputs=PROMPT + ("group_id", "ground_truth"), kinds=GT_LIST),
     _op("rollout.generate", "rollout", "One response per prompt row with rollout.sampling",
         inputs=PROMPT, outputs=RESPONSE + ("rollout_logprobs", "truncated"), roles=("rollout",)),
+    _op("rollout.multi_turn", "multi_turn",
+        "Policy and environment alternate per prompt (tools, max_turns); standard outputs",
+        inputs=PROMPT, optional_inputs=("ground_truth", "group_id"),
+        outputs=RESPONSE + ("rollout_logprobs", "truncated") + MULTI_TURN_INFO,
+        config=MultiTurnConfig, roles=("rollout",), kinds={**GT_LIST, "finish_reason": LIST},
+        multi_turn_outputs=RESPONSE + ("rollout_logprobs",), info_outputs=MULTI_TURN_INFO),
     _op("reward.rule", "reward", "Score each response against its ground truth (a verifier)",
         inputs=RESPONSE + ("ground_truth",), outputs=("rewards",), config=RuleRewardConfig,
         kinds=GT_LIST),
@@ -234,14 +246,18 @@ BUILTIN_OPS: list[OpSpec] = [
         inputs=RESPONSE + ("ground_truth", "group_id"), optional_inputs=PROMPT,
         outputs=("rewards",), config=FunctionRewardConfig, kinds=GT_LIST),
     _op("reward.model", "reward", "Classifier reward model score of prompt + response",
-        inputs=PROMPT + RESPONSE, outputs=("rewards",), roles=("reward_model",)),
+        inputs=PROMPT + RESPONSE, outputs=("rewards",), roles=("reward_model",),
+        # the classifier attends to response_mask's tokens only: tool results would be cut
+        single_turn_inputs=RESPONSE),
     _op("reward.overlong", "reward", "DAPO soft overlong punishment of the response lengths",
         inputs=("response_mask",), outputs=("rewards",), config=OverlongConfig),
     _op("reward.mix", "reward", "Weighted sum of the bound reward components",
         optional_inputs=MIX_COMPONENTS, outputs=("rewards",), config=MixConfig),
     _op("reward.genrm", "genrm", "Judge every response k times; reward = mean parseable score",
         inputs=PROMPT + RESPONSE + ("ground_truth",), outputs=("rewards",), config=GenRMConfig,
-        roles=("genrm",), kinds=GT_LIST),
+        roles=("genrm",), kinds=GT_LIST,
+        # the judge reads the policy's text alone: the tool results it answered are lost
+        single_turn_inputs=RESPONSE),
     _op("filter.dynamic_sampling", "filter", "Keep the rows of groups with reward variance",
         inputs=("rewards", "group_id"), optional_inputs=("filter_by",) + CARRIED,
         outputs=("rewards", "group_id") + CARRIED, config=DynamicSamplingConfig),

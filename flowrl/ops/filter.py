@@ -9,7 +9,6 @@ stages in the plan (``flowrl plan``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor

@@ -7,8 +7,6 @@ score parsing live in ``flowrl/rewards/genrm.py``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 

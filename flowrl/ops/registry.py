@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Callable
+from typing import Callable, Mapping
 
 from flowrl.ops.builtin import BUILTIN_OPS
 from flowrl.ops.spec import LIST, TENSOR, NoConfig, OpSpec
@@ -71,10 +71,13 @@ def register_op(
     roles: tuple[str, ...] = (),
     kinds: Mapping[str, str] | None = None,
     trains: bool = False,
+    multi_turn_outputs: tuple[str, ...] = (),
+    single_turn_inputs: tuple[str, ...] = (),
+    info_outputs: tuple[str, ...] = (),
 ) -> Callable[[Callable], Callable]:
     """Declare op ``name`` and register ``fn`` as its function (ops of your own; built-in ops are
-    declared in ``ops/builtin.py`` and bound with :func:`implements`). ``kinds``, ``trains``:
-    see :class:`OpSpec`.
+    declared in ``ops/builtin.py`` and bound with :func:`implements`). ``kinds``, ``trains``,
+    ``multi_turn_outputs``, ``single_turn_inputs``, ``info_outputs``: see :class:`OpSpec`.
 
     Raises:
         ValueError: a duplicate name, or ``kinds`` naming something the op neither takes nor
@@ -94,7 +97,9 @@ def register_op(
                       optional_inputs=tuple(optional_inputs), config_cls=config,
                       roles=tuple(roles),
                       doc=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "",
-                      kinds=kinds, trains=trains)
+                      kinds=kinds, trains=trains, multi_turn_outputs=tuple(multi_turn_outputs),
+                      single_turn_inputs=tuple(single_turn_inputs),
+                      info_outputs=tuple(info_outputs))
         _check_signature(spec, fn)
         spec.bound = fn
         OPS[name] = spec

@@ -9,8 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 

@@ -41,6 +41,11 @@ class OpSpec:
             model loads.
         trains: the op updates a model's weights (``update.policy``, ``update.critic``); a
             training graph needs at least one such stage.
+        multi_turn_outputs: outputs whose rows hold several policy turns with environment tokens
+            between them (mask False there: ``rollout.multi_turn``).
+        single_turn_inputs: inputs that cannot take such rows (the graph validator refuses a
+            multi-turn output bound to one, naming stage and field).
+        info_outputs: per-row metadata a graph may leave unconsumed (no unused-output warning).
     """
 
     name: str
@@ -53,6 +58,9 @@ class OpSpec:
     module: str = ""
     kinds: Mapping[str, str] = field(default_factory=dict)
     trains: bool = False
+    multi_turn_outputs: tuple[str, ...] = ()
+    single_turn_inputs: tuple[str, ...] = ()
+    info_outputs: tuple[str, ...] = ()
     bound: Callable[..., Mapping[str, Any]] | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -199,7 +199,10 @@ def evaluate_greedy(rollout_engine, prompts, tokenizer, scorer: EvalScorer, *, s
 def greedy_evaluator(cfg: "TrainConfig", plan: "ExecutionPlan", engine: Any, prompts: Any,
                      tokenizer: Any) -> Evaluator:
     """``trainer.eval`` on ``engine``, scored by the graph's own verifier (``evaluate.eval_scorer``)."""
+    from flowrl.ops.multi_turn import eval_engine
+
     ev, scorer = cfg.trainer.eval, eval_scorer(plan)
+    engine = eval_engine(plan, engine, tokenizer)  # a multi-turn graph evaluates with its tools
 
     def evaluate(samples_path: Optional[Path], on_progress=None) -> dict[str, float]:
         return evaluate_greedy(engine, prompts, tokenizer, scorer, split=ev.split, limit=ev.limit,

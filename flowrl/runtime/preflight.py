@@ -52,6 +52,9 @@ def check_run(cfg: "TrainConfig", raw: Any) -> "ExecutionPlan":
     from flowrl.ops.token_rewards import check_kl_in_reward
 
     check_kl_in_reward(plan, cfg.algorithm)
+    from flowrl.ops.multi_turn import check_multi_turn
+
+    check_multi_turn(plan, cfg)  # a multi-turn stage's tools go into every prompt (data.tools)
     from flowrl.models.lora import check_lora
 
     check_lora(cfg, set(plan.roles))  # model.lora: module names from a meta-device model

@@ -211,20 +211,39 @@ def test_pack_layout_and_unpack():
     assert pk.predictor_index.tolist() == [1, 2, 8, 9, 10]
     vals = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
     assert unpack(vals, r_mask).tolist() == [[1, 2, 0], [0, 0, 0], [3, 4, 5]]
-    # a hole inside a response, or a response after an all-pad prompt, stays padded
-    assert not packable(p_mask, torch.tensor([[1, 0, 1], [0, 0, 0], [1, 1, 1]], dtype=torch.bool))
+    # a hole inside a response (a multi-turn row: environment tokens, mask False) is attended
+    # context: packed with its row, only the valid tokens get predictors
+    hole = torch.tensor([[1, 0, 1], [0, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    assert packable(p_mask, hole)
+    pk = pack(p_ids, p_mask, r_ids, hole)
+    assert pk.input_ids.tolist() == [[5, 6, 20, 21, 0, 7, 8, 9, 10, 11, 23, 24, 25]]
+    assert pk.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2, 3]]
+    assert pk.predictor_index.tolist() == [1, 3, 9, 10, 11]  # 20 <- 6, 0 <- 21, 23 <- 11, ...
+    # a hole inside a prompt, or a response after an all-pad prompt, stays padded
+    assert not packable(torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]], dtype=torch.bool),
+                        r_mask)
     assert not packable(torch.tensor([[0, 0, 0, 0]], dtype=torch.bool), torch.tensor([[True]]))
     assert packable(torch.tensor([[0, 0, 0, 0]], dtype=torch.bool), torch.tensor([[False]]))
 
 
-def test_unpackable_micro_batch_runs_padded(tiny):
+def test_response_hole_is_context_in_every_layout(tiny):
+    """A hole in a response mask (multi-turn: environment tokens between policy turns) is not
+    scored but still attended: packed and padded layouts agree."""
     batch = ragged_batch(tiny.config.vocab_size)
     batch["response_mask"] = batch["response_mask"].clone()
-    batch["response_mask"][0, 2] = False  # a hole: packing would change this row's logprobs
+    batch["response_mask"][0, 2] = False
     ref = engine(tiny, "plain").logprobs(batch, 1.0).logprobs
+    assert ref[0, 2] == 0
     eng = engine(tiny, "packed_chunked")
-    assert not eng._model_inputs(batch)[2]
+    assert eng._model_inputs(batch)[2]  # packed
     torch.testing.assert_close(eng.logprobs(batch, 1.0).logprobs, ref, **TOL)
+    # a hole in a prompt cannot be packed: padded layout, same numbers as the plain engine
+    batch["prompt_mask"] = batch["prompt_mask"].clone()
+    row = int(batch["prompt_mask"][1].nonzero()[1])  # the second real prompt token of row 1
+    batch["prompt_mask"][1, row] = False
+    assert not eng._model_inputs(batch)[2]
+    torch.testing.assert_close(eng.logprobs(batch, 1.0).logprobs,
+                               engine(tiny, "plain").logprobs(batch, 1.0).logprobs, **TOL)
 
 
 def test_softcapped_head_falls_back_to_plain_path(caplog):

@@ -159,6 +159,8 @@ class VLLMRolloutEngine:
         last_timings: seconds of the last call, keyed ``generate_s``, ``load_weights_s``,
             ``sleep_s``, ``wake_s`` (a ``generate`` that had to wake the engine adds ``wake_s``).
         last_load_counts: ``{"tensors": n, "bytes": b}`` received by the last ``load_weights``.
+        last_prefix_cache: ``{"prompt_tokens": n, "cached_tokens": m}`` of the last ``generate``:
+            prompt tokens of its requests and how many of them vLLM's prefix cache served.
 
     Raises:
         ImportError: vllm is missing. ValueError: a model vLLM's CPU kernel cannot run.
@@ -229,6 +231,7 @@ class VLLMRolloutEngine:
         self._weights_valid = True  # False after a level-2 sleep until the next load_weights
         self.last_timings: dict[str, float] = {}
         self.last_load_counts: dict[str, int] = {"tensors": 0, "bytes": 0}
+        self.last_prefix_cache: dict[str, int] = {"prompt_tokens": 0, "cached_tokens": 0}
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingConfig,
@@ -297,6 +300,9 @@ class VLLMRolloutEngine:
             if gc_was_enabled:
                 gc.enable()
         samples = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
+        # prompt tokens served from the prefix cache (a multi-turn context's earlier turns)
+        self.last_prefix_cache = {"prompt_tokens": sum(len(p) for p, _ in groups),
+                                  "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs)}
         B = len(rows)
         R = max(1, max(len(c.token_ids) for c in samples))
         ids = torch.full((B, R), self.pad_token_id, dtype=torch.long)

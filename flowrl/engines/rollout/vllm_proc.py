@@ -138,7 +138,7 @@ def _serve(conn, exported: PolicyExport, cfg: VLLMRolloutConfig, env: dict[str, 
                 gen = None if seed is None else torch.Generator().manual_seed(seed)
                 out = engine.generate(ids, mask, params, generator=gen)
                 reply: Any = (out.response_ids, out.response_mask, out.rollout_logprobs,
-                              out.truncated)
+                              out.truncated, engine.last_prefix_cache)
             elif op == "load":
                 ended[0] = False
                 try:
@@ -181,6 +181,8 @@ class VLLMProcessEngine:
         last_timings: seconds of the last call; per key the slowest engine (``generate_s`` is the
             parent's wall time of the whole call).
         last_load_counts: ``{"tensors": n, "bytes": b}`` the last ``load_weights`` sent.
+        last_prefix_cache: prompt tokens of the last ``generate`` and how many the engines'
+            prefix caches served, summed over the engines.
 
     Raises:
         ValueError: a model vLLM's CPU kernel cannot run; ``procs < 1``.
@@ -239,6 +241,7 @@ class VLLMProcessEngine:
         self.sleep_supported = all(r["sleep_supported"] for r, _ in ready)
         self.last_timings: dict[str, float] = {}
         self.last_load_counts: dict[str, int] = {"tensors": 0, "bytes": 0}
+        self.last_prefix_cache: dict[str, int] = {"prompt_tokens": 0, "cached_tokens": 0}
 
     # ------------------------------------------------------------------ plumbing
     def _dead(self, i: int) -> RuntimeError:
@@ -320,6 +323,8 @@ class VLLMProcessEngine:
             truncated=torch.cat([p[3] for p in parts]).to(dev))
         self.last_timings = {**_slowest(t for _, t in replies),
                              "generate_s": time.perf_counter() - t0}
+        self.last_prefix_cache = {k: sum(p[4][k] for p in parts)
+                                  for k in ("prompt_tokens", "cached_tokens")}
         return out
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:

@@ -15,7 +15,7 @@ from transformers import get_scheduler
 
 from flowrl.algorithms.balance import inverse_permutation, token_budget_partitions
 from flowrl.algorithms.logprobs import entropy_from_logits, linear_logprobs, token_logprobs
-from flowrl.algorithms.masks import position_ids_from_mask
+from flowrl.algorithms.masks import position_ids_from_mask, response_attention_mask
 from flowrl.algorithms.packing import pack, packable, unpack
 from flowrl.engines.base import LogprobOutput, LossFn
 from flowrl.engines.config import TrainEngineConfig  # noqa: F401  (trainer.engine; re-exported)
@@ -137,7 +137,7 @@ def _trim_padding(mb: Mapping[str, Tensor]) -> dict[str, Tensor]:
     longest valid response (right), so a micro-batch of short sequences runs a short forward.
     Position ids come from the mask, so values are unchanged (up to float summation order)."""
     p_mask, r_mask = mb["prompt_mask"].bool(), mb["response_mask"].bool()
-    P, R = p_mask.shape[1], r_mask.shape[1]
+    P = p_mask.shape[1]
     p_keep = int(p_mask.any(0).nonzero().min()) if p_mask.any() else P - 1
     r_keep = int(r_mask.any(0).nonzero().max()) + 1 if r_mask.any() else 1
     out = dict(mb)
@@ -213,7 +213,8 @@ class LocalTrainEngine:
             pred, packed = pk.predictor_index, True
         else:
             P, R = p_ids.shape[1], r_ids.shape[1]
-            attn = torch.cat([p_mask, r_mask], dim=1)
+            # environment tokens between policy turns (mask False) are context: attended
+            attn = torch.cat([p_mask, response_attention_mask(r_mask)], dim=1)
             kwargs = dict(input_ids=torch.cat([p_ids, r_ids], dim=1), attention_mask=attn.long(),
                           position_ids=position_ids_from_mask(attn))
             cols = torch.arange(P - 1, P + R - 1, device=self.device)
@@ -335,7 +336,8 @@ class LocalTrainEngine:
                 step = self.cfg.micro_batch_size
                 return [list(range(s, min(s + step, B))) for s in range(0, B, step)]
             return [c.tolist() for c in torch.arange(B).tensor_split(k)]
-        lengths = (batch["prompt_mask"].bool().sum(-1) + batch["response_mask"].bool().sum(-1)).tolist()
+        lengths = (batch["prompt_mask"].bool().sum(-1)
+                   + response_attention_mask(batch["response_mask"]).sum(-1)).tolist()
         parts = token_budget_partitions(lengths, budget)
         k = self._agree_num_micro(len(parts))
         if k > len(parts):

@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 import torch
 from torch import Tensor, nn
 
-from flowrl.algorithms.masks import position_ids_from_mask
+from flowrl.algorithms.masks import position_ids_from_mask, response_attention_mask
 from flowrl.engines.train.local import LocalTrainEngine, _slice_batch
 
 
@@ -69,7 +69,8 @@ class ValueTrainEngine(LocalTrainEngine):
         r_ids, r_mask = mb["response_ids"], mb["response_mask"].bool()
         P, R = p_ids.shape[1], r_ids.shape[1]
         ids = torch.cat([p_ids, r_ids], dim=1).to(self.device)
-        attn = torch.cat([p_mask, r_mask], dim=1).to(self.device)
+        # environment tokens between policy turns (mask False) are context: attended
+        attn = torch.cat([p_mask, response_attention_mask(r_mask)], dim=1).to(self.device)
         out = self.model(input_ids=ids, attention_mask=attn.long(),
                          position_ids=position_ids_from_mask(attn)).logits
         if out.dim() != 3 or out.shape[-1] != 1:
