@@ -79,6 +79,25 @@ def format_number(x: float) -> str:
     return f"{x:.10g}"
 
 
+# declared, so offering the built-in tool reads no docstring (transformers' get_json_schema,
+# which imports torch, is only for tools given without a schema); test_multi_turn checks that it
+# equals what get_json_schema reads from calculator's signature and docstring
+CALCULATOR_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression and return its value.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {
+                "type": "string",
+                "description": 'numbers with + - * / // % ** and parentheses, e.g. "(48 / 2) * 3".'}},
+            "required": ["expression"],
+        },
+    },
+}
+
+
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression and return its value.
 

@@ -25,6 +25,7 @@ returns something that is not text/JSON gives a :class:`~flowrl.envs.base.ToolRe
 """
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import time
@@ -35,6 +36,15 @@ from flowrl.envs.base import ToolResult
 from flowrl.envs.parsers import ParsedCall
 
 BUILTIN_TOOLS: dict[str, str] = {"calculator": "flowrl.envs.calculator:calculator"}
+
+
+def _builtin_schemas() -> dict[str, dict[str, Any]]:
+    from flowrl.envs.calculator import CALCULATOR_SCHEMA
+
+    return {"flowrl.envs.calculator:calculator": CALCULATOR_SCHEMA}
+
+
+BUILTIN_SCHEMAS = _builtin_schemas()
 _JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
 
 
@@ -136,6 +146,8 @@ def resolve_tools(entries: Sequence[Any], field: str = "params.tools") -> list[T
                                  f"{sorted(BUILTIN_TOOLS)}, or give 'module:function'")
             path = BUILTIN_TOOLS[path]
         fn = _load(path, where)
+        if schema is None and path in BUILTIN_SCHEMAS:
+            schema = copy.deepcopy(BUILTIN_SCHEMAS[path])
         if schema is None:
             from transformers.utils import get_json_schema
 

@@ -541,3 +541,13 @@ def test_grpo_tools_graph_file_opens_with_the_command_and_sets_its_data():
     cfg = compose(["graph=grpo_tools"])
     assert cfg.data.max_prompt_tokens == 512 and cfg.graph.path == "graphs/grpo_tools.yaml"
     assert cfg.data.instruction.startswith("Use the calculator tool")
+
+
+def test_the_calculators_declared_schema_is_what_its_docstring_says():
+    from transformers.utils import get_json_schema
+
+    from flowrl.envs.calculator import CALCULATOR_SCHEMA, calculator
+
+    read = get_json_schema(calculator)
+    read["function"].pop("return", None)
+    assert read == CALCULATOR_SCHEMA
