@@ -21,7 +21,8 @@ def compose(overrides: list[str]):
 
     ``trainer.output_dir`` still points at Hydra's run dir unless overridden; set it before use.
     """
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     from flowrl.config import REPO_ROOT, register_configs
 
@@ -122,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
         from flowrl import train
-
         from flowrl.launch import maybe_exec_torchrun
 
         maybe_exec_torchrun(rest)  # launcher.nproc > 1: becomes torchrun, never returns

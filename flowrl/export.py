@@ -13,7 +13,6 @@ tokenizer). Works for checkpoints of any world size (DCP re-shards on load) in o
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 

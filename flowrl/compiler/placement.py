@@ -20,7 +20,6 @@ from typing import Any, Optional
 from flowrl.compiler.devices import DEVICES
 from flowrl.compiler.plan import Action, CompiledStage, ExecutionPlan, TensorLife, _swap_actions
 from flowrl.graph.graph import Graph
-from flowrl.ops.registry import OPS
 
 MODES = ("colocated", "partitioned", "auto")
 TRAIN_POOL, ROLLOUT_POOL = "train", "rollout"
@@ -88,7 +87,7 @@ class PlacementConfig:
             if not ranks or any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
                 raise ValueError(f"placement.pools.{name} must be a non-empty list of distinct "
                                  f"ranks >= 0, got {list(ranks)}")
-        for role, pool in self.roles.items():
+        for role in self.roles:
             if role not in DEFAULT_ROLE_POOL:
                 raise ValueError(f"placement.roles.{role}: unknown role (roles: "
                                  f"{sorted(DEFAULT_ROLE_POOL)})")
@@ -305,7 +304,7 @@ def partitioned(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int,
     for c in plan.stages:
         s = c.stage
         if where[s.name] == ROLLOUT_POOL:
-            for arg, src, out in s.input_refs():
+            for _arg, src, out in s.input_refs():
                 if where[src] == TRAIN_POOL:
                     raise PlacementError(
                         f"placement.roles: stage '{s.name}' (pool {ROLLOUT_POOL}) reads "

@@ -14,11 +14,22 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig,
-                          PreTrainedModel, PreTrainedTokenizerBase)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from flowrl.models.bundled import (  # noqa: F401 (re-exported)
-    SMOLLM2, SMOLLM2_GGUF, SMOLLM2_PACKAGE, bundled_tokenizer_dir, smollm2_dir)
+    SMOLLM2,
+    SMOLLM2_GGUF,
+    SMOLLM2_PACKAGE,
+    bundled_tokenizer_dir,
+    smollm2_dir,
+)
 from flowrl.models.lora import as_lora_config
 from flowrl.models.size import ModelSize, model_size
 

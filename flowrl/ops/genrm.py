@@ -7,13 +7,11 @@ score parsing live in ``flowrl/rewards/genrm.py``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from flowrl.ops.context import StageContext
 from flowrl.ops.builtin import GenRMConfig  # noqa: F401 (re-exported)
+from flowrl.ops.context import StageContext
 from flowrl.ops.registry import implements
 
 

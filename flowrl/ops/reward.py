@@ -9,14 +9,18 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
+from flowrl.ops.builtin import (  # noqa: F401
+    MIX_COMPONENTS,
+    FunctionRewardConfig,
+    MixConfig,
+    OverlongConfig,
+    RuleRewardConfig,
+)
 from flowrl.ops.context import StageContext
-from flowrl.ops.builtin import (MIX_COMPONENTS, FunctionRewardConfig, MixConfig,  # noqa: F401
-                                OverlongConfig, RuleRewardConfig)
 from flowrl.ops.registry import implements
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Optional
 
 DEFAULT_JUDGE_TEMPLATE = (
     "Please act as an impartial judge and rate the response to the question below for "

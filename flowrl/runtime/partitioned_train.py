@@ -29,7 +29,7 @@ import torch
 from omegaconf import OmegaConf
 
 from flowrl.compiler.placement import PlacementError, PlacementPlan
-from flowrl.runtime.partitioned import (RolloutPool, TrainPool, check_partitioned, pool_context)
+from flowrl.runtime.partitioned import RolloutPool, TrainPool, check_partitioned, pool_context
 
 log = logging.getLogger("flowrl")
 # seconds a pool waits for the other before raising PoolPeerError (a dead peer is reported at
@@ -70,7 +70,6 @@ def _train_partitioned(cfg, plan, placement: PlacementPlan, dinfo, out_dir: Path
     from flowrl.models.loading import load_tokenizer
     from flowrl.ops import token_rewards as token_rewards_op
     from flowrl.runtime.checkpoint import CheckpointManager
-    from flowrl.runtime.distributed import broadcast_object
     from flowrl.runtime.executor import Executor
     from flowrl.runtime.metrics import MetricsLogger
     from flowrl.train import _device, _rescale_prompt_state, _train_state, build_engines

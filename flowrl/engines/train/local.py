@@ -252,7 +252,7 @@ def _trim_padding(mb: Mapping[str, Tensor]) -> dict[str, Tensor]:
     longest valid response (right), so a micro-batch of short sequences runs a short forward.
     Position ids come from the mask, so values are unchanged (up to float summation order)."""
     p_mask, r_mask = mb["prompt_mask"].bool(), mb["response_mask"].bool()
-    P, R = p_mask.shape[1], r_mask.shape[1]
+    P = p_mask.shape[1]
     p_keep = int(p_mask.any(0).nonzero().min()) if p_mask.any() else P - 1
     r_keep = int(r_mask.any(0).nonzero().max()) + 1 if r_mask.any() else 1
     out = dict(mb)
