@@ -55,7 +55,7 @@ def report(results: list[dict], notes: str = "", this_command: str = "") -> str:
     base = {r["batch"]: r["tokens_per_s"] for r in rows if r["variant"] == "hf-static"}
     own = {(r["batch"], r["sampling"]): r["tokens_per_s"] for r in rows if r["variant"] == "flowrl-vllm"}
     own_any = {}  # raw-vLLM rows run unseeded: compare them to the unseeded flowrl-vllm row first
-    for (b, smp), v in sorted(own.items(), key=lambda kv: kv[0][1].endswith("+unseeded")):
+    for (b, _sampling), v in sorted(own.items(), key=lambda kv: kv[0][1].endswith("+unseeded")):
         own_any[b] = v
     head = ["variant", "sampling", "sequences", "mean len", "tok/s", "seconds", "× hf-static",
             "× flowrl-vllm", "% of floor", "settings"]

@@ -19,8 +19,17 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (REPO_ROOT, command_line, git_revision, machine_info, markdown_table,  # noqa: E402
-                     run_child, text_table, utc_now, versions)
+from _common import (  # noqa: E402
+    REPO_ROOT,
+    command_line,
+    git_revision,
+    machine_info,
+    markdown_table,
+    run_child,
+    text_table,
+    utc_now,
+    versions,
+)
 
 
 def main() -> int:

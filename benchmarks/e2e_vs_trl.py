@@ -42,8 +42,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (REPO_ROOT, TreeMonitor, command_line, git_revision, machine_info,  # noqa: E402
-                     markdown_table, run_child, text_table, utc_now, versions)
+from _common import (  # noqa: E402
+    REPO_ROOT,
+    TreeMonitor,
+    command_line,
+    git_revision,
+    machine_info,
+    markdown_table,
+    run_child,
+    text_table,
+    utc_now,
+    versions,
+)
 
 FRAMEWORKS = ("flowrl", "trl")
 ROLLOUTS = ("hf", "vllm")

@@ -47,8 +47,16 @@ from typing import Callable, Optional
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks._common import (REPO_ROOT, command_line, git_revision, machine_info,  # noqa: E402
-                                markdown_table, text_table, utc_now, versions)
+from benchmarks._common import (  # noqa: E402
+    REPO_ROOT,
+    command_line,
+    git_revision,
+    machine_info,
+    markdown_table,
+    text_table,
+    utc_now,
+    versions,
+)
 
 STEPS = 6
 BENCH = Path(__file__).resolve().parent
@@ -297,7 +305,7 @@ class Bench:
         rc = job.wait(timeout + 240)
         stop_s = time.monotonic() - t
         out = job.output
-        named = f"rank 1 (host" in out and f"pid {victim.pid}" in out and "sent no heartbeat" in out
+        named = "rank 1 (host" in out and f"pid {victim.pid}" in out and "sent no heartbeat" in out
         hint = "trainer.resume=true" in out
         self.note("frozen rank", out, "flowrl train: stopped")
         job.kill_all()

@@ -29,8 +29,15 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (REPO_ROOT, command_line, git_revision, machine_info, markdown_table,  # noqa: E402
-                     text_table, versions)
+from _common import (  # noqa: E402
+    REPO_ROOT,
+    command_line,
+    git_revision,
+    machine_info,
+    markdown_table,
+    text_table,
+    versions,
+)
 
 from flowrl.runtime.metrics import read_metrics  # noqa: E402
 

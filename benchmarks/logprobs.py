@@ -36,8 +36,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import (REPO_ROOT, command_line, git_revision, machine_info, markdown_table,  # noqa: E402
-                     text_table, utc_now, versions)
+from _common import (  # noqa: E402
+    REPO_ROOT,
+    command_line,
+    git_revision,
+    machine_info,
+    markdown_table,
+    text_table,
+    utc_now,
+    versions,
+)
 
 from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig  # noqa: E402
 
@@ -152,7 +160,7 @@ def run_variant(name: str, spec, model, batch, args, device) -> dict:
                    fwd_bwd_peak_gib=fb["peak_gib"], first_s=f["first_s"] + fb["first_s"],
                    tokens_per_s=float(mask.sum()) / (fb["ms"] / 1e3), logprobs=f["out"].float())
     finally:
-        del eng
+        eng = None  # drop the engine (and its module references) before the next variant
         model.zero_grad(set_to_none=True)
         gc.collect()
         if device.type == "cuda":

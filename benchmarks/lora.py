@@ -43,7 +43,12 @@ def run_mode(args) -> dict:
     import transformers
 
     from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
-    from flowrl.models.lora import AdapterDisabledReference, LoraConfig, build_lora_actor, merged_weights
+    from flowrl.models.lora import (
+        AdapterDisabledReference,
+        LoraConfig,
+        build_lora_actor,
+        merged_weights,
+    )
 
     device = torch.device(args.device)
     torch.manual_seed(0)

@@ -31,8 +31,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import (REPO_ROOT, command_line, git_revision, machine_info,  # noqa: E402
-                                markdown_table, run_child, utc_now, versions)
+from benchmarks._common import (  # noqa: E402
+    REPO_ROOT,
+    command_line,
+    git_revision,
+    machine_info,
+    markdown_table,
+    run_child,
+    utc_now,
+    versions,
+)
 
 CONFIGS = {  # name → extra overrides
     "colocated": ["placement=colocated"],

@@ -55,9 +55,9 @@ def main() -> None:
     from flowrl.engines.base import SamplingConfig
     from flowrl.engines.train.fsdp import FSDPTrainEngine
     from flowrl.engines.train.local import TrainEngineConfig
+    from flowrl.ops.builtin import PolicyUpdateConfig
     from flowrl.ops.context import StageContext
     from flowrl.ops.logprobs import LogprobsConfig, logprobs
-    from flowrl.ops.builtin import PolicyUpdateConfig
     from flowrl.ops.update import update_policy
     from flowrl.runtime import distributed as fdist
 

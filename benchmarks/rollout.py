@@ -62,8 +62,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import (command_line, git_revision, machine_info, text_table,  # noqa: E402
-                                utc_now, versions)
+from benchmarks._common import (  # noqa: E402
+    command_line,
+    git_revision,
+    machine_info,
+    text_table,
+    utc_now,
+    versions,
+)
 from benchmarks._rollout_flowrl import FLOWRL_VARIANTS, RNG, run_flowrl  # noqa: E402
 from benchmarks._rollout_report import floor_tokens_per_s, report  # noqa: E402,F401 (API)
 
@@ -225,7 +231,6 @@ def _gc_frozen(on: bool):
 
 def switch_cost(args, llm) -> dict:
     """sleep + wake + in-place load of a training-side module's full (gathered) bf16 tensors."""
-    import torch
     from vllm import SamplingParams
 
     train_side = build_model(False, seed=1).cuda()  # different weights: the load must show

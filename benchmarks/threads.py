@@ -26,8 +26,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import (REPO_ROOT, command_line, git_revision, machine_info,  # noqa: E402
-                                markdown_table, run_child, text_table, utc_now, versions)
+from benchmarks._common import (  # noqa: E402
+    REPO_ROOT,
+    command_line,
+    git_revision,
+    machine_info,
+    markdown_table,
+    run_child,
+    text_table,
+    utc_now,
+    versions,
+)
 
 # a busy neighbour; it stops by itself when the benchmark dies (its parent changes)
 NEIGHBOUR = """

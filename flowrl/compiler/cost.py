@@ -25,12 +25,23 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from flowrl.compiler.devices import DEVICES, INF, DeviceProfile
-from flowrl.compiler.footprint import (ModelSize, fmt_bytes, pool_peak_memory,
-                                       role_model_configs, tensor_bytes)
-from flowrl.compiler.placement import (PlacementConfig, PlacementError, PlacementPlan,
-                                       ROLLOUT_POOL, TRAIN_POOL, place, split_candidates)
+from flowrl.compiler.footprint import (
+    ModelSize,
+    fmt_bytes,
+    pool_peak_memory,
+    role_model_configs,
+    tensor_bytes,
+)
+from flowrl.compiler.placement import (
+    ROLLOUT_POOL,
+    TRAIN_POOL,
+    PlacementConfig,
+    PlacementError,
+    PlacementPlan,
+    place,
+    split_candidates,
+)
 from flowrl.graph.roles import ROLES
-
 
 
 @dataclass(frozen=True)

@@ -209,7 +209,7 @@ def order_stages(graph: Graph) -> list[str]:
     order: list[str] = []
     ready = [n for n, d in indeg.items() if d == 0]
     while ready:
-        def key(n: str):
+        def key(n: str, current: Optional[str] = current):  # this iteration's role
             r = role[n]
             if r is not None and r == current:
                 rank = 0

@@ -2,9 +2,17 @@
 sampler."""
 from flowrl.data.files import DataError
 from flowrl.data.gsm8k import DATASETS, SPLITS, load_gsm8k, parse_ground_truth
-from flowrl.data.prompts import (DEFAULT_INSTRUCTION, DataConfig, PromptBatch, PromptSource,
-                                 build_messages, collate_prompts, load_records, record_messages,
-                                 render_prompts)
+from flowrl.data.prompts import (
+                                 DEFAULT_INSTRUCTION,
+                                 DataConfig,
+                                 PromptBatch,
+                                 PromptSource,
+                                 build_messages,
+                                 collate_prompts,
+                                 load_records,
+                                 record_messages,
+                                 render_prompts,
+)
 from flowrl.data.sampler import PromptSampler
 
 __all__ = ["DATASETS", "DEFAULT_INSTRUCTION", "DataConfig", "DataError", "PromptBatch",

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from flowrl.ops.context import StageContext
-from flowrl.ops.registry import NoConfig, implements
 from flowrl.ops.rebalance import balance_rows
+from flowrl.ops.registry import NoConfig, implements
 
 _PROMPT_RESPONSE = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 

@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from flowrl.ops.context import StageContext
 from flowrl.ops.builtin import GenRMConfig  # noqa: F401 (re-exported)
+from flowrl.ops.context import StageContext
 from flowrl.ops.registry import implements
 
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.ops.context import StageContext
 from flowrl.ops.builtin import LogprobsConfig
-from flowrl.ops.registry import implements
+from flowrl.ops.context import StageContext
 from flowrl.ops.rebalance import balance_rows
+from flowrl.ops.registry import implements
 
 
 @implements("logprobs")

@@ -13,9 +13,14 @@ from typing import Any
 
 import torch
 
+from flowrl.ops.builtin import (  # noqa: F401
+    MIX_COMPONENTS,
+    FunctionRewardConfig,
+    MixConfig,
+    OverlongConfig,
+    RuleRewardConfig,
+)
 from flowrl.ops.context import StageContext
-from flowrl.ops.builtin import (MIX_COMPONENTS, FunctionRewardConfig, MixConfig,  # noqa: F401
-                                OverlongConfig, RuleRewardConfig)
 from flowrl.ops.registry import implements
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,12 @@ from typing import Any
 import torch
 
 from flowrl.algorithms.advantages import place_on_last_token
-from flowrl.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_controller
+from flowrl.algorithms.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    kl_controller,
+)
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import NoConfig, implements
 from flowrl.ops.state import OpStateSpec, declare_state

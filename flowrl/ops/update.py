@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.ops.context import StageContext
 from flowrl.ops.builtin import PolicyUpdateConfig
+from flowrl.ops.context import StageContext
 from flowrl.ops.registry import implements
 
 _RANK_INVARIANT = ("grad_norm", "lr", "skipped")

@@ -7,8 +7,12 @@ the contract of ``flowrl.rewards.function`` (op ``reward.function``).
 """
 from typing import Callable
 
-from flowrl.rewards.format import (gsm8k_format_reward, regex_format_reward,
-                                   think_answer_format_reward, think_format_reward)
+from flowrl.rewards.format import (
+                                   gsm8k_format_reward,
+                                   regex_format_reward,
+                                   think_answer_format_reward,
+                                   think_format_reward,
+)
 from flowrl.rewards.gsm8k import extract_gsm8k_answer, gsm8k_reward
 from flowrl.rewards.math import extract_boxed, math_reward, math_verify_reward
 

@@ -41,12 +41,16 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from flowrl.compiler.placement import (ROLLOUT_POOL, TRAIN_POOL, PlacementPlan, PoolPlan,
-                                      check_pool_sizes)
+from flowrl.compiler.placement import (
+    ROLLOUT_POOL,
+    TRAIN_POOL,
+    PlacementPlan,
+    PoolPlan,
+    check_pool_sizes,
+)
 from flowrl.ops.context import DistInfo
 from flowrl.runtime.distributed import combine_metrics, reduce_metrics
 from flowrl.runtime.transport import PendingSend, WeightBroadcaster, recv_batch, send_batch
-
 
 # fault injection for tests: a rollout rank exits abruptly (no teardown) after sending this step
 FAULT_EXIT_AFTER = int(os.environ.get("FLOWRL_FAULT_ROLLOUT_EXIT_AFTER", "0") or 0)

@@ -6,7 +6,6 @@ resumed by a train pool [0] + rollout pool [1] with the same global batch."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 

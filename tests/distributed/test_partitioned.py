@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from flowrl.cli import compose
-from flowrl.train import train
 from flowrl.runtime.metrics import read_metrics
+from flowrl.train import train
 
 REPO = Path(__file__).resolve().parents[2]
 # random tiny model: GSM8K rewards are all 0, so the entropy bonus and the KL term (ref stage on

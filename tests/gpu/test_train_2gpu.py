@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_train_gpu import MEAN_TOL, TINY, VLLM, has_vllm, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]

@@ -3,14 +3,12 @@ rollout copy (stale-adapter detection), resume exactness, export (merged / adapt
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from flowrl.runtime.metrics import read_metrics
-
 from flowrl.cli import compose
+from flowrl.runtime.metrics import read_metrics
 from flowrl.train import train
 
 BASE = ["model=tiny", "trainer=smoke", "data.limit=64", "logger.progress=false",

@@ -77,9 +77,8 @@ def test_dapo_graph_filters_and_refills(tmp_path, monkeypatch):
 
 
 def test_dapo_graph_gives_up_with_a_clear_error(tmp_path, monkeypatch):
-    from flowrl.rewards import REWARD_FUNCTIONS
-
     from flowrl.graph import Graph
+    from flowrl.rewards import REWARD_FUNCTIONS
 
     monkeypatch.setitem(REWARD_FUNCTIONS, "gsm8k", lambda text, gt, **_: 0.0)
     g = Graph.load(Path(__file__).resolve().parents[2] / "graphs" / "dapo.yaml")

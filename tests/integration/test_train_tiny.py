@@ -30,7 +30,6 @@ def read_metrics(d: Path) -> dict[int, dict]:
 
 
 def weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(str(ckpt_dir), str(ckpt_dir / "flat.pt"))

@@ -3,10 +3,19 @@ import math
 import pytest
 import torch
 
-from flowrl.algorithms.advantages import (ADVANTAGE_ESTIMATORS, discounted_returns, dr_grpo_advantages, gae,
-                                          grpo_advantages, place_on_last_token, reinforce_pp_advantages,
-                                          reinforce_pp_baseline_advantages, rloo_advantages, validate_estimator,
-                                          whiten)
+from flowrl.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    discounted_returns,
+    dr_grpo_advantages,
+    gae,
+    grpo_advantages,
+    place_on_last_token,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+    validate_estimator,
+    whiten,
+)
 from flowrl.algorithms.config import AlgorithmConfig
 
 NAN = float("nan")

@@ -1,8 +1,13 @@
 """Karmarkar–Karp partitioning, token-budget micro-batches, order restoration (exact values)."""
 import pytest
 
-from flowrl.algorithms.balance import (inverse_permutation, karmarkar_karp, num_budget_parts,
-                                       partition_sums, token_budget_partitions)
+from flowrl.algorithms.balance import (
+    inverse_permutation,
+    karmarkar_karp,
+    num_budget_parts,
+    partition_sums,
+    token_budget_partitions,
+)
 
 
 def test_kk_two_way_textbook_example():

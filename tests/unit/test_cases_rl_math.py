@@ -5,12 +5,22 @@ import math
 import pytest
 import torch
 
-from flowrl.algorithms.advantages import (ADVANTAGE_ESTIMATORS, gae, grpo_advantages, rloo_advantages,
-                                          validate_estimator)
+from flowrl.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    gae,
+    grpo_advantages,
+    rloo_advantages,
+    validate_estimator,
+)
 from flowrl.algorithms.config import AlgorithmConfig
 from flowrl.algorithms.kl import kl_penalty
 from flowrl.algorithms.logprobs import entropy_from_logits, token_logprobs
-from flowrl.algorithms.losses import LOSS_AGGREGATIONS, aggregate_loss, loss_denominators, ppo_clip_loss
+from flowrl.algorithms.losses import (
+    LOSS_AGGREGATIONS,
+    aggregate_loss,
+    loss_denominators,
+    ppo_clip_loss,
+)
 from flowrl.algorithms.masks import response_mask
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import io
-import json
 import os
 import pickle
 import shutil
@@ -22,8 +21,12 @@ import pytest
 import torch
 
 from flowrl.runtime import checkpoint as ck
-from flowrl.runtime.checkpoint import (CheckpointManager, CheckpointWriteError,
-                                       CorruptCheckpointError, UnsafeCheckpointError)
+from flowrl.runtime.checkpoint import (
+    CheckpointManager,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 

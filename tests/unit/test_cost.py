@@ -5,15 +5,23 @@ from types import SimpleNamespace
 
 import pytest
 
-from flowrl.compiler.cost import (DeviceProfile, StageCosts, Workload, choose_placement,
-                                  decode_seconds, estimate, forward_seconds, ternary_search,
-                                  train_seconds)
+from flowrl.compiler.cost import (
+    DeviceProfile,
+    StageCosts,
+    Workload,
+    choose_placement,
+    decode_seconds,
+    estimate,
+    forward_seconds,
+    ternary_search,
+    train_seconds,
+)
 from flowrl.compiler.footprint import role_memory, tensor_bytes
-from flowrl.models.size import ModelSize, model_size
 from flowrl.compiler.placement import PlacementConfig, place, split_candidates
 from flowrl.compiler.plan import compile_plan
 from flowrl.graph.graph import Graph
 from flowrl.models.loading import ModelConfig, tiny_model_config
+from flowrl.models.size import ModelSize, model_size
 
 GRPO = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
 INF = float("inf")
@@ -110,7 +118,7 @@ def test_ternary_search_matches_exhaustive():
             c = costs(Workload(batch=960, prompt_tokens=64, response_tokens=128), device)
             xs = split_candidates(world)
 
-            def f(r):
+            def f(r, world=world, c=c):
                 pc = PlacementConfig(mode="partitioned", staleness=1, pools={
                     "train": list(range(world - r)), "rollout": list(range(world - r, world))})
                 return estimate(place(plan, pc, world), c).step_s

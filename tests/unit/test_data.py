@@ -6,8 +6,14 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from flowrl.data import (DataConfig, PromptSampler, PromptSource, collate_prompts, load_gsm8k,
-                         parse_ground_truth)
+from flowrl.data import (
+    DataConfig,
+    PromptSampler,
+    PromptSource,
+    collate_prompts,
+    load_gsm8k,
+    parse_ground_truth,
+)
 from flowrl.models import ModelConfig, load_tokenizer
 
 ASSISTANT_PREFIX = "<|im_start|>assistant\n"

@@ -12,7 +12,7 @@ from flowrl.algorithms.config import AlgorithmConfig
 from flowrl.cli import compose, main
 from flowrl.graph import Graph, UnusedOutputWarning, validate_graph
 from flowrl.ops.context import StageContext
-from flowrl.ops.registry import NoConfig, get_op, load_builtin_ops, OPS
+from flowrl.ops.registry import OPS, NoConfig, get_op, load_builtin_ops
 
 REPO = Path(__file__).resolve().parents[2]
 NEW_GRAPHS = ["ppo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo"]

@@ -3,8 +3,14 @@ import math
 import pytest
 import torch
 
-from flowrl.algorithms.kl import (KL_ESTIMATORS, AdaptiveKLController, FixedKLController, apply_kl_penalty,
-                                  kl_controller, kl_penalty)
+from flowrl.algorithms.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    kl_controller,
+    kl_penalty,
+)
 
 
 def test_estimator_values():

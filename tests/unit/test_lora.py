@@ -6,15 +6,19 @@ import copy
 
 import pytest
 import torch
+from test_engines import PROMPT_MASK, PROMPTS, _train_batch, tiny_llama, token_mean_loss
 
 from flowrl.cli import compose
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.rollout.hf import HFRolloutConfig, HFRolloutEngine
 from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
-from flowrl.models.lora import (AdapterDisabledReference, LoraConfig, build_lora_actor,
-                                merged_weights)
+from flowrl.models.lora import (
+    AdapterDisabledReference,
+    LoraConfig,
+    build_lora_actor,
+    merged_weights,
+)
 from flowrl.train import ConfigError, prepare
-from test_engines import PROMPT_MASK, PROMPTS, _train_batch, tiny_llama, token_mean_loss
 
 BASE = ["model=tiny", "trainer=smoke", "trainer.output_dir=/tmp/flowrl-lora-plan"]
 
@@ -197,7 +201,6 @@ def test_state_dict_round_trip_continues_identically():
 @pytest.fixture(scope="module")
 def tokenizer():
     import transformers
-
     from test_engines import TOKENIZER_DIR
 
     return transformers.AutoTokenizer.from_pretrained(TOKENIZER_DIR)

@@ -4,8 +4,17 @@ import pytest
 import torch
 
 from flowrl.algorithms.config import AlgorithmConfig
-from flowrl.algorithms.losses import (LOSS_AGGREGATIONS, POLICY_LOSSES, aggregate_loss, entropy_bonus, gspo_loss,
-                                      loss_denominators, mask_truncated, ppo_clip_loss, value_loss)
+from flowrl.algorithms.losses import (
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    aggregate_loss,
+    entropy_bonus,
+    gspo_loss,
+    loss_denominators,
+    mask_truncated,
+    ppo_clip_loss,
+    value_loss,
+)
 
 NAN, INF = float("nan"), float("inf")
 

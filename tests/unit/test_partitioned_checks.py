@@ -4,8 +4,12 @@ import pytest
 import torch
 
 from flowrl.cli import compose
-from flowrl.runtime.partitioned import (check_partitioned, concat_batches, merge_rank_metrics,
-                                        pool_metrics)
+from flowrl.runtime.partitioned import (
+    check_partitioned,
+    concat_batches,
+    merge_rank_metrics,
+    pool_metrics,
+)
 from flowrl.train import ConfigError, prepare, prepare_placement
 
 BASE = ["model=tiny", "trainer=smoke", "trainer.output_dir=/tmp/unused", "placement=partitioned"]

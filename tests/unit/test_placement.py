@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from flowrl.cli import compose, main
-from flowrl.compiler.placement import (PlacementConfig, PlacementError, place, split_candidates)
+from flowrl.compiler.placement import PlacementConfig, PlacementError, place, split_candidates
 from flowrl.compiler.plan import compile_plan
 from flowrl.graph.graph import Graph
 from flowrl.train import ConfigError, prepare, prepare_placement

@@ -5,8 +5,15 @@ import torch
 
 from flowrl.engines.train.local import TrainEngineConfig
 from flowrl.ops.context import StageContext
-from flowrl.ops.rebalance import (RowExchange, _pad_width, balance_assignment, balance_rows,
-                                      check_batch, pack_rows, unpack_rows)
+from flowrl.ops.rebalance import (
+    RowExchange,
+    _pad_width,
+    balance_assignment,
+    balance_rows,
+    check_batch,
+    pack_rows,
+    unpack_rows,
+)
 
 
 def sums(lengths, assignment):

@@ -14,8 +14,15 @@ import torch
 
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import get_op
-from flowrl.rewards.function import (ERROR, NONFINITE, OK, TIMEOUT, RewardFunctionRunner,
-                                     load_reward_function, to_components)
+from flowrl.rewards.function import (
+    ERROR,
+    NONFINITE,
+    OK,
+    TIMEOUT,
+    RewardFunctionRunner,
+    load_reward_function,
+    to_components,
+)
 
 MOD = "test_rewards_function"
 

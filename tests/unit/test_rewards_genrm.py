@@ -3,8 +3,12 @@ import math
 
 import pytest
 
-from flowrl.rewards.genrm import (DEFAULT_JUDGE_TEMPLATE, mean_of_judgements, parse_judge_score,
-                                  render_judge_prompt)
+from flowrl.rewards.genrm import (
+    DEFAULT_JUDGE_TEMPLATE,
+    mean_of_judgements,
+    parse_judge_score,
+    render_judge_prompt,
+)
 
 
 @pytest.mark.parametrize("text, score", [

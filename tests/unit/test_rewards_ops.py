@@ -2,7 +2,6 @@
 rule, unscorable samples through mix -> advantage.grpo, the dynamic-sampling filter, the refill
 loop of the executor (target reached, padding, max_attempts error), the plan's refill checks and
 the classifier reward model."""
-import math
 
 import pytest
 import torch

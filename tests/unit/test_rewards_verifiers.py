@@ -2,8 +2,13 @@
 math-verify equivalence reward and the format rewards, all scoring the response text only."""
 import pytest
 
-from flowrl.rewards import (REWARD_FUNCTIONS, extract_boxed, extract_gsm8k_answer, math_reward,
-                            math_verify_reward)
+from flowrl.rewards import (
+    REWARD_FUNCTIONS,
+    extract_boxed,
+    extract_gsm8k_answer,
+    math_reward,
+    math_verify_reward,
+)
 from flowrl.rewards.format import regex_format_reward
 
 LONG_TAIL = " More text follows. " * 25 + "Step 2: 17 apples, 3 pears, 99 plums."  # ~500 chars

@@ -8,8 +8,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from flowrl.runtime.rundir import (LOCK_FILE, RunDirError, RunDirLock, check_fresh, claim_run_dir,
-                                   previous_run, remove_hydra_leftovers, resume_hint)
+from flowrl.runtime.rundir import (
+    LOCK_FILE,
+    RunDirError,
+    RunDirLock,
+    check_fresh,
+    claim_run_dir,
+    previous_run,
+    remove_hydra_leftovers,
+    resume_hint,
+)
 
 
 def trainer(resume=False, overwrite=False):

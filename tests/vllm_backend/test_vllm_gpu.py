@@ -11,11 +11,11 @@ per token), so a weight change moves logprobs by O(10) and not only by noise, an
 """
 import pytest
 import torch
+from vllm_helpers import mean_mismatch, trainer_logprobs
 
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
 from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
-from vllm_helpers import mean_mismatch, trainer_logprobs
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -74,8 +74,8 @@ def test_engine_processes_load_over_cuda_ipc_and_sleep(index):
     if index >= torch.cuda.device_count():
         pytest.skip(f"needs {index + 1} GPUs")
     torch.cuda.set_device(index)
-    from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
     from flowrl.engines.rollout.vllm import VLLMRolloutConfig
+    from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
 
     mcfg = ModelConfig(tiny=TINY, dtype="bfloat16")
     tok = load_tokenizer(mcfg)

@@ -8,13 +8,14 @@ import signal
 
 import pytest
 import torch
+from vllm_helpers import PROMPTS, TINY_VLLM, TOL, trainer_logprobs
+from vllm_helpers import max_mismatch as max_gap
 
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.rollout.hf import HFRolloutEngine
-from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
 from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
+from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
 from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
-from vllm_helpers import PROMPTS, TINY_VLLM, TOL, max_mismatch as max_gap, trainer_logprobs
 
 
 @pytest.fixture(scope="module")

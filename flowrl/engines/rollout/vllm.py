@@ -32,7 +32,12 @@ from torch import Tensor, nn
 from flowrl.algorithms.masks import response_mask
 from flowrl.engines.base import RolloutBatch, SamplingConfig
 from flowrl.engines.rollout.vllm_config import (  # noqa: F401 (re-exported)
-    CPU_HEAD_SIZES, LOGPROBS_MODES, VLLM_DTYPES, VLLMRolloutConfig, check_model_for_vllm)
+    CPU_HEAD_SIZES,
+    LOGPROBS_MODES,
+    VLLM_DTYPES,
+    VLLMRolloutConfig,
+    check_model_for_vllm,
+)
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,13 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from flowrl.engines.base import RolloutBatch, SamplingConfig
-from flowrl.engines.rollout.vllm import (PolicyExport, _groups, _prompt_rows, export_policy,
-                                         weights_and_device_memory)
+from flowrl.engines.rollout.vllm import (
+    PolicyExport,
+    _groups,
+    _prompt_rows,
+    export_policy,
+    weights_and_device_memory,
+)
 from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig, check_model_for_vllm
 
 # the torchrun variables of the parent's job: vLLM must not see them (it would join that world)
