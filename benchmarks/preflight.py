@@ -25,8 +25,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import (command_line, git_revision, machine_info,  # noqa: E402
-                                markdown_table, text_table, utc_now, versions)
+from benchmarks._common import (  # noqa: E402
+    command_line,
+    git_revision,
+    machine_info,
+    markdown_table,
+    text_table,
+    utc_now,
+    versions,
+)
 
 COMMANDS = {  # name -> (flowrl arguments, expected exit status); {tree} = the checkout
     "flowrl graph validate graphs/grpo.yaml": (["graph", "validate", "{tree}/graphs/grpo.yaml"], 0),
@@ -80,7 +87,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for label, tree in trees.items():
                 for name, (cargs, _) in COMMANDS.items():
-                    res, cpu = cpu_seconds(lambda: run_once(tree, cargs, cwd))
+                    res, cpu = cpu_seconds(lambda tree=tree, cargs=cargs: run_once(tree, cargs, cwd))
                     r = rows.setdefault((label, name), {"wall": [], "cpu": [], "rc": set(),
                                                         "err": res["err"].strip().splitlines()})
                     r["wall"].append(res["wall"])

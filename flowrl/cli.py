@@ -117,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
         from flowrl import train
-
         from flowrl.launch import maybe_exec_torchrun
 
         maybe_exec_torchrun(rest)  # launcher.nproc > 1: becomes torchrun, never returns

@@ -304,7 +304,8 @@ def compose(overrides: list[str]):
 
     ``trainer.output_dir`` still points at Hydra's run dir unless overridden; set it before use.
     """
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):

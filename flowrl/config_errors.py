@@ -93,8 +93,12 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
 
     Unknown kinds fall back to the error's own message lines joined with ``; ``."""
     from hydra.errors import MissingConfigException, OverrideParseException
-    from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, OmegaConfBaseException,
-                                  ValidationError)
+    from omegaconf.errors import (
+        ConfigAttributeError,
+        ConfigKeyError,
+        OmegaConfBaseException,
+        ValidationError,
+    )
 
     if isinstance(e, MissingConfigException) and e.missing_cfg_file and "/" in e.missing_cfg_file:
         group, name = e.missing_cfg_file.rsplit("/", 1)

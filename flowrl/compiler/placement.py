@@ -97,7 +97,7 @@ class PlacementConfig:
             if any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
                 raise ValueError(f"placement.pools.{name} must be a list of distinct ranks >= 0 "
                                  f"(empty: the default split), got {list(ranks)}")
-        for role, pool in self.roles.items():
+        for role, _pool in self.roles.items():
             if role not in DEFAULT_ROLE_POOL:
                 raise ValueError(f"placement.roles.{role}: unknown role (roles: "
                                  f"{sorted(DEFAULT_ROLE_POOL)})")
@@ -318,7 +318,7 @@ def partitioned(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int,
     for c in plan.stages:
         s = c.stage
         if where[s.name] == ROLLOUT_POOL:
-            for arg, src, out in s.input_refs():
+            for _arg, src, out in s.input_refs():
                 if where[src] == TRAIN_POOL:
                     raise PlacementError(
                         f"placement.roles: stage '{s.name}' (pool {ROLLOUT_POOL}) reads "

@@ -12,7 +12,6 @@ from typing import Any, Mapping, Optional
 
 from flowrl.models.loading import SMOLLM2, ModelConfig
 
-
 _CACHE_IMPLEMENTATIONS = (None, "static", "dynamic")
 
 

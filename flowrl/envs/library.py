@@ -19,7 +19,7 @@ import inspect
 import zlib
 from typing import Any, Callable, Mapping, Optional
 
-from flowrl.envs.base import MAX_TURNS, Action, EnvRow, Environment, StepResult
+from flowrl.envs.base import MAX_TURNS, Action, Environment, EnvRow, StepResult
 
 
 class ToolEnvironment:

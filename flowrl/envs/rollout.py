@@ -41,8 +41,17 @@ import torch
 from torch import Tensor
 
 from flowrl.engines.base import RolloutBatch, SamplingConfig
-from flowrl.envs.base import (ANSWERED, FINISH_REASONS, MAX_TOKENS, MAX_TURNS, TOOL_FAILURE,
-                              Action, EnvRow, Environment, ToolResult)
+from flowrl.envs.base import (
+    ANSWERED,
+    FINISH_REASONS,
+    MAX_TOKENS,
+    MAX_TURNS,
+    TOOL_FAILURE,
+    Action,
+    Environment,
+    EnvRow,
+    ToolResult,
+)
 from flowrl.envs.config import MultiTurnConfig  # noqa: F401 (re-exported)
 from flowrl.envs.parsers import TOOL_CALL_FORMATS, ParsedCall
 

@@ -190,7 +190,7 @@ def conditional_input_warnings(graph: Graph, ops: Mapping[str, "OpSpec"]) -> lis
     found = []
     for s in graph.stages:
         spec = ops.get(s.op)
-        for arg, src, out in s.input_refs():
+        for arg, src, _out in s.input_refs():
             src_stage = by_name.get(src)
             if spec is None or src_stage is None or arg not in spec.inputs:
                 continue

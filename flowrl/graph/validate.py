@@ -6,18 +6,25 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from typing import Iterable
-
 from pathlib import Path
+from typing import Iterable
 
 import networkx as nx
 
 from flowrl.graph.graph import Graph, GraphError, build_dag, damaged_problem, parse_ref  # noqa: F401 (build_dag re-exported)
 from flowrl.graph.roles import ROLES
-from flowrl.graph.rules import (conditional_input_warnings, has_interpolation, kind_problems,
-                                pruning_problems, refill_problems, refill_stages,
-                                statically_disabled, suggest_output, update_problems,
-                                weight_sync_problems)
+from flowrl.graph.rules import (
+    conditional_input_warnings,
+    has_interpolation,
+    kind_problems,
+    pruning_problems,
+    refill_problems,
+    refill_stages,
+    statically_disabled,
+    suggest_output,
+    update_problems,
+    weight_sync_problems,
+)
 from flowrl.ops.registry import OPS
 
 

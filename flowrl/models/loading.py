@@ -20,7 +20,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flowrl.models.bundled import (  # noqa: F401 (re-exported)
-    SMOLLM2, SMOLLM2_GGUF, SMOLLM2_PACKAGE, bundled_tokenizer_dir, smollm2_dir)
+    SMOLLM2,
+    SMOLLM2_GGUF,
+    SMOLLM2_PACKAGE,
+    bundled_tokenizer_dir,
+    smollm2_dir,
+)
 from flowrl.models.size import ModelSize, model_size
 
 log = logging.getLogger(__name__)

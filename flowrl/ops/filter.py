@@ -9,15 +9,13 @@ stages in the plan (``flowrl plan``).
 """
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor
 
 from flowrl.errors import RunStopped
-from flowrl.ops.context import StageContext
 from flowrl.ops.builtin import CARRIED, DynamicSamplingConfig  # noqa: F401 (re-exported)
+from flowrl.ops.context import StageContext
 from flowrl.ops.registry import implements
-
 
 
 def informative_groups(scores: Tensor, group_id: Tensor, min_std: float = 0.0) -> tuple[Tensor, dict]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 from typing import Any
 
-
 from flowrl.envs.base import FINISH_REASONS, EnvRow
 from flowrl.envs.rollout import MultiTurnConfig, MultiTurnEngine, MultiTurnSession
 from flowrl.ops.context import StageContext

@@ -11,7 +11,6 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-
 TENSOR, LIST = "tensor", "list"  # OpSpec.kinds values
 
 

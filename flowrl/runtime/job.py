@@ -306,7 +306,12 @@ class _Job:
         from flowrl.runtime.evaluate import eval_line
         from flowrl.runtime.executor import Executor
         from flowrl.runtime.metrics import MetricsLogger
-        from flowrl.runtime.resources import RunResources, build_engines, peak_rss_gib, resolve_offload
+        from flowrl.runtime.resources import (
+            RunResources,
+            build_engines,
+            peak_rss_gib,
+            resolve_offload,
+        )
 
         cfg, dinfo, out_dir, T = self.cfg, self.dinfo, self.out_dir, self.cfg.trainer.total_steps
         place = self.place = rank_placement(cfg, self.pp, dinfo)

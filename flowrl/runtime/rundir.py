@@ -17,7 +17,6 @@ import socket
 from pathlib import Path
 from typing import Any, Optional
 
-
 # what a flowrl run writes into its directory (Hydra's .hydra/ and train.log are not counted:
 # Hydra writes them before the run starts)
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "tb", "plan.txt",

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_train_gpu import MAX_TOL, MEAN_TOL, TINY, VLLM, has_vllm
 
 from flowrl.envs.base import StepResult
-from test_train_gpu import MAX_TOL, MEAN_TOL, TINY, VLLM, has_vllm
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -2,9 +2,15 @@
 one line that names the field and what to change."""
 from __future__ import annotations
 
+import copy
+import io
 import re
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
 
 import pytest
+import yaml
 
 from flowrl.cli import compose
 from flowrl.config import to_train_config
@@ -55,14 +61,6 @@ def test_inputs_or_params_that_are_not_a_mapping_say_what_to_write(field, value,
 # `flowrl plan` and `flowrl train` in-process, with the model loader flagged. Every case must
 # exit with status 1 (graph validate) or 2 (plan, train), print ONE line naming the stage or
 # field and what to change, and load no model.
-import copy
-import io
-import sys
-from contextlib import redirect_stderr, redirect_stdout
-from pathlib import Path
-
-import yaml
-
 REPO = Path(__file__).resolve().parents[2]
 GRPO = yaml.safe_load((REPO / "graphs/grpo.yaml").read_text())
 DAPO = yaml.safe_load((REPO / "graphs/dapo.yaml").read_text())
@@ -358,11 +356,11 @@ def test_a_dynamic_sampling_cap_is_one_line_with_the_resume_command(tmp_path, ca
 
 
 def test_the_refill_loop_and_the_filter_raise_run_stopped():
-    from flowrl.errors import RunStopped
-    from flowrl.ops.filter import DynamicSamplingConfig, dynamic_sampling
-    from flowrl.ops.context import StageContext
-
     import torch
+
+    from flowrl.errors import RunStopped
+    from flowrl.ops.context import StageContext
+    from flowrl.ops.filter import DynamicSamplingConfig, dynamic_sampling
 
     ctx = StageContext(stage="filter", step=1)
     with pytest.raises(RunStopped, match="set params.refill: true of stage 'filter'"):

@@ -5,7 +5,6 @@ and rollout == trainer logprobs with the real HF engine; config errors before an
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -13,11 +12,15 @@ import pytest
 import torch
 import transformers
 
+from flowrl.data.chat import (
+    HERMES_TOOL_PROMPT,
+    ObservationRenderer,
+    apply_chat_template_with_tools,
+    template_reads_tools,
+)
 from flowrl.engines.base import RolloutBatch, SamplingConfig
 from flowrl.envs.base import EnvRow, StepResult
 from flowrl.envs.calculator import CalculatorError, calculator, evaluate
-from flowrl.data.chat import (HERMES_TOOL_PROMPT, ObservationRenderer,
-                              apply_chat_template_with_tools, template_reads_tools)
 from flowrl.envs.library import GymnasiumEnvironment, ToolEnvironment, env_factory
 from flowrl.envs.parsers import ParsedCall, parse_hermes
 from flowrl.envs.rollout import MultiTurnConfig, MultiTurnSession, run_multi_turn

@@ -8,10 +8,9 @@ import torch
 from flowrl.cli import compose
 from flowrl.config import to_train_config
 from flowrl.engines import rollout as rollout_pkg
-from flowrl.engines.rollout import build_rollout_engine
+from flowrl.engines.rollout import build_rollout_engine, vllm_proc
 from flowrl.engines.rollout import hf as hf_mod
 from flowrl.engines.rollout import vllm as vllm_mod
-from flowrl.engines.rollout import vllm_proc
 from flowrl.runtime.resources import build_engines
 from flowrl.train import prepare, prepare_placement
 

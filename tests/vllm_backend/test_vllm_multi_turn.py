@@ -4,18 +4,18 @@ prefix cache, the trainer's logprobs equal the sampler's; `flowrl train graph=gr
 rollout=vllm` for 2 steps (tools graph, and a forced multi-turn environment)."""
 import pytest
 import torch
+from vllm_helpers import PROMPTS, TINY_VLLM, TOL, max_mismatch, trainer_logprobs
 
 from flowrl.cli import compose
+from flowrl.data.chat import apply_chat_template_with_tools
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.rollout.vllm import VLLMRolloutConfig, VLLMRolloutEngine
 from flowrl.envs.base import StepResult
-from flowrl.data.chat import apply_chat_template_with_tools
 from flowrl.envs.rollout import MultiTurnConfig, MultiTurnSession
 from flowrl.envs.tools import resolve_tools
 from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
 from flowrl.runtime.metrics import read_metrics
 from flowrl.train import train
-from vllm_helpers import PROMPTS, TINY_VLLM, TOL, max_mismatch, trainer_logprobs
 
 STOPS = list(range(3, 49152, 5))  # a random model's turns end early (P(8 tokens, no stop) = 17%)
 

@@ -15,8 +15,14 @@ from typing import Iterable, Optional
 
 import torch
 from torch import Tensor, nn
-from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList,
-                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from flowrl.algorithms.logprobs import token_logprobs
 from flowrl.algorithms.masks import response_mask
