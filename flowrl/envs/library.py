@@ -14,7 +14,6 @@ lookup of your own (``params.env: "package.module:Class"``, constructed with ``p
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 import zlib
 from typing import Any, Callable, Mapping, Optional
@@ -100,21 +99,14 @@ ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
 
 
 def load_class(path: str, field: str) -> Callable[..., Any]:
-    """Import ``"package.module:Name"``. Raises ValueError naming ``field``."""
-    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
-        raise ValueError(f"{field}: expected 'package.module:Class', got {path!r}")
-    mod, attr = path.split(":")
+    """Import ``"package.module:Name"`` (the reward-function loader's rules). Raises ValueError
+    naming ``field``."""
+    from flowrl.rewards.function import load_reward_function
+
     try:
-        obj: Any = importlib.import_module(mod)
-    except Exception as e:  # the user's module failing to import is their error, reported
-        raise ValueError(f"{field}: cannot import {mod!r}: {e!r}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{field}: {mod!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"{field}: {path!r} is not callable")
-    return obj
+        return load_reward_function(path)
+    except ValueError as e:
+        raise ValueError(f"{field}: {str(e).replace('reward function', 'class')}") from None
 
 
 def env_factory(name: str, params: Mapping[str, Any] | None,
