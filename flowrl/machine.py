@@ -29,6 +29,7 @@ built, from their sizes (:func:`keep_resident`).
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 
 # trainer.offload=auto is decided where the engines are built (runtime/resources.py)
@@ -50,7 +51,16 @@ class Resolved:
         return f"{self.field}={self.value} ({self.why})"
 
 
+# device nodes a CUDA (or ROCm/HIP, which torch.cuda also drives) runtime needs: NVIDIA, WSL, AMD
+_GPU_DEVICE_NODES = ("nvidiactl", "nvidia0", "dxg", "kfd")
+
+
 def cuda_available() -> bool:
+    """torch sees a CUDA device. On a machine with no GPU device node this answers without
+    importing torch (seconds on a small CPU box), so a rejected config or graph is reported
+    before torch loads; elsewhere torch is asked."""
+    if not any(os.path.exists(f"/dev/{n}") for n in _GPU_DEVICE_NODES):
+        return False
     import torch
 
     return torch.cuda.is_available()

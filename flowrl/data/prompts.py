@@ -116,6 +116,8 @@ class DataConfig:
         if not isinstance(self.response_prefix, str):
             raise ValueError(f"data.response_prefix must be a string (e.g. '<think>\\n'), got "
                              f"{self.response_prefix!r}")
+        # a command line cannot easily carry a newline: `\n` / `\t` written there mean one
+        self.response_prefix = self.response_prefix.replace("\\n", "\n").replace("\\t", "\t")
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ValueError(f"data.system_prompt must be a string or None, got {self.system_prompt!r}")
 

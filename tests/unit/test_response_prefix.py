@@ -147,3 +147,14 @@ def test_the_evaluation_scores_prefix_plus_response(tok, tmp_path):
 def test_a_non_string_prefix_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"data.response_prefix must be a string"):
         DataConfig(response_prefix=["<think>"])
+
+
+def test_the_command_lines_escaped_newline_is_a_newline():
+    """`"data.response_prefix='<think>\\n'"` reaches the config as backslash + n (Hydra keeps it):
+    the prefix holds a real newline, as the README's command writes it."""
+    from flowrl.cli import compose
+    from flowrl.config import to_train_config
+
+    node = compose(["model=tiny", "data.response_prefix='<think>\\n'", "trainer.output_dir=/tmp/x"])
+    assert node.data.response_prefix == "<think>\\n"  # what Hydra hands over: backslash + n
+    assert to_train_config(node).data.response_prefix == "<think>\n"
