@@ -34,14 +34,14 @@ def test_the_callbacks_preflight_is_the_jobs(tmp_path, monkeypatch, capsys):
     """``flowrl train``: the Hydra callback checks the run (graph loaded once), then the job
     starts (stopped here where it would create the process group) without checking it again."""
     from flowrl.cli import main
-    from flowrl.graph.graph import Graph
+    from flowrl.graph import validate
 
     loads = []
-    original = Graph.load.__func__
+    original = validate.load_graph
 
-    def counted(cls, path):
+    def counted(path):
         loads.append(Path(path).name)
-        return original(cls, path)
+        return original(path)
 
     class Started(Exception):
         pass
@@ -49,7 +49,7 @@ def test_the_callbacks_preflight_is_the_jobs(tmp_path, monkeypatch, capsys):
     def started(*a, **k):
         raise Started()
 
-    monkeypatch.setattr(Graph, "load", classmethod(counted))
+    monkeypatch.setattr(validate, "load_graph", counted)  # the run loads its graph through it
     monkeypatch.setattr("flowrl.runtime.distributed.init_distributed", started)
     monkeypatch.setattr(sys, "argv", ["flowrl"])
     with pytest.raises(SystemExit) as e:  # the crash report of Started (exit status 1)
