@@ -6,11 +6,13 @@ Shapes: B = sequences in the batch, P = prompt width (left-padded), R = response
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 if TYPE_CHECKING:  # the configs here are read before torch loads (flowrl/config.py)
     import torch
-    from torch import Tensor
+    from torch import Tensor, nn
+
+    from flowrl.engines.config import TrainEngineConfig
 
 
 @dataclass
@@ -63,15 +65,48 @@ class RolloutBatch:
     truncated: Tensor
 
 
-class RolloutEngine(Protocol):
-    """Generates responses. Implementations: ``engines/rollout/hf.py``, ``vllm.py``, ``vllm_proc.py``.
+class Engine(Protocol):
+    """What every role's engine offers the runtime: where it computes, and how the colocated
+    plan swaps it off and back onto the device between phases (DESIGN.md "Seams").
 
-    ``device``: where ``generate`` wants its prompts and returns its batch (the HF engine: its
-    module's device; vLLM: the host, since it takes token lists). The executor moves a stage's
-    inputs there (DESIGN.md "Where tensors live").
+    ``device``: where its methods take their batch and return results (the executor moves a
+    stage's inputs there; DESIGN.md "Where tensors live").
+    ``last_timings``: seconds (and, for a weight gather, ``gather_bytes``) of its last call, keyed
+    by what was timed (``offload_s``, ``generate_s``, ...); the executor reads it after a sync.
     """
 
     device: torch.device
+    last_timings: dict[str, float]
+
+    def offload(self, keep_weights: bool = False) -> None:
+        """Give device memory back (a colocated swap point); a timed no-op on CPU.
+        ``keep_weights``: the parameters stay (the rollout engine that shares this module serves
+        them next); only what else the engine holds (grads, optimizer state, caches) leaves."""
+        ...
+
+    def onload(self) -> None:
+        """Inverse of :meth:`offload`: ready to compute on ``device`` again."""
+        ...
+
+    def close(self) -> None:
+        """Release processes and devices the engine holds (idempotent); run on the way out."""
+        ...
+
+
+class RolloutEngine(Engine, Protocol):
+    """Generates responses (roles ``rollout`` and ``genrm``). Implementations:
+    ``engines/rollout/hf.py``, ``vllm.py``, ``vllm_proc.py``; ``envs/rollout.MultiTurnEngine``
+    (whole trajectories, for evaluation).
+
+    ``device``: the HF engine's module's device; vLLM's is the host (it takes token lists).
+    ``shared``: True when the engine runs the actor's own module (HF, one process): then the
+    actor's ``offload(keep_weights=True)`` keeps the weights this engine serves next.
+    ``last_prefix_cache``: ``{"prompt_tokens": n, "cached_tokens": m}`` of the last ``generate``
+    (m = prompt tokens a prefix cache served; 0 for an engine without one).
+    """
+
+    shared: bool
+    last_prefix_cache: dict[str, int]
 
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingConfig,
                  generator: torch.Generator | None = None) -> RolloutBatch:
@@ -79,12 +114,13 @@ class RolloutEngine(Protocol):
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Copy full (unsharded) weights in place, e.g. after an actor update."""
+        """Copy full (unsharded) weights in place, e.g. after an actor update.
+
+        Raises:
+            KeyError: a name the model does not have. ValueError: a shape mismatch or an
+                incomplete set where the engine needs all of them.
+        """
         ...
-
-    def sleep(self) -> None: ...  # give device memory back (colocated plans)
-
-    def wake(self) -> None: ...
 
 
 @dataclass
@@ -104,34 +140,75 @@ LossFn = Callable[[Mapping[str, "Tensor"], "Tensor", "Tensor | None"],
                   tuple["Tensor", dict[str, "Tensor | float"]]]
 
 
-class TrainEngine(Protocol):
-    """A trainable (actor, critic) or frozen (ref) model: ``engines/train/local.py`` (one
-    process) and its FSDP2 variant (``fsdp.py``).
+class LogprobEngine(Engine, Protocol):
+    """Scores given responses under a causal LM (role ``ref``, and every actor engine):
+    ``engines/train/local.py`` (one process), its FSDP2 variant (``fsdp.py``), LoRA's
+    adapter-disabled reference (``models/lora.py``).
 
-    ``device``: the device of its parameters; ``logprobs``/``train_step`` take their batch there
-    (the executor moves it) and return there, and the micro-batches ``loss_fn`` sees are slices of
-    that batch, so every tensor a loss function touches is on ``device``.
+    ``device``: the device of its parameters; ``logprobs`` takes its batch there (the executor
+    moves it) and returns there. ``model``: the module (an HF rollout engine may share it).
+    ``cfg``: micro-batching and cross-rank balancing (``TrainEngineConfig``). ``lockstep``: every
+    rank of its pool must run the same forwards/backwards (FSDP2 collectives), so ranks never
+    skip or add a micro-batch alone.
     """
 
-    device: torch.device
+    model: nn.Module
+    cfg: TrainEngineConfig
+    lockstep: bool
 
     def logprobs(self, batch: Mapping[str, Tensor], temperature: float,
                  with_entropy: bool = False) -> LogprobOutput:
         """batch holds prompt_ids, prompt_mask (B, P) and response_ids, response_mask (B, R)."""
         ...
 
+
+class Trainable(Engine, Protocol):
+    """What every trained model offers (actor and critic): one optimizer step per mini-batch
+    and its state for checkpoints. The micro-batches ``loss_fn`` sees are slices of the batch on
+    ``device``, so every tensor a loss function touches is there. ``model``, ``cfg``,
+    ``lockstep``: as :class:`LogprobEngine`."""
+
+    model: nn.Module
+    cfg: TrainEngineConfig
+    lockstep: bool
+
     def train_step(self, batch: Mapping[str, Tensor], loss_fn: LossFn, temperature: float,
                    with_entropy: bool = False, entropy_grad: bool = True) -> dict[str, float]:
         """One optimizer step over ``batch`` (a mini-batch), cut into micro-batches inside.
-        ``entropy_grad=False``: the entropy handed to loss_fn is a metric (no autograd graph)."""
+        ``entropy_grad=False``: the entropy handed to loss_fn is a metric (no autograd graph).
+        Returns ``loss``, ``grad_norm``, ``lr``, ``skipped`` (0/1) and loss_fn's metrics summed."""
         ...
 
-    def named_weights(self) -> Iterator[tuple[str, Tensor]]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model", "optimizer", "scheduler"}`` in ``torch.distributed.checkpoint`` form."""
+        ...
 
-    def offload(self) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
-    def onload(self) -> None: ...
 
-    def state_dict(self) -> dict: ...
+class TrainEngine(LogprobEngine, Trainable, Protocol):
+    """The trained policy (role ``actor``): logprobs, updates, and full weights for the rollout
+    engine (``engines/train/local.py``, ``fsdp.py``, ``models/lora.py``)."""
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, full tensor) of the weights the rollout engine needs; an FSDP engine
+        gathers them (a collective: every rank of the pool iterates to the end)."""
+        ...
+
+
+class ValueEngine(Trainable, Protocol):
+    """A value model (role ``critic``, PPO): ``engines/train/value.py``. Its ``train_step``
+    hands ``loss_fn`` the values (b, R) where an actor's hands logprobs."""
+
+    def values(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """(B, R) float32 V(s_t) at every response position, 0 where response_mask is False."""
+        ...
+
+
+class RewardScorer(Engine, Protocol):
+    """A sequence-classification reward model (role ``reward_model``): ``engines/reward_model.py``."""
+
+    def score(self, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+              response_mask: Tensor) -> Tensor:
+        """(B,) float32 reward of every (prompt (B, P) left-padded, response (B, R)) row."""
+        ...

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
 from flowrl.engines.config import RewardModelConfig  # noqa: F401  (reward.model; re-exported)
@@ -57,7 +57,7 @@ class RewardModelEngine:
         batch_size: rows per forward pass.
     """
 
-    def __init__(self, model: nn.Module, *, pad_token_id: int, batch_size: int = 8):
+    def __init__(self, model: PreTrainedModel, *, pad_token_id: int, batch_size: int = 8):
         self.model = model.eval()
         self.pad_token_id = int(pad_token_id)
         self.batch_size = batch_size
@@ -96,12 +96,22 @@ class RewardModelEngine:
         self.last_timings = {"score_s": time.perf_counter() - t0}
         return torch.cat(out)
 
-    def sleep(self) -> None:
-        """Give device memory back (colocated plans); a no-op on CPU."""
+    def offload(self, keep_weights: bool = False) -> None:
+        """Give device memory back (colocated plans); a timed no-op on CPU. ``keep_weights``:
+        the weights stay (only the CUDA cache is emptied)."""
+        t0 = time.perf_counter()
         if self.device.type == "cuda":
-            self.model.to("cpu")
+            if not keep_weights:
+                self.model.to("cpu")
             torch.cuda.empty_cache()
+        self.last_timings = {"offload_s": time.perf_counter() - t0}
 
-    def wake(self) -> None:
+    def onload(self) -> None:
+        """Inverse of :meth:`offload`."""
+        t0 = time.perf_counter()
         if self.device.type == "cuda":
             self.model.to(self.device)
+        self.last_timings = {"onload_s": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        """Nothing to release: the module goes with the engine."""

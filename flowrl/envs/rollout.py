@@ -35,12 +35,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from flowrl.engines.base import RolloutBatch, SamplingConfig
+from flowrl.engines.base import RolloutBatch, RolloutEngine, SamplingConfig
 from flowrl.envs.base import (
     ANSWERED,
     FINISH_REASONS,
@@ -122,7 +122,7 @@ class _Trajectory:
         self.finish: Optional[str] = None
 
 
-def run_multi_turn(engine, prompt_ids: Tensor, prompt_mask: Tensor, rows: Sequence[EnvRow],
+def run_multi_turn(engine: RolloutEngine, prompt_ids: Tensor, prompt_mask: Tensor, rows: Sequence[EnvRow],
                    envs: Sequence[Environment], sampling: SamplingConfig, cfg: MultiTurnConfig,
                    tokenizer: Any, *, render: Callable[[list[dict]], list[int]],
                    run_tools: Optional[Callable[[list[ParsedCall]], list[ToolResult]]] = None,
@@ -164,7 +164,7 @@ def run_multi_turn(engine, prompt_ids: Tensor, prompt_mask: Tensor, rows: Sequen
     env_s, gen_s, tool_s, rounds = time.perf_counter() - t_env, 0.0, 0.0, 0
     ctx_tokens = cached = 0
     active = list(range(B))
-    device = getattr(engine, "device", torch.device("cpu"))
+    device = engine.device
     while active:
         # ---- one generate call for every unfinished trajectory, whatever its turn
         budgets = [cfg.max_total_tokens - len(trajs[i].ids) for i in active]
@@ -175,7 +175,7 @@ def run_multi_turn(engine, prompt_ids: Tensor, prompt_mask: Tensor, rows: Sequen
         gen_s += time.perf_counter() - t0
         rounds += 1
         ctx_tokens += int(ctx_mask.sum())
-        cached += int(getattr(engine, "last_prefix_cache", {}).get("cached_tokens", 0))
+        cached += int(engine.last_prefix_cache.get("cached_tokens", 0))
         r_ids, r_mask = out.response_ids.cpu(), out.response_mask.cpu()
         r_lps, r_trunc = out.rollout_logprobs.cpu().float(), out.truncated.cpu()
         actions: dict[int, Action] = {}
@@ -183,17 +183,17 @@ def run_multi_turn(engine, prompt_ids: Tensor, prompt_mask: Tensor, rows: Sequen
         for j, i in enumerate(active):
             t = trajs[i]
             toks = r_ids[j][r_mask[j]].tolist()
-            lps = r_lps[j][r_mask[j]].tolist()
+            turn_lps = r_lps[j][r_mask[j]].tolist()
             stopped = not bool(r_trunc[j])
             budget = cfg.max_total_tokens - len(t.ids)
             if len(toks) > min(per_turn, budget):  # the round's limit was another row's
-                toks, lps, stopped = toks[:min(per_turn, budget)], lps[:min(per_turn, budget)], False
+                toks, turn_lps, stopped = toks[:min(per_turn, budget)], turn_lps[:min(per_turn, budget)], False
             if not stopped and cfg.continue_cut_turns and len(toks) < budget:
                 stopped = True  # cut by the per-turn limit with room left: the env decides
             t.spans.append((len(t.ids), len(t.ids) + len(toks)))
             t.ids += toks
             t.mask += [True] * len(toks)
-            t.lps += lps
+            t.lps += turn_lps
             t.turns += 1
             text = tokenizer.decode(toks, skip_special_tokens=True)
             actions[i] = Action(text=text, token_ids=list(toks), turn=t.turns - 1,
@@ -224,12 +224,12 @@ def run_multi_turn(engine, prompt_ids: Tensor, prompt_mask: Tensor, rows: Sequen
         t0 = time.perf_counter()
         for i in active:
             t, action = trajs[i], actions[i]
-            res = envs[i].step(action)
-            t.reward += float(res.reward)
+            step = envs[i].step(action)
+            t.reward += float(step.reward)
             if action.truncated:
                 t.finish = MAX_TOKENS
-            elif res.done:
-                t.finish = res.finish_reason or ANSWERED
+            elif step.done:
+                t.finish = step.finish_reason or ANSWERED
                 if t.finish not in FINISH_REASONS:
                     raise ValueError(f"environment {type(envs[i]).__name__} returned finish reason "
                                      f"{t.finish!r}; expected one of {FINISH_REASONS}")
@@ -238,7 +238,7 @@ def run_multi_turn(engine, prompt_ids: Tensor, prompt_mask: Tensor, rows: Sequen
             elif t.turns >= cfg.max_turns:
                 t.finish = MAX_TURNS
             else:
-                obs = list(res.token_ids) if res.token_ids is not None else render(res.messages)
+                obs = list(step.token_ids) if step.token_ids is not None else render(step.messages)
                 if len(t.ids) + len(obs) >= cfg.max_total_tokens:
                     t.finish = MAX_TOKENS
                 else:
@@ -290,7 +290,7 @@ class MultiTurnSession:
                                 timeout_s=cfg.tool_timeout_s, memory_mb=cfg.tool_memory_mb,
                                 max_output_chars=cfg.max_tool_output_chars) if cfg.tool_specs else None
 
-    def run(self, engine, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingConfig,
+    def run(self, engine: RolloutEngine, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingConfig,
             rows: Optional[Sequence[EnvRow]] = None,
             generator: torch.Generator | None = None) -> MultiTurnBatch:
         """:func:`run_multi_turn` with fresh environments; ``rows`` None = rows holding only the
@@ -315,13 +315,22 @@ class MultiTurnEngine:
     a graph with a ``rollout.multi_turn`` stage: the answers it scores had their tools).
 
     ``response_ids`` hold observation tokens too, ``response_mask`` the policy's tokens only, so
-    decoding with the mask gives the policy's text of every turn. Weights, sleep and wake are the
-    wrapped engine's.
+    decoding with the mask gives the policy's text of every turn. Device, weights and memory
+    moves are the wrapped engine's.
     """
 
-    def __init__(self, engine, session: MultiTurnSession) -> None:
+    def __init__(self, engine: RolloutEngine, session: MultiTurnSession) -> None:
         self.engine, self.session = engine, session
-        self.device = getattr(engine, "device", torch.device("cpu"))
+        self.device = engine.device
+        self.shared = engine.shared
+
+    @property
+    def last_timings(self) -> dict[str, float]:
+        return self.engine.last_timings
+
+    @property
+    def last_prefix_cache(self) -> dict[str, int]:
+        return self.engine.last_prefix_cache
 
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingConfig,
                  generator: torch.Generator | None = None) -> RolloutBatch:
@@ -331,11 +340,14 @@ class MultiTurnEngine:
         return RolloutBatch(*(t.to(dev) for t in (batch.response_ids, batch.response_mask,
                                                   batch.rollout_logprobs, batch.truncated)))
 
-    def load_weights(self, named_tensors) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         self.engine.load_weights(named_tensors)
 
-    def sleep(self) -> None:
-        self.engine.sleep()
+    def offload(self, keep_weights: bool = False) -> None:
+        self.engine.offload(keep_weights=keep_weights)
 
-    def wake(self) -> None:
-        self.engine.wake()
+    def onload(self) -> None:
+        self.engine.onload()
+
+    def close(self) -> None:
+        """The wrapped engine is the run's: its owner closes it (the session's tools: at exit)."""

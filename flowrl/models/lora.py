@@ -336,6 +336,7 @@ class AdapterDisabledReference:
         self.model = actor.model
         self.cfg = actor.cfg  # micro-batching and balance_across_ranks: the actor's
         self.device = actor.device
+        self.lockstep = actor.lockstep  # an FSDP actor's forwards are collectives
         self.last_timings: dict[str, float] = {}
 
     def logprobs(self, batch, temperature: float, with_entropy: bool = False):
@@ -353,6 +354,9 @@ class AdapterDisabledReference:
 
     def state_dict(self) -> dict:
         return {}
+
+    def close(self) -> None:
+        """Nothing of its own to release: the actor's engine holds the module."""
 
 
 def build_lora_actor(engine_cls: type, model: nn.Module, lora: LoraConfig, engine_cfg: Any, *,

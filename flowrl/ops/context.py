@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
+
+# the engine a stage's op is handed: its role's Protocol (engines/base.py), e.g. an op of the
+# rollout role takes ``StageContext[RolloutEngine]``; None for a role-less stage
+E = TypeVar("E", covariant=True)
 
 
 @dataclass
@@ -16,15 +20,17 @@ class DistInfo:
     group: Any = None  # torch.distributed ProcessGroup, or None when not initialised
 
 
-@dataclass
-class StageContext:
+@dataclass(frozen=True)
+class StageContext(Generic[E]):
     """Handed to every op call. Ops never reach into the TensorStore or other stages.
 
     Attributes:
         stage: name of the stage being run.
         step: 1-based training step.
-        engine: the engine of the stage's role (RolloutEngine for ``rollout``, TrainEngine for
-            ``actor``/``ref``/``critic``), or None for role-less ops.
+        engine: the engine of the stage's role, typed by the role's Protocol
+            (``engines/base.py``: ``RolloutEngine`` for ``rollout``/``genrm``, ``TrainEngine``
+            for ``actor``, ``LogprobEngine`` for ``ref``, ``ValueEngine`` for ``critic``,
+            ``RewardScorer`` for ``reward_model``), or None for role-less ops.
         resources: run-wide shared objects by name: ``tokenizer``, ``prompts`` (the stateful prompt
             source), ``algorithm`` (AlgorithmConfig), ``sampling`` (SamplingConfig).
         dist: rank/world of the stage's pool.
@@ -35,7 +41,8 @@ class StageContext:
 
     stage: str
     step: int
-    engine: Any = None
+    # a role-less stage's context is StageContext[None]: the default fits only that E
+    engine: E = None  # type: ignore[assignment]
     resources: dict[str, Any] = field(default_factory=dict)
     dist: DistInfo = field(default_factory=DistInfo)
     generator: torch.Generator | None = None
@@ -54,14 +61,16 @@ class StageContext:
     @property
     def metrics(self) -> dict[str, float]:
         """Every logged value as a float (tensors gathered per device, one copy each)."""
-        by_device: dict[torch.device, list[str]] = {}
+        out = {k: v for k, v in self.pending.items() if isinstance(v, float)}
+        by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
         for k, v in self.pending.items():
             if isinstance(v, torch.Tensor):
-                by_device.setdefault(v.device, []).append(k)
-        for keys in by_device.values():
-            floats = torch.stack([self.pending[k].float() for k in keys]).tolist()
-            self.pending.update(zip(keys, floats))
-        return dict(self.pending)  # type: ignore[arg-type]  (all floats now)
+                by_device.setdefault(v.device, []).append((k, v))
+        for items in by_device.values():
+            floats = torch.stack([v.float() for _, v in items]).tolist()
+            out.update(zip((k for k, _ in items), floats))
+        self.pending.update(out)  # read once: later reads copy nothing
+        return {k: out[k] for k in self.pending}
 
     def resource(self, name: str) -> Any:
         if name not in self.resources:

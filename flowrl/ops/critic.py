@@ -6,17 +6,23 @@ ValueTrainEngine` (value head on the actor's base model, its own AdamW; ``traine
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from flowrl.ops.context import StageContext
 from flowrl.ops.rebalance import balance_rows
 from flowrl.ops.registry import NoConfig, implements
 
+if TYPE_CHECKING:
+    from flowrl.engines.base import ValueEngine
+
+
 _PROMPT_RESPONSE = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
 @implements("values")
-def values(ctx: StageContext, cfg: NoConfig, *, prompt_ids, prompt_mask, response_ids,
+def values(ctx: StageContext[ValueEngine], cfg: NoConfig, *, prompt_ids, prompt_mask, response_ids,
            response_mask) -> dict:
     """Critic values V(s_t) at the response positions, without grad.
 
@@ -57,7 +63,7 @@ def make_value_loss_fn(algo, *, num_tokens: float, num_seqs: float, max_response
 
 
 @implements("update.critic")
-def update_critic(ctx: StageContext, cfg: NoConfig, *, prompt_ids, prompt_mask, response_ids,
+def update_critic(ctx: StageContext[ValueEngine], cfg: NoConfig, *, prompt_ids, prompt_mask, response_ids,
                   response_mask, values, returns, truncated=None) -> dict:
     """``algorithm.ppo_epochs`` passes of shuffled mini-batches of ``algorithm.mini_batch_size``
     sequences (the same schedule as ``update.policy``), one critic optimizer step each.

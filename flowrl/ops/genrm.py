@@ -7,6 +7,7 @@ score parsing live in ``flowrl/rewards/genrm.py``.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,9 +15,13 @@ from flowrl.ops.builtin import GenRMConfig  # noqa: F401 (re-exported)
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import implements
 
+if TYPE_CHECKING:
+    from flowrl.engines.base import RolloutEngine
+
+
 
 @implements("reward.genrm")
-def genrm_reward(ctx: StageContext, cfg: GenRMConfig, *, prompt_ids, prompt_mask, response_ids,
+def genrm_reward(ctx: StageContext[RolloutEngine], cfg: GenRMConfig, *, prompt_ids, prompt_mask, response_ids,
                  response_mask, ground_truth) -> dict:
     """Judge every response ``k`` times; reward = mean parseable score in [0, 1].
 
@@ -52,6 +57,6 @@ def genrm_reward(ctx: StageContext, cfg: GenRMConfig, *, prompt_ids, prompt_mask
     per_sample = [mean_of_judgements(scores[i * cfg.k:(i + 1) * cfg.k]) for i in range(len(tokens))]
     rewards = torch.tensor(per_sample, dtype=torch.float32)
     log_reward_stats(ctx, rewards, "reward/genrm")
-    ctx.log(**{"reward/genrm/unparseable_frac": sum(not math.isfinite(s) for s in scores) / len(scores),
-               "reward/genrm/judge_length_mean": out.response_mask.sum(-1).float().mean()})
+    ctx.log(**{"reward/genrm/unparseable_frac": sum(not math.isfinite(s) for s in scores) / len(scores)})
+    ctx.log(**{"reward/genrm/judge_length_mean": out.response_mask.sum(-1).float().mean()})
     return {"rewards": rewards}

@@ -1,6 +1,8 @@
 """Log-probabilities of the sampled responses under a model role (old policy or reference)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from flowrl.ops.builtin import LogprobsConfig
@@ -8,9 +10,13 @@ from flowrl.ops.context import StageContext
 from flowrl.ops.rebalance import balance_rows
 from flowrl.ops.registry import implements
 
+if TYPE_CHECKING:
+    from flowrl.engines.base import LogprobEngine
+
+
 
 @implements("logprobs")
-def logprobs(ctx: StageContext, cfg: LogprobsConfig, *, prompt_ids, prompt_mask, response_ids,
+def logprobs(ctx: StageContext[LogprobEngine], cfg: LogprobsConfig, *, prompt_ids, prompt_mask, response_ids,
              response_mask, rollout_logprobs=None) -> dict:
     """Recompute log π(response token) at the sampling temperature (case C08).
 

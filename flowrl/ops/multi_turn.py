@@ -11,12 +11,19 @@ engines attend to the environment tokens between turns as context
 from __future__ import annotations
 
 import atexit
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from flowrl.data.prompts import PromptSource
 from flowrl.envs.base import FINISH_REASONS, EnvRow
 from flowrl.envs.rollout import MultiTurnConfig, MultiTurnEngine, MultiTurnSession
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import implements
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from flowrl.engines.base import RolloutEngine
+
 
 OP_NAME = "rollout.multi_turn"
 STANDARD_OUTPUTS = ("response_ids", "response_mask", "rollout_logprobs", "truncated")
@@ -45,7 +52,7 @@ def _rows(ctx: StageContext, prompt_ids, prompt_mask, ground_truth, group_id) ->
     rows = []
     for i in range(ids.shape[0]):
         fields: dict[str, Any] = {}
-        if source is not None and gids[i] >= 0 and hasattr(source, "record_for_group"):
+        if isinstance(source, PromptSource) and gids[i] >= 0:
             rec = source.record_for_group(gids[i])
             if rec is not None:
                 fields = {"question": rec.get("question", ""), **rec.get("fields", {})}
@@ -56,7 +63,7 @@ def _rows(ctx: StageContext, prompt_ids, prompt_mask, ground_truth, group_id) ->
 
 
 @implements(OP_NAME)
-def multi_turn(ctx: StageContext, cfg: MultiTurnConfig, *, prompt_ids, prompt_mask,
+def multi_turn(ctx: StageContext[RolloutEngine], cfg: MultiTurnConfig, *, prompt_ids, prompt_mask,
                ground_truth=None, group_id=None) -> dict:
     """Policy and environment alternate per prompt row (``flowrl/envs/rollout.py``).
 
@@ -83,7 +90,7 @@ def multi_turn(ctx: StageContext, cfg: MultiTurnConfig, *, prompt_ids, prompt_ma
     lengths = out.response_mask.sum(-1).float()
     total = (out.response_mask.flip(1).cummax(1).values).sum(-1).float()
     B = float(len(out.finish_reason))
-    ctx.log(**{
+    metrics: dict[str, float | Tensor] = {
         "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
         "response/truncated_frac": out.truncated.float().mean(),
         "perf/rollout_tokens_per_s": lengths.sum() / max(out.generate_s, 1e-9),
@@ -98,7 +105,8 @@ def multi_turn(ctx: StageContext, cfg: MultiTurnConfig, *, prompt_ids, prompt_ma
         "multi_turn/prefix_cache_hit_frac": out.cached_tokens / max(out.context_tokens, 1),
         **{f"multi_turn/finish_{r}_frac": sum(f == r for f in out.finish_reason) / B
            for r in FINISH_REASONS},
-    })
+    }
+    ctx.log(**metrics)
     dev = prompt_ids.device
     return {"response_ids": out.response_ids.to(dev), "response_mask": out.response_mask.to(dev),
             "rollout_logprobs": out.rollout_logprobs.to(dev), "truncated": out.truncated.to(dev),

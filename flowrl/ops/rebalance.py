@@ -28,12 +28,16 @@ Disabled by ``trainer.engine.balance_across_ranks=false``; a no-op at world size
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, overload
 
 import torch
 from torch import Tensor
 
 from flowrl.algorithms.balance import inverse_permutation, karmarkar_karp
+from flowrl.ops.context import StageContext
+
+if TYPE_CHECKING:
+    from flowrl.engines.base import LogprobEngine, Trainable
 
 
 def balance_assignment(lengths: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -240,12 +244,18 @@ class Balanced:
     pool_R: int = 0
     order: list[int] = field(default_factory=list)  # batch row j = exchanged row order[j]
 
+    @overload
+    def restore(self, out: Tensor) -> Tensor: ...
+
+    @overload
+    def restore(self, out: None) -> None: ...
+
     def restore(self, out: Tensor | None) -> Tensor | None:
         """Per-row output of :attr:`batch` — (B_bal,) or response-aligned (B_bal, R_pool, ...) —
         as the rows this rank held before, in their order, trimmed to its own R, on ``out``'s
         device. Collective: every rank of the pool calls it (``None`` passes through on all)."""
-        if out is None or self.exchange is None:
-            return out
+        if out is None or self.exchange is None or self.device is None:
+            return out  # not exchanged (disabled, or one rank): the rows are this rank's own
         ex, dev = self.exchange, out.device
         inv = torch.tensor(inverse_permutation(self.order), dtype=torch.long, device=self.device)
         local = out.detach().to(self.device)[inv]
@@ -259,15 +269,15 @@ class Balanced:
         return mine.to(dev)
 
 
-def enabled(ctx) -> bool:
+def enabled(ctx: StageContext[LogprobEngine | Trainable]) -> bool:
     """``trainer.engine.balance_across_ranks`` of the stage's engine, in a pool of > 1 ranks."""
     from flowrl.ops.collectives import is_initialized
 
-    on = getattr(getattr(ctx.engine, "cfg", None), "balance_across_ranks", False)
-    return bool(on) and ctx.dist.world_size > 1 and is_initialized()
+    return ctx.dist.world_size > 1 and is_initialized() and ctx.engine.cfg.balance_across_ranks
 
 
-def balance_rows(ctx, batch: Mapping[str, Tensor], pad_id: int | None = None) -> Balanced:
+def balance_rows(ctx: StageContext[LogprobEngine | Trainable], batch: Mapping[str, Tensor],
+                 pad_id: int | None = None) -> Balanced:
     """Balance ``batch`` over the ranks of ``ctx.dist.group`` (collective: every rank calls it).
 
     Args:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,10 @@ from flowrl.ops.builtin import (  # noqa: F401
 )
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import implements
+
+if TYPE_CHECKING:
+    from flowrl.engines.base import RewardScorer
+
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +201,7 @@ def log_unscorable(ctx: StageContext, path: str, outcomes) -> dict[str, int]:
 
 # --------------------------------------------------------------------------- reward.model
 @implements("reward.model")
-def model_reward(ctx: StageContext, cfg, *, prompt_ids, prompt_mask, response_ids,
+def model_reward(ctx: StageContext[RewardScorer], cfg, *, prompt_ids, prompt_mask, response_ids,
                  response_mask) -> dict:
     """Classifier reward model score of prompt + response (``engines/reward_model.py``).
 

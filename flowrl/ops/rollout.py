@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import NoConfig, implements
 
+if TYPE_CHECKING:
+    from flowrl.engines.base import RolloutEngine
+
+
 
 @implements("rollout.generate")
-def generate(ctx: StageContext, cfg: NoConfig, *, prompt_ids, prompt_mask) -> dict:
+def generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_ids, prompt_mask) -> dict:
     """One response per prompt row with the run's ``rollout.sampling`` settings.
 
     Outputs: response_ids (B, R) int64 right-padded; response_mask (B, R) bool;

@@ -1,11 +1,17 @@
 """Policy update: PPO-style epochs × mini-batches over one rollout batch on the actor engine."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from flowrl.ops.builtin import PolicyUpdateConfig
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import implements
+
+if TYPE_CHECKING:
+    from flowrl.engines.base import Trainable, TrainEngine
+
 
 _RANK_INVARIANT = ("grad_norm", "lr", "skipped")
 _BATCH_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "old_logprobs",
@@ -94,7 +100,7 @@ def global_mini_batch(ctx: StageContext, algo, local_batch: int) -> int:
     return algo.mini_batch_size // ctx.dist.world_size if algo.mini_batch_size else local_batch
 
 
-def run_minibatches(ctx: StageContext, batch: dict, make_loss_fn, *, prefix: str,
+def run_minibatches(ctx: StageContext[Trainable], batch: dict, make_loss_fn, *, prefix: str,
                     **train_kwargs) -> dict[str, float]:
     """The PPO update schedule shared by the policy and the critic: ``algorithm.ppo_epochs``
     passes over ``batch`` in shuffled mini-batches, one ``ctx.engine.train_step`` each.
@@ -155,7 +161,7 @@ def run_minibatches(ctx: StageContext, batch: dict, make_loss_fn, *, prefix: str
 
 
 @implements("update.policy")
-def update_policy(ctx: StageContext, cfg: PolicyUpdateConfig, **inputs) -> dict:
+def update_policy(ctx: StageContext[TrainEngine], cfg: PolicyUpdateConfig, **inputs) -> dict:
     """``algorithm.ppo_epochs`` passes over the rollout batch in shuffled mini-batches of
     ``algorithm.mini_batch_size`` sequences, one optimizer step each, with the policy loss the
     stage's ``policy_loss`` param names (``PolicyUpdateConfig``: ppo_clip, gspo, vanilla). old_logprobs are computed

@@ -30,17 +30,21 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from flowrl.compiler.plan import ExecutionPlan
+from flowrl.compiler.plan import Action, ExecutionPlan
 from flowrl.graph.roles import ROLES
 from flowrl.ops.context import DistInfo, StageContext
 from flowrl.ops.registry import OPS
 from flowrl.ops.state import OpState, init_op_states
 from flowrl.runtime.devices import home_device, stage_device, to_device
 from flowrl.runtime.store import TensorStore
+
+if TYPE_CHECKING:
+    from flowrl.engines.base import Engine
+    from flowrl.runtime.resources import Engines
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +77,20 @@ def stage_seed(seed: int, step: int, stage: str) -> int:
     return (seed * 1_000_003 + step * 7919 + zlib.crc32(stage.encode())) % (2**63 - 1)
 
 
+def _field(action: Action, value: str | None) -> str:
+    """An action's stage or role that its kind requires (a plan bug when missing)."""
+    if value is None:
+        raise RuntimeError(f"plan action {action} lacks the stage or role its kind needs")
+    return value
+
+
 class Executor:
     """Runs an ExecutionPlan.
 
     Args:
         plan: the compiled plan.
-        engines: role → engine (TrainEngine for actor/ref/critic, RolloutEngine for rollout).
+        engines: the rank's engine of every role the plan uses, each typed by its role's
+            Protocol (``engines/base.py``).
         resources: shared objects handed to ops (tokenizer, prompts, algorithm, sampling, trainer).
         seed: run seed; each stage run gets ``torch.Generator`` seeded by :func:`stage_seed`.
         sends: partitioned placement: keys (``"stage.output"``) this pool hands to the other pool
@@ -97,15 +109,15 @@ class Executor:
         KeyError: at construction, when a role of the plan has no engine.
     """
 
-    def __init__(self, plan: ExecutionPlan, engines: Mapping[str, Any],
+    def __init__(self, plan: ExecutionPlan, engines: "Engines",
                  resources: Mapping[str, Any], *, seed: int = 0, dist: DistInfo | None = None,
                  sends: list[str] | tuple[str, ...] = (), device: torch.device | None = None,
                  swap: bool = True):
         missing = [r for r in plan.roles if r not in engines]
         if missing:
-            raise KeyError(f"plan needs engines for roles {missing}; have {sorted(engines)}")
+            raise KeyError(f"plan needs engines for roles {missing}; have {sorted(engines.by_role())}")
         self.plan = plan
-        self.engines = dict(engines)
+        self.engines = engines
         self.resources = dict(resources)
         self.op_states: dict[str, OpState] = init_op_states(
             sorted({c.stage.op for c in plan.stages}), self.resources)
@@ -113,7 +125,7 @@ class Executor:
         self.dist = dist or DistInfo()
         self.sends = list(sends)
         # the pseudo-stage SEND releases what was handed to the other pool
-        self.device = device or home_device(self.engines)
+        self.device = device or home_device(self.engines.by_role())
         self.swap = swap
         self.store = TensorStore({**plan.release_after, SEND: self.sends}, device=self.device)
         self._cfg = {c.stage.name: c.config for c in plan.stages}
@@ -138,26 +150,28 @@ class Executor:
     def _offload(self, role: str, keep_weights: bool = False) -> None:
         if not self.swap:  # everything stays resident (trainer.offload)
             return
-        eng = self.engines[role]
+        eng = self._engine(role)
         # the plan keeps the weights when the next role serves them; that saves a copy only if
         # the serving engine really reads this module (HF rollout with shared=True), not when it
         # holds its own copy (vLLM, FSDP): then the weights leave the device too
         keep_weights = keep_weights and any(
-            getattr(e, "shared", False) for r, e in self.engines.items()
-            if r in ROLES and ROLES[r].weights_from == role)
-        if hasattr(eng, "offload"):
-            eng.offload(keep_weights=keep_weights)
-        else:
-            eng.sleep()
+            self.engines.weight_sink(r).shared for r in self.engines.by_role()
+            if ROLES[r].weights_from == role)
+        eng.offload(keep_weights=keep_weights)
         self._resident.discard(role)
 
     def _onload(self, role: str) -> None:
         if not self.swap:
             self._resident.add(role)
             return
-        eng = self.engines[role]
-        (eng.wake if hasattr(eng, "wake") and not hasattr(eng, "onload") else eng.onload)()
+        self._engine(role).onload()
         self._resident.add(role)
+
+    def _engine(self, role: str) -> "Engine":
+        eng = self.engines.get(role)
+        if eng is None:  # a plan bug: the constructor checked every role of the plan
+            raise KeyError(f"plan action for role {role!r}, which this rank has no engine for")
+        return eng
 
     def ensure_resident(self, role: str) -> None:
         """Make ``role`` the resident model (offloading the others), as the plan's swap points
@@ -168,8 +182,12 @@ class Executor:
             self._offload(r, keep_weights=ROLES[role].weights_from == r)
         self._onload(role)
 
-    def _sync(self, src_role: str, dst_role: str) -> None:
-        self.engines[dst_role].load_weights(self.engines[src_role].named_weights())
+    def _sync(self, src_role: str, dst_role: str) -> float:
+        """Load ``src_role``'s weights into ``dst_role``'s engine; returns the bytes gathered
+        (an FSDP or LoRA source records them, 0 otherwise)."""
+        src = self.engines.weight_source(src_role)
+        self.engines.weight_sink(dst_role).load_weights(src.named_weights())
+        return float(src.last_timings.get("gather_bytes", 0.0))
 
     # ---- one step ------------------------------------------------------------------------------
     def run_step(self, step: int, received: Mapping[str, Any] | None = None,
@@ -194,27 +212,26 @@ class Executor:
                 continue  # a role of the other pool: its weights arrive by broadcast
             t0 = time.perf_counter()
             if a.kind == "offload":
-                self._offload(a.role, a.keep_weights)
+                self._offload(_field(a, a.role), a.keep_weights)
                 swap_s += time.perf_counter() - t0
                 moved["offload"] += time.perf_counter() - t0
             elif a.kind == "onload":
-                self._onload(a.role)
+                self._onload(_field(a, a.role))
                 swap_s += time.perf_counter() - t0
                 moved["onload"] += time.perf_counter() - t0
             elif a.kind == "sync":
-                self._sync(self.plan.graph[a.stage].role, a.role)
+                src_role = _field(a, self.plan.graph[_field(a, a.stage)].role)
+                # FSDP/LoRA sources: the bytes gathered
+                metrics["perf/weight_sync_bytes"] = self._sync(src_role, _field(a, a.role))
                 sync_s += time.perf_counter() - t0
-                src = self.engines[self.plan.graph[a.stage].role]  # FSDP: bytes gathered
-                metrics["perf/weight_sync_bytes"] = float(
-                    getattr(src, "last_timings", {}).get("gather_bytes", 0.0))
-            elif a.stage in self.plan.refill:  # re-runs its upstream stages until the batch is full
-                from flowrl.runtime.refill import run_refill
+            elif (stage := _field(a, a.stage)) in self.plan.refill:
+                from flowrl.runtime.refill import run_refill  # re-runs its upstream stages
 
-                metrics.update(run_refill(self, self.plan.refill[a.stage], step))
-                metrics[f"time/{a.stage}"] = time.perf_counter() - t0  # its re-runs included
+                metrics.update(run_refill(self, self.plan.refill[stage], step))
+                metrics[f"time/{stage}"] = time.perf_counter() - t0  # its re-runs included
             else:
-                metrics.update(self._run_stage(a.stage, step))
-                metrics[f"time/{a.stage}"] = time.perf_counter() - t0
+                metrics.update(self._run_stage(stage, step))
+                metrics[f"time/{stage}"] = time.perf_counter() - t0
             if a.role == "rollout" and a.kind in ROLLOUT_TIMERS:  # sleep / wake / weight load
                 key = ROLLOUT_TIMERS[a.kind]
                 metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - t0
@@ -261,7 +278,8 @@ class Executor:
             inputs.setdefault(arg, None)
         return inputs
 
-    def _call_op(self, name: str, step: int, attempt: int = 1) -> tuple[dict[str, Any], dict[str, float]]:
+    def _call_op(self, name: str, step: int, attempt: int = 1
+                 ) -> tuple[dict[str, Any], dict[str, float]]:
         """Run one stage's op on its inputs from the store; returns (outputs, metrics). A refill
         attempt > 1 draws from its own seed, so it samples new responses."""
         stage = self.plan.graph[name]
@@ -272,7 +290,7 @@ class Executor:
         gen = torch.Generator().manual_seed(stage_seed(self.seed, step, key))
         ctx = StageContext(stage=name, step=step, engine=engine,
                            resources=self.resources, dist=self.dist, generator=gen)
-        outputs = spec.fn(ctx, self._cfg[name], **inputs)
+        outputs = dict(spec.fn(ctx, self._cfg[name], **inputs))
         if set(outputs) != set(spec.outputs):
             raise RuntimeError(f"stage '{name}': op '{spec.name}' returned {sorted(outputs)}, "
                                f"declared {sorted(spec.outputs)}")

@@ -128,8 +128,10 @@ class Colocated:
     name = "colocated"
 
     def __init__(self, pp: "PlacementPlan", dinfo: "DistInfo"):
-        self.plan, self.dist, self.sends = pp.full, dinfo, []
-        self.engine_ranks, self.engine_group = None, None
+        self.plan, self.dist = pp.full, dinfo
+        self.sends: list[str] = []
+        self.engine_ranks: Optional[int] = None  # build_engines: the world, not a pool
+        self.engine_group: Any = None
         self.logs, self.holds_state, self.samples = dinfo.rank == 0, True, True
         self.sampling_ranks = dinfo.world_size
         self.executor: Optional["Executor"] = None
@@ -141,11 +143,13 @@ class Colocated:
     def start(self, executor: "Executor", engines: "Engines", start: int, resumed: bool) -> None:
         self.executor = executor
         if resumed:  # the rollout engine's copy (or shared module) gets the restored weights
-            engines.rollout.load_weights(engines.actor.named_weights())
+            engines.weight_sink("rollout").load_weights(engines.weight_source("actor").named_weights())
 
     def step(self, step: int, events: JobEvents) -> None:
         from flowrl.runtime.distributed import reduce_metrics
 
+        if self.executor is None:
+            raise RuntimeError("Colocated.step before Colocated.start")
         events.record(step, reduce_metrics(self.executor.run_step(step)))  # sum/mean/max
         events.reached(step)
 
@@ -339,12 +343,12 @@ class _Job:
         # the pool rank offsets the seed: pool rank 0 draws what colocated rank 0 draws, and
         # rank 0 keeps the run seed (world size 1 unchanged)
         executor = self.executor = Executor(
-            place.plan, self.engines.by_role(), resources.for_ops(),
+            place.plan, self.engines, resources.for_ops(),
             seed=cfg.trainer.seed + 1_000_003 * place.dist.rank, dist=place.dist,
             sends=place.sends, swap=swap)
 
         # ---- resume
-        start, earlier = 1, {}
+        start, earlier = 1, dict[str, Any]()
         if cfg.trainer.resume and resume_from is not None:
             start, earlier = self.resume(resume_from, prompts)
         elif cfg.trainer.resume:
@@ -359,9 +363,11 @@ class _Job:
         place.start(executor, self.engines, start, resumed=start > 1)
         ev = cfg.trainer.eval
         evaluate = place.evaluator(cfg, self.full, self.engines, prompts, tokenizer)
+        run_config = OmegaConf.to_container(OmegaConf.structured(cfg))
+        assert isinstance(run_config, dict)  # a structured config's container is a dict
         self.logger = logger = MetricsLogger(
             out_dir, cfg.logger, T, enabled=place.logs, first_step=start,
-            run_config=OmegaConf.to_container(OmegaConf.structured(cfg)))
+            run_config=run_config)
         with logger:
             logger.print(place.header(cfg, out_dir))
             logger.print(f"machine: device={cfg.trainer.device} rollout={cfg.rollout.backend} "

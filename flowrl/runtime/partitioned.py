@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -211,12 +211,15 @@ class RolloutPool:
     def receive_weights(self) -> float:
         """Receive the next broadcast version into every sync destination; returns seconds."""
         t0 = time.perf_counter()
-        version, named = self.ctx.broadcaster.recv()
+        bc = self.ctx.broadcaster
+        if bc is None:  # a pool-context bug: every rollout rank receives the broadcast
+            raise RuntimeError(f"rollout pool rank {self.ctx.rank}: no weight broadcaster")
+        version, named = bc.recv()
         if self.version >= 0 and version != self.version + 1:
             raise RuntimeError(f"rollout pool rank {self.ctx.rank}: received weight version "
                                f"{version} after {self.version}")
         for role in self.sync_roles:
-            self.executor.engines[role].load_weights(named)
+            self.executor.engines.weight_sink(role).load_weights(named)
         self.version = version
         return time.perf_counter() - t0
 
@@ -269,7 +272,7 @@ class TrainPool:
         Several train ranks (FSDP): ``named_weights`` all-gathers each tensor over the train pool,
         so every train rank iterates it to the end; the others drop the full tensors."""
         t0 = time.perf_counter()
-        named = self.executor.engines[self.src_role].named_weights()  # FSDP: collective gather
+        named = self.executor.engines.weight_source(self.src_role).named_weights()  # FSDP: gathers
         bc = self.ctx.broadcaster
         if bc is not None:
             bc.send(named, version)
@@ -337,7 +340,9 @@ class _PoolRank:
                                 device=self.device, timeout_s=POOL_TIMEOUT_S)
         self.pp, self.k, self.total_steps = pp, pp.staleness, cfg.trainer.total_steps
         self.plan, self.dist, self.sends = self.ctx.pool.plan, self.ctx.dist, self.ctx.pool.sends
-        self.engine_ranks, self.engine_group = self.ctx.dist.world_size, self.ctx.dist.group
+        # build_engines: FSDP shards over the pool's ranks and group, never the world
+        self.engine_ranks: Optional[int] = self.ctx.dist.world_size
+        self.engine_group: Any = self.ctx.dist.group
         self.logs = dinfo.rank == pp.pools[TRAIN_POOL].ranks[0]
         self.sampling_ranks = len(pp.pools[ROLLOUT_POOL].ranks)
 
@@ -421,12 +426,12 @@ class TrainRank(_PoolRank):
         ev = cfg.trainer.eval
         if not (ev.before or ev.after) or ev.limit == 0:
             return None
-        actor = engines.actor
+        actor = engines.weight_source("actor")
         if prompts.world_size > 1:  # the train pool's shard of the eval slice: rank 0 evaluates it all
             from flowrl.data import PromptSource
 
             prompts = PromptSource(cfg.data, tokenizer)
-        if not getattr(actor, "_lockstep", False):
+        if not actor.lockstep:  # one train rank: the module is whole
             if not self.logs:
                 return None
             shared = HFRolloutEngine(actor.model, tokenizer, cfg.rollout.hf, shared=True)
@@ -450,12 +455,12 @@ class TrainRank(_PoolRank):
         return gathered
 
 
-def partitioned_rank(cfg, pp: PlacementPlan, dinfo: DistInfo) -> _PoolRank:
+def partitioned_rank(cfg, pp: PlacementPlan, dinfo: DistInfo) -> "TrainRank | RolloutRank":
     """This rank's side of a partitioned job (creates the pool groups: a collective, every rank
     calls it in the same order)."""
     check_partitioned(pp)
     pool = pp.pool_of(dinfo.rank).name
-    return (TrainRank if pool == TRAIN_POOL else RolloutRank)(cfg, pp, dinfo)
+    return TrainRank(cfg, pp, dinfo) if pool == TRAIN_POOL else RolloutRank(cfg, pp, dinfo)
 
 
 __all__ = ["POOL_TIMEOUT_S", "PoolContext", "RolloutPool", "RolloutRank", "StalenessError",

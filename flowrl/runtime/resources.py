@@ -20,7 +20,15 @@ if TYPE_CHECKING:
 
     from flowrl.compiler.plan import ExecutionPlan
     from flowrl.config import TrainConfig
-    from flowrl.engines.base import RolloutEngine, TrainEngine
+    from flowrl.engines.base import (
+        Engine,
+        LogprobEngine,
+        RewardScorer,
+        RolloutEngine,
+        Trainable,
+        TrainEngine,
+        ValueEngine,
+    )
 
 log = logging.getLogger("flowrl")
 
@@ -29,34 +37,65 @@ TRAINABLE_ROLES = ("actor", "critic")  # their state (weights, optimizer, schedu
 
 @dataclass
 class Engines:
-    """role → engine of one rank (only the roles of its pool's plan are set).
+    """role → engine of one rank (only the roles of its pool's plan are set), each typed by its
+    role's Protocol (``engines/base.py``).
 
     Attributes:
-        actor: the trained policy (``TrainEngine``; a LoRA actor: adapters over frozen base weights).
+        actor: the trained policy (a LoRA actor: adapters over frozen base weights).
         ref: frozen reference (a copy of the initial policy; LoRA: the actor, adapters disabled).
         critic: value model (PPO).
         rollout: generation engine (HF or vLLM); colocated on one process it shares the actor's module.
-        reward_model: sequence-classification RM (``RewardModelEngine``).
+        reward_model: sequence-classification RM.
         genrm: generative judge (an HF generation engine on its own model copy).
     """
 
     actor: Optional["TrainEngine"] = None
-    ref: Optional["TrainEngine"] = None
-    critic: Optional["TrainEngine"] = None
+    ref: Optional["LogprobEngine"] = None
+    critic: Optional["ValueEngine"] = None
     rollout: Optional["RolloutEngine"] = None
-    reward_model: Optional[Any] = None
+    reward_model: Optional["RewardScorer"] = None
     genrm: Optional["RolloutEngine"] = None
 
-    def by_role(self) -> dict[str, Any]:
-        """The engines that exist, keyed by role (what the executor and the ops' contexts take)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) is not None}
+    def by_role(self) -> dict[str, "Engine"]:
+        """The engines that exist, keyed by role (what the ops' contexts are handed)."""
+        roles: dict[str, Optional[Engine]] = {
+            "actor": self.actor, "ref": self.ref, "critic": self.critic, "rollout": self.rollout,
+            "reward_model": self.reward_model, "genrm": self.genrm}
+        return {r: e for r, e in roles.items() if e is not None}
+
+    def get(self, role: Optional[str]) -> Optional["Engine"]:
+        """The engine of ``role`` (None: no role, or a role this rank does not hold)."""
+        return None if role is None else self.by_role().get(role)
+
+    def __contains__(self, role: object) -> bool:
+        return role in self.by_role()
+
+    def weight_source(self, role: str) -> "TrainEngine":
+        """The engine whose weights a sync reads (``RoleSpec.weights_from``: the actor).
+
+        Raises:
+            KeyError: this rank holds no trained engine for ``role``.
+        """
+        if role != "actor" or self.actor is None:
+            raise KeyError(f"no trained engine serves weights as role {role!r} on this rank")
+        return self.actor
+
+    def weight_sink(self, role: str) -> "RolloutEngine":
+        """The generation engine a sync loads weights into (``rollout``).
+
+        Raises:
+            KeyError: this rank holds no generation engine for ``role``.
+        """
+        eng = {"rollout": self.rollout, "genrm": self.genrm}.get(role)
+        if eng is None:
+            raise KeyError(f"no generation engine takes weights as role {role!r} on this rank")
+        return eng
 
     def train_state(self) -> dict[str, Any]:
         """What a checkpoint holds as tensors: the trainable engines' state and the torch RNG."""
         import torch
 
-        state = {r: e.state_dict() for r, e in self.by_role().items() if r in TRAINABLE_ROLES}
+        state: dict[str, Any] = {r: e.state_dict() for r, e in self.trainable().items()}
         state["rng"] = {"torch": torch.get_rng_state()}
         return state
 
@@ -64,22 +103,24 @@ class Engines:
         """Restore what :meth:`train_state` returned (after ``CheckpointManager.load`` filled it)."""
         import torch
 
-        for role, eng in self.by_role().items():
-            if role in TRAINABLE_ROLES:
-                eng.load_state_dict(tensors[role])
+        for role, eng in self.trainable().items():
+            eng.load_state_dict(tensors[role])
         torch.set_rng_state(tensors["rng"]["torch"])
+
+    def trainable(self) -> dict[str, "Trainable"]:
+        """The engines of :data:`TRAINABLE_ROLES` this rank holds (their state is checkpointed)."""
+        roles: dict[str, Optional[Trainable]] = {"actor": self.actor, "critic": self.critic}
+        return {r: e for r, e in roles.items() if e is not None}
 
     def close(self) -> None:
         """Close every engine that holds processes or devices (vLLM: in-process engine shutdown,
         or the engine processes stopped and joined); every role is unset, so a second call does
         nothing. Run on the way out of every job, error or not (torchrun waits for child
         processes an engine left behind)."""
-        for f in dataclasses.fields(self):
-            eng = getattr(self, f.name)
-            setattr(self, f.name, None)
-            close = getattr(type(eng), "close", None)
-            if close is not None:
-                close(eng)
+        engines = list(self.by_role().values())
+        self.actor = self.ref = self.critic = self.rollout = self.reward_model = self.genrm = None
+        for eng in engines:
+            eng.close()
 
 
 @dataclass
@@ -195,7 +236,8 @@ def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
     if "reward_model" in roles:  # classifier RM, frozen
         from flowrl.engines.reward_model import RewardModelEngine, load_reward_model
 
-        rm = load_reward_model(cfg.reward.model.model).to(device)
+        rm = load_reward_model(cfg.reward.model.model)
+        rm.to(device)  # type: ignore[arg-type]  # transformers' decorated `to` hides nn.Module's signature
         engines.reward_model = RewardModelEngine(rm, pad_token_id=tokenizer.pad_token_id,
                                                  batch_size=cfg.reward.model.batch_size)
     if "genrm" in roles:  # generative judge: its own model copy, never updated
@@ -242,12 +284,14 @@ def resolve_offload(cfg: "TrainConfig", engines: Engines) -> tuple[bool, str]:
             # frozen tensors (a reference, a LoRA actor's base) hold no grads or AdamW moments
             state += sum(p.numel() * (16 if p.requires_grad and role != "ref" else 4)
                          for p in eng.model.parameters())
+    from flowrl.engines.rollout.hf import HFRolloutEngine
+
     rollout = 0
-    if engines.rollout is not None:
+    if isinstance(engines.rollout, HFRolloutEngine):  # its weights (shared or a copy)
+        rollout = sum(p.numel() * p.element_size() for p in engines.rollout.model.parameters())
+    elif engines.rollout is not None:  # vLLM: its share of the device
         total = torch.cuda.get_device_properties(device).total_memory
-        rollout = (int(cfg.rollout.vllm.gpu_memory_utilization * total)
-                   if cfg.rollout.backend == "vllm" else
-                   sum(p.numel() * p.element_size() for p in engines.rollout.model.parameters()))
+        rollout = int(cfg.rollout.vllm.gpu_memory_utilization * total)
     keep = keep_resident(state, rollout, device)
     return not keep, (f"auto: training state {state / 2**30:.1f} GiB + rollout "
                       f"{rollout / 2**30:.1f} GiB {'fit' if keep else 'do not fit'} in 80% of the device")

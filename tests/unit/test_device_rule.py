@@ -19,6 +19,7 @@ from flowrl.ops.context import StageContext
 from flowrl.ops.registry import OPS
 from flowrl.runtime.devices import home_device, stage_device, to_device
 from flowrl.runtime.executor import Executor
+from flowrl.runtime.resources import Engines
 from flowrl.runtime.store import TensorStore
 
 GRPO = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
@@ -47,7 +48,7 @@ class HostRollout:
 def executor():
     plan = compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": 0.0,
                                                          "recompute_old_logprobs": True}})
-    ex = Executor(plan, {"actor": MetaTrain(), "rollout": HostRollout()}, {},
+    ex = Executor(plan, Engines(actor=MetaTrain(), rollout=HostRollout()), {},
                   device=torch.device("cpu"))
     mask = torch.tensor([[1, 1, 1, 0, 0]] * B, dtype=torch.bool)
     ex.store.put("sample", {"prompt_ids": torch.ones(B, P, dtype=torch.long),

@@ -184,9 +184,9 @@ def test_load_weights_copy_and_zero_copy(tokenizer):
     shared.load_weights(train.named_weights())
     assert shared.last_load_counts == {"copied": 0, "shared": n_params}
     for eng in (shared, separate):
-        eng.sleep()
-        eng.wake()
-        assert set(eng.last_timings) == {"wake_s"}
+        eng.offload()
+        eng.onload()
+        assert set(eng.last_timings) == {"onload_s"}
     with pytest.raises(KeyError, match="nope"):
         separate.load_weights([("nope", torch.zeros(1))])
 

@@ -9,6 +9,7 @@ import torch
 from flowrl.compiler.plan import compile_plan
 from flowrl.graph import Graph
 from flowrl.runtime.executor import Executor
+from flowrl.runtime.resources import Engines
 
 GRPO = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
 
@@ -32,10 +33,10 @@ class FakeRollout:
     def __init__(self, shared):
         self.shared = shared
 
-    def sleep(self):
+    def offload(self, keep_weights=False):
         pass
 
-    def wake(self):
+    def onload(self):
         pass
 
 
@@ -44,6 +45,6 @@ def test_keep_weights_only_when_rollout_shares_the_module(shared, kept):
     plan = compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": 0.0,
                                                          "recompute_old_logprobs": True}})
     actor = FakeTrain()
-    ex = Executor(plan, {"actor": actor, "rollout": FakeRollout(shared)}, {})
+    ex = Executor(plan, Engines(actor=actor, rollout=FakeRollout(shared)), {})
     ex.ensure_resident("rollout")  # the swap before a rollout: actor offloaded
     assert actor.calls == [("offload", kept)]

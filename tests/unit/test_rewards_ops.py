@@ -15,6 +15,7 @@ from flowrl.ops.filter import informative_groups
 from flowrl.ops.registry import OPS, get_op, register_op
 from flowrl.rewards.shaping import mix_rewards, overlong_penalty
 from flowrl.runtime.executor import Executor
+from flowrl.runtime.resources import Engines
 
 NAN = float("nan")
 # the filter's unbound carried fields are reported as unused outputs in these small graphs
@@ -180,7 +181,7 @@ def run_refill(script, **params):
     SCRIPT[:] = script
     SEEN.clear()
     plan = compile_plan(refill_graph(**params), require_update=False)  # a fragment
-    return Executor(plan, {}, {}).run_step(1), plan
+    return Executor(plan, Engines(), {}).run_step(1), plan
 
 
 def test_refill_reaches_the_target_and_pads_prompts_on_the_left():

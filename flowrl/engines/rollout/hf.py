@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional, cast
 
 import torch
 from torch import Tensor, nn
 from transformers import (
     GenerationConfig,
+    GenerationMixin,
     LogitsProcessor,
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -74,14 +75,16 @@ class HFRolloutEngine:
             share weights (set ``shared=True``), or a separate copy.
         tokenizer: gives ``eos_token_id`` (always a stop id) and ``pad_token_id`` (falls back to EOS).
         cfg: engine configuration.
-        shared: True when ``model`` is the actor train engine's module. Then ``sleep``/``wake`` leave
-            its placement to the train engine's ``offload``/``onload`` and only free the cache.
+        shared: True when ``model`` is the actor train engine's module. Then ``offload``/``onload``
+            leave its placement to the train engine's ``offload``/``onload`` and only free the cache.
 
     Attributes:
-        last_timings: seconds of the last ``generate``/``load_weights``/``sleep``/``wake`` call, keyed
-            ``generate_s``, ``load_weights_s``, ``sleep_s``, ``wake_s``.
+        last_timings: seconds of the last ``generate``/``load_weights``/``offload``/``onload``
+            call, keyed ``generate_s``, ``load_weights_s``, ``offload_s``, ``onload_s``.
         last_load_counts: ``{"copied": n, "shared": m}`` tensors of the last ``load_weights``;
             ``shared`` counts tensors that already were this module's storage (zero-copy).
+        last_prefix_cache: ``{"prompt_tokens": n, "cached_tokens": 0}`` of the last ``generate``
+            (transformers' ``generate`` keeps no cache across calls).
     """
 
     def __init__(self, model: nn.Module, tokenizer, cfg: HFRolloutConfig | None = None, *,
@@ -97,6 +100,7 @@ class HFRolloutEngine:
         self.device = _module_device(model)
         self.last_timings: dict[str, float] = {}
         self.last_load_counts: dict[str, int] = {"copied": 0, "shared": 0}
+        self.last_prefix_cache: dict[str, int] = {"prompt_tokens": 0, "cached_tokens": 0}
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingConfig,
@@ -179,6 +183,7 @@ class HFRolloutEngine:
         truncated = ~is_stop.any(dim=1)
         lps = torch.where(resp_mask, lps, torch.zeros_like(lps))
         self.last_timings = {"generate_s": time.perf_counter() - t0}
+        self.last_prefix_cache = {"prompt_tokens": int(mask.sum()), "cached_tokens": 0}
         return RolloutBatch(response_ids=ids.to(out_device), response_mask=resp_mask.to(out_device),
                             rollout_logprobs=lps.to(out_device), truncated=truncated.to(out_device))
 
@@ -216,13 +221,14 @@ class HFRolloutEngine:
         gen_cfg = self._generation_config(params, stops, sample)
         # the model's own generation_config (e.g. a checkpoint's repetition_penalty or top_k=50
         # fallback) would silently change the sampler and break rollout == trainer logprobs
-        saved = self.model.generation_config
-        self.model.generation_config = GenerationConfig()
+        lm = cast(GenerationMixin, self.model)  # a causal LM: nn.Module + GenerationMixin
+        saved = lm.generation_config
+        lm.generation_config = GenerationConfig()
         try:
-            seqs = self.model.generate(input_ids=ids, attention_mask=mask.long(),
-                                       generation_config=gen_cfg, logits_processor=processors)
+            seqs = lm.generate(input_ids=ids, attention_mask=mask.long(),
+                               generation_config=gen_cfg, logits_processor=processors)
         finally:
-            self.model.generation_config = saved
+            lm.generation_config = saved
         if isinstance(seqs, Tensor):
             sequences = seqs
         else:
@@ -234,7 +240,7 @@ class HFRolloutEngine:
         # sampling: neutral warper values so transformers adds none (ours sit in logits_processor);
         # greedy: unset, since transformers warns about sampling flags when do_sample=False
         neutral = dict(temperature=1.0, top_k=0, top_p=1.0) if sample else {}
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             do_sample=sample, **neutral, min_p=None, typical_p=1.0, repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1, num_return_sequences=1,
             max_new_tokens=params.max_new_tokens, min_new_tokens=0,
             eos_token_id=stops, pad_token_id=self.pad_token_id, use_cache=True,
@@ -257,8 +263,8 @@ class HFRolloutEngine:
             KeyError: a name this module does not have. ValueError: a shape mismatch.
         """
         t0 = time.perf_counter()
-        own = dict(self.model.named_parameters())
-        own.update(dict(self.model.named_buffers()))
+        own: dict[str, Tensor] = dict(self.model.named_parameters())
+        own.update(self.model.named_buffers())
         copied = shared = 0
         for name, src in named_tensors:
             if name not in own:
@@ -275,21 +281,26 @@ class HFRolloutEngine:
         self.last_load_counts = {"copied": copied, "shared": shared}
         self.last_timings = {"load_weights_s": time.perf_counter() - t0}
 
-    def sleep(self) -> None:
+    def offload(self, keep_weights: bool = False) -> None:
         """Give device memory back: move a non-shared module to CPU and empty the CUDA cache.
 
-        On CPU (and for a shared module's weights) nothing moves; the call is still timed.
+        On CPU (and for a shared module's weights, whose placement is the train engine's) nothing
+        moves; the call is still timed. ``keep_weights``: leave a non-shared module on the device
+        too (only the cache is emptied).
         """
         t0 = time.perf_counter()
         if self.device.type == "cuda":
-            if not self.shared:
+            if not self.shared and not keep_weights:
                 self.model.to("cpu")
             torch.cuda.empty_cache()
-        self.last_timings = {"sleep_s": time.perf_counter() - t0}
+        self.last_timings = {"offload_s": time.perf_counter() - t0}
 
-    def wake(self) -> None:
-        """Inverse of :meth:`sleep`: put a non-shared module back on its device."""
+    def onload(self) -> None:
+        """Inverse of :meth:`offload`: put a non-shared module back on its device."""
         t0 = time.perf_counter()
         if self.device.type == "cuda" and not self.shared:
             self.model.to(self.device)
-        self.last_timings = {"wake_s": time.perf_counter() - t0}
+        self.last_timings = {"onload_s": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        """Nothing to release: the module goes with the engine (no processes, no pools)."""

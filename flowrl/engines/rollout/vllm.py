@@ -24,10 +24,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator, cast
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 from flowrl.algorithms.masks import response_mask
 from flowrl.engines.base import RolloutBatch, SamplingConfig
@@ -97,7 +100,9 @@ def export_hf_dir(model: nn.Module, tokenizer, path: Path) -> list[str]:
     path.mkdir(parents=True, exist_ok=True)
     tensors = {name: p.detach().to("cpu").contiguous() for name, p in unique_parameters(model)}
     save_file(tensors, str(path / "model.safetensors"))
-    model.config.save_pretrained(str(path))
+    # nn.Module's __getattr__ types every attribute Tensor | Module; a transformers model's
+    # `config` is its PretrainedConfig
+    cast("PretrainedConfig", model.config).save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
     return list(tensors)
 
@@ -174,6 +179,7 @@ class VLLMRolloutEngine:
     # vLLM takes prompts as token lists and returns host tensors: its batch lives on the host
     # (the executor moves a stage's inputs here, the store moves the outputs home)
     device = torch.device("cpu")
+    shared = False  # vLLM holds its own copy of the weights
 
     def __init__(self, model: nn.Module, tokenizer, cfg: VLLMRolloutConfig | None = None) -> None:
         cfg = cfg or VLLMRolloutConfig()
@@ -415,6 +421,15 @@ class VLLMRolloutEngine:
             self._weights_awake = True
         self._asleep = 0
         self.last_timings = {"wake_s": time.perf_counter() - t0}
+
+    def offload(self, keep_weights: bool = False) -> None:
+        """The colocated swap point: :meth:`sleep` at ``cfg.sleep_level`` (vLLM holds its own
+        weights, so ``keep_weights`` changes nothing)."""
+        self.sleep()
+
+    def onload(self) -> None:
+        """Inverse of :meth:`offload`: :meth:`wake`."""
+        self.wake()
 
     def close(self) -> None:
         """Shut the engine down and delete a temporary export directory."""

@@ -62,7 +62,7 @@ def engine_share(cfg: VLLMRolloutConfig, procs: int, index: int) -> VLLMRolloutC
     """
     share = lambda v: None if v is None else math.ceil(v / procs)  # noqa: E731
     return dataclasses.replace(
-        cfg, engine_procs=0, max_num_seqs=share(cfg.max_num_seqs),
+        cfg, engine_procs=0, max_num_seqs=math.ceil(cfg.max_num_seqs / procs),
         max_cudagraph_capture_size=share(cfg.max_cudagraph_capture_size),
         gpu_memory_utilization=cfg.gpu_memory_utilization / procs,
         kv_cache_memory_gb=None if cfg.kv_cache_memory_gb is None else cfg.kv_cache_memory_gb / procs,
@@ -78,7 +78,8 @@ def split_groups(rows: list[list[int]], greedy: bool, parts: int) -> list[tuple[
         ``[(start, end), ...]`` covering ``range(len(rows))`` in order, each non-empty.
     """
     sizes = [1] * len(rows) if greedy else [k for _, k in _groups(rows)]
-    bounds, start, done = [], 0, 0
+    bounds: list[tuple[int, int]] = []
+    start = done = 0
     for k in sizes:
         done += k
         # close the range once it reaches its share of what is left for the remaining parts
@@ -198,6 +199,7 @@ class VLLMProcessEngine:
     # vLLM takes prompts as token lists and returns host tensors: its batch lives on the host
     # (the executor moves a stage's inputs here, the store moves the outputs home)
     device = torch.device("cpu")
+    shared = False  # the engines hold their own copy of the weights
 
     def __init__(self, model: nn.Module, tokenizer, cfg: VLLMRolloutConfig | None = None,
                  procs: int | None = None) -> None:
@@ -278,14 +280,16 @@ class VLLMProcessEngine:
     def _collect(self, which: Iterable[int] | None = None) -> list[tuple[Any, dict]]:
         """Every engine's reply (all are read even after an error, to stay in step); raises the
         first error as its own type with the engine's traceback."""
-        replies, error = [], None
+        replies: list[tuple[Any, dict]] = []
+        error: Exception | None = None
         for i in (range(len(self._conns)) if which is None else which):
             msg = self._recv(i)
-            if msg[0] == "error" and error is None:
+            if msg[0] == "ok":
+                replies.append((msg[1], msg[2] if len(msg) > 2 else {}))
+            elif error is None:
                 _, name, text, tb = msg
                 error = _ERRORS.get(name, RuntimeError)(
                     f"{text} (in vLLM engine process {i}; its traceback:\n{tb})")
-            replies.append((msg[1], msg[2] if len(msg) > 2 else {}) if msg[0] == "ok" else None)
         if error is not None:
             raise error
         return replies
@@ -406,6 +410,15 @@ class VLLMProcessEngine:
     def wake(self) -> None:
         """Every engine wakes (``VLLMRolloutEngine.wake``)."""
         self._all("wake")
+
+    def offload(self, keep_weights: bool = False) -> None:
+        """The colocated swap point: :meth:`sleep` at ``rollout.vllm.sleep_level`` (the engines
+        hold their own weights, so ``keep_weights`` changes nothing)."""
+        self.sleep()
+
+    def onload(self) -> None:
+        """Inverse of :meth:`offload`: :meth:`wake`."""
+        self.wake()
 
     def close(self) -> None:
         """Stop the engine processes and delete a temporary export directory (once)."""

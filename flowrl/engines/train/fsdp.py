@@ -21,13 +21,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterator, Optional, Type
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Type, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+
+if TYPE_CHECKING:  # the mixin always sits in front of a LocalTrainEngine (fsdp_variant)
+    _EngineBase = LocalTrainEngine
+else:
+    _EngineBase = object
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +96,7 @@ def pool_mesh(group: Any, device: torch.device | str) -> Any:
     return DeviceMesh.from_group(group, torch.device(device).type)
 
 
-class FSDPMixin:
+class FSDPMixin(_EngineBase):
     """FSDP2 sharding for any :class:`LocalTrainEngine` subclass (``class X(FSDPMixin, Engine)``):
     actor/ref (:class:`FSDPTrainEngine`) and critic (``fsdp_variant(ValueTrainEngine)``).
     Needs an initialised process group.
@@ -113,11 +119,11 @@ class FSDPMixin:
         RuntimeError: no process group. ValueError: no decoder layers found.
     """
 
-    _lockstep = True
+    lockstep = True
 
     def __init__(self, model: nn.Module, cfg: TrainEngineConfig | None = None,
                  trainable: bool = True, *, mesh: Any = None) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard
 
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("FSDPTrainEngine needs torch.distributed initialised "
@@ -135,12 +141,13 @@ class FSDPMixin:
         self.gather_dtype: Optional[torch.dtype] = mp.param_dtype
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        self._root: FSDPModule = fully_shard(model, mesh=mesh, mp_policy=mp)
         for m in model.modules():
-            if hasattr(m, "set_gradient_divide_factor") and hasattr(m, "unshard"):
+            if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)  # sum, not mean: losses are globally normalised
-                # plain SUM collectives (gloo has no PREMUL_SUM; with factor 1 nothing is scaled)
-                if hasattr(m, "set_force_sum_reduction_for_comms"):  # torch >= 2.9
+                # plain SUM collectives (gloo has no PREMUL_SUM; with factor 1 nothing is scaled);
+                # a version probe: the method exists from torch 2.9 (pyproject allows 2.6)
+                if hasattr(m, "set_force_sum_reduction_for_comms"):
                     m.set_force_sum_reduction_for_comms(True)
         # the parent builds the optimizer over the (now sharded, DTensor) parameters
         super().__init__(model, cfg, trainable=trainable)
@@ -158,7 +165,7 @@ class FSDPMixin:
 
     def _backward(self, loss: Tensor, last: bool) -> None:
         # reduce-scatter gradients once, after the last micro-batch (no sync while accumulating)
-        self.model.set_requires_gradient_sync(last)
+        self._root.set_requires_gradient_sync(last)
         loss.backward()
 
     def _coll_device(self) -> torch.device:
@@ -182,13 +189,13 @@ class FSDPMixin:
         bucket: list[tuple[str, Tensor]] = []
         size = 0
 
-        def flush():
+        def flush() -> list[tuple[str, Tensor]]:
             out = []
             for name, p in bucket:
                 local = p.detach()
                 if dtype is not None:
                     local = local.to(dtype)
-                out.append((name, local.full_tensor() if hasattr(local, "full_tensor") else local))
+                out.append((name, local.full_tensor() if isinstance(local, DTensor) else local))
             return out
 
         for name, p in self.model.named_parameters():
@@ -218,8 +225,9 @@ class FSDPMixin:
         """Full (unsharded) model weights on CPU on every rank (for export; collective)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
                                                                           cpu_offload=True))
+        return cast(dict[str, Tensor], full)  # full_state_dict=True: plain tensors, no shards
 
 
 class FSDPTrainEngine(FSDPMixin, LocalTrainEngine):

@@ -32,7 +32,9 @@ class ParameterDivergenceError(RuntimeError):
 def param_absmax(model: nn.Module) -> Tensor:
     """Largest |value| over the parameters (a DTensor: this rank's shard), a 0-dim float32
     tensor on their device; NaN or inf when any parameter is not finite."""
-    local = [t for t in (p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+    from torch.distributed.tensor import DTensor
+
+    local = [t for t in (p.to_local().detach() if isinstance(p, DTensor) else p.detach()
                          for p in model.parameters()) if t.numel()]  # a shard may be empty
     if not local:
         return torch.zeros(())

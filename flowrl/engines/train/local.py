@@ -32,15 +32,16 @@ def _read_floats(values: Mapping[str, Tensor | float]) -> dict[str, float]:
         if isinstance(v, Tensor):
             by_device.setdefault(v.device, []).append(k)
     for keys in by_device.values():
-        out.update(zip(keys, torch.stack([values[k].reshape(()) for k in keys]).tolist()))
+        tensors = [v.reshape(()) for k in keys if isinstance(v := values[k], Tensor)]
+        out.update(zip(keys, torch.stack(tensors).tolist()))
     return out
 
 
 def _module_device(model: nn.Module) -> torch.device:
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
+    for p in model.parameters():
+        return p.device
+    for b in model.buffers():
+        return b.device
     return torch.device("cpu")
 
 
@@ -64,7 +65,7 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
     lrs = [g["lr"] for g in opt.param_groups]
     for p in params:
-        p.grad = torch.zeros_like(p)
+        p.grad = torch.zeros_like(p.detach())
     for g in opt.param_groups:
         g["lr"] = 0.0
     opt.step()
@@ -98,9 +99,10 @@ _SEQ_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 _VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
 
 
-def _output_head(model: nn.Module) -> Optional[nn.Linear]:
-    """The LM head of a transformers causal LM whose logits are ``head(final hidden state)``
-    (checked at run time), or None: the fused chunked head then falls back to the plain path."""
+def _output_head(model: nn.Module) -> Optional[tuple[nn.Module, nn.Linear]]:
+    """(base model, LM head) of a transformers causal LM whose logits are
+    ``head(base model's final hidden state)`` (checked at run time), or None: the fused chunked
+    head then falls back to the plain path."""
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel) or model.base_model is model:
@@ -110,7 +112,7 @@ def _output_head(model: nn.Module) -> Optional[nn.Linear]:
         return None
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         return None
-    return head
+    return model.base_model, head
 
 
 def _resolve_padding_free(model: nn.Module, mode: str, device: torch.device) -> bool:
@@ -122,12 +124,11 @@ def _resolve_padding_free(model: nn.Module, mode: str, device: torch.device) -> 
     """
     from transformers import PreTrainedModel
 
-    is_hf = isinstance(model, PreTrainedModel)
     if mode == "true":
-        if not is_hf:
+        if not isinstance(model, PreTrainedModel):
             raise ValueError(f"padding_free=true needs a transformers model, got {type(model).__name__}")
         return True
-    if mode == "false" or not is_hf:
+    if mode == "false" or not isinstance(model, PreTrainedModel):
         return False
     return device.type == "cuda" and model.config._attn_implementation in _VARLEN_ATTENTION
 
@@ -175,11 +176,11 @@ class LocalTrainEngine:
         params = inspect.signature(model.forward).parameters
         self._logits_to_keep = "logits_to_keep" in params
         self._use_cache = "use_cache" in params  # passed False: a forward needs no KV cache
-        self._head = _output_head(model) if self.cfg.logprob_chunk_size else None
+        self._head = _output_head(model) if self.cfg.logprob_chunk_size else None  # (base, head)
         self._head_checked = False
         self._padding_free = _resolve_padding_free(model, self.cfg.padding_free, self.device)
         self.optimizer: Optional[torch.optim.Optimizer] = None
-        self.scheduler = None
+        self.scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None
         if not trainable:
             model.requires_grad_(False)
             model.eval()
@@ -188,19 +189,22 @@ class LocalTrainEngine:
         if self.cfg.disable_dropout:
             _disable_dropout(model)
         if self.cfg.gradient_checkpointing:
-            if not hasattr(model, "gradient_checkpointing_enable"):
+            from transformers import PreTrainedModel
+
+            if not isinstance(model, PreTrainedModel):
                 raise ValueError("gradient_checkpointing=True needs a transformers model")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        beta1, beta2 = self.cfg.betas
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=self.cfg.lr,
-            betas=tuple(self.cfg.betas), eps=self.cfg.eps, weight_decay=self.cfg.weight_decay)
+            betas=(beta1, beta2), eps=self.cfg.eps, weight_decay=self.cfg.weight_decay)
         _init_optimizer_state(self.optimizer)  # before the scheduler: it reads the live lr
         self.scheduler = get_scheduler(self.cfg.lr_scheduler, self.optimizer,
                                        num_warmup_steps=self.cfg.warmup_steps,
                                        num_training_steps=self.cfg.total_steps)
 
     # ------------------------------------------------------------------ forward
-    def _model_inputs(self, mb: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], Tensor, bool]:
+    def _model_inputs(self, mb: Mapping[str, Tensor]) -> tuple[dict[str, Any], Tensor, bool]:
         """Model kwargs of a (trimmed) micro-batch, the flat index (into the rows x length
         positions) of the output predicting each valid response token (row-major), and whether
         the layout is packed (one row, ``TrainEngineConfig.padding_free``) or padded (b rows)."""
@@ -209,7 +213,7 @@ class LocalTrainEngine:
         if self._padding_free and packable(p_mask, r_mask):
             pk = pack(p_ids, p_mask, r_ids, r_mask)
             # no attention_mask: transformers then reads the packing from the position ids
-            kwargs = dict(input_ids=pk.input_ids, position_ids=pk.position_ids)
+            kwargs: dict[str, Any] = dict(input_ids=pk.input_ids, position_ids=pk.position_ids)
             pred, packed = pk.predictor_index, True
         else:
             P, R = p_ids.shape[1], r_ids.shape[1]
@@ -240,7 +244,8 @@ class LocalTrainEngine:
             return self.model(**kwargs, logits_to_keep=R + 1).logits[:, :R], False
         return self.model(**kwargs).logits[:, P - 1:P + R - 1], False
 
-    def _response_hidden(self, mb: Mapping[str, Tensor]) -> Optional[Tensor]:
+    def _response_hidden(self, mb: Mapping[str, Tensor],
+                         fused: tuple[nn.Module, nn.Linear]) -> Optional[Tensor]:
         """(N, H) final hidden states (after the last norm) predicting the valid response tokens,
         from the model's own forward (so FSDP's hooks run); the LM head runs on one position per
         row only. None when that position's logits show the head is not a plain linear map (the
@@ -249,7 +254,8 @@ class LocalTrainEngine:
         last = kwargs["input_ids"].shape[1] - 1
         captured: list[Tensor] = []
         # the base model's output[0] is its last_hidden_state (a ModelOutput or a tuple)
-        handle = self.model.base_model.register_forward_hook(lambda m, a, out: captured.append(out[0]))
+        base, head = fused
+        handle = base.register_forward_hook(lambda m, a, out: captured.append(out[0]))
         try:
             logits = self.model(**kwargs, logits_to_keep=torch.tensor([last], device=self.device)).logits
         finally:
@@ -258,7 +264,7 @@ class LocalTrainEngine:
         if not self._head_checked:
             with torch.no_grad():
                 # the same matmul on the same rows: equal up to a few roundings of its dtype
-                ref, mine = logits[:, -1].float(), self._head(hidden[:, last]).float()
+                ref, mine = logits[:, -1].float(), head(hidden[:, last]).float()
                 tol = 4 * torch.finfo(logits.dtype).eps
                 ok = torch.allclose(mine, ref, rtol=tol, atol=tol * float(ref.abs().max()))
             self._head_checked = True
@@ -281,10 +287,12 @@ class LocalTrainEngine:
         # as a metric only, entropy needs no autograd graph (a (b, R, V) softmax saved for
         # backward otherwise)
         ent_grad = entropy_grad and torch.is_grad_enabled()
-        hidden = self._response_hidden(mb) if self._head is not None else None
-        if hidden is not None:
-            lp, ent = linear_logprobs(hidden, self._head.weight, labels[mask], temperature,
-                                      bias=self._head.bias, chunk_size=self.cfg.logprob_chunk_size,
+        fused, chunk = self._head, self.cfg.logprob_chunk_size
+        hidden = self._response_hidden(mb, fused) if fused is not None else None
+        if hidden is not None and fused is not None and chunk:
+            head = fused[1]
+            lp, ent = linear_logprobs(hidden, head.weight, labels[mask], temperature,
+                                      bias=head.bias, chunk_size=chunk,
                                       with_entropy=with_entropy, entropy_grad=ent_grad,
                                       compile=self.cfg.logprob_compile)
             lp = unpack(lp, mask)
@@ -306,7 +314,7 @@ class LocalTrainEngine:
 
     # ------------------------------------------------------------------ micro-batching
     # Hooks a data-parallel subclass overrides; here (one process) they are identities.
-    _lockstep = False  # True: every rank must run the same forwards/backwards (FSDP collectives)
+    lockstep = False  # True: every rank must run the same forwards/backwards (FSDP collectives)
 
     def _agree_num_micro(self, k: int) -> int:
         """The micro-batch count every rank uses (max over ranks); one process: ``k``."""
@@ -370,7 +378,8 @@ class LocalTrainEngine:
         parts = self._partitions(batch)
         was_training = self.model.training
         self.model.eval()  # dropout off: old logprobs must be deterministic
-        lps, ents = [], []
+        lps: list[Tensor] = []
+        ents: list[Tensor] = []
         try:
             with torch.no_grad():
                 for rows in parts:
@@ -378,7 +387,8 @@ class LocalTrainEngine:
                                              with_entropy)
                     if rows:  # a dummy (empty) micro-batch's output is dropped
                         lps.append(lp)
-                        ents.append(ent)
+                        if ent is not None:
+                            ents.append(ent)
         finally:
             self.model.train(was_training)
         # balanced bins reorder rows: put them back in the batch's order
@@ -387,6 +397,16 @@ class LocalTrainEngine:
         return LogprobOutput(torch.cat(lps)[inv], torch.cat(ents)[inv] if with_entropy else None)
 
     # ------------------------------------------------------------------ update
+    def _optim(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        """The optimizer and its scheduler (a trainable engine has both).
+
+        Raises:
+            RuntimeError: the engine is frozen (``trainable=False``).
+        """
+        if self.optimizer is None or self.scheduler is None:
+            raise RuntimeError("train_step on a frozen engine (trainable=False)")
+        return self.optimizer, self.scheduler
+
     def train_step(self, batch: Mapping[str, Tensor], loss_fn: LossFn, temperature: float,
                    with_entropy: bool = False, entropy_grad: bool = True) -> dict[str, float]:
         """One optimizer step over the mini-batch ``batch``.
@@ -407,11 +427,10 @@ class LocalTrainEngine:
         Raises:
             RuntimeError: the engine is frozen (``trainable=False``).
         """
-        if self.optimizer is None:
-            raise RuntimeError("train_step on a frozen engine (trainable=False)")
+        optimizer, scheduler = self._optim()
         B = batch["response_ids"].shape[0]
         parts = self._partitions(batch)
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        lr = float(optimizer.param_groups[0]["lr"])
         self.model.train()
         # loss terms and loss_fn metrics are summed as device tensors and read once at the end:
         # a .item() per micro-batch would stall the GPU stream each time
@@ -448,9 +467,9 @@ class LocalTrainEngine:
                             "weights unchanged", grad_norm)
         if finite:
             with guarded_step(self, self.cfg.max_param_growth):  # diverged weights stop the run
-                self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+                optimizer.step()
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
         out = _read_floats(sums)
         total_loss = sum(loss_values)
         out.update(loss=total_loss if finite else float("nan"), grad_norm=grad_norm, lr=lr,
@@ -476,6 +495,10 @@ class LocalTrainEngine:
                     # Adam's scalar `step` lives on CPU unless capturable/fused; leave it there
                     if isinstance(v, Tensor) and not (k == "step" and v.dim() == 0):
                         st[k] = v.to(device)
+
+    def close(self) -> None:
+        """Nothing to release: the module and optimizer go with the engine (a process group is
+        the job's, not the engine's)."""
 
     def offload(self, keep_weights: bool = False) -> None:
         """Move parameters, grads and optimizer state to CPU (CUDA only; on CPU a timed no-op).
@@ -506,7 +529,7 @@ class LocalTrainEngine:
         if self.optimizer is None:
             return {"model": self.model.state_dict()}
         msd, osd = get_state_dict(self.model, self.optimizer)
-        return {"model": msd, "optimizer": osd, "scheduler": self.scheduler.state_dict()}
+        return {"model": msd, "optimizer": osd, "scheduler": self._optim()[1].state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned: weights, AdamW moments/steps, scheduler position.
@@ -519,4 +542,4 @@ class LocalTrainEngine:
             return
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self._optim()[1].load_state_dict(state["scheduler"])

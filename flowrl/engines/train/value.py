@@ -32,9 +32,9 @@ def value_model_from_causal_lm(lm: nn.Module) -> nn.Module:
         ValueError: ``lm`` is not a transformers model, or no token-classification class exists
             for its architecture, or its base weights do not load strictly.
     """
-    from transformers import AutoModelForTokenClassification
+    from transformers import AutoModelForTokenClassification, PreTrainedModel
 
-    if not hasattr(lm, "config") or not hasattr(lm, "base_model"):
+    if not isinstance(lm, PreTrainedModel):
         raise ValueError(f"critic: expected a transformers causal LM, got {type(lm).__name__}")
     cfg = copy.deepcopy(lm.config)
     cfg.num_labels = 1
