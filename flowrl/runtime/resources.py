@@ -278,8 +278,9 @@ def resolve_offload(cfg: "TrainConfig", engines: Engines) -> tuple[bool, str]:
     from flowrl.models.lora import AdapterDisabledReference
 
     state = 0
-    for role in ("actor", "critic", "ref"):
-        eng = getattr(engines, role)
+    models: list[tuple[str, Optional[LogprobEngine | Trainable]]] = [
+        ("actor", engines.actor), ("critic", engines.critic), ("ref", engines.ref)]
+    for role, eng in models:
         if eng is not None and not isinstance(eng, AdapterDisabledReference):
             # frozen tensors (a reference, a LoRA actor's base) hold no grads or AdamW moments
             state += sum(p.numel() * (16 if p.requires_grad and role != "ref" else 4)

@@ -103,7 +103,7 @@ def test_logprobs_op_sees_its_inputs_on_the_engine_device():
     ex = executor()
     inputs = ex.stage_inputs("old_logprobs")
     assert {v.device for v in inputs.values() if isinstance(v, torch.Tensor)} == {META}
-    engine = ex.engines["actor"]
+    engine = ex.engines.actor
     ctx = StageContext(stage="old_logprobs", step=1, engine=engine,
                        resources={"sampling": Sampling()})
     cfg = ex.plan.stages[[c.stage.name for c in ex.plan.stages].index("old_logprobs")].config

@@ -45,8 +45,10 @@ class ScriptedPolicy:
     reported truncated) and records every call's contexts."""
 
     device = torch.device("cpu")
+    shared = False
 
     def __init__(self, prompts, script):
+        self.last_prefix_cache = {"prompt_tokens": 0, "cached_tokens": 0}
         self.prompts, self.script = [list(p) for p in prompts], script
         self.turn = defaultdict(int)
         self.calls = []  # (contexts without padding, max_new_tokens)
@@ -461,6 +463,11 @@ class Recording:
 
     def __init__(self, engine):
         self.engine, self.device, self.contexts = engine, engine.device, []
+        self.shared = engine.shared
+
+    @property
+    def last_prefix_cache(self):
+        return self.engine.last_prefix_cache
 
     def generate(self, ids, mask, params, generator=None):
         self.contexts.append([ids[i][mask[i]].tolist() for i in range(ids.shape[0])])

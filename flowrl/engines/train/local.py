@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
 
 from flowrl.algorithms.balance import inverse_permutation, token_budget_partitions
@@ -460,7 +461,7 @@ class LocalTrainEngine:
             norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.grad is not None], max_norm)
             # sharded (DTensor) grads: the norm already covers every shard; materialise it
-            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
             if not math.isfinite(grad_norm):
                 finite = False
                 log.warning("train_step: non-finite grad norm (%s); skipping the optimizer step, "
