@@ -56,11 +56,13 @@ _SPACE_SLACK_BYTES = 1 << 20
 
 
 def _has_cuda_tensor(tree: Any) -> bool:
+    import torch
+
     if isinstance(tree, dict):
         return any(_has_cuda_tensor(v) for v in tree.values())
     if isinstance(tree, (list, tuple)):
         return any(_has_cuda_tensor(v) for v in tree)
-    return getattr(tree, "is_cuda", False) is True
+    return isinstance(tree, torch.Tensor) and tree.is_cuda
 
 
 def storage_writer(path: Path, tensors: Any, file_per_tensor: Optional[bool] = None):
@@ -495,9 +497,8 @@ def _human(n: float) -> str:
 
 def _causes(e: BaseException) -> list[BaseException]:
     """The exceptions behind ``e``: each rank's for DCP's CheckpointException, else ``e``."""
-    failures = getattr(e, "failures", None)
-    if isinstance(e, CheckpointException) and failures:
-        return [exc for exc, _ in failures.values()]
+    if isinstance(e, CheckpointException) and e.failures:
+        return [exc for exc, _ in e.failures.values()]
     return [e]
 
 
