@@ -151,7 +151,10 @@ def as_model_config(value: Any, name: str) -> Optional[ModelConfig]:
         return value
     if isinstance(value, (dict, DictConfig)):
         try:
-            return ModelConfig(**OmegaConf.to_container(OmegaConf.create(dict(value))))
+            fields = OmegaConf.to_container(OmegaConf.create(dict(value)))
+            if not isinstance(fields, dict):  # to_container of a DictConfig is a dict
+                raise TypeError(f"expected a mapping, got {type(fields).__name__}")
+            return ModelConfig(**{str(k): v for k, v in fields.items()})
         except TypeError as e:
             raise ValueError(f"{name}: {e}") from e
     raise ValueError(f"{name} must be null or a model section (path, tiny, dtype, ...), got {value!r}")
@@ -264,10 +267,13 @@ def to_train_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
                             if len(unknown) > 1 else ""))
     try:
         merged = OmegaConf.merge(base, cfg)
-        return OmegaConf.to_object(merged)
+        out = OmegaConf.to_object(merged)
     except Exception as e:  # omegaconf wraps __post_init__ errors; surface one clear line
         msg = str(e).split("\n")[0]
         raise ValueError(f"invalid config: {msg}") from e
+    if not isinstance(out, TrainConfig):  # to_object of a structured TrainConfig node builds one
+        raise TypeError(f"expected a TrainConfig, got {type(out).__name__}")
+    return out
 
 
 def unknown_keys(base: DictConfig, cfg: Any, prefix: str = "") -> list[tuple[str, str]]:
@@ -316,12 +322,13 @@ def one_line(e: BaseException) -> str:
     """A Hydra/OmegaConf error as one line: its message lines and its cause's, without the
     indented ``full_key/object_type`` detail."""
     parts: list[str] = []
-    while e is not None and len(parts) < 8:
-        parts += [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.strip()
+    cur: Optional[BaseException] = e
+    while cur is not None and len(parts) < 8:
+        parts += [ln.strip() for ln in str(cur).splitlines() if ln.strip() and not ln.strip()
                   .startswith(("full_key:", "object_type=", "reference_type=", "msg:"))]
         if any(p.startswith("Config search path") for p in parts):
             parts = parts[:next(i for i, p in enumerate(parts) if p.startswith("Config search path"))]
-        e = e.__cause__
+        cur = cur.__cause__
     seen: list[str] = []
     for p in parts:
         if p not in seen:

@@ -52,6 +52,8 @@ def maybe_exec_torchrun(overrides: list[str]) -> None:
     try:
         node = compose(overrides).launcher
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LauncherConfig), node))
+        if not isinstance(cfg, LauncherConfig):  # to_object of a structured node builds its class
+            raise TypeError(f"launcher: expected a LauncherConfig, got {type(cfg).__name__}")
     except Exception as e:  # Hydra/OmegaConf composition errors: one line, like train's own
         from flowrl.config_errors import explain
 

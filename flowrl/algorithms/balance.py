@@ -56,7 +56,7 @@ def karmarkar_karp(weights: Sequence[int], k: int, *, equal_size: bool = False) 
     else:
         for i in order:
             states.append([(weights[i], [i])] + [(0, []) for _ in range(k - 1)])
-    heap = []
+    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []  # (-spread, id, state)
     for sid, st in enumerate(states):
         heapq.heappush(heap, (-(st[0][0] - st[-1][0]), sid, st))
     counter = len(states)

@@ -78,8 +78,10 @@ def _chunk_grad_logits(logits: Tensor, labels: Tensor, t: float, g_lp: Optional[
         coef = logp.add_(ent).mul_(g_ent[:, None])
         if gl is not None:
             coef.add_(gl)
-    else:
+    elif gl is not None:
         coef = gl
+    else:  # autograd calls backward only when an output has a gradient
+        raise ValueError("_chunk_grad_logits needs the gradient of the logprobs or the entropy")
     gx = p.mul_(coef).neg_()
     if gl is not None:
         gx.scatter_add_(-1, labels[:, None], gl)

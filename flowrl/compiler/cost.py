@@ -145,8 +145,10 @@ class StageCosts:
 
     def modelled(self, stage: str, p: int) -> float:
         role, kind = self.stages[stage]
-        return KIND_SECONDS[kind](self.sizes.get(role), self.workload, p,
-                                  self.parallelism.get(role, 1), self.device)
+        # a stage without a model (reward, advantage): no size, no parallelism
+        size = None if role is None else self.sizes.get(role)
+        tp = 1 if role is None else self.parallelism.get(role, 1)
+        return KIND_SECONDS[kind](size, self.workload, p, tp, self.device)
 
     def stage_seconds(self, stage: str, p: int) -> float:
         """Predicted seconds of ``stage`` on a pool of ``p`` devices."""
@@ -162,7 +164,7 @@ class StageCosts:
         for a in actions:
             if a.kind not in ("onload", "offload"):
                 continue
-            m = self.sizes[a.role].weight_bytes
+            m: float = self.sizes[a.role].weight_bytes
             if ROLES[a.role].kind == "train":
                 m = (3 if a.keep_weights else 4) * m / p
             elif a.keep_weights:

@@ -211,10 +211,24 @@ def check_pool_sizes(n_rollout: int, n_train: int) -> None:
                              f"{n_train})")
 
 
+def _sync_roles(graph: Graph) -> list[tuple[str, str]]:
+    """(source role, destination role) of every ``weight_sync`` of a validated graph.
+
+    Raises:
+        ValueError: a sync between stages without a role (the graph skipped validation)."""
+    out = []
+    for w in graph.weight_sync:
+        src, dst = graph[w.src].role, graph[w.dst].role
+        if src is None or dst is None:
+            raise ValueError(f"weight_sync {w.src} -> {w.dst}: both stages need a role")
+        out.append((src, dst))
+    return out
+
+
 def colocated(plan: ExecutionPlan, world_size: int) -> PlacementPlan:
     pool = PoolPlan("all", list(range(world_size)), plan)
-    syncs = [(plan.graph[w.src].role, plan.graph[w.dst].role) for w in plan.graph.weight_sync]
-    return PlacementPlan("colocated", world_size, {"all": pool}, full=plan, weight_sync=syncs)
+    return PlacementPlan("colocated", world_size, {"all": pool}, full=plan,
+                         weight_sync=_sync_roles(plan.graph))
 
 
 def assign_stages(plan: ExecutionPlan, role_pool: dict[str, str]) -> dict[str, str]:
@@ -338,9 +352,8 @@ def partitioned(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int,
     }
     graph_k = max([w.staleness for w in g.weight_sync], default=0)
     k = graph_k if cfg.staleness is None else cfg.staleness
-    syncs = [(g[w.src].role, g[w.dst].role) for w in g.weight_sync]
     return PlacementPlan("partitioned", world_size, pp, full=plan, transfers=transfers,
-                         staleness=k, weight_sync=syncs, notes=notes)
+                         staleness=k, weight_sync=_sync_roles(g), notes=notes)
 
 
 def place(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int,

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional
 import networkx as nx
 from omegaconf import DictConfig, OmegaConf
 
-from flowrl.graph.graph import Graph, GraphError, Stage
+from flowrl.graph.graph import Graph, GraphError, Stage, WeightSync
 from flowrl.graph.roles import ROLES
 from flowrl.graph.rules import pruning_problems, refill_problems, truthy
 from flowrl.graph.validate import build_dag, validate_graph
@@ -32,6 +32,16 @@ class Action:
     role: Optional[str] = None
     detail: str = ""
     keep_weights: bool = False  # offload: the next role serves these weights (rollout ← actor)
+
+    @property
+    def stage_name(self) -> str:
+        """``stage`` of a run or sync action (both always name one).
+
+        Raises:
+            ValueError: an onload/offload action (they name a role, no stage)."""
+        if self.stage is None:
+            raise ValueError(f"a {self.kind} action names no stage")
+        return self.stage
 
 
 @dataclass
@@ -129,11 +139,11 @@ def resolve(graph: Graph, run_cfg: Mapping | DictConfig | None) -> Graph:
     out = Graph(name=graph.name, weight_sync=list(graph.weight_sync), description=graph.description)
     for s in graph.stages:
         fields = {"when": s.when, "params": s.params}
-        resolved = {}
+        resolved: dict[str, Any] = {}
         for fld, val in fields.items():
             try:
                 node = OmegaConf.create({"__root__": root, "v": val})
-                resolved[fld] = OmegaConf.to_container(node, resolve=True)["v"]
+                resolved[fld] = _resolved_value(node)
             except Exception as e:  # omegaconf raises several types; all mean "cannot resolve"
                 msg = f"cannot resolve {val!r}: {e}".split("\n")[0].replace("__root__.", "")
                 problems.append((s.name, fld, msg))
@@ -143,6 +153,15 @@ def resolve(graph: Graph, run_cfg: Mapping | DictConfig | None) -> Graph:
     if problems:
         raise GraphError(problems)
     return out
+
+
+def _resolved_value(node: DictConfig) -> Any:
+    """``node.v`` (any YAML value: a ``when`` string, a ``params`` dict, None) as plain
+    containers, with every interpolation resolved against ``node.__root__``."""
+    out = OmegaConf.to_container(node, resolve=True)
+    if not isinstance(out, dict):  # to_container of a DictConfig is a dict
+        raise TypeError(f"expected a dict from a DictConfig, got {type(out).__name__}")
+    return out["v"]
 
 
 def _rewrite_interpolations(graph: Graph) -> Graph:
@@ -242,7 +261,7 @@ def _swap_actions(graph: Graph, order: list[str]) -> tuple[list[Action], list[st
     model_stages = [n for n in order if by_name[n].role]
     resident: Optional[str] = by_name[model_stages[-1]].role if model_stages else None
     actions: list[Action] = []
-    syncs = {}
+    syncs: dict[str, list[WeightSync]] = {}
     for w in graph.weight_sync:
         syncs.setdefault(w.src, []).append(w)
     for n in order:
@@ -321,7 +340,8 @@ def recipe_notes(graph: Graph, run_cfg: Mapping | DictConfig | None) -> list[str
         return []
     notes = []
     for key, want in graph.algorithm.items():
-        have = algo.get(key) if hasattr(algo, "get") else getattr(algo, key, None)
+        # a config block (dict / DictConfig), or a structured config object (a dataclass)
+        have = algo.get(key) if isinstance(algo, Mapping) else getattr(algo, key, None)
         if have != want:
             notes.append(f"graph '{graph.name}' sets algorithm.{key}: {want}, this run uses {have} "
                          f"(a command-line override; a graph.path= file's algorithm block is "

@@ -22,8 +22,8 @@ def format_plan(plan: "ExecutionPlan") -> str:
     for a in plan.actions:
         if a.kind == "run":
             i += 1
-            st = g[a.stage]
-            frees = plan.release_after.get(a.stage, [])
+            st = g[a.stage_name]
+            frees = plan.release_after.get(a.stage_name, [])
             lines.append(f"  {i:>2}. run     {a.stage:<14} op={st.op:<18} role={a.role or '-':<8}"
                          + (f" then free {', '.join(frees)}" if frees else ""))
             if a.stage in plan.refill:
@@ -74,7 +74,7 @@ def pool_timeline(pp: "PlacementPlan", name: str) -> list[tuple[str, str]]:
     pending = list(pool.recvs)
     for a in plan.actions:
         if a.kind == "run":
-            stage = g[a.stage]
+            stage = g[a.stage_name]
             if pp.mode == "partitioned" and any(d == stage.role for _, d in pp.weight_sync):
                 src = ", ".join(s for s, d in pp.weight_sync if d == stage.role)
                 out.append(("wait", f"weights {src} -> {stage.role} from pool {other}: at most "
@@ -83,7 +83,7 @@ def pool_timeline(pp: "PlacementPlan", name: str) -> list[tuple[str, str]]:
             for k in [k for k in pending if k in reads]:
                 out.append(("recv", f"{k} from pool {other}{size(k)}"))
                 pending.remove(k)
-            frees = plan.release_after.get(a.stage, [])
+            frees = plan.release_after.get(a.stage_name, [])
             out.append(("run", f"{a.stage} op={stage.op} role={a.role or '-'}"
                                + (f" then free {', '.join(frees)}" if frees else "")))
             if pp.mode == "partitioned" and name == "train":

@@ -12,15 +12,16 @@ from __future__ import annotations
 import ast
 import math
 import operator
+from typing import Callable
 
 MAX_CHARS = 200
 MAX_EXPONENT = 64
 MAX_MAGNITUDE = 1e30
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+_BINARY: dict[type[ast.operator], Callable[[float, float], float]] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
            ast.Pow: operator.pow}
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_UNARY: dict[type[ast.unaryop], Callable[[float], float]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
 class CalculatorError(ValueError):
@@ -36,7 +37,9 @@ def _check(x: float) -> float:
 def _eval(node: ast.AST) -> float:
     if isinstance(node, ast.Expression):
         return _eval(node.body)
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    # int or float, not bool (True + True is not arithmetic), complex, str, bytes, ...
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) \
+            and not isinstance(node.value, bool):
         return _check(node.value)
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _eval(node.left), _eval(node.right)

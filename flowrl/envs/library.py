@@ -66,19 +66,19 @@ class GymnasiumEnvironment:
 
     def __init__(self, env_id: Optional[str] = None, entry: Optional[str] = None,
                  kwargs: Optional[Mapping[str, Any]] = None, obs_role: str = "user") -> None:
-        if (env_id is None) == (entry is None):
-            raise ValueError("gymnasium environment: give exactly one of env_params.env_id "
-                             "(gymnasium.make) or env_params.entry ('module:Class')")
         kwargs = dict(kwargs or {})
-        if env_id is not None:
+        if env_id is not None and entry is None:
             try:
                 import gymnasium
             except ImportError as e:
                 raise ImportError("env=gymnasium with env_id needs gymnasium: pip install "
                                   "gymnasium (or flowrl[envs])") from e
             self.env = gymnasium.make(env_id, **kwargs)
-        else:
+        elif entry is not None and env_id is None:
             self.env = load_class(entry, "env_params.entry")(**kwargs)
+        else:
+            raise ValueError("gymnasium environment: give exactly one of env_params.env_id "
+                             "(gymnasium.make) or env_params.entry ('module:Class')")
         self.obs_role = obs_role
 
     def reset(self, row: EnvRow) -> None:

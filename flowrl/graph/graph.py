@@ -165,7 +165,8 @@ class Graph:
         return s
 
     def sync(self, src: Stage | str, dst: Stage | str, staleness: int = 0) -> WeightSync:
-        w = WeightSync(getattr(src, "name", src), getattr(dst, "name", dst), staleness)
+        w = WeightSync(src.name if isinstance(src, Stage) else src,
+                       dst.name if isinstance(dst, Stage) else dst, staleness)
         self.weight_sync.append(w)
         return w
 

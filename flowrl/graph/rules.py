@@ -159,23 +159,23 @@ def pruning_problems(graph: Graph, ops: Mapping[str, "OpSpec"], dropped: Sequenc
     stage (optional inputs are unbound instead), or every update stage gone.
 
     ``shown_when``: stage → its ``when`` as written (the interpolation), for the message."""
-    dropped = set(dropped)
-    if not dropped:
+    gone = set(dropped)
+    if not gone:
         return []
     shown = dict(shown_when or {})
     problems = []
     for s in graph.stages:
-        if s.name in dropped:
+        if s.name in gone:
             continue
         spec = ops.get(s.op)
         for arg, src, _ in s.input_refs():
-            if src in dropped and spec is not None and arg in spec.inputs:
+            if src in gone and spec is not None and arg in spec.inputs:
                 when = when_text(shown.get(src, graph[src].when))
                 problems.append((s.name, f"inputs.{arg}", f"required input reads stage '{src}', "
                                  f"which its 'when: {when}' disables; change that 'when', or "
                                  f"give stage '{s.name}' the same 'when'"))
     trainers = [s.name for s in graph.stages if s.op in ops and ops[s.op].trains]
-    if trainers and all(t in dropped for t in trainers):
+    if trainers and all(t in gone for t in trainers):
         t = trainers[0]
         problems.append((t, "when", f"'when: {when_text(shown.get(t, graph[t].when))}' disables "
                          f"{'every update stage' if len(trainers) > 1 else 'the only update stage'}"

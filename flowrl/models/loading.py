@@ -204,7 +204,9 @@ def _clear_quantization_flags(model: "PreTrainedModel") -> None:
         quantizer.remove_quantization_config(model)  # drops hf_quantizer, config entry, method
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
-            module.is_quantized = False
+            # an undeclared flag (transformers' own remove_quantization_config sets it so too);
+            # torch annotates Module.__setattr__ Tensor | Module, but it takes any value
+            module.is_quantized = False  # type: ignore[assignment]
             for attr in ("quantization_config", "_is_quantized"):
                 if attr in module.config.__dict__:
                     delattr(module.config, attr)
@@ -218,10 +220,15 @@ def build_tiny(cfg: ModelConfig, dtype: "torch.dtype", auto_cls=None,
     (vocabulary and special ids taken from the bundled tokenizer), seeded by ``cfg.seed`` without
     touching the global RNG, built directly on ``device`` (no host copy of a GPU run's model; the
     random values then come from that device's generator, so a CUDA init differs from a CPU one).
-    ``config_extra`` goes to the config (e.g. ``num_labels=1`` for a reward model)."""
+    ``config_extra`` goes to the config (e.g. ``num_labels=1`` for a reward model).
+
+    Raises:
+        ValueError: ``cfg.tiny`` is None."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if cfg.tiny is None:
+        raise ValueError("build_tiny needs model.tiny (the config of the random-init model)")
     auto_cls = AutoModelForCausalLM if auto_cls is None else auto_cls
     tok = load_tokenizer(cfg)
     tiny = dict(cfg.tiny)
@@ -268,7 +275,9 @@ def load_model(cfg: ModelConfig, device: "torch.device | str" = "cpu") -> "PreTr
                           quantization_config=GgufConfig(dequantize=True))
         model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
         _clear_quantization_flags(model)
-        model = model.to(device)
+        # transformers wraps ``to`` in functools.wraps(nn.Module.to), which mypy reads as an
+        # unbound function (the model is the first argument); it is a bound method
+        model = model.to(device)  # type: ignore[arg-type]
     if cfg.gradient_checkpointing:  # transformers 5 renamed it; 4.x only has the old name
         enable = getattr(model, "activation_checkpointing_enable", None)
         (enable or model.gradient_checkpointing_enable)()

@@ -221,13 +221,28 @@ class LoraEngineMixin:
     whole layers), ``shared`` (nothing: the rollout engine runs this very module).
     """
 
+    # set by the train engine class behind this mixin in the MRO (``LocalTrainEngine.__init__``)
+    model: nn.Module
+    optimizer: Optional[torch.optim.Optimizer]
+    scheduler: Optional[torch.optim.lr_scheduler.LRScheduler]
+    last_timings: dict[str, float]
+
     def __init__(self, model: nn.Module, cfg=None, trainable: bool = True, *,
                  peft_model: Any, sync: str = "changed", **kw: Any) -> None:
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
         self.peft_model = peft_model
         self.sync = sync
-        super().__init__(model, cfg, trainable=trainable, **kw)
+        # cooperative mixin: the next class in the MRO is the train engine ``lora_variant`` puts
+        # behind it, which mypy cannot see (it checks this call against ``object.__init__``)
+        super().__init__(model, cfg, trainable=trainable, **kw)  # type: ignore[call-arg]
+
+    def _optimizer_state(self) -> tuple[torch.optim.Optimizer,
+                                        torch.optim.lr_scheduler.LRScheduler]:
+        if self.optimizer is None or self.scheduler is None:
+            raise RuntimeError("a LoRA actor engine is trainable: it has no optimizer/scheduler "
+                               "(built with trainable=False?)")
+        return self.optimizer, self.scheduler
 
     def disable_adapter(self):
         """Context: forwards of this engine run the base weights (peft ``disable_adapter``)."""
@@ -252,9 +267,10 @@ class LoraEngineMixin:
         tensors (adapters, ``modules_to_save``)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        msd, osd = get_state_dict(self.model, self.optimizer,
+        optimizer, scheduler = self._optimizer_state()
+        msd, osd = get_state_dict(self.model, optimizer,
                                   options=StateDictOptions(ignore_frozen_params=True))
-        return {"model": msd, "optimizer": osd, "scheduler": self.scheduler.state_dict()}
+        return {"model": msd, "optimizer": osd, "scheduler": scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore adapters, optimizer and scheduler (the frozen base comes from the model config).
@@ -263,14 +279,15 @@ class LoraEngineMixin:
             RuntimeError: the checkpoint lacks a trainable tensor of this model."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+        optimizer, scheduler = self._optimizer_state()
         want = {n for n, p in self.model.named_parameters() if p.requires_grad}
         missing = want - set(state["model"])
         if missing:
             raise RuntimeError(f"LoRA checkpoint lacks {sorted(missing)[:3]} ...")
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+        set_state_dict(self.model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"],
                        options=StateDictOptions(strict=False))
-        self.scheduler.load_state_dict(state["scheduler"])
+        scheduler.load_state_dict(state["scheduler"])
 
 
 SYNC_MODES = ("changed", "full", "shared")
@@ -285,8 +302,18 @@ def lora_variant(engine_cls: type) -> type:
 
 
 def _full(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
     t = t.detach()
-    return t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP2 DTensor: all-gather
+    return t.full_tensor() if isinstance(t, DTensor) else t  # FSDP2 DTensor: all-gather
+
+
+def _weight(m: nn.Module) -> Tensor:
+    """``m.weight`` (full), typed: ``nn.Module.__getattr__`` may also answer a submodule."""
+    w = m.weight
+    if not isinstance(w, Tensor):
+        raise TypeError(f"{type(m).__name__}.weight is a {type(w).__name__}, not a tensor")
+    return _full(w)
 
 
 @torch.no_grad()
@@ -312,11 +339,11 @@ def merged_weights(model: nn.Module, adapter: str = "default", *,
     for name, m in model.named_modules():
         if isinstance(m, LoraLayer) and adapter in m.lora_A:
             base = m.get_base_layer()
-            delta = _full(m.lora_B[adapter].weight) @ _full(m.lora_A[adapter].weight)
+            delta = _weight(m.lora_B[adapter]) @ _weight(m.lora_A[adapter])
             delta = delta * m.scaling[adapter]
             if getattr(m, "fan_in_fan_out", False):
                 delta = delta.T
-            w = _full(base.weight)
+            w = _weight(base)
             yield f"{name}.weight", w + delta.to(w.dtype)
         elif isinstance(m, ModulesToSaveWrapper):
             for pname, p in m.modules_to_save[adapter].named_parameters():

@@ -7,7 +7,7 @@ and ops sit under the runtime (DESIGN.md "Layers").
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, overload
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,14 @@ def device_for(group: Any) -> torch.device:
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+@overload
+def all_reduce(value: Tensor, op: str = "sum", group: Any = None) -> Tensor: ...
+
+
+@overload
+def all_reduce(value: float, op: str = "sum", group: Any = None) -> float: ...
+
+
 def all_reduce(value: float | Tensor, op: str = "sum", group: Any = None) -> float | Tensor:
     """All-reduce a Python float or a tensor (returned as a new value; the input is not modified).
 
@@ -45,7 +53,8 @@ def all_reduce(value: float | Tensor, op: str = "sum", group: Any = None) -> flo
     if not is_initialized():
         return value
     is_float = not isinstance(value, Tensor)
-    t = torch.tensor([value], dtype=torch.float64) if is_float else value.detach().clone()
+    t = value.detach().clone() if isinstance(value, Tensor) else \
+        torch.tensor([value], dtype=torch.float64)
     orig = t.device
     if t.device.type == "cpu":
         t = t.to(device_for(group))

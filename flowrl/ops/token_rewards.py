@@ -105,9 +105,9 @@ def token_rewards(ctx: StageContext, cfg: NoConfig, *, rewards, response_mask, o
         if old_logprobs is None or ref_logprobs is None:
             raise ValueError(f"stage '{ctx.stage}': algorithm.kl_in_reward=true needs old_logprobs "
                              f"and ref_logprobs bound")
-        ctrl = ctx.resources.get(RESOURCE)
+        ctrl: FixedKLController | AdaptiveKLController | None = ctx.resources.get(RESOURCE)
         if ctrl is None:  # a direct call, outside an Executor (which creates the op's state)
-            ctrl = ctx.resources[RESOURCE] = KL_STATE.make(ctx.resources)
+            ctrl = ctx.resources[RESOURCE] = make_kl_controller(algo)  # = KL_STATE.make
         beta = ctrl.value
         tr, kl = apply_kl_penalty(tr, old_logprobs, ref_logprobs, mask, beta, kind=algo.kl_type,
                                   clamp=algo.kl_clamp)

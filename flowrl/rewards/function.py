@@ -91,22 +91,22 @@ def _alarm_usable() -> bool:
 def _call(fn: Callable, text: str, fields: dict, meta: dict,
           timeout_s: Optional[float]) -> tuple[str, Any]:
     """Run one call: ``(OK, value)``, ``(ERROR, repr)`` or ``(TIMEOUT, None)``."""
-    armed = bool(timeout_s) and _alarm_usable()
-    old = signal.signal(signal.SIGALRM, _on_alarm) if armed else None
+    delay = float(timeout_s) if timeout_s and _alarm_usable() else None  # None: no alarm
+    old = signal.signal(signal.SIGALRM, _on_alarm) if delay is not None else None
     try:
-        if armed:
-            signal.setitimer(signal.ITIMER_REAL, float(timeout_s))
+        if delay is not None:
+            signal.setitimer(signal.ITIMER_REAL, delay)
         try:
             return OK, fn(text, fields, meta)
         finally:
-            if armed:
+            if delay is not None:
                 signal.setitimer(signal.ITIMER_REAL, 0)
     except _Timeout:
         return TIMEOUT, None
     except Exception as e:
         return ERROR, repr(e)
     finally:
-        if armed:
+        if delay is not None:
             signal.signal(signal.SIGALRM, old)
 
 

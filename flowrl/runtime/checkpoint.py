@@ -32,13 +32,16 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from flowrl.runtime import distributed as fdist
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 log = logging.getLogger(__name__)
 # a one-process run saves and loads DCP checkpoints without a process group on purpose: DCP's
@@ -53,11 +56,13 @@ _SPACE_SLACK_BYTES = 1 << 20
 
 
 def _has_cuda_tensor(tree: Any) -> bool:
+    import torch
+
     if isinstance(tree, dict):
         return any(_has_cuda_tensor(v) for v in tree.values())
     if isinstance(tree, (list, tuple)):
         return any(_has_cuda_tensor(v) for v in tree)
-    return getattr(tree, "is_cuda", False) is True
+    return isinstance(tree, torch.Tensor) and tree.is_cuda
 
 
 def storage_writer(path: Path, tensors: Any, file_per_tensor: Optional[bool] = None):
@@ -77,13 +82,24 @@ def storage_writer(path: Path, tensors: Any, file_per_tensor: Optional[bool] = N
     return FileSystemWriter(str(path), single_file_per_rank=not per_tensor)
 
 
+class _PendingSave(NamedTuple):
+    """An async save in flight: published by :meth:`CheckpointManager.wait` once written."""
+
+    future: Any  # what dcp.async_save returns (a Future; its type varies across torch versions)
+    step: int
+    tmp: Path
+    final: Path
+    meta_json: str
+    needed: int  # bytes the checkpoint needs (for the error message of a failed write)
+
+
 class CheckpointManager:
     """Args: root: checkpoint folder; keep_last: complete checkpoints kept (older ones deleted)."""
 
     def __init__(self, root: str | Path, keep_last: int = 2):
         self.root = Path(root)
         self.keep_last = keep_last
-        self._pending: Optional[tuple[Any, Path, Path, str, int]] = None  # (future, tmp, final, json, bytes)
+        self._pending: Optional[_PendingSave] = None
         self._warned: set[Path] = set()
 
     def save(self, step: int, tensors: dict[str, Any], meta: dict[str, Any], *,
@@ -115,7 +131,7 @@ class CheckpointManager:
             if async_save:
                 fut = dcp.async_save(tensors, checkpoint_id=str(tmp),
                                      process_group=fdist.checkpoint_group())
-                self._pending = (fut, tmp, final, meta_json, needed)
+                self._pending = _PendingSave(fut, step, tmp, final, meta_json, needed)
                 return final
             dcp.save(tensors, storage_writer=storage_writer(tmp, tensors))
             self._finalize(tmp, final, meta_json)
@@ -182,19 +198,18 @@ class CheckpointManager:
         """
         if self._pending is None:
             return None
-        fut, tmp, final, meta_json, needed = self._pending
+        fut, step, tmp, final, meta_json, needed = self._pending
         self._pending = None
         try:
             fut.result()
             self._finalize(tmp, final, meta_json)
         except (Exception, CheckpointException) as e:
-            step = int(_STEP_DIR.match(final.name).group(1))
             raise self._write_error(step, tmp, needed, e) from e
         return final
 
     def poll(self) -> Optional[Path]:
         """Publish the in-flight async save if its write has finished; never blocks."""
-        if self._pending is not None and self._pending[0].done():
+        if self._pending is not None and self._pending.future.done():
             return self.wait()
         return None
 
@@ -263,17 +278,19 @@ class CheckpointManager:
 
     def _choose_resume(self) -> Optional[str]:
         latest, done = self.latest(), self.complete()
-        if latest is None and done:
-            raise CorruptCheckpointError(f"no loadable checkpoint in {self.root}: " + "; ".join(
-                f"{p.name}: {_why_corrupt(p)}" for p in done) + ". Move them away to start fresh.")
-        for p in done if latest is not None else ():
+        if latest is None:
+            if done:
+                raise CorruptCheckpointError(f"no loadable checkpoint in {self.root}: " + "; ".join(
+                    f"{p.name}: {_why_corrupt(p)}" for p in done) + ". Move them away to start fresh.")
+            return None
+        for p in done:
             if p.name > latest.name:
                 why, bad = _why_corrupt(p), p.with_name(p.name + ".corrupt")
                 shutil.rmtree(bad, ignore_errors=True)
                 os.replace(p, bad)
                 log.warning("resume: %s is not loadable (%s); moved to %s, resuming from %s",
                             p, why, bad.name, latest.name)
-        return None if latest is None else str(latest)
+        return str(latest)
 
     def load(self, path: str | Path, tensors: dict[str, Any]) -> dict[str, Any]:
         """Load in place into ``tensors`` (same structure as saved); return the JSON metadata.
@@ -339,7 +356,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
             "to load it (tampered, or not a checkpoint written by flowrl)")
 
 
-def read_metadata(path: str | Path, index_file: str | Path | None = None):
+def read_metadata(path: str | os.PathLike[str],
+                  index_file: str | os.PathLike[str] | None = None) -> Metadata:
     """The DCP index (``Metadata``) of the checkpoint folder ``path`` (or the file
     ``index_file``), read by the restricted unpickler: nothing outside :data:`ALLOWED_GLOBALS` is
     ever constructed or called.
@@ -413,13 +431,15 @@ class WeightsOnlyReader(FileSystemReader):
     load. Tensor payloads and non-tensor values are already read by DCP with
     ``torch.load(weights_only=True)``."""
 
-    def read_metadata(self, *args: Any, **kwargs: Any):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         metadata = read_metadata(self.path, self._get_metadata_path(kwargs.get("rank")))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        # None, or absent from an index an older torch pickled
+        storage: Optional[StorageMeta] = getattr(metadata, "storage_meta", None)
+        if storage is None:
+            storage = metadata.storage_meta = StorageMeta()
+        storage.load_id = self.load_id
         return metadata
 
 
@@ -427,9 +447,10 @@ class WeightsOnlyReader(FileSystemReader):
 def _tensor_bytes(obj: Any) -> int:
     """Bytes of the tensors in a nested dict/list (a DTensor: this rank's shard)."""
     import torch
+    from torch.distributed.tensor import DTensor
 
     if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        local = obj.to_local() if isinstance(obj, DTensor) else obj
         return local.numel() * local.element_size()
     if isinstance(obj, dict):
         return sum(_tensor_bytes(v) for v in obj.values())
@@ -476,9 +497,8 @@ def _human(n: float) -> str:
 
 def _causes(e: BaseException) -> list[BaseException]:
     """The exceptions behind ``e``: each rank's for DCP's CheckpointException, else ``e``."""
-    failures = getattr(e, "failures", None)
-    if isinstance(e, CheckpointException) and failures:
-        return [exc for exc, _ in failures.values()]
+    if isinstance(e, CheckpointException) and e.failures:
+        return [exc for exc, _ in e.failures.values()]
     return [e]
 
 
@@ -488,12 +508,13 @@ def _is_disk_full(e: BaseException) -> bool:
     import errno
 
     seen = 0
-    while e is not None and seen < 10:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+    cur: Optional[BaseException] = e
+    while cur is not None and seen < 10:
+        if isinstance(cur, OSError) and cur.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if "No space left" in str(e) or "unexpected pos" in str(e):
+        if "No space left" in str(cur) or "unexpected pos" in str(cur):
             return True
-        e = e.__cause__ or e.__context__
+        cur = cur.__cause__ or cur.__context__
         seen += 1
     return False
 

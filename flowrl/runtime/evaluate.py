@@ -44,7 +44,7 @@ class EvalScorer:
     score: Score
     lenient: Optional[RewardFn] = None
     answer_format: Optional[Callable[[str], float]] = None
-    check_ground_truth: Optional[Callable[[str], None]] = None
+    check_ground_truth: Optional[Callable[[str], object]] = None  # its return value is unused
 
 
 def rule_eval_scorer(verifier: str = "gsm8k", *, format_score: float = 0.0,
@@ -205,6 +205,12 @@ def greedy_evaluator(cfg: "TrainConfig", plan: "ExecutionPlan", engine: Any, pro
     engine = eval_engine(plan, engine, tokenizer)  # a multi-turn graph evaluates with its tools
 
     def evaluate(samples_path: Optional[Path], on_progress=None) -> dict[str, float]:
+        if scorer is None:  # no correctness reward: pre-flight passed it for limit=0 / no eval
+            if ev.limit == 0:
+                return {}
+            raise ValueError("trainer.eval: the graph has no reward.rule or reward.function "
+                             "stage to score answers against the ground truth; set "
+                             "trainer.eval.limit=0")
         return evaluate_greedy(engine, prompts, tokenizer, scorer, split=ev.split, limit=ev.limit,
                                batch_size=ev.batch_size, max_new_tokens=ev.max_new_tokens,
                                stop_token_ids=cfg.rollout.sampling.stop_token_ids,

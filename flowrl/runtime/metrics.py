@@ -1,16 +1,27 @@
 """Per-step metrics to the console (rich), a JSONL file and TensorBoard (W&B/MLflow when asked)."""
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +84,13 @@ class MetricsLogger:
         self.total_steps = total_steps
         # soft wrap: a line is never cut at the console width (80 columns when stdout is a file)
         self.console = Console(stderr=False, soft_wrap=True)
-        self._jsonl = self._tb = self._wandb = self._mlflow = None
+        self._jsonl: Optional[io.BufferedRandom] = None
+        self._tb: Optional[SummaryWriter] = None
+        self._wandb: Any = None  # a wandb run (wandb ships no types)
+        self._mlflow: Any = None  # an mlflow ActiveRun (mlflow ships no types)
         self._last: Optional[tuple[int, dict, int]] = None  # (step, row, file offset) of the last row
         self._progress: Optional[Progress] = None
-        self._task = None
+        self._task: Optional[TaskID] = None
         self._train_t0: Optional[float] = None
         self._train_first = 0  # steps already done when this run's training began
         if not enabled:
@@ -151,7 +165,7 @@ class MetricsLogger:
             return
         clean = {k: float(v) for k, v in metrics.items()}
         if self._jsonl:
-            self._write_row(step, {k: (v if math.isfinite(v) else None) for k, v in clean.items()})
+            self._write_row(self._jsonl, step, {k: (v if math.isfinite(v) else None) for k, v in clean.items()})
         if self._tb:
             for k, v in clean.items():
                 self._tb.add_scalar(k, v, step)
@@ -174,8 +188,7 @@ class MetricsLogger:
                     f"reward {clean.get('reward/mean', float('nan')):.3f}  "
                     f"step {clean['perf/step_s']:.1f}s  eta {_clock(eta)}"))
 
-    def _write_row(self, step: int, row: dict[str, Any]) -> None:
-        f = self._jsonl
+    def _write_row(self, f: io.BufferedRandom, step: int, row: dict[str, Any]) -> None:
         if self._last is not None and self._last[0] == step:  # same step: rewrite the last row
             row = {**self._last[1], **row}
             offset = self._last[2]
@@ -244,7 +257,7 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _open_jsonl(path: Path, first_step: int):
+def _open_jsonl(path: Path, first_step: int) -> io.BufferedRandom:
     """``metrics.jsonl`` opened for :class:`MetricsLogger`: rows of steps before ``first_step``
     kept (all dropped when ``first_step`` is 1: the eval at step 0 is redone too), one row per
     step (earlier files could hold several), rewritten atomically."""

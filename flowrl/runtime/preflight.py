@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
+    from omegaconf import DictKeyType
+
     from flowrl.compiler.placement import PlacementPlan
     from flowrl.compiler.plan import ExecutionPlan
     from flowrl.config import TrainConfig
@@ -37,13 +39,10 @@ def check_run(cfg: "TrainConfig", raw: Any) -> "ExecutionPlan":
         ValueError / GraphError / FileNotFoundError / PlacementError: naming the field, stage,
             file or row (the entry wraps them in :class:`ConfigError`).
     """
-    from omegaconf import DictConfig, OmegaConf
-
     from flowrl.compiler.plan import compile_plan
     from flowrl.graph.validate import load_graph
 
-    node = raw if isinstance(raw, DictConfig) else OmegaConf.create(raw)
-    plan = compile_plan(load_graph(cfg.graph.resolve()), OmegaConf.to_container(node, resolve=True),
+    plan = compile_plan(load_graph(cfg.graph.resolve()), _resolved_tree(raw),
                         placement=cfg.placement.mode)
     _check_estimators(plan, cfg)
     if "reward_model" in plan.roles and cfg.reward.model.model is None:
@@ -69,14 +68,26 @@ def check_run(cfg: "TrainConfig", raw: Any) -> "ExecutionPlan":
 _PREFLIGHTED: dict[str, tuple] = {}
 
 
+def _resolved_tree(raw: Any) -> "dict[DictKeyType, Any]":
+    """``raw`` (the composed run config: a DictConfig or a dict) as plain dicts and lists, every
+    interpolation resolved.
+
+    Raises:
+        omegaconf errors: an interpolation that does not resolve."""
+    from omegaconf import DictConfig, OmegaConf
+
+    tree = OmegaConf.to_container(raw if isinstance(raw, DictConfig) else OmegaConf.create(raw),
+                                  resolve=True)
+    if not isinstance(tree, dict):  # a run config is a mapping at the top
+        raise TypeError(f"the run config must be a mapping, got {type(tree).__name__}")
+    return tree
+
+
 def _config_key(raw: Any) -> Optional[str]:
     """The resolved run config as stable text (``hydra`` left out); None when it does not
     resolve (``${hydra:...}`` outside a Hydra app)."""
-    from omegaconf import DictConfig, OmegaConf
-
     try:
-        tree = OmegaConf.to_container(raw if isinstance(raw, DictConfig) else OmegaConf.create(raw),
-                                      resolve=True)
+        tree = _resolved_tree(raw)
     except Exception:  # an unresolvable interpolation: nothing to share
         return None
     tree.pop("hydra", None)
@@ -196,6 +207,7 @@ def check_run_inputs(cfg, plan) -> None:
                          "score answers against the ground truth; set trainer.eval.limit=0")
     sources = [(False, data.split, data.limit)] + ([(True, ev.split, ev.limit)] if evaluates else [])
     check = scorer.check_ground_truth if scorer is not None and data.ground_truth_key else None
+    scorer_name = scorer.name if scorer is not None else ""
     for for_eval, split, limit in sources:
         records = load_records(data, split, limit, for_eval=for_eval)
         if check is None:
@@ -210,4 +222,4 @@ def check_run_inputs(cfg, plan) -> None:
                     extra_keys=tuple(data.extra_keys),
                     split_field="trainer.eval.split" if for_eval else "data.split")[1][i]
                 raise DataError(f"{where}: field {data.ground_truth_key!r}: {e} (the graph's "
-                                f"{scorer.name})") from None
+                                f"{scorer_name})") from None

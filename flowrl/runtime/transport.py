@@ -150,7 +150,8 @@ def _buckets(meta: list[tuple[str, torch.dtype, tuple]], bucket_bytes: int) -> l
     for i, (_, dtype, _) in enumerate(meta):
         by_dtype.setdefault(dtype, []).append(i)
     for idx in by_dtype.values():
-        cur, size = [], 0
+        cur: list[int] = []
+        size = 0
         for i in idx:
             _, dtype, shape = meta[i]
             nb = torch.Size(shape).numel() * dtype.itemsize

@@ -84,3 +84,21 @@ def test_unsupported_placement():
     with pytest.raises(ValueError, match="placement.mode must be"):
         compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": 0, "recompute_old_logprobs": True}},
                      placement="spread")
+
+
+@pytest.mark.parametrize("wrap", ["dict", "dictconfig", "dataclass"])
+def test_recipe_notes_name_each_algorithm_setting_the_run_overrides(wrap):
+    from dataclasses import make_dataclass
+
+    from omegaconf import OmegaConf
+
+    from flowrl.compiler.plan import recipe_notes
+
+    g = Graph.load(GRPO)
+    g.algorithm = {"kl_coef": 0.1, "n": 4}
+    algo = {"kl_coef": 0.0, "n": 4}
+    run = {"dict": lambda: {"algorithm": algo},
+           "dictconfig": lambda: OmegaConf.create({"algorithm": algo}),
+           "dataclass": lambda: {"algorithm": make_dataclass("A", ["kl_coef", "n"])(**algo)}}[wrap]()
+    notes = recipe_notes(g, run)
+    assert len(notes) == 1 and "algorithm.kl_coef: 0.1, this run uses 0.0" in notes[0]

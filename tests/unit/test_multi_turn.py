@@ -231,7 +231,7 @@ def test_calculator_is_arithmetic_only():
     for bad, why in [("__import__('os').system('true')", "Call"), ("x + 1", "Name"),
                      ("2 ** 100", "exponent"), ("1 / 0", "division by zero"),
                      ("[1, 2]", "List"), ("9" * 201, "longer"), ("10.0 ** 40", "out of range"),
-                     ("1 +", "not an arithmetic")]:
+                     ("1 +", "not an arithmetic"), ("True + 1", "Constant"), ("1j", "Constant")]:
         with pytest.raises(CalculatorError, match=why):
             calculator(bad)
 
@@ -359,6 +359,12 @@ class EchoGymEnv:
     def step(self, action):
         self.t += 1
         return f"heard {self.t}", float(self.t), "stop" in action, self.t >= 3, {}
+
+
+@pytest.mark.parametrize("kw", [{}, {"env_id": "CartPole-v1", "entry": f"{__name__}:X"}])
+def test_gymnasium_adapter_needs_exactly_one_of_env_id_and_entry(kw):
+    with pytest.raises(ValueError, match="exactly one of env_params.env_id"):
+        GymnasiumEnvironment(**kw)
 
 
 def test_gymnasium_adapter_duck_typed():
