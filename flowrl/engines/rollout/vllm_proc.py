@@ -154,8 +154,12 @@ def _serve(conn, exported: PolicyExport, cfg: VLLMRolloutConfig, env: dict[str, 
                         ended[0] = conn.recv()[0] == "end"
                     # drop every tensor rebuilt from the parent's handles now: the parent can free
                     # its exported copies only once these references are gone
+                    t_gc = time.perf_counter()
                     gc.collect()
+                    gc_s = time.perf_counter() - t_gc
                 reply = engine.last_load_counts
+                conn.send(("ok", reply, {**engine.last_timings, "engine_gc_s": gc_s}))
+                continue
             elif op == "sleep":
                 engine.sleep(msg[1])
                 reply = None
@@ -385,16 +389,22 @@ class VLLMProcessEngine:
         finally:
             sent_cuda = any(t.is_cuda for b in kept for _, t in b)
             kept.clear()
+            t_ipc = time.perf_counter()
             if sent_cuda:
                 # torch keeps every CUDA block it exported over IPC in a "limbo" until it sees the
                 # consumers' reference counts drop to 0, and only looks when asked: without this,
                 # each weight load left its gathered copies allocated (the GSM8K run on the H200
                 # grew peak device memory by ~2 x the weight bytes per step, 21 -> 75 GiB in 100)
                 torch.cuda.ipc_collect()
+            ipc_s = time.perf_counter() - t_ipc
         if bad is not None:
             raise bad
-        self.last_timings = {**_slowest(t for _, t in replies),
-                             "load_weights_s": time.perf_counter() - t0}
+        # per key the slowest engine (its vLLM reload: engine_load_weights_s; its gc after the
+        # load: engine_gc_s), the parent's IPC release, and the whole call's wall time
+        engine_t = _slowest(t for _, t in replies)
+        self.last_timings = {**{f"engine_{k}" if not k.startswith("engine_") else k: v
+                                for k, v in engine_t.items()},
+                             "ipc_collect_s": ipc_s, "load_weights_s": time.perf_counter() - t0}
         self.last_load_counts = counts
 
     def _send_bucket(self, bucket: list[tuple[str, Tensor]], kept: list) -> None:

@@ -1,0 +1,161 @@
+"""Where the time of a weight sync into vLLM engine processes goes, and what the engines' garbage
+collection after each load buys.
+
+A colocated GPU run with ``rollout=vllm`` loads the actor's weights into every engine process
+after each update (``VLLMProcessEngine.load_weights``: CUDA IPC handles in buckets, vLLM's
+in-place ``reload_weights`` in each engine, then ``gc.collect()`` in the engine and
+``torch.cuda.ipc_collect()`` in the parent, so the parent's exported copies are freed). This
+times ``--loads`` loads of the same model per variant of the engine-side collection and tracks the
+parent's device memory across them (a leak of the exported copies shows as growth per load):
+
+- ``full``: ``gc.collect()`` (the shipped code);
+- ``young``: ``gc.collect(1)`` (generations 0 and 1: objects made since the last full pass);
+- ``none``: no collection in the engine (references are left to reference counting).
+
+Run (GPU machine, vLLM installed)::
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/weight_sync.py --variants full,young,none
+
+Writes ``benchmarks/results/weight_sync_h200.md`` (``--out``).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks._common import (  # noqa: E402
+    command_line,
+    git_revision,
+    machine_info,
+    markdown_table,
+    text_table,
+    utc_now,
+    versions,
+)
+
+# Qwen2.5-0.5B's shape with the SmolLM2 vocabulary (benchmarks/e2e_vs_trl.py's qwen05b)
+QWEN05B = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+               num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True)
+
+
+class _Collect:
+    """Stands in for the ``gc`` module inside ``vllm_proc`` in an engine process."""
+
+    def __init__(self, variant: str) -> None:
+        self.variant = variant
+
+    def collect(self, generation: int = 2) -> int:
+        if self.variant == "none":
+            return 0
+        return gc.collect(1 if self.variant == "young" else generation)
+
+
+def serve_variant(conn, exported, cfg, env, variant: str = "full") -> None:
+    """``vllm_proc._serve`` with the engine's post-load collection replaced by ``variant``."""
+    import flowrl.engines.rollout.vllm_proc as vp
+
+    if variant != "full":
+        vp.gc = _Collect(variant)  # type: ignore[assignment]
+    vp._serve(conn, exported, cfg, env)
+
+
+def run_variant(variant: str, procs: int, loads: int) -> list[dict[str, float]]:
+    import torch
+
+    import flowrl.engines.rollout.vllm_proc as vp
+    from flowrl.engines.rollout.vllm import VLLMRolloutConfig
+    from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
+
+    mcfg = ModelConfig(tiny=dict(QWEN05B), dtype="bfloat16")
+    tok = load_tokenizer(mcfg)
+    model = load_model(mcfg).cuda()
+    real = vp._serve
+    vp._serve = functools.partial(serve_variant, variant=variant)  # the engines' process target
+    try:
+        eng = vp.VLLMProcessEngine(model, tok, VLLMRolloutConfig(
+            engine_procs=procs, kv_cache_memory_gb=2.0, max_model_len=512,
+            gpu_memory_utilization=0.3, enforce_eager=True), procs=procs)
+    finally:
+        vp._serve = real
+    rows = []
+    try:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        for i in range(loads):
+            with torch.no_grad():  # a new version each time, as after an update
+                for p in model.parameters():
+                    p.add_(1e-3)
+            t0 = time.perf_counter()
+            eng.load_weights((n, p.detach()) for n, p in model.named_parameters())
+            wall = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            t = eng.last_timings
+            rows.append({"load": i + 1, "wall_s": wall,
+                         "engine_reload_s": t.get("engine_load_weights_s", float("nan")),
+                         "engine_gc_s": t.get("engine_gc_s", float("nan")),
+                         "ipc_collect_s": t.get("ipc_collect_s", float("nan")),
+                         "parent_extra_gib": (torch.cuda.memory_allocated() - base) / 2**30,
+                         "device_used_gib": (torch.cuda.mem_get_info()[1]
+                                             - torch.cuda.mem_get_info()[0]) / 2**30})
+    finally:
+        eng.close()
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _median(rows: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", default="full,young,none")
+    ap.add_argument("--procs", type=int, default=4, help="engine processes (the e2e run's 4)")
+    ap.add_argument("--loads", type=int, default=6)
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/weight_sync_h200.md")
+    args = ap.parse_args()
+    import torch
+
+    headers = ["variant", "loads timed", "load wall s", "engine reload s", "engine gc s",
+               "parent ipc_collect s", "parent extra GiB after first / last load",
+               "device used GiB first / last"]
+    table, detail = [], []
+    for v in args.variants.split(","):
+        rows = run_variant(v, args.procs, args.loads)
+        timed = rows[1:] or rows  # the first load warms vLLM's reload path
+        med = functools.partial(_median, timed)
+        table.append([v, len(timed), f"{med('wall_s'):.3f}", f"{med('engine_reload_s'):.3f}",
+                      f"{med('engine_gc_s'):.3f}", f"{med('ipc_collect_s'):.3f}",
+                      f"{rows[0]['parent_extra_gib']:.2f} / {rows[-1]['parent_extra_gib']:.2f}",
+                      f"{rows[0]['device_used_gib']:.1f} / {rows[-1]['device_used_gib']:.1f}"])
+        detail += [[v, r["load"], f"{r['wall_s']:.3f}", f"{r['engine_reload_s']:.3f}",
+                    f"{r['engine_gc_s']:.3f}", f"{r['ipc_collect_s']:.3f}",
+                    f"{r['parent_extra_gib']:.2f}", f"{r['device_used_gib']:.1f}"] for r in rows]
+    print(text_table(headers, table))
+    mach = machine_info()
+    gpu = torch.cuda.get_device_name()
+    md = [f"# Weight sync into {args.procs} vLLM engine processes (Qwen2.5-0.5B shape, bf16)", "",
+          "Produced by `benchmarks/weight_sync.py` (see its docstring for the variants).", "",
+          f"- command: `{command_line()}`",
+          f"- date: {utc_now()}; flowrl commit {git_revision()}",
+          f"- machine: {gpu}; {mach['cpu']}, {mach['logical_cpus']} logical CPUs, {mach['memory']}",
+          f"- versions: {', '.join(f'{k} {v}' for k, v in versions(['torch', 'vllm']).items())}",
+          "", "Medians over the loads after the first (its reload warms vLLM's path):", "",
+          markdown_table(headers, table), "", "Every load:", "",
+          markdown_table(["variant", "load", "wall s", "engine reload s", "engine gc s",
+                          "ipc_collect s", "parent extra GiB", "device used GiB"], detail), ""]
+    args.out.write_text("\n".join(md))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
