@@ -6,7 +6,10 @@ after each update (``VLLMProcessEngine.load_weights``: CUDA IPC handles in bucke
 in-place ``reload_weights`` in each engine, then ``gc.collect()`` in the engine and
 ``torch.cuda.ipc_collect()`` in the parent, so the parent's exported copies are freed). This
 times ``--loads`` loads of the same model per variant of the engine-side collection and tracks the
-parent's device memory across them (a leak of the exported copies shows as growth per load):
+parent's device memory across them (a leak of the exported copies shows as growth per load).
+``--source copy`` (the default) sends fresh tensors each load and drops them after it, as an FSDP
+actor's bucketed gather does (then ``ipc_collect`` has exported blocks to release);
+``--source params`` sends the model's own parameters (nothing is freed after the load):
 
 - ``full``: ``gc.collect()`` (the shipped code);
 - ``young``: ``gc.collect(1)`` (generations 0 and 1: objects made since the last full pass);
@@ -67,7 +70,7 @@ def serve_variant(conn, exported, cfg, env, variant: str = "full") -> None:
     vp._serve(conn, exported, cfg, env)
 
 
-def run_variant(variant: str, procs: int, loads: int) -> list[dict[str, float]]:
+def run_variant(variant: str, procs: int, loads: int, source: str) -> list[dict[str, float]]:
     import torch
 
     import flowrl.engines.rollout.vllm_proc as vp
@@ -94,7 +97,10 @@ def run_variant(variant: str, procs: int, loads: int) -> list[dict[str, float]]:
                 for p in model.parameters():
                     p.add_(1e-3)
             t0 = time.perf_counter()
-            eng.load_weights((n, p.detach()) for n, p in model.named_parameters())
+            if source == "copy":  # fresh full tensors, dropped after the load (a gather's)
+                eng.load_weights((n, p.detach().clone()) for n, p in model.named_parameters())
+            else:
+                eng.load_weights((n, p.detach()) for n, p in model.named_parameters())
             wall = time.perf_counter() - t0
             torch.cuda.synchronize()
             t = eng.last_timings
@@ -121,6 +127,7 @@ def main() -> None:
     ap.add_argument("--variants", default="full,young,none")
     ap.add_argument("--procs", type=int, default=4, help="engine processes (the e2e run's 4)")
     ap.add_argument("--loads", type=int, default=6)
+    ap.add_argument("--source", choices=("copy", "params"), default="copy")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/weight_sync_h200.md")
     args = ap.parse_args()
     import torch
@@ -130,7 +137,7 @@ def main() -> None:
                "device used GiB first / last"]
     table, detail = [], []
     for v in args.variants.split(","):
-        rows = run_variant(v, args.procs, args.loads)
+        rows = run_variant(v, args.procs, args.loads, args.source)
         timed = rows[1:] or rows  # the first load warms vLLM's reload path
         med = functools.partial(_median, timed)
         table.append([v, len(timed), f"{med('wall_s'):.3f}", f"{med('engine_reload_s'):.3f}",
@@ -149,7 +156,8 @@ def main() -> None:
           f"- date: {utc_now()}; flowrl commit {git_revision()}",
           f"- machine: {gpu}; {mach['cpu']}, {mach['logical_cpus']} logical CPUs, {mach['memory']}",
           f"- versions: {', '.join(f'{k} {v}' for k, v in versions(['torch', 'vllm']).items())}",
-          "", "Medians over the loads after the first (its reload warms vLLM's path):", "",
+          f"- source: `{args.source}`", "",
+          "Medians over the loads after the first (its reload warms vLLM's path):", "",
           markdown_table(headers, table), "", "Every load:", "",
           markdown_table(["variant", "load", "wall s", "engine reload s", "engine gc s",
                           "ipc_collect s", "parent extra GiB", "device used GiB"], detail), ""]

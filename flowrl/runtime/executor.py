@@ -182,12 +182,20 @@ class Executor:
             self._offload(r, keep_weights=ROLES[role].weights_from == r)
         self._onload(role)
 
-    def _sync(self, src_role: str, dst_role: str) -> float:
-        """Load ``src_role``'s weights into ``dst_role``'s engine; returns the bytes gathered
-        (an FSDP or LoRA source records them, 0 otherwise)."""
+    def _sync(self, src_role: str, dst_role: str) -> dict[str, float]:
+        """Load ``src_role``'s weights into ``dst_role``'s engine; returns its metrics: the bytes
+        gathered (``perf/weight_sync_bytes``; an FSDP or LoRA source records them, else 0) and
+        the parts of the load its engines timed (``perf/weight_sync/<part>``: e.g. the source's
+        ``gather_s``, vLLM engine processes' ``engine_load_weights_s`` and ``ipc_collect_s``)."""
         src = self.engines.weight_source(src_role)
-        self.engines.weight_sink(dst_role).load_weights(src.named_weights())
-        return float(src.last_timings.get("gather_bytes", 0.0))
+        sink = self.engines.weight_sink(dst_role)
+        sink.load_weights(src.named_weights())
+        # the sink's last call is this load; the source's other timings are of earlier calls
+        parts = {k: v for k, v in sink.last_timings.items() if k.endswith("_s")}
+        if "gather_s" in src.last_timings:
+            parts["gather_s"] = src.last_timings["gather_s"]
+        return {"perf/weight_sync_bytes": float(src.last_timings.get("gather_bytes", 0.0)),
+                **{f"perf/weight_sync/{k}": float(v) for k, v in parts.items()}}
 
     # ---- one step ------------------------------------------------------------------------------
     def run_step(self, step: int, received: Mapping[str, Any] | None = None,
@@ -222,7 +230,7 @@ class Executor:
             elif a.kind == "sync":
                 src_role = _field(a, self.plan.graph[_field(a, a.stage)].role)
                 # FSDP/LoRA sources: the bytes gathered
-                metrics["perf/weight_sync_bytes"] = self._sync(src_role, _field(a, a.role))
+                metrics.update(self._sync(src_role, _field(a, a.role)))
                 sync_s += time.perf_counter() - t0
             elif (stage := _field(a, a.stage)) in self.plan.refill:
                 from flowrl.runtime.refill import run_refill  # re-runs its upstream stages

@@ -48,3 +48,36 @@ def test_keep_weights_only_when_rollout_shares_the_module(shared, kept):
     ex = Executor(plan, Engines(actor=actor, rollout=FakeRollout(shared)), {})
     ex.ensure_resident("rollout")  # the swap before a rollout: actor offloaded
     assert actor.calls == [("offload", kept)]
+
+
+class TimedSource(FakeTrain):
+    def __init__(self):
+        super().__init__()
+        # an earlier offload's time must not be reported as part of the sync
+        self.last_timings = {"offload_s": 9.0}
+
+    def named_weights(self):
+        yield "w", torch.ones(2)
+        self.last_timings = {"gather_s": 0.25, "gather_bytes": 8.0}
+
+
+class TimedSink(FakeRollout):
+    def __init__(self):
+        super().__init__(shared=False)
+        self.loaded = []
+
+    def load_weights(self, named_tensors):
+        self.loaded = [n for n, _ in named_tensors]
+        self.last_timings = {"engine_load_weights_s": 0.5, "ipc_collect_s": 0.125,
+                             "load_weights_s": 0.75}
+
+
+def test_sync_reports_the_bytes_and_the_parts_of_the_load():
+    plan = compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": 0.0}})
+    src, sink = TimedSource(), TimedSink()
+    ex = Executor(plan, Engines(actor=src, rollout=sink), {})
+    assert ex._sync("actor", "rollout") == {
+        "perf/weight_sync_bytes": 8.0, "perf/weight_sync/gather_s": 0.25,
+        "perf/weight_sync/engine_load_weights_s": 0.5, "perf/weight_sync/ipc_collect_s": 0.125,
+        "perf/weight_sync/load_weights_s": 0.75}
+    assert sink.loaded == ["w"]
