@@ -73,7 +73,8 @@ class TimedSink(FakeRollout):
 
 
 def test_sync_reports_the_bytes_and_the_parts_of_the_load():
-    plan = compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": 0.0}})
+    plan = compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": 0.0,
+                                                         "recompute_old_logprobs": True}})
     src, sink = TimedSource(), TimedSink()
     ex = Executor(plan, Engines(actor=src, rollout=sink), {})
     assert ex._sync("actor", "rollout") == {
