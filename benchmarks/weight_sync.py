@@ -1,23 +1,23 @@
-"""Where the time of a weight sync into vLLM engine processes goes, and what the engines' garbage
-collection after each load buys.
+"""Where the time of a weight sync into vLLM engine processes goes, whether the parent's exported
+copies are freed after it, and what a garbage collection in the engines after each load changes.
 
 A colocated GPU run with ``rollout=vllm`` loads the actor's weights into every engine process
 after each update (``VLLMProcessEngine.load_weights``: CUDA IPC handles in buckets, vLLM's
-in-place ``reload_weights`` in each engine, then ``gc.collect()`` in the engine and
-``torch.cuda.ipc_collect()`` in the parent, so the parent's exported copies are freed). This
-times ``--loads`` loads of the same model per variant of the engine-side collection and tracks the
-parent's device memory across them (a leak of the exported copies shows as growth per load).
+in-place ``reload_weights`` in each engine, then ``torch.cuda.ipc_collect()`` in the parent, which
+frees the exported blocks the engines no longer reference). This times ``--loads`` loads of the
+same model per variant and tracks the parent's device memory across them (exported copies that
+are never freed show as growth per load).
 ``--source copy`` (the default) sends fresh tensors each load and drops them after it, as an FSDP
 actor's bucketed gather does (then ``ipc_collect`` has exported blocks to release);
 ``--source params`` sends the model's own parameters (nothing is freed after the load):
 
-- ``full``: ``gc.collect()`` (the shipped code);
-- ``young``: ``gc.collect(1)`` (generations 0 and 1: objects made since the last full pass);
-- ``none``: no collection in the engine (references are left to reference counting).
+- ``none``: the shipped code (references are left to reference counting);
+- ``full``: ``gc.collect()`` in each engine after each load (the code from e1c7d4b to 6a3da43);
+- ``young``: ``gc.collect(1)`` there (generations 0 and 1 only).
 
 Run (GPU machine, vLLM installed)::
 
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/weight_sync.py --variants full,young,none
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/weight_sync.py --variants none,full
 
 Writes ``benchmarks/results/weight_sync_h200.md`` (``--out``).
 """
@@ -49,24 +49,23 @@ QWEN05B = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_at
                num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True)
 
 
-class _Collect:
-    """Stands in for the ``gc`` module inside ``vllm_proc`` in an engine process."""
-
-    def __init__(self, variant: str) -> None:
-        self.variant = variant
-
-    def collect(self, generation: int = 2) -> int:
-        if self.variant == "none":
-            return 0
-        return gc.collect(1 if self.variant == "young" else generation)
-
-
-def serve_variant(conn, exported, cfg, env, variant: str = "full") -> None:
-    """``vllm_proc._serve`` with the engine's post-load collection replaced by ``variant``."""
+def serve_variant(conn, exported, cfg, env, variant: str = "none") -> None:
+    """``vllm_proc._serve`` with a timed collection after each load for ``full``/``young``
+    (reported as the engine's ``collect_s``)."""
     import flowrl.engines.rollout.vllm_proc as vp
 
-    if variant != "full":
-        vp.gc = _Collect(variant)  # type: ignore[assignment]
+    if variant != "none":
+        from flowrl.engines.rollout.vllm import VLLMRolloutEngine
+
+        load = VLLMRolloutEngine.load_weights
+
+        def load_then_collect(self, named_tensors):
+            load(self, named_tensors)
+            t0 = time.perf_counter()
+            gc.collect(1 if variant == "young" else 2)
+            self.last_timings["collect_s"] = time.perf_counter() - t0
+
+        VLLMRolloutEngine.load_weights = load_then_collect  # type: ignore[method-assign]
     vp._serve(conn, exported, cfg, env)
 
 
@@ -106,7 +105,7 @@ def run_variant(variant: str, procs: int, loads: int, source: str) -> list[dict[
             t = eng.last_timings
             rows.append({"load": i + 1, "wall_s": wall,
                          "engine_reload_s": t.get("engine_load_weights_s", float("nan")),
-                         "engine_gc_s": t.get("engine_gc_s", float("nan")),
+                         "engine_gc_s": t.get("engine_collect_s", 0.0),
                          "ipc_collect_s": t.get("ipc_collect_s", float("nan")),
                          "parent_extra_gib": (torch.cuda.memory_allocated() - base) / 2**30,
                          "device_used_gib": (torch.cuda.mem_get_info()[1]
@@ -124,7 +123,7 @@ def _median(rows: list[dict[str, float]], key: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", default="full,young,none")
+    ap.add_argument("--variants", default="none,full")
     ap.add_argument("--procs", type=int, default=4, help="engine processes (the e2e run's 4)")
     ap.add_argument("--loads", type=int, default=6)
     ap.add_argument("--source", choices=("copy", "params"), default="copy")

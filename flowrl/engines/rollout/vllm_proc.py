@@ -23,7 +23,6 @@ export, so sampling, logprob, sleep and load semantics are that engine's, per ch
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import os
 import shutil
@@ -152,14 +151,10 @@ def _serve(conn, exported: PolicyExport, cfg: VLLMRolloutConfig, env: dict[str, 
                 finally:
                     while not ended[0]:  # an error mid-load: read up to "end", stay in step
                         ended[0] = conn.recv()[0] == "end"
-                    # drop every tensor rebuilt from the parent's handles now: the parent can free
-                    # its exported copies only once these references are gone
-                    t_gc = time.perf_counter()
-                    gc.collect()
-                    gc_s = time.perf_counter() - t_gc
+                # no gc.collect() here: it cost 0.59 s per load in a training run's engine and
+                # released nothing the parent's ipc_collect could then free
+                # (benchmarks/results/weight_sync_h200.md)
                 reply = engine.last_load_counts
-                conn.send(("ok", reply, {**engine.last_timings, "engine_gc_s": gc_s}))
-                continue
             elif op == "sleep":
                 engine.sleep(msg[1])
                 reply = None
@@ -392,18 +387,18 @@ class VLLMProcessEngine:
             t_ipc = time.perf_counter()
             if sent_cuda:
                 # torch keeps every CUDA block it exported over IPC in a "limbo" until it sees the
-                # consumers' reference counts drop to 0, and only looks when asked: without this,
-                # each weight load left its gathered copies allocated (the GSM8K run on the H200
-                # grew peak device memory by ~2 x the weight bytes per step, 21 -> 75 GiB in 100)
+                # consumers' reference counts drop to 0, and only looks when asked. Measured on the
+                # H200 (benchmarks/results/weight_sync_h200.md): the engines still count fresh
+                # exported copies after the load, so these stay allocated, one copy of the
+                # weights per load, with or without a gc.collect() in the engines: open
                 torch.cuda.ipc_collect()
             ipc_s = time.perf_counter() - t_ipc
         if bad is not None:
             raise bad
-        # per key the slowest engine (its vLLM reload: engine_load_weights_s; its gc after the
-        # load: engine_gc_s), the parent's IPC release, and the whole call's wall time
+        # per key the slowest engine (its vLLM reload: engine_load_weights_s), the parent's IPC
+        # release, and the whole call's wall time
         engine_t = _slowest(t for _, t in replies)
-        self.last_timings = {**{f"engine_{k}" if not k.startswith("engine_") else k: v
-                                for k, v in engine_t.items()},
+        self.last_timings = {**{f"engine_{k}": v for k, v in engine_t.items()},
                              "ipc_collect_s": ipc_s, "load_weights_s": time.perf_counter() - t0}
         self.last_load_counts = counts
 
