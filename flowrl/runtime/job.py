@@ -447,11 +447,17 @@ class _Job:
 
         t0 = time.perf_counter()
         last = step == self.cfg.trainer.total_steps
-        meta = {"prompts": self.place.prompt_state(self.prompts), "history": self.history,
+        # global rank 0 writes the metadata, but the sampler state and the history are the
+        # logging rank's (a partitioned train pool's rank 0, which need not be global rank 0);
+        # op states: every rank's (a pool holds its own ops'), the lowest rank's of each key
+        ranks = fdist.all_gather_objects({
+            "logs": self.place.logs, "prompts": self.place.prompt_state(self.prompts),
+            "history": self.history, "op_state": self.executor.op_state_dict()})
+        logger = next(r for r in ranks if r["logs"])
+        meta = {"prompts": logger["prompts"], "history": logger["history"],
                 "world_size": self.dinfo.world_size, "placement": self.place.name,
                 "model": dataclasses.asdict(self.cfg.model),
-                # every rank's op states (a pool holds its own ops'), the lowest rank's of each key
-                OP_STATE_KEY: merge_op_states(fdist.all_gather_objects(self.executor.op_state_dict()))}
+                OP_STATE_KEY: merge_op_states([r["op_state"] for r in ranks])}
         tensors = self.engines.train_state() if self.place.holds_state else {}
         self.ckpts.save(step, tensors, meta, async_save=self.cfg.trainer.async_save and not last)
         # async: only the copy to host memory blocked the step

@@ -128,3 +128,18 @@ def test_in_reward_kl_coefficient_is_the_same_on_every_rank(tmp_path):
     # the global batch: 6 sequences, mean KL (1.5 + .75) / 6 = .375 → e = .375 / .4 − 1, K = 6 / 10
     expected = 0.1 * (1 + (0.375 / 0.4 - 1) * 6 / 10)
     assert betas == [pytest.approx(expected, rel=1e-6)] * 2
+
+
+def test_partitioned_resume_when_rank_0_rolls_out(tmp_path):
+    """Train pool [1], rollout pool [0]: global rank 0 writes the checkpoint metadata, but the
+    prompt sampler state and the history are the train pool's (its logging rank's); before they
+    were gathered from it, rank 0 wrote its own (none, empty) and the resume failed."""
+    common = ["placement=partitioned", "placement.pools.train=[1]", "placement.pools.rollout=[0]",
+              "trainer.save_every=1"]
+    torchrun(tmp_path, *common, "trainer.total_steps=2")
+    meta = json.loads((tmp_path / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert meta["prompts"] is not None and [h["step"] for h in meta["history"]] == [1, 2]
+    torchrun(tmp_path, *common, "trainer.total_steps=3", "trainer.resume=true")
+    assert sorted(read_metrics(tmp_path)) == [1, 2, 3]
+    meta = json.loads((tmp_path / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
+    assert [h["step"] for h in meta["history"]] == [1, 2, 3]
