@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -109,8 +110,18 @@ def graph_main(argv: list[str]) -> int:
     return status
 
 
+def cwd_importable() -> None:
+    """Put the working directory first on ``sys.path``, as ``python -m`` does: the reward
+    functions, tools and ops of a run are importable from where ``flowrl`` runs (the console
+    script's own ``sys.path[0]`` is its bin directory). Spawned workers inherit the path."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    cwd_importable()
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0

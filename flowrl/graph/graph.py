@@ -20,6 +20,9 @@ YAML form (``graphs/*.yaml``)::
       to: rollout
       staleness: 0
 
+``imports`` (optional) lists Python modules imported before the stages are checked: where a graph's
+own ops are declared with ``@register_op`` (importable from where flowrl runs, e.g. ``my_ops`` for
+``./my_ops.py``), so ``graph validate``, ``plan`` and ``train`` all know them.
 ``algorithm`` holds the values of the run's ``algorithm`` section (``AlgorithmConfig`` fields)
 that differ from their defaults for this recipe; ``graph=<name>`` applies them (the command line
 still wins: ``flowrl/config.py`` registers one Hydra option per file of ``graphs/``).
@@ -153,6 +156,8 @@ class Graph:
     # the run's data settings this recipe changes (``DataConfig`` fields: a prompt budget for
     # tool schemas, an instruction); applied like ``algorithm`` by ``graph=<name>``
     data: dict[str, Any] = field(default_factory=dict)
+    # modules that register this graph's own ops (``@register_op``), imported before any check
+    imports: list[str] = field(default_factory=list)
 
     # ---- builder -------------------------------------------------------------------------
     def stage(self, name: str, op: str, *, role: Optional[str] = None,
@@ -183,6 +188,8 @@ class Graph:
     # ---- (de)serialisation ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name}
+        if self.imports:
+            d["imports"] = list(self.imports)
         if self.algorithm:
             d["algorithm"] = dict(self.algorithm)
         if self.data:
@@ -225,11 +232,17 @@ class Graph:
         damaged: dict[str, set[str]] = {}
         if not isinstance(d, dict):
             raise GraphError([("<graph>", "<root>", "a graph file is a mapping with keys name, "
-                               f"algorithm, data, stages and weight_sync; got a {type(d).__name__}")])
-        unknown = sorted(set(d) - {"name", "algorithm", "data", "stages", "weight_sync"})
+                               "imports, algorithm, data, stages and weight_sync; got a "
+                               f"{type(d).__name__}")])
+        unknown = sorted(set(d) - {"name", "imports", "algorithm", "data", "stages", "weight_sync"})
         if unknown:
             problems.append(("<graph>", unknown[0], f"unknown top-level key(s) {unknown}; a graph "
-                             "has name, algorithm, data, stages and weight_sync"))
+                             "has name, imports, algorithm, data, stages and weight_sync"))
+        imports = d.get("imports") or []
+        if not isinstance(imports, list) or not all(isinstance(m, str) and m for m in imports):
+            problems.append(("<graph>", "imports", "must be a list of module names (e.g. "
+                             f"[my_ops]), got {imports!r}"))
+            imports = []
         name = d.get("name")
         if not isinstance(name, str) or not name:
             problems.append(("<graph>", "name", "missing or not a string"))
@@ -291,7 +304,7 @@ class Graph:
                                                 f"got a {type(data).__name__}"))
             data = {}
         return cls(name=name, stages=stages, weight_sync=syncs, description=description,
-                   algorithm=dict(algorithm), data=dict(data)), problems, damaged
+                   algorithm=dict(algorithm), data=dict(data), imports=list(imports)), problems, damaged
 
     @classmethod
     def parse_yaml(cls, text: str) -> tuple["Graph", list[tuple[str, str, str]], dict[str, set[str]]]:

@@ -220,6 +220,22 @@ def _cycle_problem(graph: Graph, cycle: list[tuple[str, str]]) -> tuple[str, str
             f"rollout loop is a weight_sync, not an input): bind '{arg}' to another output")
 
 
+def import_op_modules(graph: Graph) -> list[tuple[str, str, str]]:
+    """Import the graph's ``imports`` (the modules registering its own ops); the problems of
+    those that fail, one per module (``<graph>``, ``imports``). The directory flowrl runs from is
+    importable (``flowrl.cli`` puts it on ``sys.path``, as ``python -m`` does)."""
+    import importlib
+
+    problems = []
+    for module in graph.imports:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 (any error of the user's module is reported)
+            problems.append(("<graph>", "imports", f"cannot import {module!r}: "
+                             f"{type(e).__name__}: {e}"))
+    return problems
+
+
 def graph_from_yaml(text: str) -> Graph:
     """:meth:`Graph.from_yaml` that reports every problem of the text at once: the schema
     problems and, with them, what the graph checks find in the rest (a misspelt reference, a
@@ -229,6 +245,7 @@ def graph_from_yaml(text: str) -> Graph:
         GraphError: every problem found.
     """
     graph, problems, damaged = Graph.parse_yaml(text)
+    problems += import_op_modules(graph)
     if problems:
         if graph.stages:
             found, _ = graph_problems(graph, require_update=False)
