@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             from flowrl.export import export_main
 
             return export_main(rest)
+    except BrokenPipeError:  # `flowrl plan | head`: the reader left; nothing more to say
+        sys.stdout = open(os.devnull, "w")  # the interpreter's final flush must not raise again
+        return 0
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"flowrl {cmd}: error: {e}", file=sys.stderr)
         return 2
