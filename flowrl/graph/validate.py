@@ -26,6 +26,7 @@ from flowrl.graph.rules import (
     weight_sync_problems,
 )
 from flowrl.ops.registry import OPS
+from flowrl.ops.spec import ParamError
 
 
 class GraphWarning(UserWarning):
@@ -51,8 +52,10 @@ def validate_graph(graph: Graph, *, check_params: bool = True, require_update: b
     ConditionalInputWarning).
 
     Args:
-        check_params: also build each op's Config from ``params``; params that are still
-            unresolved interpolations (``${...}``) are left for the compiler.
+        check_params: also build each op's Config from ``params`` (names and value types
+            checked against its fields: ``OpSpec.make_config``); in a stage with unresolved
+            interpolations (``${...}``) only the literal values are type-checked, the Config is
+            built by the compiler once they are resolved.
         require_update: the graph must have a stage that updates a model (a training graph;
             False for graph fragments built in tests).
 
@@ -149,9 +152,15 @@ def graph_problems(graph: Graph, *, check_params: bool = True, require_update: b
                                  f"responses: '{ref}' (op '{src_spec.name}') holds environment "
                                  "tokens between policy turns; score the trajectory with "
                                  "reward.rule / reward.function or the environment's rewards"))
-        if check_params and not has_interpolation(s.params):
+        if check_params:
             try:
-                spec.make_config(s.params, stage=s.name)
+                if has_interpolation(s.params):  # the literal ones now; the rest once resolved
+                    spec.check_params({k: v for k, v in s.params.items()
+                                       if not has_interpolation(v)}, stage=s.name)
+                else:
+                    spec.make_config(s.params, stage=s.name)
+            except ParamError as e:
+                problems.append((s.name, e.field, e.detail))
             except ValueError as e:
                 problems.append((s.name, "params", str(e).replace(f"stage '{s.name}': params: ", "")))
 

@@ -167,6 +167,20 @@ GRAPH_CASES = {
         inputs=["rollout.response_ids"])),
         "stage 'reward', field 'inputs': must be a mapping (op argument: stage.output lines), got "
         "a list"),
+    "param_of_the_wrong_type": (_edit(GRPO, lambda g: _stage(g, "reward")["params"].update(
+        format_score="abc")),
+        "stage 'reward', field 'params.format_score': expected a float, got 'abc' (str)"),
+    "param_of_the_wrong_type_beside_an_interpolation": (_edit(DAPO, lambda g: _stage(
+        g, "overlong")["params"].update(buffer_fraction="x")),
+        "stage 'overlong', field 'params.buffer_fraction': expected a float, got 'x' (str)"),
+    "param_exponent_yaml_reads_as_a_string": ((REPO / "graphs/grpo.yaml").read_text().replace(
+        "format_score: 0.1", "format_score: 1e-1"),
+        "stage 'reward', field 'params.format_score': expected a float, got '1e-1' (str); YAML "
+        "reads 1e-1 as a string: write 1.0e-1"),
+    "unknown_param": (_edit(GRPO, lambda g: _stage(g, "reward")["params"].update(
+        format_scor=0.1)),
+        "stage 'reward', field 'params': unknown param(s) ['format_scor'] for op 'reward.rule'; "
+        "did you mean 'format_score'?"),
     "yaml_syntax_error": ((REPO / "graphs/grpo.yaml").read_text().replace(
         "  op: data.sample", "  op: data.sample\n   - bad: ["),
         "not valid YAML at line 9, column 9: mapping values are not allowed here; check the "
@@ -182,6 +196,10 @@ RUN_CONFIG_GRAPH_CASES = {
         "'update' the same 'when'",
         "stage 'update': required input 'advantages' reads stage 'advantage', which 'when: "
         "${algorithm.kl_coef}' can disable"),
+    "interpolated_param_resolves_to_the_wrong_type": (
+        _edit(DAPO, lambda g: _stage(g, "overlong")["params"].update(
+            max_length="${rollout.sampling.temperature}")),
+        "stage 'overlong', field 'params.max_length': expected an int, got 0.7 (float)", None),
     "unreachable_dynamic_sampling_target": (
         _edit(DAPO, lambda g: _stage(g, "filter")["params"].update(target_groups=100)),
         "stage 'filter', field 'params.target_groups': 100 groups can never be kept: 16 attempts "
