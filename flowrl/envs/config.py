@@ -33,7 +33,7 @@ class MultiTurnConfig:
             left) is stepped like a finished one (its tool calls run, the observation follows
             it directly) instead of ending the trajectory as ``max_tokens``.
         tool_workers: tool worker processes (0 = in the trainer's process: no memory cap).
-        tool_timeout_s: seconds one tool call may take (then its worker is stopped).
+        tool_timeout_s: seconds one tool call may take (then its worker is stopped); None = no limit.
         tool_memory_mb: address-space cap of each tool worker (MiB); None = none.
         max_tool_output_chars: a longer tool output is cut (the policy sees ``...``).
     """
@@ -48,7 +48,7 @@ class MultiTurnConfig:
     max_tool_errors: Optional[int] = None
     continue_cut_turns: bool = False
     tool_workers: int = 2
-    tool_timeout_s: float = 10.0
+    tool_timeout_s: Optional[float] = 10.0
     tool_memory_mb: Optional[int] = 2048
     max_tool_output_chars: int = 2000
     tool_specs: tuple = field(default=(), init=False, repr=False, compare=False)
