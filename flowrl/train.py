@@ -26,9 +26,11 @@ if TYPE_CHECKING:
     from flowrl.machine import Resolved
 
 
-def prepare_run(raw: "DictConfig | dict") -> "tuple[TrainConfig, ExecutionPlan, list[Resolved]]":
+def prepare_run(raw: "DictConfig | dict", overrides: "list[str] | None" = None,
+                ) -> "tuple[TrainConfig, ExecutionPlan, list[Resolved]]":
     """Validate the config, resolve its ``auto`` settings for this machine (returned with their
-    reasons) and pre-flight the run (``runtime/preflight.check_run``); loads no model.
+    reasons) and pre-flight the run (``runtime/preflight.check_run``, given the invocation's
+    command-line ``overrides`` when the caller knows them); loads no model.
 
     Raises:
         ConfigError: naming the field, stage, file or row.
@@ -40,7 +42,7 @@ def prepare_run(raw: "DictConfig | dict") -> "tuple[TrainConfig, ExecutionPlan, 
     try:
         cfg = to_train_config(raw)  # a bad field stops here, before torch is imported
         resolved = resolve_machine_defaults(cfg)
-        return cfg, check_run(cfg, raw), resolved
+        return cfg, check_run(cfg, raw, overrides), resolved
     except (ValueError, FileNotFoundError) as e:
         raise e if isinstance(e, ConfigError) else ConfigError(str(e)) from e
 
@@ -89,8 +91,8 @@ class PreflightCallback(Callback):
         from flowrl.runtime import preflight, rundir
 
         task = rundir.task_config(config)
-        try:
-            result = prepare_run(task)
+        try:  # Hydra sets the job's HydraConfig (its overrides) only after this callback
+            result = prepare_run(task, [str(o) for o in config.hydra.overrides.task])
             rundir.check_run_dir(Path(result[0].trainer.output_dir), result[0].trainer)
         except (ConfigError, rundir.RunDirError) as e:
             print(f"flowrl train: error: {e}", file=sys.stderr)

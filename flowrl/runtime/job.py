@@ -444,6 +444,7 @@ class _Job:
         """Checkpoint ``step`` (collective: every rank of the job calls it, in step order)."""
         from flowrl.runtime import distributed as fdist
         from flowrl.runtime.resources import peak_rss_gib
+        from flowrl.runtime.rundir import invocation_overrides, run_record
 
         t0 = time.perf_counter()
         last = step == self.cfg.trainer.total_steps
@@ -454,9 +455,11 @@ class _Job:
             "logs": self.place.logs, "prompts": self.place.prompt_state(self.prompts),
             "history": self.history, "op_state": self.executor.op_state_dict()})
         logger = next(r for r in ranks if r["logs"])
+        # what a resume is checked against before it loads anything (rundir.check_resume):
+        # model, graph, trained roles, and this invocation's overrides to repeat
         meta = {"prompts": logger["prompts"], "history": logger["history"],
                 "world_size": self.dinfo.world_size, "placement": self.place.name,
-                "model": dataclasses.asdict(self.cfg.model),
+                **run_record(self.cfg, self.full.roles, invocation_overrides()),
                 OP_STATE_KEY: merge_op_states([r["op_state"] for r in ranks])}
         tensors = self.engines.train_state() if self.place.holds_state else {}
         self.ckpts.save(step, tensors, meta, async_save=self.cfg.trainer.async_save and not last)

@@ -30,20 +30,27 @@ class ConfigError(ValueError):
     """The run was rejected before any model loaded (bad config, graph or file); nothing ran."""
 
 
-def check_run(cfg: "TrainConfig", raw: Any) -> "ExecutionPlan":
+def check_run(cfg: "TrainConfig", raw: Any,
+              overrides: Optional[list[str]] = None) -> "ExecutionPlan":
     """The plan of a validated, machine-resolved ``cfg`` (``raw``: the composed config the
     graph's ``when:`` / ``${...}`` params resolve against), with every check a run needs before
-    its models load.
+    its models load. ``overrides``: the invocation's command-line overrides (default: Hydra's,
+    when a Hydra job runs), which a refused resume repeats in the command it prints.
 
     Raises:
         ValueError / GraphError / FileNotFoundError / PlacementError: naming the field, stage,
-            file or row (the entry wraps them in :class:`ConfigError`).
+            file or row (the entry wraps them in :class:`ConfigError`). RunDirError (a
+            ValueError): ``trainer.resume=true`` with another model, graph or trained roles
+            than the checkpoint's (``runtime/rundir.check_resume``).
     """
     from flowrl.compiler.plan import compile_plan
     from flowrl.graph.validate import load_graph
+    from flowrl.runtime.rundir import check_resume, invocation_overrides
 
     plan = compile_plan(load_graph(cfg.graph.resolve()), _resolved_tree(raw),
                         placement=cfg.placement.mode)
+    # first: a resume with forgotten overrides would fail the checks below less clearly
+    check_resume(cfg, plan.roles, invocation_overrides() if overrides is None else overrides)
     _check_estimators(plan, cfg)
     if "reward_model" in plan.roles and cfg.reward.model.model is None:
         raise ValueError("the graph has a reward_model stage: set reward.model.model "

@@ -44,18 +44,24 @@ def last_checkpoint(out_dir: str | Path) -> Optional[Path]:
     return done[-1] if done else None
 
 
-def resume_hint(out_dir: str | Path) -> str:
+def resume_hint(out_dir: str | Path, overrides: Optional[list[str]] = None) -> str:
     """The line that tells how to continue the run in ``out_dir`` or, before its first
     checkpoint, how to start it over (the run directory then refuses a plain fresh run, so the
     line says ``trainer.overwrite=true``, as ``runtime/rundir.resume_hint`` does after Ctrl-C).
-    Reads no checkpoint (a crash report must not fail on a tampered one)."""
+    The command repeats this invocation's ``overrides`` (default: Hydra's, when a Hydra job
+    runs; unknown: "plus your overrides"). Reads no checkpoint (a crash report must not fail on
+    a tampered one)."""
+    from flowrl.runtime.rundir import invocation_overrides, repeat_overrides
+
+    overrides = invocation_overrides() if overrides is None else overrides
+    rest = " (plus your overrides)" if overrides is None else "".join(
+        f" {o}" for o in repeat_overrides(overrides))
     ckpt = last_checkpoint(out_dir)
     if ckpt is None:
         return (f"No checkpoint was written yet, so there is nothing to continue; start again "
-                f"with: flowrl train hydra.run.dir={out_dir} trainer.overwrite=true (plus your "
-                "overrides)")
+                f"with: flowrl train hydra.run.dir={out_dir} trainer.overwrite=true{rest}")
     return (f"Continue from {ckpt.name} with: flowrl train hydra.run.dir={out_dir} "
-            "trainer.resume=true (plus your overrides)")
+            f"trainer.resume=true{rest}")
 
 
 def report_crash(e: BaseException, out_dir: str | Path) -> int:

@@ -7,10 +7,17 @@
   killed run never leaves a stale lock) keeps a second run out while one is using the directory.
 - ``flowrl train`` checks both before Hydra writes its ``.hydra/`` record and ``train.log``
   (:class:`PreflightCallback`), so a rejected run leaves nothing behind.
+- A resumed run must be the checkpoint's run (:func:`check_resume`, before any model loads):
+  each checkpoint records the model, graph and trained roles it was written with and the
+  command-line overrides of the invocation that wrote it (:func:`run_record`; Hydra rewrites
+  ``.hydra/overrides.yaml`` on every invocation), so a refusal and every resume hint print the
+  overrides to continue with.
 """
 from __future__ import annotations
 
+import dataclasses
 import fcntl
+import json
 import os
 import shutil
 import socket
@@ -23,6 +30,14 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "tb", "plan.txt",
                "eval_before.jsonl", "eval_after.jsonl", "placement_auto.json")
 LOCK_FILE = ".flowrl.lock"
 _HYDRA_FILES = (".hydra", "train.log")
+# the model fields that decide a checkpoint's tensors (their names and shapes); dtype, attention
+# and gradient checkpointing may change on resume, and the tiny model's init seed is overwritten
+_MODEL_IDENTITY = ("path", "gguf_file", "tiny", "lora")
+# overrides a resume may change: how long the run goes on, how it saves, evaluates, logs, launches
+_RESUME_MAY_CHANGE = ("trainer.total_steps", "trainer.save_every", "trainer.keep_last",
+                      "trainer.async_save", "trainer.eval", "logger", "launcher")
+# overrides that name the directory or what to do with it: a hint writes them itself
+_RUN_DIR_KEYS = ("trainer.resume", "trainer.overwrite", "trainer.output_dir")
 
 
 class RunDirError(ValueError):
@@ -173,8 +188,6 @@ def finished_run_summary(out_dir: Path, total_steps: int) -> Optional[tuple[int,
     """``(step, summary)`` when the newest complete checkpoint in ``out_dir`` is at or past
     ``total_steps`` (resuming would train nothing; ``summary`` is its ``summary.json``, ``{}``
     when there is none), else None."""
-    import json
-
     from flowrl.runtime.checkpoint import CheckpointManager
 
     latest = CheckpointManager(Path(out_dir) / "checkpoints").latest()
@@ -187,18 +200,160 @@ def finished_run_summary(out_dir: Path, total_steps: int) -> Optional[tuple[int,
     return step, (json.loads(summary_path.read_text()) if summary_path.is_file() else {})
 
 
-def resume_hint(out_dir: Path, hydra_dir: Optional[str] = None) -> str:
+def invocation_overrides() -> Optional[list[str]]:
+    """This process's command-line overrides (Hydra's ``overrides.task``) while a Hydra app
+    runs its job; None outside one (a config composed in-process: unknown)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return [str(o) for o in HydraConfig.get().overrides.task]
+
+
+def _key(override: str) -> str:
+    """The config key of a Hydra override (``+a.b=1``, ``~a.b``, ``group=option``)."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def repeat_overrides(original: list[str], current: Optional[list[str]] = None) -> list[str]:
+    """The overrides that repeat a run: ``original`` without those naming the run directory or
+    what to do with it (:data:`_RUN_DIR_KEYS`), with ``current``'s overrides of the fields a
+    resume may change (:data:`_RESUME_MAY_CHANGE`: a raised ``trainer.total_steps``) in place of
+    or after the original ones."""
+    keep = {_key(o): o for o in original if not _under(_key(o), _RUN_DIR_KEYS)}
+    for o in current or []:
+        if _under(_key(o), _RESUME_MAY_CHANGE):
+            keep[_key(o)] = o
+    return list(keep.values())
+
+
+def _command(opt: str, action: str, overrides: Optional[list[str]]) -> str:
+    """``flowrl train OPT ACTION OVERRIDES``; unknown overrides: the user is told to add theirs."""
+    if overrides is None:
+        return f"flowrl train {opt} {action} (plus your overrides)"
+    return " ".join(["flowrl train", opt, action, *repeat_overrides(overrides)])
+
+
+def resume_hint(out_dir: Path, hydra_dir: Optional[str] = None,
+                overrides: Optional[list[str]] = None) -> str:
     """The line printed after an interrupted run: how to continue it, or, before its first
-    checkpoint, that there is nothing to continue and how to start over."""
+    checkpoint, that there is nothing to continue and how to start over; with this invocation's
+    ``overrides`` (default: :func:`invocation_overrides`) in the command when they are known."""
     from flowrl.runtime.checkpoint import CheckpointManager
 
     opt = _dir_option(Path(out_dir), hydra_dir)
+    overrides = invocation_overrides() if overrides is None else overrides
     latest = CheckpointManager(Path(out_dir) / "checkpoints").latest()
     if latest is None:
-        return (f"no checkpoint was written yet, so there is nothing to continue; start again "
-                f"with: flowrl train {opt} trainer.overwrite=true (plus your overrides)")
-    return (f"continue from {latest.name} with: flowrl train {opt} trainer.resume=true (plus your "
-            "overrides)")
+        return ("no checkpoint was written yet, so there is nothing to continue; start again "
+                f"with: {_command(opt, 'trainer.overwrite=true', overrides)}")
+    return f"continue from {latest.name} with: {_command(opt, 'trainer.resume=true', overrides)}"
+
+
+def _plain(x: Any) -> Any:
+    """``x`` as ``trainer_state.json`` holds it (tuples become lists)."""
+    return json.loads(json.dumps(x, default=str))
+
+
+def run_record(cfg, roles: list[str], overrides: Optional[list[str]]) -> dict[str, Any]:
+    """What a checkpoint records of the run that writes it, for :func:`check_resume`: the model
+    config, the graph (as given and the file it resolved to), the roles whose state it holds
+    (``roles``: the plan's) and this invocation's command-line ``overrides`` (left out when
+    unknown)."""
+    from flowrl.runtime.resources import TRAINABLE_ROLES
+
+    record: dict[str, Any] = {
+        "model": _plain(dataclasses.asdict(cfg.model)),
+        "graph": {"path": cfg.graph.path, "file": str(cfg.graph.resolve())},
+        "trained_roles": [r for r in TRAINABLE_ROLES if r in roles]}
+    if overrides is not None:
+        record["overrides"] = list(overrides)
+    return record
+
+
+def _value(x: Any) -> str:
+    """A config value as an override writes it."""
+    if x is None:
+        return "null"
+    if isinstance(x, bool):
+        return str(x).lower()
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k}: {_value(v)}" for k, v in x.items()) + "}"
+    if isinstance(x, list):
+        return "[" + ", ".join(_value(v) for v in x) + "]"
+    return str(x)
+
+
+def _differences(name: str, saved: Any, now: Any) -> tuple[list[str], list[str]]:
+    """``name=value`` of the checkpoint's and of this run's side where they differ: the keys
+    that differ when both are mappings, else the whole value."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        was: list[str] = []
+        has: list[str] = []
+        for k in [*saved, *(k for k in now if k not in saved)]:
+            a, b = _differences(f"{name}.{k}", saved.get(k), now.get(k))
+            was, has = was + a, has + b
+        return was, has
+    return ([], []) if saved == now else ([f"{name}={_value(saved)}"], [f"{name}={_value(now)}"])
+
+
+def check_resume(cfg, roles: list[str], overrides: Optional[list[str]] = None) -> None:
+    """With ``trainer.resume=true``: the checkpoint the run would continue from (the newest
+    loadable) must have been written by this run's model (:data:`_MODEL_IDENTITY`), graph and
+    trained roles (``roles``: the plan's). Loads no model; a field the checkpoint does not record
+    (one written before it was recorded) is not compared, and neither is any field a resume may
+    change (:data:`_RESUME_MAY_CHANGE`).
+
+    Raises:
+        RunDirError: one line naming every differing field with the checkpoint's and this run's
+            value, and the command that resumes with the original overrides (``overrides``:
+            this invocation's, whose :data:`_RESUME_MAY_CHANGE` ones it keeps) when the
+            checkpoint records them.
+    """
+    from flowrl.runtime.checkpoint import CheckpointManager
+
+    if not cfg.trainer.resume:
+        return
+    out_dir = Path(cfg.trainer.output_dir)
+    try:
+        latest = CheckpointManager(out_dir / "checkpoints").latest()
+    except ValueError:  # a tampered index: the job's start refuses it, naming the file
+        return
+    if latest is None:
+        return
+    meta = json.loads((latest / "trainer_state.json").read_text())
+    now = run_record(cfg, roles, None)
+    was: list[str] = []
+    has: list[str] = []
+    model = meta.get("model")
+    for f in _MODEL_IDENTITY if isinstance(model, dict) else ():
+        if f in model:
+            a, b = _differences(f"model.{f}", model[f], now["model"][f])
+            was, has = was + a, has + b
+    graph = meta.get("graph")  # the same file named another way (absolute, relative) is the same
+    if isinstance(graph, dict) and graph.get("path") != cfg.graph.path and \
+            graph.get("file") != now["graph"]["file"]:
+        was.append(f"graph.path={graph.get('path')}")
+        has.append(f"graph.path={cfg.graph.path}")
+    trained = meta.get("trained_roles")
+    if isinstance(trained, list) and trained != now["trained_roles"]:
+        was.append(f"trained roles [{', '.join(trained)}]")
+        has.append(f"trained roles [{', '.join(now['trained_roles'])}]")
+    if not was:
+        return
+    original = meta.get("overrides")
+    if isinstance(original, list):
+        again = " ".join(["flowrl train", _dir_option(out_dir), "trainer.resume=true",
+                          *repeat_overrides(original, overrides)])
+        how = f"resume with the original overrides: {again}"
+    else:
+        how = "resume with the original run's overrides (this checkpoint does not record them)"
+    raise RunDirError(f"trainer.resume=true: {latest.name} was trained with {', '.join(was)} "
+                      f"but this run has {', '.join(has)}; {how}")
 
 
 def check_run_dir(out_dir: Path, trainer_cfg) -> None:

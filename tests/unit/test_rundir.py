@@ -1,13 +1,19 @@
 """One run per run directory: a fresh run into a previous one is refused in one line (resume,
 overwrite or another directory), overwrite deletes only flowrl's outputs, a lock keeps a second
-process out, a rejected run's Hydra files are removed, and the interrupt hint tells the truth."""
+process out, a rejected run's Hydra files are removed, the interrupt hint tells the truth, and a
+resume with another model, graph or trained roles than its checkpoint's is refused in one line,
+before any model loads, with the original overrides to resume with."""
+import json
+import shutil
 import subprocess
 import sys
 import textwrap
 from types import SimpleNamespace
 
 import pytest
+from test_malformed_inputs import run_cli
 
+from flowrl.runtime.recovery import resume_hint as crash_hint
 from flowrl.runtime.rundir import (
     LOCK_FILE,
     RunDirError,
@@ -16,6 +22,7 @@ from flowrl.runtime.rundir import (
     claim_run_dir,
     previous_run,
     remove_hydra_leftovers,
+    repeat_overrides,
     resume_hint,
 )
 
@@ -117,3 +124,150 @@ def test_the_interrupt_hint_tells_whether_there_is_anything_to_continue(tmp_path
     assert resume_hint(tmp_path, str(tmp_path / "elsewhere")) == (
         f"continue from step_000004 with: flowrl train trainer.output_dir={tmp_path} "
         "trainer.resume=true (plus your overrides)")
+
+
+# ---- resume: the checkpoint's run, checked before any model loads ----------------------------------
+FIRST = ["model=tiny", "trainer=smoke", "data.limit=16", "logger.progress=false",
+         "logger.tensorboard=false", "trainer.eval.before=false", "trainer.eval.after=false"]
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test the moment anything loads a model or builds engines (as in
+    test_malformed_inputs.py); the list of calls stays empty."""
+    from flowrl.models import loading
+    from flowrl.runtime import resources
+
+    loaded: list = []
+
+    def flag(*a, **k):
+        loaded.append(a)
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(loading, "load_model", flag)
+    monkeypatch.setattr(resources, "build_engines", flag)  # the job imports it at setup
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A 2-step tiny run through ``flowrl train`` (Hydra in this process: its overrides known)."""
+    d = tmp_path_factory.mktemp("resume") / "run"
+    rc, lines = run_cli(["train", *FIRST, f"hydra.run.dir={d}"], d.parent)
+    assert rc in (0, None), lines
+    assert (d / "checkpoints" / "step_000002").is_dir()
+    return d
+
+
+def state(run_dir, step=2):
+    return json.loads((run_dir / "checkpoints" / f"step_{step:06d}" / "trainer_state.json").read_text())
+
+
+def again(run_dir) -> str:
+    """The command a refusal prints to resume the 2-step run with its own overrides."""
+    return (f"flowrl train hydra.run.dir={run_dir} trainer.resume=true " + " ".join(FIRST))
+
+
+def test_a_checkpoint_records_the_run_it_continues(two_steps):
+    meta = state(two_steps)
+    assert meta["overrides"] == [*FIRST]  # hydra.run.dir is Hydra's, not the task's
+    assert meta["graph"]["path"] == "graphs/grpo.yaml" and meta["trained_roles"] == ["actor"]
+    assert meta["model"]["tiny"]["hidden_size"] == 64
+
+
+def test_a_resume_with_another_model_size_is_refused_in_one_line(two_steps, no_model):
+    """(Before: the model loaded, then DCP's "Size mismatch between saved ... and current".)"""
+    hydra_record = (two_steps / ".hydra" / "overrides.yaml").read_text()
+    rc, lines = run_cli(["train", *FIRST, f"hydra.run.dir={two_steps}", "trainer.resume=true",
+                         "trainer.total_steps=4", "model.tiny.hidden_size=32"], two_steps.parent)
+    assert rc == 2 and lines == [
+        "flowrl train: error: trainer.resume=true: step_000002 was trained with "
+        "model.tiny.hidden_size=64 but this run has model.tiny.hidden_size=32; resume with the "
+        f"original overrides: {again(two_steps)} trainer.total_steps=4"]
+    assert not no_model
+    assert (two_steps / ".hydra" / "overrides.yaml").read_text() == hydra_record  # not rewritten
+
+
+def test_a_resume_that_forgot_its_overrides_is_told_them(two_steps, no_model):
+    rc, lines = run_cli(["train", f"hydra.run.dir={two_steps}", "trainer.resume=true",
+                         "trainer.total_steps=6"], two_steps.parent)
+    assert rc == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(
+        "flowrl train: error: trainer.resume=true: step_000002 was trained with "
+        "model.tiny={model_type: llama, hidden_size: 64, num_hidden_layers: 2, ")
+    assert "but this run has model.tiny=null; " in lines[0]
+    # the raised total_steps is this run's (a resume may change it), after the original ones
+    assert lines[0].endswith(f"resume with the original overrides: {again(two_steps)} "
+                             "trainer.total_steps=6")
+    assert not no_model
+
+
+def test_a_resume_with_another_graph_is_refused_in_one_line(two_steps, no_model):
+    rc, lines = run_cli(["train", *FIRST, f"hydra.run.dir={two_steps}", "trainer.resume=true",
+                         "trainer.total_steps=4", "graph=ppo"], two_steps.parent)
+    assert rc == 2 and lines == [
+        "flowrl train: error: trainer.resume=true: step_000002 was trained with "
+        "graph.path=graphs/grpo.yaml, trained roles [actor] but this run has "
+        "graph.path=graphs/ppo.yaml, trained roles [actor, critic]; resume with the original "
+        f"overrides: {again(two_steps)} trainer.total_steps=4"]
+    assert not no_model
+
+
+def test_a_resume_that_only_raises_total_steps_continues(two_steps, tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(two_steps, d)
+    rc, lines = run_cli(["train", *FIRST, f"hydra.run.dir={d}", "trainer.resume=true",
+                         "trainer.total_steps=3", "trainer.save_every=3"], tmp_path)
+    assert rc in (0, None), lines
+    rows = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == [1, 2, 3]  # continued at 3, not from scratch
+    assert any(r["step"] == 3 and "actor/pg_loss" in r for r in rows)
+    assert state(d, 3)["overrides"][-3:] == ["trainer.resume=true", "trainer.total_steps=3",
+                                             "trainer.save_every=3"]
+
+
+def test_an_old_format_checkpoint_still_resumes(two_steps, tmp_path, monkeypatch):
+    """A checkpoint written before graph, trained roles and overrides were recorded: only its
+    model config is compared, and the refusal cannot print the original overrides."""
+    d = tmp_path / "run"
+    shutil.copytree(two_steps, d)
+    path = d / "checkpoints" / "step_000002" / "trainer_state.json"
+    meta = state(d)
+    for key in ("graph", "trained_roles", "overrides"):
+        meta.pop(key)
+    path.write_text(json.dumps(meta))
+    rc, lines = run_cli(["train", *FIRST, f"hydra.run.dir={d}", "trainer.resume=true",
+                         "trainer.total_steps=3", "model.tiny.hidden_size=32"], tmp_path)
+    assert rc == 2 and lines == [
+        "flowrl train: error: trainer.resume=true: step_000002 was trained with "
+        "model.tiny.hidden_size=64 but this run has model.tiny.hidden_size=32; resume with the "
+        "original run's overrides (this checkpoint does not record them)"]
+    rc, lines = run_cli(["train", *FIRST, f"hydra.run.dir={d}", "trainer.resume=true",
+                         "trainer.total_steps=3"], tmp_path)
+    assert rc in (0, None), lines
+    assert state(d, 3)["step"] == 3
+
+
+def test_the_hints_repeat_the_invocations_overrides(tmp_path):
+    run = ["model=tiny", "trainer=smoke", "trainer.total_steps=4", "trainer.resume=true",
+           "trainer.output_dir=/elsewhere", "+model.lora.rank=8"]
+    assert repeat_overrides(run) == ["model=tiny", "trainer=smoke", "trainer.total_steps=4",
+                                     "+model.lora.rank=8"]
+    assert repeat_overrides(run, ["trainer.total_steps=6", "logger.tensorboard=false",
+                                  "model.tiny.hidden_size=32"]) == [
+        "model=tiny", "trainer=smoke", "trainer.total_steps=6", "+model.lora.rank=8",
+        "logger.tensorboard=false"]  # only what a resume may change is taken from this run
+    assert resume_hint(tmp_path, str(tmp_path), ["model=tiny", "trainer.overwrite=true"]) == (
+        f"no checkpoint was written yet, so there is nothing to continue; start again with: "
+        f"flowrl train hydra.run.dir={tmp_path} trainer.overwrite=true model=tiny")
+    assert crash_hint(tmp_path, []) == (
+        f"No checkpoint was written yet, so there is nothing to continue; start again with: "
+        f"flowrl train hydra.run.dir={tmp_path} trainer.overwrite=true")
+    import torch
+
+    from flowrl.runtime.checkpoint import CheckpointManager
+
+    CheckpointManager(tmp_path / "checkpoints").save(4, {"model": {"w": torch.zeros(2)}}, {})
+    assert crash_hint(tmp_path, ["model=tiny", "trainer=smoke"]) == (
+        f"Continue from step_000004 with: flowrl train hydra.run.dir={tmp_path} "
+        "trainer.resume=true model=tiny trainer=smoke")
