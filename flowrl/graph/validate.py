@@ -229,36 +229,46 @@ def _cycle_problem(graph: Graph, cycle: list[tuple[str, str]]) -> tuple[str, str
             f"rollout loop is a weight_sync, not an input): bind '{arg}' to another output")
 
 
-def import_op_modules(graph: Graph) -> list[tuple[str, str, str]]:
+def import_op_modules(graph: Graph, graph_dir: Path | None = None) -> list[tuple[str, str, str]]:
     """Import the graph's ``imports`` (the modules registering its own ops); the problems of
-    those that fail, one per module (``<graph>``, ``imports``). The directory flowrl runs from is
-    importable (``flowrl.cli`` puts it on ``sys.path``, as ``python -m`` does)."""
+    those that fail, one per module (``<graph>``, ``imports``). A module is found in the
+    directory flowrl runs from (``flowrl.cli`` puts it on ``sys.path``, as ``python -m`` does),
+    then in the graph file's directory ``graph_dir`` (appended to ``sys.path``), then on the path."""
     import importlib
+    import sys
 
+    if graph.imports and graph_dir is not None and str(graph_dir.resolve()) not in sys.path:
+        sys.path.append(str(graph_dir.resolve()))
     problems = []
     for module in graph.imports:
         try:
             importlib.import_module(module)
         except Exception as e:  # noqa: BLE001 (any error of the user's module is reported)
+            where = (" (looked in the working directory, the graph file's directory and "
+                     "sys.path)") if isinstance(e, ModuleNotFoundError) and e.name == module else ""
             problems.append(("<graph>", "imports", f"cannot import {module!r}: "
-                             f"{type(e).__name__}: {e}"))
+                             f"{type(e).__name__}: {e}{where}"))
     return problems
 
 
-def graph_from_yaml(text: str) -> Graph:
+def graph_from_yaml(text: str, graph_dir: Path | None = None) -> Graph:
     """:meth:`Graph.from_yaml` that reports every problem of the text at once: the schema
     problems and, with them, what the graph checks find in the rest (a misspelt reference, a
-    cycle), one line each, so one edit-and-retry fixes them all.
+    cycle), one line each, so one edit-and-retry fixes them all. ``graph_dir``: the file's
+    directory, where its ``imports`` are also looked for.
 
     Raises:
         GraphError: every problem found.
     """
     graph, problems, damaged = Graph.parse_yaml(text)
-    problems += import_op_modules(graph)
+    problems += import_op_modules(graph, graph_dir)
     if problems:
         if graph.stages:
             found, _ = graph_problems(graph, require_update=False)
-            problems += [p for p in found if not damaged_problem(p, damaged) and p not in problems]
+            # an op of a module that failed to import is not unknown: its import is the problem
+            imports_failed = any(field == "imports" for _, field, _ in problems)
+            problems += [p for p in found if not damaged_problem(p, damaged) and p not in problems
+                         and not (imports_failed and p[1] == "op" and p[2].startswith("unknown op"))]
         raise GraphError(problems)
     return graph
 
@@ -274,6 +284,6 @@ def load_graph(path: str | Path) -> Graph:
     if not p.is_file():
         raise FileNotFoundError(f"graph file not found: {p}")
     try:
-        return graph_from_yaml(p.read_text())
+        return graph_from_yaml(p.read_text(), graph_dir=p.parent)
     except GraphError as e:
         raise e.with_source(p) from None

@@ -259,6 +259,12 @@ def _plain(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
 
 
+def _cwd_relative(path: str) -> bool:
+    """A relative path that names a file from the working directory (not from anywhere)."""
+    p = Path(path).expanduser()
+    return not p.is_absolute() and p.is_file()
+
+
 def run_record(cfg, roles: list[str], overrides: Optional[list[str]]) -> dict[str, Any]:
     """What a checkpoint records of the run that writes it, for :func:`check_resume`: the model
     config, the graph (as given and the file it resolved to), the roles whose state it holds
@@ -271,7 +277,11 @@ def run_record(cfg, roles: list[str], overrides: Optional[list[str]]) -> dict[st
         "graph": {"path": cfg.graph.path, "file": str(cfg.graph.resolve())},
         "trained_roles": [r for r in TRAINABLE_ROLES if r in roles]}
     if overrides is not None:
-        record["overrides"] = list(overrides)
+        # a graph file given relative to where the run started: absolute, so the printed
+        # resume command works from any directory
+        record["overrides"] = [f"graph.path={Path(o.split('=', 1)[1]).resolve()}"
+                               if _key(o) == "graph.path" and _cwd_relative(o.split("=", 1)[1])
+                               else o for o in overrides]
     return record
 
 

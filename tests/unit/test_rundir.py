@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -271,3 +272,19 @@ def test_the_hints_repeat_the_invocations_overrides(tmp_path):
     assert crash_hint(tmp_path, ["model=tiny", "trainer=smoke"]) == (
         f"Continue from step_000004 with: flowrl train hydra.run.dir={tmp_path} "
         "trainer.resume=true model=tiny trainer=smoke")
+
+
+def test_a_graph_file_given_from_the_working_directory_is_recorded_absolute(tmp_path, monkeypatch):
+    """The printed resume command must work from any directory."""
+    from flowrl.cli import compose
+    from flowrl.runtime.rundir import run_record
+
+    shutil.copy(Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml", tmp_path / "g.yaml")
+    monkeypatch.chdir(tmp_path)
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_object(compose(["model=tiny", "graph.path=g.yaml",
+                                       f"trainer.output_dir={tmp_path / 'run'}"]))
+    rec = run_record(cfg, ["actor", "rollout"], ["model=tiny", "graph.path=g.yaml"])
+    assert rec["overrides"] == ["model=tiny", f"graph.path={(tmp_path / 'g.yaml').resolve()}"]
+    assert rec["trained_roles"] == ["actor"]

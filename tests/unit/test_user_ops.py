@@ -62,7 +62,8 @@ def test_a_module_that_does_not_import_is_one_line_naming_imports():
     with pytest.raises(GraphError) as e:
         graph_from_yaml(text)
     assert str(e.value) == "field 'imports': cannot import 'no_such_module_xyz': " \
-           "ModuleNotFoundError: No module named 'no_such_module_xyz'"
+           "ModuleNotFoundError: No module named 'no_such_module_xyz' (looked in the working " \
+           "directory, the graph file's directory and sys.path)"
 
 
 def test_imports_must_be_a_list_of_names():
@@ -75,3 +76,37 @@ def test_imports_must_be_a_list_of_names():
 def test_round_trip_keeps_imports():
     g = load_graph(EXAMPLE / "grpo_brevity.yaml")
     assert graph_from_yaml(g.to_yaml()).imports == ["brevity"]
+
+
+def test_imports_are_found_beside_the_graph_file(tmp_path, monkeypatch):
+    """Validated from another directory, the graph's modules are looked for beside it."""
+    here = tmp_path / "graphdir"
+    here.mkdir()
+    (here / "beside_ops_mod.py").write_text(textwrap.dedent("""\
+        from flowrl.ops.registry import register_op
+
+        @register_op("test.beside_identity", inputs=("rewards",), outputs=("rewards",))
+        def identity(ctx, cfg, *, rewards):
+            return {"rewards": rewards}
+        """))
+    text = (EXAMPLE / "grpo_brevity.yaml").read_text().replace("- brevity\n", "- beside_ops_mod\n")
+    text = text.replace("op: reward.brevity", "op: test.beside_identity").replace(
+        "    response_mask: rollout.response_mask\n  params:\n    max_tokens: 64\n    bonus: 0.1\n",
+        "")
+    (here / "g.yaml").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the graph's directory is appended
+    assert load_graph(here / "g.yaml").imports == ["beside_ops_mod"]
+    assert "test.beside_identity" in OPS
+
+
+def test_a_failed_import_is_the_only_problem_of_its_ops(tmp_path):
+    """No second, misleading 'unknown op' line for the op the module would register."""
+    text = (EXAMPLE / "grpo_brevity.yaml").read_text().replace("- brevity\n", "- not_here_mod\n")
+    (tmp_path / "g.yaml").write_text(text)
+    with pytest.raises(GraphError) as e:
+        load_graph(tmp_path / "g.yaml")
+    assert str(e.value) == (
+        f"{tmp_path / 'g.yaml'}: field 'imports': cannot import 'not_here_mod': "
+        "ModuleNotFoundError: No module named 'not_here_mod' (looked in the working directory, "
+        "the graph file's directory and sys.path)")
