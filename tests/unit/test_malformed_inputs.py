@@ -237,23 +237,6 @@ CONFIG_CASES = {
 }
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Fail the test the moment anything loads a model or builds engines."""
-    from flowrl.models import loading
-    from flowrl.runtime import resources
-
-    loaded = []
-
-    def flag(*a, **k):
-        loaded.append(a)
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(loading, "load_model", flag)
-    monkeypatch.setattr(resources, "build_engines", flag)  # the job imports it at setup
-    return loaded
-
-
 def run_cli(args: list[str], tmp_path: Path) -> tuple[int, list[str]]:
     """``flowrl ARGS`` in this process: (exit status, non-empty stderr lines)."""
     from flowrl.cli import main

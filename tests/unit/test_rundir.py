@@ -132,24 +132,6 @@ FIRST = ["model=tiny", "trainer=smoke", "data.limit=16", "logger.progress=false"
          "logger.tensorboard=false", "trainer.eval.before=false", "trainer.eval.after=false"]
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Fail the test the moment anything loads a model or builds engines (as in
-    test_malformed_inputs.py); the list of calls stays empty."""
-    from flowrl.models import loading
-    from flowrl.runtime import resources
-
-    loaded: list = []
-
-    def flag(*a, **k):
-        loaded.append(a)
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(loading, "load_model", flag)
-    monkeypatch.setattr(resources, "build_engines", flag)  # the job imports it at setup
-    return loaded
-
-
 @pytest.fixture(scope="module")
 def two_steps(tmp_path_factory):
     """A 2-step tiny run through ``flowrl train`` (Hydra in this process: its overrides known)."""
