@@ -43,6 +43,16 @@ class Action:
             raise ValueError(f"a {self.kind} action names no stage")
         return self.stage
 
+    @property
+    def role_name(self) -> str:
+        """``role`` of an onload/offload/sync action (they always name one).
+
+        Raises:
+            ValueError: a run action of a role-less stage."""
+        if self.role is None:
+            raise ValueError(f"a {self.kind} action names no role")
+        return self.role
+
 
 @dataclass
 class TensorLife:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from flowrl.compiler.plan import Action, ExecutionPlan
+from flowrl.compiler.plan import ExecutionPlan
 from flowrl.graph.roles import ROLES
 from flowrl.ops.context import DistInfo, StageContext
 from flowrl.ops.registry import OPS
@@ -75,13 +75,6 @@ def _peak_rss_gib() -> float:
 def stage_seed(seed: int, step: int, stage: str) -> int:
     """Deterministic per-(run, step, stage) seed, so a resumed run draws the same numbers."""
     return (seed * 1_000_003 + step * 7919 + zlib.crc32(stage.encode())) % (2**63 - 1)
-
-
-def _field(action: Action, value: str | None) -> str:
-    """An action's stage or role that its kind requires (a plan bug when missing)."""
-    if value is None:
-        raise RuntimeError(f"plan action {action} lacks the stage or role its kind needs")
-    return value
 
 
 class Executor:
@@ -220,19 +213,20 @@ class Executor:
                 continue  # a role of the other pool: its weights arrive by broadcast
             t0 = time.perf_counter()
             if a.kind == "offload":
-                self._offload(_field(a, a.role), a.keep_weights)
+                self._offload(a.role_name, a.keep_weights)
                 swap_s += time.perf_counter() - t0
                 moved["offload"] += time.perf_counter() - t0
             elif a.kind == "onload":
-                self._onload(_field(a, a.role))
+                self._onload(a.role_name)
                 swap_s += time.perf_counter() - t0
                 moved["onload"] += time.perf_counter() - t0
             elif a.kind == "sync":
-                src_role = _field(a, self.plan.graph[_field(a, a.stage)].role)
-                # FSDP/LoRA sources: the bytes gathered
-                metrics.update(self._sync(src_role, _field(a, a.role)))
+                src = self.plan.graph[a.stage_name]
+                if src.role is None:  # graph validation refuses a sync from a role-less stage
+                    raise ValueError(f"weight sync from role-less stage {src.name!r}")
+                metrics.update(self._sync(src.role, a.role_name))
                 sync_s += time.perf_counter() - t0
-            elif (stage := _field(a, a.stage)) in self.plan.refill:
+            elif (stage := a.stage_name) in self.plan.refill:
                 from flowrl.runtime.refill import run_refill  # re-runs its upstream stages
 
                 metrics.update(run_refill(self, self.plan.refill[stage], step))
