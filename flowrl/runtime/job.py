@@ -315,6 +315,7 @@ class _Job:
             build_engines,
             peak_rss_gib,
             resolve_offload,
+            since_launch_s,
         )
 
         cfg, dinfo, out_dir, T = self.cfg, self.dinfo, self.out_dir, self.cfg.trainer.total_steps
@@ -333,7 +334,8 @@ class _Job:
         for f in dataclasses.fields(built):  # into the engines the caller closes
             setattr(self.engines, f.name, getattr(built, f.name))
         load_s = time.perf_counter() - t0
-        log.info("engines built in %.1f s; host peak RSS so far %.2f GiB", load_s, peak_rss_gib())
+        log.info("engines built in %.1f s (%.1f s since the command started); host peak RSS so "
+                 "far %.2f GiB", load_s, since_launch_s(), peak_rss_gib())
         resources = RunResources(
             tokenizer=tokenizer, prompts=prompts, algorithm=cfg.algorithm,
             sampling=cfg.rollout.sampling, trainer=cfg.trainer,
@@ -384,6 +386,9 @@ class _Job:
             for step in range(start, T + 1):
                 fdist.mark_step(step)  # the peer monitor names a rank that stops making progress
                 place.step(step, self)
+                if step == start:  # time to first step: what a user waits before training shows
+                    log.info("step %d done %.1f s since the command started", step,
+                             since_launch_s())
                 self.ckpts.poll()
             place.finish(self)
             self.ckpts.wait()

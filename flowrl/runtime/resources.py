@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 
     from flowrl.compiler.plan import ExecutionPlan
     from flowrl.config import TrainConfig
+    from flowrl.engines.rollout.vllm_config import RolloutJob
     from flowrl.engines.base import (
         Engine,
         LogprobEngine,
@@ -194,7 +196,9 @@ def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
     from flowrl.models.loading import load_model, load_tokenizer
 
     device = run_device(cfg)
+    t0 = time.perf_counter()
     model = load_model(cfg.model, device)
+    log.info("start-up: model loaded on %s in %.1f s", device, time.perf_counter() - t0)
     roles = set(plan.roles)
     # a partitioned rollout pool trains nothing: no FSDP, no world collectives
     fsdp = bool({"actor", "critic"} & roles) and use_fsdp(cfg, world_size)
@@ -253,11 +257,41 @@ def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
         critic_cfg = cfg.trainer.engine if cfg.trainer.critic_lr is None else \
             dataclasses.replace(cfg.trainer.engine, lr=cfg.trainer.critic_lr)
         engines.critic = value_cls(value_model_from_causal_lm(model), critic_cfg, **kw)
+    log.info("start-up: %s built in %.1f s", ", ".join(sorted(roles - {"rollout"})) or "no roles",
+             time.perf_counter() - t0)
     if "rollout" in roles:  # partitioned rollout pool: its own copy, no actor
         # a pool's rank (group set) must keep vLLM off the job's torch world: child processes
+        t1 = time.perf_counter()
+        log.info("start-up: building the %s rollout engine", cfg.rollout.backend)
         engines.rollout = rollout_engines.build_rollout_engine(
-            cfg.rollout, model, tokenizer, shared=shared, own_process=group is not None)
+            cfg.rollout, model, tokenizer, shared=shared, own_process=group is not None,
+            job=rollout_job(cfg, world_size))
+        log.info("start-up: %s rollout engine built in %.1f s", cfg.rollout.backend,
+                 time.perf_counter() - t1)
     return engines
+
+
+EVAL_PASSES = 2  # the greedy eval before training and after it
+
+
+def rollout_job(cfg: "TrainConfig", world_size: int | None = None) -> "RolloutJob":
+    """What this run asks of one rank's rollout engine (sizes vLLM's job-sized defaults).
+
+    Each rank generates ``prompts_per_step × algorithm.n`` sequences per step and evaluates
+    ``min(eval.limit, eval.batch_size)`` prompts per call; the decode steps count every step's
+    ``max_new_tokens`` and the two evaluations (before and after)."""
+    from flowrl.engines.rollout.vllm_config import RolloutJob
+    from flowrl.runtime.distributed import dist_info
+
+    t, ev = cfg.trainer, cfg.trainer.eval
+    # an eval of the whole split (limit null) counts as large: it favours CUDA graphs
+    limit = ev.limit if ev.limit is not None else 1 << 16
+    eval_seqs = min(limit, ev.batch_size)
+    calls = -(-limit // ev.batch_size)  # generate calls per eval pass
+    decode = (t.total_steps * cfg.rollout.sampling.max_new_tokens
+              + EVAL_PASSES * calls * ev.max_new_tokens)
+    return RolloutJob(seqs_per_step=t.prompts_per_step * cfg.algorithm.n, eval_seqs=eval_seqs,
+                      decode_steps=decode, ranks=world_size or dist_info().world_size)
 
 
 def resolve_offload(cfg: "TrainConfig", engines: Engines) -> tuple[bool, str]:
@@ -314,6 +348,13 @@ def keep_resident(state_bytes: int, rollout_bytes: int, device: "torch.device",
     return state_bytes + rollout_bytes <= fraction * total
 
 
+def since_launch_s() -> float:
+    """Seconds since this process started (its creation time, so imports count too)."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
 def peak_rss_gib() -> float:
     """This process's peak resident host memory since it started (GiB; Linux ru_maxrss in KiB)."""
     import resource
@@ -322,4 +363,4 @@ def peak_rss_gib() -> float:
 
 
 __all__ = ["Engines", "RunResources", "TRAINABLE_ROLES", "build_engines", "keep_resident", "peak_rss_gib",
-           "resolve_offload", "run_device", "use_fsdp"]
+           "resolve_offload", "rollout_job", "run_device", "since_launch_s", "use_fsdp"]

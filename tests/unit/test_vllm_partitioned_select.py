@@ -97,13 +97,18 @@ def test_build_engines_gives_a_pool_rank_its_own_process(tmp_path, monkeypatch):
     pools = prepare_placement(cfg, plan, 2).pools
     engines = build_engines(cfg, pools["rollout"].plan, tok, world_size=1, group=object())
     assert engines.by_role() == {"rollout": "engine"}
-    assert calls == [{"shared": False, "own_process": True}]
+    assert [{k: v for k, v in kw.items() if k != "job"} for kw in calls] == [
+        {"shared": False, "own_process": True}]
+    assert calls[0]["job"].ranks == 1  # the pool rank's own engine
     calls.clear()
     colo_cfg, colo_plan = prepare(compose(["rollout=vllm", "model=tiny", "trainer=smoke",
                                            "model.tiny.num_attention_heads=2",
                                            f"trainer.output_dir={tmp_path}"]))
     build_engines(colo_cfg, colo_plan, tok)  # colocated, one process: in-process vLLM
-    assert calls == [{"shared": True, "own_process": False}]
+    assert [{k: v for k, v in kw.items() if k != "job"} for kw in calls] == [
+        {"shared": True, "own_process": False}]
+    t = colo_cfg.trainer
+    assert calls[0]["job"].seqs_per_step == t.prompts_per_step * colo_cfg.algorithm.n
 
 
 def test_partitioned_run_closes_its_engines_on_error(monkeypatch, tmp_path):

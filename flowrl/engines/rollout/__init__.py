@@ -8,26 +8,39 @@ partitioned rollout pool, whose ranks must not let vLLM build process groups ove
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Callable
+
+from flowrl.engines.rollout.vllm_config import RolloutJob
+
+log = logging.getLogger("flowrl")
 
 if TYPE_CHECKING:  # ROLLOUT_BACKENDS is read by the run config, before torch loads
     from torch import nn
 
 
-def _build_hf(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_process: bool):
+def _build_hf(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_process: bool,
+              job: RolloutJob | None = None):
     # transformers generate makes no process groups: own_process does not apply
     from flowrl.engines.rollout.hf import HFRolloutEngine
 
     return HFRolloutEngine(model, tokenizer, rollout_cfg.hf, shared=shared)
 
 
-def _build_vllm(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_process: bool):
+def _build_vllm(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_process: bool,
+                job: RolloutJob | None = None):
     # vLLM always holds its own copy of the weights (``shared`` does not apply): the plan's weight
     # syncs feed it through load_weights.
     from flowrl.engines.rollout.vllm import weights_and_device_memory
 
     cfg = rollout_cfg.vllm
-    procs = cfg.engine_procs_for(*weights_and_device_memory(model), own_process=own_process)
+    if job is None:
+        procs = cfg.engine_procs_for(*weights_and_device_memory(model), own_process=own_process)
+    else:  # the job-sized defaults, each printed with its reason
+        procs, cfg, why = cfg.sized_for(job, *weights_and_device_memory(model),
+                                        own_process=own_process)
+        for line in why:
+            log.info("  resolved %s", line)
     if procs >= 1:
         from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
 
@@ -41,7 +54,7 @@ ROLLOUT_BACKENDS: dict[str, Callable[..., Any]] = {"hf": _build_hf, "vllm": _bui
 
 
 def build_rollout_engine(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool = False,
-                         own_process: bool = False):
+                         own_process: bool = False, job: RolloutJob | None = None):
     """Build the rollout engine ``rollout_cfg.backend`` names.
 
     Args:
@@ -52,6 +65,9 @@ def build_rollout_engine(rollout_cfg, model: nn.Module, tokenizer, *, shared: bo
         own_process: the engine must not join this process's torch world (a partitioned rollout
             pool): ``vllm`` runs in at least one child process
             (``VLLMRolloutConfig.engine_procs_for``); ``hf`` ignores it.
+        job: the run's rollout demand on this rank; ``vllm`` sizes its ``None`` settings to it
+            (``VLLMRolloutConfig.sized_for``: engine processes, eager or CUDA graphs and their
+            sizes, a fixed KV cache for side-by-side start). None = the rules without it.
 
     Raises:
         ValueError: unknown backend. ImportError: ``vllm`` requested but not installed.
@@ -61,4 +77,4 @@ def build_rollout_engine(rollout_cfg, model: nn.Module, tokenizer, *, shared: bo
     except KeyError:
         raise ValueError(f"rollout.backend must be one of {sorted(ROLLOUT_BACKENDS)}, "
                          f"got {rollout_cfg.backend!r}") from None
-    return build(rollout_cfg, model, tokenizer, shared=shared, own_process=own_process)
+    return build(rollout_cfg, model, tokenizer, shared=shared, own_process=own_process, job=job)

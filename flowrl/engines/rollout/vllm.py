@@ -216,7 +216,7 @@ class VLLMRolloutEngine:
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
             tensor_parallel_size=self.cfg.tensor_parallel_size,
             max_num_seqs=self.cfg.max_num_seqs, max_model_len=self.cfg.max_model_len,
-            enforce_eager=self.cfg.enforce_eager, enable_prefix_caching=self.cfg.enable_prefix_caching,
+            enforce_eager=bool(self.cfg.enforce_eager), enable_prefix_caching=self.cfg.enable_prefix_caching,
             logprobs_mode="processed_logprobs", generation_config="vllm", seed=self.cfg.seed,
             enable_sleep_mode=self.sleep_supported,
         )
@@ -231,11 +231,16 @@ class VLLMRolloutEngine:
         # vLLM's CPU worker sets torch to 1 thread and replaces torch.set_num_threads with a no-op
         # for the whole process; the trainer lives in this process too, so both are put back.
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        t0 = time.perf_counter()
         try:
             self.llm = vllm.LLM(**kwargs)
         finally:
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
+        graphs = "eager" if kwargs["enforce_eager"] or not self.on_cuda else \
+            f"CUDA graphs up to {kwargs.get('max_cudagraph_capture_size')} sequences"
+        log.info("vLLM engine ready in %.1f s (%s, pid %d)", time.perf_counter() - t0, graphs,
+                 os.getpid())
         self._vllm = vllm
         self._asleep = 0            # level of the current sleep (0 = awake)
         self._weights_awake = True  # CUDA: weights resident (a load while asleep wakes them only)

@@ -4,6 +4,8 @@ The engine itself is ``flowrl/engines/rollout/vllm.py``.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -20,7 +22,41 @@ CPU_KV_CACHE_GB = 1.0
 # engine processes per device when rollout.vllm.engine_procs is null and the weights are small
 # (benchmarks/results/rollout_h200.md: 4 beat 2 and 8 on a 0.5B model at 2,048 sequences)
 AUTO_ENGINE_PROCS = 4
+# ... but only when the job keeps each engine busy: sequences in flight per engine and decode step
+# before one more engine pays (issue 24, one H200: at 32 sequences per step one engine steps twice
+# as fast as four; at 256 (e2e_vs_trl, 0.5B) four engines generate in 1.49 s against ~2.1 s for one
+# in-process engine, benchmarks/results/rollout_h200.md). Fewer engines also start sooner.
+SEQS_PER_ENGINE_PROC = 64
+# a CUDA-graph run of the whole job pays for vLLM's torch.compile and graph capture at start-up
+# (~25-35 s cold on an H200) only when it has enough decode steps to win it back (graphs save a
+# few ms of kernel launches per decode step of a small model): below this many decode steps of
+# the whole job (steps x max_new_tokens + evals) the job-sized engine runs eagerly
+EAGER_BELOW_DECODE_STEPS = 4000
+# device memory an engine process takes besides its KV cache and weights (profiling activations,
+# the sampler's logits, CUDA graphs) when flowrl fixes the cache size up front
+ENGINE_OVERHEAD_BYTES = 3 << 30
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+@dataclass(frozen=True)
+class RolloutJob:
+    """What a run will ask of one rank's rollout engine, known before the engine is built
+    (``flowrl.runtime.resources.rollout_job``); sizes the job-sized defaults of
+    :class:`VLLMRolloutConfig` (:meth:`VLLMRolloutConfig.sized_for`).
+
+    Attributes:
+        seqs_per_step: sequences of one training step's generate call on this rank
+            (``prompts_per_step × algorithm.n`` / rollout ranks).
+        eval_seqs: sequences of one eval generate call on this rank (0 = no eval).
+        decode_steps: decode steps of the whole job (training steps × ``max_new_tokens`` +
+            eval passes × their ``max_new_tokens``): the longest row sets a call's decode steps.
+        ranks: ranks running a rollout engine (1: the engine may live in the trainer's process).
+    """
+
+    seqs_per_step: int
+    eval_seqs: int = 0
+    decode_steps: int = 0
+    ranks: int = 1
 
 
 @dataclass
@@ -39,9 +75,15 @@ class VLLMRolloutConfig:
         max_num_batched_tokens: most tokens in one engine step (None = vLLM's default).
         max_model_len: longest prompt + response in tokens (None = the model config's
             ``max_position_embeddings``). A request longer than this finishes as truncated.
-        enforce_eager: True = no CUDA graphs (slower decode, faster start, less memory).
-        max_cudagraph_capture_size: largest decode batch captured as a CUDA graph; None = up to
-            ``max_num_seqs``. vLLM's own default stops at 512, and a larger decode batch then runs
+        enforce_eager: True = no CUDA graphs (slower decode, faster start, less memory). None
+            (default) = sized to the job (:meth:`sized_for`): eager when the whole job has fewer
+            than ``EAGER_BELOW_DECODE_STEPS`` decode steps, else CUDA graphs; False without job
+            information (an engine built directly).
+        max_cudagraph_capture_size: largest decode batch captured as a CUDA graph; None = the
+            job's sequences per generate call (:meth:`sized_for`, rounded up to 8 per engine), or
+            ``max_num_seqs`` without job information. Every captured size costs start-up: on the
+            H200 capturing up to 2,048 took 54 s of vLLM's init against 22 s up to 512
+            (benchmarks/results/rollout_h200.md). vLLM's own default stops at 512, and a larger decode batch then runs
             eagerly: on the H200 benchmark that cap alone cost 1.6x at 2,048 sequences
             (benchmarks/results/rollout_h200.md). Ignored on CPU and with ``enforce_eager``.
         dtype: weights/activations dtype: ``auto`` (= the exported model's dtype), ``float32``,
@@ -78,7 +120,7 @@ class VLLMRolloutConfig:
     max_num_seqs: int = 2048  # benchmarks/results/rollout_h200.md: a whole RL step in flight at once
     max_num_batched_tokens: Optional[int] = 32768
     max_model_len: Optional[int] = None
-    enforce_eager: bool = False
+    enforce_eager: Optional[bool] = None
     max_cudagraph_capture_size: Optional[int] = None
     dtype: str = "auto"
     enable_prefix_caching: bool = True
@@ -122,13 +164,14 @@ class VLLMRolloutConfig:
                              f"got {self.logprobs_mode!r}")
 
     def engine_procs_for(self, weight_bytes: int, device_memory: Optional[int], *,
-                         own_process: bool = False) -> int:
+                         own_process: bool = False, job: Optional["RolloutJob"] = None) -> int:
         """Engine processes this rank runs (0 = in process), see ``engine_procs``.
 
         Args:
             weight_bytes: the policy's parameter bytes (one engine's copy of the weights).
             device_memory: the rank's device memory in bytes; None on CPU.
             own_process: the engine must not join this process's torch world (partitioned pool).
+            job: what the run asks of the engine; None = the rule without it (4 or 1 on CUDA).
         """
         if self.engine_procs is not None:
             n = self.engine_procs
@@ -137,7 +180,66 @@ class VLLMRolloutConfig:
         else:
             budget = self.gpu_memory_utilization * device_memory
             n = AUTO_ENGINE_PROCS if AUTO_ENGINE_PROCS * weight_bytes <= budget / 4 else 1
+            if job is not None:
+                busy = max(job.seqs_per_step, 1) // SEQS_PER_ENGINE_PROC
+                n = max(1, min(n, busy))
+                if n == 1 and job.ranks == 1:
+                    # one engine on a one-rank job: in process (no child start-up, weights loaded
+                    # in place); on several ranks a child keeps vLLM off the job's torch world
+                    n = 0
         return max(n, 1) if own_process else n
+
+    def sized_for(self, job: "RolloutJob", weight_bytes: int, device_memory: Optional[int], *,
+                  own_process: bool = False) -> tuple[int, "VLLMRolloutConfig", list[str]]:
+        """This rank's engine sized to the job: (engine processes, the configuration with every
+        job-sized ``None`` filled in, one reason per filled setting for the console).
+
+        Filled (each only where the field is None, on CUDA):
+        ``engine_procs`` (:meth:`engine_procs_for`); ``enforce_eager`` (eager below
+        ``EAGER_BELOW_DECODE_STEPS`` decode steps of the whole job); ``max_cudagraph_capture_size``
+        (the job's largest generate call, rounded up to 8 sequences per engine, at most
+        ``max_num_seqs``); ``kv_cache_memory_gb`` when several engines share the device (the
+        memory budget less each engine's weights and ``ENGINE_OVERHEAD_BYTES``, so the engines
+        start side by side instead of one after the other).
+
+        Args:
+            job: the run's rollout demand per rank (:class:`RolloutJob`).
+            weight_bytes: parameter bytes of the policy (its master copy: an upper bound on
+                vLLM's copy). device_memory: the device's total bytes; None on CPU (nothing but
+                ``engine_procs`` is filled there).
+            own_process: as in :meth:`engine_procs_for`.
+        """
+        procs = self.engine_procs_for(weight_bytes, device_memory, own_process=own_process, job=job)
+        why: list[str] = []
+        if self.engine_procs is None:
+            where = "in the trainer's process" if procs == 0 else f"{procs} engine process(es)"
+            why.append(f"rollout.vllm.engine_procs={procs} ({where}: {job.seqs_per_step} sequences "
+                       f"per step, {SEQS_PER_ENGINE_PROC}+ per engine pays for another)")
+        if device_memory is None:
+            return procs, dataclasses.replace(self, enforce_eager=bool(self.enforce_eager)), why
+        cfg = self
+        if cfg.enforce_eager is None:
+            eager = job.decode_steps < EAGER_BELOW_DECODE_STEPS
+            cfg = dataclasses.replace(cfg, enforce_eager=eager)
+            why.append(f"rollout.vllm.enforce_eager={eager} ({job.decode_steps} decode steps in the "
+                       f"job; CUDA graphs pay for their compile and capture from "
+                       f"{EAGER_BELOW_DECODE_STEPS})")
+        engines = max(procs, 1)
+        if not cfg.enforce_eager and cfg.max_cudagraph_capture_size is None:
+            per_engine = -(-max(job.seqs_per_step, job.eval_seqs, 1) // engines)
+            per_engine = min(-(-per_engine // 8) * 8, -(-cfg.max_num_seqs // engines))
+            cfg = dataclasses.replace(cfg, max_cudagraph_capture_size=per_engine * engines)
+            why.append(f"rollout.vllm.max_cudagraph_capture_size={per_engine * engines} (the job's "
+                       f"largest generate call; each captured size costs start-up)")
+        if cfg.kv_cache_memory_gb is None and engines > 1:
+            budget = cfg.gpu_memory_utilization * device_memory
+            kv = (budget - engines * (weight_bytes + ENGINE_OVERHEAD_BYTES)) / 2**30
+            if kv >= engines * 0.5:  # else leave it to vLLM's profiling, one engine at a time
+                kv = math.floor(kv * 4) / 4
+                cfg = dataclasses.replace(cfg, kv_cache_memory_gb=kv)
+                why.append(f"rollout.vllm.kv_cache_memory_gb={kv:g} (the rank's budget less "
+                           f"{engines} engines' weights and overhead: they start side by side)")
+        return procs, cfg, why
 
     def kv_cache_gb_on(self, on_cpu: bool) -> Optional[float]:
         """The rank's KV-cache size to request (GiB), None = let vLLM size it (see the field)."""

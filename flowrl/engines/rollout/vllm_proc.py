@@ -23,6 +23,7 @@ export, so sampling, logprob, sleep and load semantics are that engine's, per ch
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import shutil
@@ -45,6 +46,8 @@ from flowrl.engines.rollout.vllm import (
     weights_and_device_memory,
 )
 from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig, check_model_for_vllm
+
+log = logging.getLogger("flowrl")
 
 # the torchrun variables of the parent's job: vLLM must not see them (it would join that world)
 _JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -225,6 +228,9 @@ class VLLMProcessEngine:
         # other unless the cache size is fixed (kv_cache_memory_gb), then side by side.
         one_by_one = device.type == "cuda" and cfg.kv_cache_memory_gb is None
         ready: list[tuple[Any, dict]] = []
+        t0 = time.perf_counter()
+        how = "one after the other (vLLM sizes each KV cache)" if one_by_one else "side by side"
+        log.info("starting %d vLLM engine process(es) on %s, %s", self.procs_n, device, how)
         try:
             for i in range(self.procs_n):
                 parent, child = ctx.Pipe()
@@ -236,8 +242,13 @@ class VLLMProcessEngine:
                 self._procs.append(p)
                 if one_by_one:
                     ready += self._collect([i])
+                    log.info("  vLLM engine %d/%d ready at %.1f s", i + 1, self.procs_n,
+                             time.perf_counter() - t0)
             if not one_by_one:
-                ready = self._collect()
+                for i in range(self.procs_n):  # in order: each line says when that one was up
+                    ready += self._collect([i])
+                    log.info("  vLLM engine %d/%d ready at %.1f s", i + 1, self.procs_n,
+                             time.perf_counter() - t0)
         except BaseException:
             _shutdown(self._conns, self._procs, tmp_dir)
             raise

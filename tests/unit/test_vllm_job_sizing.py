@@ -1,0 +1,95 @@
+"""The job-sized vLLM defaults (``VLLMRolloutConfig.sized_for``, issue 24): engine processes,
+eager vs CUDA graphs, capture sizes and a fixed KV cache, from what the run asks (no vLLM needed)."""
+from __future__ import annotations
+
+import pytest
+
+from flowrl.engines.rollout.vllm_config import (
+    ENGINE_OVERHEAD_BYTES,
+    RolloutJob,
+    VLLMRolloutConfig,
+)
+
+GiB = 2**30
+H200 = 141 * GiB
+SMOL = 135_000_000 * 4  # fp32 master weights of a 135M model
+
+
+def test_small_job_runs_one_eager_engine_in_process():
+    # the default job: 4 prompts x 8, 10 steps x 200 tokens + 2 evals of 32 x 256
+    job = RolloutJob(seqs_per_step=32, eval_seqs=32, decode_steps=10 * 200 + 2 * 256, ranks=1)
+    procs, cfg, why = VLLMRolloutConfig().sized_for(job, SMOL, H200)
+    assert procs == 0
+    assert cfg.enforce_eager is True
+    assert cfg.max_cudagraph_capture_size is None  # eager: nothing captured
+    assert cfg.kv_cache_memory_gb is None  # one engine: vLLM sizes its own cache
+    assert [w.split("=")[0] for w in why] == ["rollout.vllm.engine_procs", "rollout.vllm.enforce_eager"]
+
+
+def test_small_job_on_two_ranks_keeps_a_child_process():
+    job = RolloutJob(seqs_per_step=32, eval_seqs=32, decode_steps=100, ranks=2)
+    procs, _, _ = VLLMRolloutConfig().sized_for(job, SMOL, H200)
+    assert procs == 1
+
+
+def test_large_job_gets_four_engines_graphs_sized_to_the_batch_and_a_fixed_cache():
+    # 256 sequences per step (e2e_vs_trl's 32 x 8), 60 steps x 320 tokens: graphs pay
+    job = RolloutJob(seqs_per_step=256, eval_seqs=64, decode_steps=60 * 320, ranks=1)
+    procs, cfg, why = VLLMRolloutConfig().sized_for(job, SMOL, H200)
+    assert procs == 4
+    assert cfg.enforce_eager is False
+    assert cfg.max_cudagraph_capture_size == 256  # 64 per engine (a multiple of 8) x 4
+    # 0.5 x 141 GiB - 4 x (weights + overhead), floored to 0.25 GiB
+    kv = (0.5 * H200 - 4 * (SMOL + ENGINE_OVERHEAD_BYTES)) / GiB
+    assert cfg.kv_cache_memory_gb == pytest.approx(int(kv * 4) / 4)
+    assert cfg.kv_cache_memory_gb == 56.25
+    assert len(why) == 4
+
+
+def test_engines_scale_with_sequences_per_step():
+    cfg = VLLMRolloutConfig()
+    got = [cfg.engine_procs_for(SMOL, H200, job=RolloutJob(seqs_per_step=s, ranks=1))
+           for s in (8, 63, 64, 127, 128, 200, 256, 4096)]
+    assert got == [0, 0, 0, 0, 2, 3, 4, 4]
+
+
+def test_capture_size_rounds_up_per_engine_and_stops_at_max_num_seqs():
+    job = RolloutJob(seqs_per_step=100, eval_seqs=0, decode_steps=10**6, ranks=1)
+    _, cfg, _ = VLLMRolloutConfig(engine_procs=0).sized_for(job, SMOL, H200)
+    assert cfg.max_cudagraph_capture_size == 104
+    _, cfg, _ = VLLMRolloutConfig(engine_procs=0, max_num_seqs=64).sized_for(job, SMOL, H200)
+    assert cfg.max_cudagraph_capture_size == 64
+
+
+def test_explicit_settings_win():
+    job = RolloutJob(seqs_per_step=32, eval_seqs=32, decode_steps=100, ranks=1)
+    base = VLLMRolloutConfig(engine_procs=4, enforce_eager=False, max_cudagraph_capture_size=512,
+                             kv_cache_memory_gb=20)
+    procs, cfg, why = base.sized_for(job, SMOL, H200)
+    assert procs == 4 and cfg == base and why == []
+
+
+def test_cpu_fills_nothing_but_the_process_choice():
+    job = RolloutJob(seqs_per_step=256, eval_seqs=32, decode_steps=10**6, ranks=1)
+    procs, cfg, _ = VLLMRolloutConfig().sized_for(job, SMOL, None)
+    assert procs == 0 and cfg.enforce_eager is False and cfg.kv_cache_memory_gb is None
+    assert cfg.max_cudagraph_capture_size is None
+
+
+def test_a_model_too_large_for_four_copies_keeps_one_engine():
+    job = RolloutJob(seqs_per_step=2048, eval_seqs=0, decode_steps=10**6, ranks=1)
+    big = 20 * GiB  # 4 copies > a quarter of 0.5 x 141 GiB
+    procs, cfg, _ = VLLMRolloutConfig().sized_for(job, big, H200)
+    assert procs == 0 and cfg.kv_cache_memory_gb is None
+
+
+def test_rollout_job_from_the_default_config():
+    from flowrl.config import TrainConfig
+    from flowrl.runtime.resources import rollout_job
+
+    cfg = TrainConfig()
+    cfg.rollout.sampling.max_new_tokens = 200
+    job = rollout_job(cfg, world_size=1)
+    assert job == RolloutJob(seqs_per_step=cfg.trainer.prompts_per_step * cfg.algorithm.n,
+                             eval_seqs=32, decode_steps=cfg.trainer.total_steps * 200 + 2 * 256,
+                             ranks=1)
