@@ -1,0 +1,169 @@
+"""Time to first step: ``flowrl train`` as a user starts it, with every console line timestamped
+from the command's start (issue 24: "reaches step 1 in <= 45 s, finishes the default job in <= 90 s").
+
+Each variant is one fresh ``python -m flowrl.train`` process (the default job plus the variant's
+overrides); the script reads its console as it is printed and takes the wall time (from spawning the
+process) at which each start-up milestone appeared:
+
+- ``model``: "start-up: model loaded" (imports, config, data and the policy's weights),
+- ``train engines``: "start-up: ... built" (actor / reference copies, FSDP),
+- ``rollout engine``: "engines built" (vLLM's start-up; with its own "resolved" lines),
+- ``eval before``: the greedy eval's line, ``step 1``: "step 1 done", ``end``: the process exits.
+
+Variants run in the order given (``--rounds`` repeats the list: A, B, A, B, ...). vLLM's
+torch.compile cache lives in ``~/.cache/vllm``: a CUDA-graph variant run first compiles cold, later
+ones find it warm; the table says which round each run was.
+
+Run (GPU):  python benchmarks/first_step.py --variants default,graphs --rounds 1 \\
+                --md-out benchmarks/results/first_step_h200.md
+            python benchmarks/first_step.py --variants default -- trainer.total_steps=3   (overrides)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    REPO_ROOT,
+    command_line,
+    git_revision,
+    machine_info,
+    markdown_table,
+    text_table,
+    utc_now,
+    versions,
+)
+
+# the overrides of each variant on top of the default job (and the user's own after --)
+VARIANTS: dict[str, list[str]] = {
+    "default": [],  # the job-sized engine: what `flowrl train` picks with no overrides
+    # one in-process engine with CUDA graphs (vLLM compiles and captures)
+    "graphs": ["rollout.vllm.engine_procs=0", "rollout.vllm.enforce_eager=false"],
+    # the defaults before issue 24 (cc93675): 4 engine processes, vLLM-sized caches (one after the
+    # other), CUDA graphs up to max_num_seqs (2,048)
+    "before": ["rollout.vllm.engine_procs=4", "rollout.vllm.enforce_eager=false",
+               "rollout.vllm.max_cudagraph_capture_size=2048"],
+    "hf": ["rollout=hf"],
+}
+MILESTONES = {
+    "model": re.compile(r"start-up: model loaded"),
+    "train engines": re.compile(r"start-up: .* built in"),
+    "rollout engine": re.compile(r"engines built in"),
+    "eval before": re.compile(r"eval before:"),
+    "step 1": re.compile(r"step 1 done"),
+}
+
+
+def run_variant(name: str, overrides: list[str], timeout_s: float) -> dict:
+    run_dir = Path(tempfile.mkdtemp(prefix=f"flowrl_first_step_{name}_"))
+    cmd = [sys.executable, "-m", "flowrl.train", *VARIANTS[name], *overrides,
+           f"hydra.run.dir={run_dir}", "logger.progress=false"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    seen: dict[str, float] = {}
+    lines: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        t = time.perf_counter() - t0
+        lines.append(f"{t:7.1f}s | {line.rstrip()}")
+        for key, pat in MILESTONES.items():
+            if key not in seen and pat.search(line):
+                seen[key] = t
+        if t > timeout_s:
+            proc.kill()
+            break
+    rc = proc.wait()
+    seen["end"] = time.perf_counter() - t0
+    steps = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        for row in map(json.loads, metrics.read_text().splitlines()):
+            if "perf/step_s" in row:
+                steps.append(row["perf/step_s"])
+    resolved = [ln.split("| ", 1)[1].strip() for ln in lines
+                if "resolved rollout" in ln or "vLLM engine" in ln]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"variant": name, "rc": rc, "milestones": seen, "step_s": steps, "cmd": cmd,
+            "resolved": resolved, "log": lines}
+
+
+def fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default="default", help=f"comma list of {sorted(VARIANTS)}")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--timeout-s", type=float, default=400)
+    ap.add_argument("--md-out", type=Path)
+    ap.add_argument("--log-dir", type=Path, help="each run's timestamped console here")
+    ap.add_argument("overrides", nargs="*", help="flowrl train overrides for every variant (after --)")
+    args = ap.parse_args()
+    names = args.variants.split(",")
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        ap.error(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
+    results = []
+    for r in range(args.rounds):
+        for name in names:
+            res = run_variant(name, args.overrides, args.timeout_s)
+            res["round"] = r + 1
+            results.append(res)
+            m = res["milestones"]
+            print(f"[round {r + 1}] {name}: rc={res['rc']} step 1 at {fmt(m.get('step 1'))} s, "
+                  f"end at {fmt(m.get('end'))} s", flush=True)
+            if args.log_dir:
+                args.log_dir.mkdir(parents=True, exist_ok=True)
+                (args.log_dir / f"first_step_{name}_r{r + 1}.log").write_text(
+                    "\n".join(res["log"]) + "\n")
+            if res["rc"] != 0:
+                print("\n".join(res["log"][-30:]), flush=True)
+    headers = ["round", "variant", "rc", *MILESTONES, "end", "steps", "step s median (min-max)"]
+    rows = []
+    for res in results:
+        m, st = res["milestones"], res["step_s"]
+        med = (f"{statistics.median(st):.2f} ({min(st):.2f}-{max(st):.2f})" if st else "-")
+        rows.append([res["round"], res["variant"], res["rc"], *(fmt(m.get(k)) for k in MILESTONES),
+                     fmt(m.get("end")), len(st), med])
+    print(text_table(headers, rows))
+    if args.md_out:
+        info = machine_info()
+        try:
+            gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                  "--format=csv,noheader"], capture_output=True, text=True,
+                                 check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            gpu = "no GPU"
+        vers = versions(["torch", "transformers", "vllm"])
+        out = [f"# Time to first step: `flowrl train` from the command to step 1 ({utc_now()})", "",
+               f"Command: `{command_line()}` at flowrl {git_revision()}; machine: {gpu}, "
+               f"{info.get('cpu', '?')}, {info.get('logical_cpus', '?')} CPUs; "
+               + ", ".join(f"{k} {v}" for k, v in vers.items()), "",
+               "Seconds from spawning `python -m flowrl.train` to the console line of each "
+               "milestone (see the script's docstring); steps = training steps in metrics.jsonl.", "",
+               markdown_table(headers, rows), ""]
+        for res in results:
+            out += [f"## round {res['round']}, {res['variant']}", "",
+                    "`" + " ".join(res["cmd"][1:]) + "`", ""]
+            out += [f"- {ln}" for ln in res["resolved"]] + [""]
+        args.md_out.parent.mkdir(parents=True, exist_ok=True)
+        args.md_out.write_text("\n".join(out))
+        print(f"wrote {args.md_out}")
+    return 0 if all(r["rc"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
