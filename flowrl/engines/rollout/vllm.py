@@ -24,7 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, cast
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, cast
 
 import torch
 from torch import Tensor, nn
@@ -171,6 +171,8 @@ class VLLMRolloutEngine:
         last_load_counts: ``{"tensors": n, "bytes": b}`` received by the last ``load_weights``.
         last_prefix_cache: ``{"prompt_tokens": n, "cached_tokens": m}`` of the last ``generate``:
             prompt tokens of its requests and how many of them vLLM's prefix cache served.
+        weight_load_path: "direct" or "reload": how :meth:`load_weights` enters the engine
+            (``VLLMRolloutConfig.weight_load`` resolved for this model).
 
     Raises:
         ImportError: vllm is missing. ValueError: a model vLLM's CPU kernel cannot run.
@@ -241,6 +243,17 @@ class VLLMRolloutEngine:
             f"CUDA graphs up to {kwargs.get('max_cudagraph_capture_size')} sequences"
         log.info("vLLM engine ready in %.1f s (%s, pid %d)", time.perf_counter() - t0, graphs,
                  os.getpid())
+        # a direct load needs every parameter's own loader; layers that replace their parameters
+        # after loading (vLLM-CPU's repacked GEMM weights, quantized kernels) drop them
+        direct_ok = all(hasattr(p, "weight_loader") for p in self.model.parameters())
+        mode = self.cfg.weight_load
+        if mode == "direct" and not direct_ok:
+            self.close()  # the engine and a temporary export go; the caller gets the reason
+            raise ValueError("rollout.vllm.weight_load=direct: this vLLM model's parameters have no "
+                             "weight loaders after loading (repacked or quantized layers); use "
+                             "rollout.vllm.weight_load=reload or auto")
+        self.weight_load_path = "direct" if mode == "direct" or (mode == "auto" and direct_ok) \
+            else "reload"
         self._vllm = vllm
         self._asleep = 0            # level of the current sleep (0 = awake)
         self._weights_awake = True  # CUDA: weights resident (a load while asleep wakes them only)
@@ -350,8 +363,12 @@ class VLLMRolloutEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Load a full set of weights in HF naming into vLLM's model, in place; reset the prefix cache.
 
-        Goes through vLLM's in-place reload (``Worker.reload_weights``), which fuses q/k/v and
-        gate/up and re-runs each layer's post-load processing once all its tensors arrived. The
+        ``cfg.weight_load`` chooses the path (``VLLMRolloutConfig.weight_load``): "direct"
+        (the default where the model allows it: unquantized CUDA layers) calls the model's own ``load_weights``, whose per-parameter loaders copy
+        each tensor into its fused q/k/v or gate/up parameter in place; "reload" goes through
+        vLLM's in-place reload (``Worker.reload_weights``), which also re-runs each layer's
+        post-load processing once all its tensors arrived (quantized or repacked layers, e.g.
+        vLLM-CPU's GEMM weights, need it). The
         iterable is consumed lazily, one tensor at a time, so a bucketed gather from FSDP shards or
         a broadcast is never materialised twice: pass *one* iterable over all buckets (a layer
         split across two calls would be processed half-loaded, hence the completeness check).
@@ -384,8 +401,14 @@ class VLLMRolloutEngine:
                 yield name, t
 
         self._weights_valid = False  # until the whole set is in
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checked(),
-                                                          "is_checkpoint_format": True})
+        if self.weight_load_path == "direct":
+            # the model's own loaders copy each tensor into its (fused) parameter in place: no
+            # layer-wise post-processing, which unquantized CUDA layers do not need
+            vllm_model: Any = self.model  # vLLM's model class (not an HF module): its own loader
+            vllm_model.load_weights(checked())
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checked(),
+                                                              "is_checkpoint_format": True})
         missing = self.weight_names - received
         if missing:
             raise ValueError(f"load_weights: {len(missing)} of the model's tensors were not "

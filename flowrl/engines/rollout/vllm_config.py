@@ -14,6 +14,7 @@ from flowrl.engines.base import SamplingConfig
 
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGPROBS_MODES = ("tempered", "processed")
+WEIGHT_LOADS = ("auto", "direct", "reload")
 # head sizes vLLM 0.32's CPU attention kernel accepts (vllm/v1/attention/backends/cpu_attn.py)
 # KV cache per rank on CPU when rollout.vllm.kv_cache_memory_gb is null: vLLM-CPU would otherwise
 # take gpu_memory_utilization x the host's RAM per engine, and 2 ranks x 2 engines on one host asked
@@ -112,6 +113,12 @@ class VLLMRolloutConfig:
             2,048 sequences; 2 engines 1.78x, 8 engines 2.54x; benchmarks/results/rollout_h200.md).
             A partitioned rollout pool always uses child processes (an in-process engine would
             build its process groups over the whole world): 0 there means 1.
+        weight_load: how a weight sync enters the engine: "direct" = the vLLM model's own
+            ``load_weights`` (each tensor copied into its fused parameter in place), "reload" =
+            vLLM's ``reload_weights`` (adds each layer's post-load processing: needed by quantized
+            or repacked layers), "auto" = direct when every parameter of vLLM's model kept its
+            loader after loading (unquantized CUDA layers), else reload (vLLM-CPU repacks its
+            GEMM weights after loading and drops them).
     """
 
     gpu_memory_utilization: float = 0.5
@@ -129,6 +136,7 @@ class VLLMRolloutConfig:
     seed: int = 0
     model_dir: Optional[str] = None
     engine_procs: Optional[int] = None
+    weight_load: str = "auto"  # "auto" | "direct" | "reload" (OmegaConf has no Literal)
 
     def __post_init__(self) -> None:
         if self.engine_procs is not None and self.engine_procs < 0:
@@ -159,6 +167,9 @@ class VLLMRolloutConfig:
             raise ValueError(f"rollout.vllm.dtype must be one of {VLLM_DTYPES}, got {self.dtype!r}")
         if self.sleep_level not in (0, 1, 2):
             raise ValueError(f"rollout.vllm.sleep_level must be 0, 1 or 2, got {self.sleep_level}")
+        if self.weight_load not in WEIGHT_LOADS:
+            raise ValueError(f"rollout.vllm.weight_load must be one of {WEIGHT_LOADS}, "
+                             f"got {self.weight_load!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"rollout.vllm.logprobs_mode must be one of {LOGPROBS_MODES}, "
                              f"got {self.logprobs_mode!r}")
