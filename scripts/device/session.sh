@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One lease of the lent H200, phase by phase: each device call runs one phase (the machine is given
+# back 30 s after a call, so the calls go in a row, prepared here). Everything installed lives in
+# the device's /tmp while the machine stays warm.
+#
+# Here, once: ../shared/tools/vllm-on-device.sh prepare; bash scripts/device/wheels.sh;
+#             bash scripts/device/smollm2_pieces.sh split 2
+# Device calls, in a row:
+#   carry [".vllm/p1"]:           bash scripts/device/session.sh piece p1
+#   carry [".vllm/p2"]:           bash scripts/device/session.sh piece p2
+#   carry [".vllm/p3"]:           bash scripts/device/session.sh piece p3
+#   carry [".vllm/p4", ".whl"]:   bash scripts/device/session.sh piece p4
+#   carry [".model/a"]:           bash scripts/device/session.sh model a
+#   carry [".model/b"]:           bash scripts/device/session.sh model b
+#   carry [".vllm/p5"]:           bash scripts/device/session.sh install first_step
+#   (no carry):                   bash scripts/device/session.sh <phase> [<phase> ...]
+# Phases: first_step, nan, learning, e2e, tier (see each below). Results land in $OUT.
+set -uo pipefail
+: "${OUT:?OUT must name the folder that comes back}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false COLUMNS=200 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:/tmp/vsite:/tmp/site:/tmp/smollm2_site${PYTHONPATH:+:$PYTHONPATH}
+COMMIT=$(cat .flowrl_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo "?")
+log() { echo "[$(date -u +%H:%M:%S)] $*"; }
+
+phase_first_step() {  # ~3 min: the default job, job-sized engine vs graphs in process
+  python3 benchmarks/first_step.py --variants default,graphs --timeout-s 200 \
+    --md-out "$OUT/first_step_h200.md" --log-dir "$OUT/first_step_logs"
+}
+phase_nan() {  # ~30 s: cuDNN SDPA on empty query rows, left-padded vs left-aligned
+  if [ -f benchmarks/nan_check_gpu.py ]; then python3 benchmarks/nan_check_gpu.py --md-out "$OUT/nan_h200.md"
+  elif [ -f scripts/nan_check_gpu.py ]; then python3 scripts/nan_check_gpu.py | tee "$OUT/nan_h200.txt"
+  else log "no nan check script"; fi
+}
+phase_learning() {  # ~9 min: the learnable task, full fine-tuning and LoRA side by side
+  if [ -f scripts/device/task_learning_run.sh ]; then
+    FLOWRL_COMMIT=$COMMIT bash scripts/device/task_learning_run.sh
+  else log "no task learning script"; fi
+}
+phase_e2e() {  # ~8 min: flowrl vs TRL, interleaved rounds
+  python3 benchmarks/e2e_vs_trl.py --suite gpu ${E2E_ARGS:-} --out "$OUT/e2e_vs_trl_h200.md" \
+    --json-out "$OUT/e2e_vs_trl_h200.json"
+}
+phase_tier() {  # ~5 min: the GPU tier
+  python3 -m pytest -m "gpu or vllm" tests/gpu/test_train_gpu.py tests/gpu/test_multi_turn_gpu.py \
+    tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
+    2>&1 | tee "$OUT/gpu_tier.log" | tail -n 60
+}
+
+case "${1:-}" in
+piece)
+  mkdir -p /tmp/vparts && cp .vllm/"$2"/* /tmp/vparts/ && ls /tmp/vparts | wc -l
+  if [ -d .whl ]; then mkdir -p /tmp/whl && cp .whl/*.whl /tmp/whl/; fi
+  exit 0 ;;
+model)
+  if [ "$2" = b ]; then bash scripts/device/smollm2_pieces.sh join; else bash scripts/device/smollm2_pieces.sh stash; fi
+  exit $? ;;
+install)
+  shift
+  t0=$SECONDS
+  cp .vllm/p5/* /tmp/vparts/ && bash .vllm/p5/install.sh || { log "vLLM install failed"; exit 3; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/whl/*.whl 2>&1 | grep -v WARNING
+  python3 -c "import vllm, hydra, trl, gguf, math_verify, flowrl; print('ready: vllm', vllm.__version__, 'trl', trl.__version__)" || exit 3
+  nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+  log "installed in $((SECONDS - t0)) s"
+  ;;
+esac
+rc=0
+for p in "$@"; do
+  case "$p" in first_step|nan|learning|e2e|tier) ;; *) continue ;; esac
+  log "phase $p"
+  t0=$SECONDS
+  "phase_$p" || { rc=$?; log "phase $p exit $rc"; }
+  log "phase $p done in $((SECONDS - t0)) s"
+done
+exit $rc
