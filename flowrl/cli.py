@@ -53,7 +53,7 @@ def plan_main(argv: list[str]) -> int:
     cfg = compose(rest)
     if "${hydra:" in str(cfg.trainer._get_node("output_dir")._value()):
         cfg.trainer.output_dir = "(none: plan only)"  # no Hydra run dir exists when planning
-    cfg, plan, resolved = prepare_run(cfg)
+    cfg, plan, resolved = prepare_run(cfg, plan_only=True)  # a teacher may be left unset
     w = world_size(cfg)
     pp = prepare_placement(cfg, plan, w)
     if pp.estimate is None:  # auto attached its own; a missing model file only loses predictions

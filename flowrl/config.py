@@ -20,6 +20,7 @@ from flowrl.engines.config import HFRolloutConfig, RewardModelConfig, TrainEngin
 from flowrl.engines.rollout import ROLLOUT_BACKENDS
 from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
 from flowrl.models.loading import ModelConfig
+from flowrl.models.teacher import TeacherConfig
 from flowrl.runtime.launcher import LauncherConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -212,6 +213,8 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    # the teacher role's model (on-policy distillation); unset = none (flowrl/models/teacher.py)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
 
 def graph_options() -> dict[str, dict[str, Any]]:

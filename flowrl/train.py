@@ -26,11 +26,12 @@ if TYPE_CHECKING:
     from flowrl.machine import Resolved
 
 
-def prepare_run(raw: "DictConfig | dict", overrides: "list[str] | None" = None,
-                ) -> "tuple[TrainConfig, ExecutionPlan, list[Resolved]]":
+def prepare_run(raw: "DictConfig | dict", overrides: "list[str] | None" = None, *,
+                plan_only: bool = False) -> "tuple[TrainConfig, ExecutionPlan, list[Resolved]]":
     """Validate the config, resolve its ``auto`` settings for this machine (returned with their
     reasons) and pre-flight the run (``runtime/preflight.check_run``, given the invocation's
-    command-line ``overrides`` when the caller knows them); loads no model.
+    command-line ``overrides`` when the caller knows them; ``plan_only``: for ``flowrl plan``,
+    which may leave a graph's teacher unset); loads no model.
 
     Raises:
         ConfigError: naming the field, stage, file or row.
@@ -42,7 +43,7 @@ def prepare_run(raw: "DictConfig | dict", overrides: "list[str] | None" = None,
     try:
         cfg = to_train_config(raw)  # a bad field stops here, before torch is imported
         resolved = resolve_machine_defaults(cfg)
-        return cfg, check_run(cfg, raw, overrides), resolved
+        return cfg, check_run(cfg, raw, overrides, plan_only=plan_only), resolved
     except (ValueError, FileNotFoundError) as e:
         raise e if isinstance(e, ConfigError) else ConfigError(str(e)) from e
 

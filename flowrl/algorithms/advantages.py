@@ -6,8 +6,9 @@ Registry calling convention (what ``ops/advantage.py`` does)::
     advantages, returns = est(rewards=..., group_id=..., response_mask=...,
                               token_rewards=None, values=None, cfg=algorithm_config)
 
-Every estimator receives all five tensors (``None`` where the graph has none) plus the
-``AlgorithmConfig``, and returns ``(advantages, returns)``, both (B, R) float32 and exactly 0 at
+Every estimator receives all five tensors (``None`` where the graph has none; a distillation
+estimator, ``est.needs_logprobs``, also ``old_logprobs``, ``teacher_logprobs`` and a task
+estimator's ``advantages``) plus the ``AlgorithmConfig``, and returns ``(advantages, returns)``, both (B, R) float32 and exactly 0 at
 masked positions. Estimators without a critic return ``returns = advantages`` (the reward signal
 the critic-less update would regress to; nothing downstream trains on it). ``est.needs_groups``
 marks group-baseline estimators (rejected for ``n < 2`` by :func:`validate_estimator`),
@@ -42,16 +43,23 @@ class AdvantageEstimator:
     needs_groups: bool = False
     needs_values: bool = False
     produces_returns: bool = False
+    needs_logprobs: bool = False
 
-    def __call__(self, *, rewards: Optional[Tensor], group_id: Optional[Tensor], response_mask: Tensor,
-                 token_rewards: Optional[Tensor] = None, values: Optional[Tensor] = None,
+    def __call__(self, *, rewards: Optional[Tensor] = None, group_id: Optional[Tensor] = None,
+                 response_mask: Tensor, token_rewards: Optional[Tensor] = None,
+                 values: Optional[Tensor] = None, old_logprobs: Optional[Tensor] = None,
+                 teacher_logprobs: Optional[Tensor] = None, advantages: Optional[Tensor] = None,
                  cfg: Any) -> tuple[Tensor, Tensor]:
         if self.needs_groups and group_id is None:
             raise ValueError(f"advantage estimator {self.name!r} needs group_id")
         if self.needs_values and (values is None or token_rewards is None):
             raise ValueError(f"advantage estimator {self.name!r} needs token_rewards and values")
+        if self.needs_logprobs and (old_logprobs is None or teacher_logprobs is None):
+            raise ValueError(f"advantage estimator {self.name!r} needs old_logprobs and teacher_logprobs")
+        extra = {"old_logprobs": old_logprobs, "teacher_logprobs": teacher_logprobs,
+                 "advantages": advantages} if self.needs_logprobs else {}
         return self.fn(rewards=rewards, group_id=group_id, response_mask=response_mask.bool(),
-                       token_rewards=token_rewards, values=values, cfg=cfg)
+                       token_rewards=token_rewards, values=values, cfg=cfg, **extra)
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
@@ -72,7 +80,8 @@ def register_estimator(name: str):
                              "flowrl/algorithms/variants.py (ESTIMATORS)")
         spec = ESTIMATORS[name]
         ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(name, fn, spec.needs_groups,
-                                                        spec.needs_values, spec.produces_returns)
+                                                        spec.needs_values, spec.produces_returns,
+                                                        spec.needs_logprobs)
         return fn
     return deco
 
@@ -291,6 +300,53 @@ def gae(token_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: flo
     return adv.float(), torch.where(mask, adv + v, 0.0).float()
 
 
+def reverse_kl_advantages(student_logprobs: Tensor, teacher_logprobs: Tensor, response_mask: Tensor,
+                          *, coef: float = 1.0, clip: Optional[float] = None,
+                          task_advantages: Optional[Tensor] = None) -> Tensor:
+    """On-policy distillation advantage: the negative per-token reverse KL to the teacher
+    (Agarwal et al. 2024, "On-Policy Distillation of Language Models" (GKD), eq. 3 with the
+    student's own samples; Thinking Machines, "On-Policy Distillation", 2025).
+
+    With y ~ π_student, the per-token estimate of KL(π_student ‖ π_teacher) at position t is
+    log π_student(y_t) − log π_teacher(y_t); its negative is the advantage of token t alone, no
+    discounting (each token is rewarded for its own log-ratio, not for those after it)::
+
+        A_t = coef · clip(log π_teacher(y_t) − log π_student(y_t), −c, c)  [+ task_advantages_t]
+
+    Fed to the policy-gradient loss (stop-gradient on A), the update's expected gradient is the
+    gradient of −reverse KL. Positive where the teacher likes the token more than the student.
+
+    Args:
+        student_logprobs: (B, R) float, log π_student of the sampled tokens (the trainer's
+            ``old_logprobs``, at the sampling temperature).
+        teacher_logprobs: (B, R) float, log π_teacher of the same tokens, same temperature.
+        response_mask: (B, R) bool; masked positions contribute nothing (NaN/inf there is ignored).
+        coef: ``algorithm.distill_coef``, ≥ 0. clip: ``algorithm.distill_clip`` c > 0, or None.
+        task_advantages: optional (B, R) advantages of a task-reward estimator (GRPO + distillation)
+            added unchanged.
+    Returns:
+        (B, R) float32, exactly 0 at masked positions.
+    Raises:
+        ValueError: shapes disagree.
+    """
+    shapes = {tuple(student_logprobs.shape), tuple(teacher_logprobs.shape), tuple(response_mask.shape)}
+    if task_advantages is not None:
+        shapes.add(tuple(task_advantages.shape))
+    if len(shapes) != 1 or student_logprobs.dim() != 2:
+        raise ValueError(f"expected old_logprobs, teacher_logprobs, response_mask (and advantages) "
+                         f"all (B, R); got {tuple(student_logprobs.shape)}, "
+                         f"{tuple(teacher_logprobs.shape)}, {tuple(response_mask.shape)}"
+                         + (f", {tuple(task_advantages.shape)}" if task_advantages is not None else ""))
+    mask = response_mask.bool()
+    ratio = torch.where(mask, teacher_logprobs.float() - student_logprobs.float(), 0.0)
+    if clip is not None:
+        ratio = ratio.clamp(-clip, clip)
+    adv = coef * ratio
+    if task_advantages is not None:
+        adv = adv + task_advantages.float()
+    return torch.where(mask, adv, 0.0)
+
+
 def _check(rewards: Tensor, group_id: Tensor, response_mask: Tensor) -> None:
     if rewards.dim() != 1 or group_id.shape != rewards.shape or response_mask.shape[0] != rewards.shape[0]:
         raise ValueError(f"expected rewards (B,), group_id (B,), response_mask (B, R); got "
@@ -341,3 +397,10 @@ def _gae(*, response_mask, token_rewards, values, cfg, **_):
     if cfg.whiten_advantages:
         adv = whiten(adv, response_mask, eps=cfg.adv_eps)
     return adv, ret
+
+
+@register_estimator("distill")
+def _distill(*, response_mask, old_logprobs, teacher_logprobs, advantages, cfg, **_):
+    a = reverse_kl_advantages(old_logprobs, teacher_logprobs, response_mask, coef=cfg.distill_coef,
+                              clip=cfg.distill_clip, task_advantages=advantages)
+    return a, a

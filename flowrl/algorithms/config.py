@@ -46,6 +46,9 @@ class AlgorithmConfig:
             ``algorithms/variants.py`` ROLLOUT_IS: ``none`` or ``tis`` (truncated importance sampling,
             Yao et al. 2025); needs the batch's rollout_logprobs.
         rollout_is_cap: C of ``tis``: per-token weight min(π_old/π_rollout, C), C >= 1.
+        distill_coef: weight of the per-token reverse-KL advantage of ``advantage.distill``
+            (on-policy distillation: A_t += distill_coef · (log π_teacher − log π_student)).
+        distill_clip: clip that per-token log-ratio to [−c, c] before weighting (None = off).
     """
 
     n: int = 4
@@ -72,6 +75,8 @@ class AlgorithmConfig:
     recompute_old_logprobs: bool = True
     rollout_is: str = "none"
     rollout_is_cap: float = 2.0
+    distill_coef: float = 1.0
+    distill_clip: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not self.recompute_old_logprobs and (self.ppo_epochs > 1 or self.mini_batch_size):
@@ -116,3 +121,7 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.rollout_is_cap must be >= 1, got {self.rollout_is_cap}")
         if self.kl_clamp <= 0:
             raise ValueError(f"algorithm.kl_clamp must be > 0, got {self.kl_clamp}")
+        if self.distill_coef < 0:
+            raise ValueError(f"algorithm.distill_coef must be >= 0, got {self.distill_coef}")
+        if self.distill_clip is not None and self.distill_clip <= 0:
+            raise ValueError(f"algorithm.distill_clip must be > 0 or null, got {self.distill_clip}")

@@ -21,12 +21,16 @@ class EstimatorSpec:
         needs_values: reads the critic's ``values`` and ``token_rewards`` (required op inputs).
         produces_returns: outputs ``returns`` besides ``advantages`` (a return-to-go or the
             critic's regression target).
+        needs_logprobs: reads the student's ``old_logprobs`` and the teacher's
+            ``teacher_logprobs`` (required op inputs) instead of rewards and groups, and takes a
+            task estimator's ``advantages`` as an optional input to add to (distillation).
     """
 
     name: str
     needs_groups: bool = False
     needs_values: bool = False
     produces_returns: bool = False
+    needs_logprobs: bool = False
 
 
 ESTIMATORS: dict[str, EstimatorSpec] = {s.name: s for s in (
@@ -38,6 +42,8 @@ ESTIMATORS: dict[str, EstimatorSpec] = {s.name: s for s in (
     EstimatorSpec("reinforce_pp", produces_returns=True),
     EstimatorSpec("reinforce_pp_baseline", needs_groups=True, produces_returns=True),
     EstimatorSpec("gae", needs_values=True, produces_returns=True),
+    # on-policy distillation (Agarwal et al. 2024; Thinking Machines 2025): per-token reverse KL
+    EstimatorSpec("distill", needs_logprobs=True),
 )}
 
 # update.policy's ``policy_loss`` param: token-level PPO clip, GSPO's sequence-level ratio

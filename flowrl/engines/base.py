@@ -141,7 +141,7 @@ LossFn = Callable[[Mapping[str, "Tensor"], "Tensor", "Tensor | None"],
 
 
 class LogprobEngine(Engine, Protocol):
-    """Scores given responses under a causal LM (role ``ref``, and every actor engine):
+    """Scores given responses under a causal LM (roles ``ref`` and ``teacher``, and every actor engine):
     ``engines/train/local.py`` (one process), its FSDP2 variant (``fsdp.py``), LoRA's
     adapter-disabled reference (``models/lora.py``).
 

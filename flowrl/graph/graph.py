@@ -83,7 +83,7 @@ class Stage:
     Attributes:
         name: unique, no dots.
         op: key in the op registry.
-        role: model the stage uses (actor, rollout, ref, critic, reward_model, genrm) or None.
+        role: model the stage uses (actor, rollout, ref, teacher, critic, reward_model, genrm) or None.
         inputs: op argument → ``"stage.output"``.
         params: overrides of the op's Config fields; values may be OmegaConf interpolations into
             the run config (``${algorithm.n}``), resolved when the plan is compiled.

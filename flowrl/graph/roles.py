@@ -18,6 +18,8 @@ ROLES: dict[str, RoleSpec] = {
     "actor": RoleSpec("train"),
     "critic": RoleSpec("train"),
     "ref": RoleSpec("frozen"),
+    # on-policy distillation: its own frozen model (teacher.path), never synced
+    "teacher": RoleSpec("frozen"),
     "rollout": RoleSpec("generate", weights_from="actor"),
     "reward_model": RoleSpec("frozen"),
     "genrm": RoleSpec("generate"),

@@ -6,7 +6,10 @@ Every op takes ``rewards`` (B,) float32 (NaN = unscorable), ``group_id`` (B,) in
 ``reward.token_rewards``: sequence reward on the last valid token, minus in-reward KL) and
 ``values`` (B, R) float32 (from the critic's ``values`` stage). Estimators flagged ``needs_values``
 (GAE) declare ``token_rewards`` and ``values`` as *required*, so an unbound one is a graph
-validation error before any model loads.
+validation error before any model loads. A distillation estimator (``needs_logprobs``:
+``advantage.distill``) takes instead ``old_logprobs`` (B, R) float32 (the student's), and
+``teacher_logprobs`` (B, R) float32 (the ``teacher`` role's ``logprobs`` stage), both required,
+plus an optional task estimator's ``advantages`` (B, R) to add to; it logs ``distill/*``.
 
 Outputs: ``advantages`` (B, R) float32, 0 at masked positions; estimators flagged
 ``produces_returns`` (GAE, REINFORCE++ and its baseline variant) also output ``returns`` (B, R)
@@ -15,7 +18,7 @@ float32 (GAE: the critic's regression target A + V; REINFORCE++: the return-to-g
 
 Group estimators reject ``algorithm.n < 2`` in ``flowrl.train.prepare`` (``validate_estimator``),
 before any model loads. The config each estimator reads (``adv_eps``,
-``gamma``, ``lam``, ``whiten_advantages``) is the run's ``algorithm`` resource. The ops'
+``gamma``, ``lam``, ``whiten_advantages``, ``distill_coef``, ``distill_clip``) is the run's ``algorithm`` resource. The ops'
 declarations (inputs, outputs) are in ``ops/builtin.py``, made from ``algorithms/variants.py``.
 """
 from __future__ import annotations
@@ -48,17 +51,36 @@ def log_advantage_metrics(ctx: StageContext, advantages: Tensor, response_mask: 
         ctx.log(**{"returns/mean": torch.where(mask, returns, 0.0).sum() / mask.sum().clamp(min=1)})
 
 
+def log_distill_metrics(ctx: StageContext, student: Tensor, teacher: Tensor, response_mask: Tensor,
+                        clip: Optional[float]) -> None:
+    """``distill/reverse_kl``: mean over valid tokens of log π_student − log π_teacher (the
+    per-token estimate of KL(π_student ‖ π_teacher), nats; it falls as the student learns);
+    ``distill/reverse_kl_seq``: its sum per sequence, mean over sequences; with
+    ``algorithm.distill_clip``, ``distill/clip_frac``: share of valid tokens whose log-ratio
+    was clipped."""
+    mask = response_mask.bool()
+    kl = torch.where(mask, student.float() - teacher.float(), 0.0)
+    n = mask.sum().clamp(min=1)
+    ctx.log(**{"distill/reverse_kl": kl.sum() / n, "distill/reverse_kl_seq": kl.sum(-1).mean()})
+    if clip is not None:
+        ctx.log(**{"distill/clip_frac": ((kl.abs() > clip) & mask).sum() / n})
+
+
 def make_advantage_op(est: AdvantageEstimator) -> Callable[..., dict]:
     """The op function of estimator ``est``; it calls ``est`` with the run's AlgorithmConfig."""
 
-    def op(ctx: StageContext, cfg: NoConfig, *, rewards, group_id, response_mask,
-           token_rewards=None, values=None) -> dict:
+    # **inputs: the op's declared inputs besides response_mask (the executor passes each, None
+    # for an unbound optional one); a distillation op's differ from a reward estimator's
+    def op(ctx: StageContext, cfg: NoConfig, *, response_mask, **inputs) -> dict:
+        algo = ctx.resource("algorithm")
         try:
-            adv, ret = est(rewards=rewards, group_id=group_id, response_mask=response_mask,
-                           token_rewards=token_rewards, values=values, cfg=ctx.resource("algorithm"))
+            adv, ret = est(response_mask=response_mask, cfg=algo, **inputs)
         except ValueError as e:  # bad shapes: say which stage got them
             raise ValueError(f"stage '{ctx.stage}' ({op_name}): {e}") from e
         log_advantage_metrics(ctx, adv, response_mask, ret if est.produces_returns else None)
+        if est.needs_logprobs:
+            log_distill_metrics(ctx, inputs["old_logprobs"], inputs["teacher_logprobs"],
+                                response_mask, algo.distill_clip)
         return {"advantages": adv, "returns": ret} if est.produces_returns else {"advantages": adv}
 
     op_name = f"advantage.{est.name}"

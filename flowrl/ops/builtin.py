@@ -216,10 +216,18 @@ def _advantage_ops() -> list[OpSpec]:
     """One op per estimator of ``algorithms/variants.py``: estimators that read the critic
     (GAE) require ``token_rewards`` and ``values`` (an unbound one is a validation error before
     any model loads), the others take them optionally; only estimators whose returns differ from
-    the advantages output ``returns``."""
+    the advantages output ``returns``. A distillation estimator (``needs_logprobs``) reads the
+    student's and the teacher's logprobs of the sampled tokens, and optionally a task
+    estimator's ``advantages`` to add its own to (GRPO + distillation)."""
     out = []
     for name, est in ESTIMATORS.items():
         critic = ("token_rewards", "values")
+        if est.needs_logprobs:
+            out.append(_op(
+                f"advantage.{name}", "advantage", f"Advantages from estimator {name!r}",
+                inputs=("response_mask", "old_logprobs", "teacher_logprobs"),
+                optional_inputs=("advantages",), outputs=("advantages",)))
+            continue
         out.append(_op(
             f"advantage.{name}", "advantage", f"Advantages from estimator {name!r}",
             inputs=("rewards", "group_id", "response_mask") + (critic if est.needs_values else ()),
@@ -267,7 +275,7 @@ BUILTIN_OPS: list[OpSpec] = [
         outputs=("token_rewards",)),
     _op("logprobs", "logprobs", "Log-probabilities of the responses at the sampling temperature",
         inputs=PROMPT + RESPONSE, optional_inputs=("rollout_logprobs",), outputs=("logprobs",),
-        config=LogprobsConfig, roles=("actor", "ref")),
+        config=LogprobsConfig, roles=("actor", "ref", "teacher")),
     _op("values", "critic", "Critic values V(s_t) at the response positions",
         inputs=PROMPT + RESPONSE, outputs=("values",), roles=("critic",)),
     *_advantage_ops(),

@@ -29,7 +29,7 @@ class StageContext(Generic[E]):
         step: 1-based training step.
         engine: the engine of the stage's role, typed by the role's Protocol
             (``engines/base.py``: ``RolloutEngine`` for ``rollout``/``genrm``, ``TrainEngine``
-            for ``actor``, ``LogprobEngine`` for ``ref``, ``ValueEngine`` for ``critic``,
+            for ``actor``, ``LogprobEngine`` for ``ref`` and ``teacher``, ``ValueEngine`` for ``critic``,
             ``RewardScorer`` for ``reward_model``), or None for role-less ops.
         resources: run-wide shared objects by name: ``tokenizer``, ``prompts`` (the stateful prompt
             source), ``algorithm`` (AlgorithmConfig), ``sampling`` (SamplingConfig).

@@ -30,12 +30,13 @@ class ConfigError(ValueError):
     """The run was rejected before any model loaded (bad config, graph or file); nothing ran."""
 
 
-def check_run(cfg: "TrainConfig", raw: Any,
-              overrides: Optional[list[str]] = None) -> "ExecutionPlan":
+def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = None, *,
+              plan_only: bool = False) -> "ExecutionPlan":
     """The plan of a validated, machine-resolved ``cfg`` (``raw``: the composed config the
     graph's ``when:`` / ``${...}`` params resolve against), with every check a run needs before
     its models load. ``overrides``: the invocation's command-line overrides (default: Hydra's,
     when a Hydra job runs), which a refused resume repeats in the command it prints.
+    ``plan_only`` (``flowrl plan``): a graph's teacher may be left unset (the plan says so).
 
     Raises:
         ValueError / GraphError / FileNotFoundError / PlacementError: naming the field, stage,
@@ -55,6 +56,8 @@ def check_run(cfg: "TrainConfig", raw: Any,
     if "reward_model" in plan.roles and cfg.reward.model.model is None:
         raise ValueError("the graph has a reward_model stage: set reward.model.model "
                          "(a local sequence-classification checkpoint, or tiny for tests)")
+    if "teacher" in plan.roles:
+        check_teacher_role(cfg, plan, plan_only)
     from flowrl.ops.token_rewards import check_kl_in_reward
 
     check_kl_in_reward(plan, cfg.algorithm)
@@ -167,6 +170,27 @@ def check_partitioned_run(placement: "PlacementPlan", cfg: "TrainConfig") -> Non
             f"placement.staleness={placement.staleness} trains on batches up to "
             f"{placement.staleness} weight versions old: the trainer must recompute old logprobs "
             "(set algorithm.recompute_old_logprobs=true, or placement.staleness=0)")
+
+
+def check_teacher_role(cfg: "TrainConfig", plan: "ExecutionPlan", plan_only: bool = False) -> None:
+    """A graph with a ``teacher`` stage needs a teacher model with the student's vocabulary
+    (``flowrl/models/teacher.check_teacher``: config.json / GGUF metadata and tokenizer files
+    only); the plan names what serves the role.
+
+    Raises:
+        ValueError: no teacher set (unless ``plan_only``), or a vocabulary that differs, one
+            line naming ``teacher.path`` and the field.
+    """
+    from flowrl.models.teacher import check_teacher, teacher_summary
+
+    if cfg.teacher.is_set:
+        check_teacher(cfg.model, cfg.teacher)
+    elif not plan_only:
+        stage = next(c.stage.name for c in plan.stages if c.stage.role == "teacher")
+        raise ValueError(f"stage '{stage}' runs role teacher, but no teacher is set: give "
+                         "teacher.path=<HF model dir or flowrl export> (it must share the "
+                         "student's tokenizer), or teacher=tiny for a tiny random one")
+    plan.served_by["teacher"] = teacher_summary(cfg.teacher)
 
 
 def _check_estimators(plan: "ExecutionPlan", cfg: "TrainConfig") -> None:

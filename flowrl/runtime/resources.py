@@ -3,7 +3,8 @@ config, and what the ops are handed beside them (``RunResources``).
 
 The factory loads the model once, straight onto the run's device, and derives every role's
 engine from it: the actor (FSDP2 over the pool's process group when the pool trains on several
-ranks, or when asked), the frozen reference, the critic (value head on the initial weights), a
+ranks, or when asked), the frozen reference, the frozen teacher (distillation: the one role
+loaded from a model of its own, ``teacher``), the critic (value head on the initial weights), a
 reward model, a generative judge, and the rollout engine last (an HF engine with its own copy
 casts ``model`` to its dtype, so every other role copies the initial weights before that).
 """
@@ -45,6 +46,7 @@ class Engines:
     Attributes:
         actor: the trained policy (a LoRA actor: adapters over frozen base weights).
         ref: frozen reference (a copy of the initial policy; LoRA: the actor, adapters disabled).
+        teacher: frozen teacher of on-policy distillation (its own model, ``teacher``; never synced).
         critic: value model (PPO).
         rollout: generation engine (HF or vLLM); colocated on one process it shares the actor's module.
         reward_model: sequence-classification RM.
@@ -53,6 +55,7 @@ class Engines:
 
     actor: Optional["TrainEngine"] = None
     ref: Optional["LogprobEngine"] = None
+    teacher: Optional["LogprobEngine"] = None
     critic: Optional["ValueEngine"] = None
     rollout: Optional["RolloutEngine"] = None
     reward_model: Optional["RewardScorer"] = None
@@ -61,8 +64,8 @@ class Engines:
     def by_role(self) -> dict[str, "Engine"]:
         """The engines that exist, keyed by role (what the ops' contexts are handed)."""
         roles: dict[str, Optional[Engine]] = {
-            "actor": self.actor, "ref": self.ref, "critic": self.critic, "rollout": self.rollout,
-            "reward_model": self.reward_model, "genrm": self.genrm}
+            "actor": self.actor, "ref": self.ref, "teacher": self.teacher, "critic": self.critic,
+            "rollout": self.rollout, "reward_model": self.reward_model, "genrm": self.genrm}
         return {r: e for r, e in roles.items() if e is not None}
 
     def get(self, role: Optional[str]) -> Optional["Engine"]:
@@ -120,7 +123,8 @@ class Engines:
         nothing. Run on the way out of every job, error or not (torchrun waits for child
         processes an engine left behind)."""
         engines = list(self.by_role().values())
-        self.actor = self.ref = self.critic = self.rollout = self.reward_model = self.genrm = None
+        self.actor = self.ref = self.teacher = self.critic = self.rollout = None
+        self.reward_model = self.genrm = None
         for eng in engines:
             eng.close()
 
@@ -237,6 +241,9 @@ def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
                 engines.ref = AdapterDisabledReference(engines.actor)
     if ref_copy is not None:
         engines.ref = train_cls(ref_copy, cfg.trainer.engine, trainable=False, **kw)
+    if "teacher" in roles:  # distillation: its own model, frozen like the reference, never synced
+        engines.teacher = train_cls(load_model(cfg.teacher, device), cfg.trainer.engine,
+                                    trainable=False, **kw)
     if "reward_model" in roles:  # classifier RM, frozen
         from flowrl.engines.reward_model import RewardModelEngine, load_reward_model
 
@@ -313,11 +320,12 @@ def resolve_offload(cfg: "TrainConfig", engines: Engines) -> tuple[bool, str]:
 
     state = 0
     models: list[tuple[str, Optional[LogprobEngine | Trainable]]] = [
-        ("actor", engines.actor), ("critic", engines.critic), ("ref", engines.ref)]
+        ("actor", engines.actor), ("critic", engines.critic), ("ref", engines.ref),
+        ("teacher", engines.teacher)]
     for role, eng in models:
         if eng is not None and not isinstance(eng, AdapterDisabledReference):
             # frozen tensors (a reference, a LoRA actor's base) hold no grads or AdamW moments
-            state += sum(p.numel() * (16 if p.requires_grad and role != "ref" else 4)
+            state += sum(p.numel() * (16 if p.requires_grad and role not in ("ref", "teacher") else 4)
                          for p in eng.model.parameters())
     from flowrl.engines.rollout.hf import HFRolloutEngine
 

@@ -48,7 +48,9 @@ TINY = ["model=tiny", "model.tiny.hidden_size=256", "model.tiny.intermediate_siz
 VLLM = ["rollout=vllm", "rollout.vllm.gpu_memory_utilization=0.05",
         "rollout.vllm.kv_cache_memory_gb=1", "rollout.vllm.max_model_len=512",
         "rollout.vllm.max_num_seqs=64", "rollout.vllm.max_num_batched_tokens=4096"]
-EXTRA = {"ppo": ["trainer.critic_lr=1e-3"]}
+# the distillation graphs' teacher: a tiny random Llama of the student's shape (its own seed)
+TEACHER = ["teacher=tiny", "teacher.tiny.hidden_size=256", "teacher.tiny.intermediate_size=512"]
+EXTRA = {"ppo": ["trainer.critic_lr=1e-3"], "distill": TEACHER, "grpo_distill": TEACHER}
 
 
 def has_vllm() -> bool:

@@ -155,7 +155,8 @@ def test_registry_calling_convention_and_flags():
     B, R = 4, 3
     kw = dict(rewards=torch.tensor([1.0, 0.0, 0.5, 0.5]), group_id=torch.tensor([0, 0, 1, 1]),
               response_mask=torch.ones(B, R, dtype=torch.bool), token_rewards=torch.rand(B, R),
-              values=torch.rand(B, R), cfg=cfg)
+              values=torch.rand(B, R), old_logprobs=-torch.rand(B, R),
+              teacher_logprobs=-torch.rand(B, R), cfg=cfg)  # distill reads the last two
     assert {"grpo", "dr_grpo", "rloo", "rloo_std", "reinforce_pp", "reinforce_pp_baseline", "gae"} <= set(
         ADVANTAGE_ESTIMATORS)
     for name, est in ADVANTAGE_ESTIMATORS.items():
@@ -206,6 +207,7 @@ def test_empty_batch_and_all_masked(name):
     for B in (0, 3):
         kw = dict(rewards=torch.ones(B), group_id=torch.zeros(B, dtype=torch.long),
                   response_mask=torch.zeros(B, 4, dtype=torch.bool), token_rewards=torch.ones(B, 4),
-                  values=torch.ones(B, 4), cfg=cfg)
+                  values=torch.ones(B, 4), old_logprobs=-torch.ones(B, 4),
+                  teacher_logprobs=torch.zeros(B, 4), cfg=cfg)
         adv, ret = ADVANTAGE_ESTIMATORS[name](**kw)
         assert adv.shape == ret.shape == (B, 4) and torch.equal(adv, torch.zeros(B, 4))
