@@ -385,6 +385,12 @@ class _Job:
                 fdist.mark_step(step)  # the peer monitor names a rank that stops making progress
                 place.step(step, self)
                 self.ckpts.poll()
+                if evaluate is not None and ev.every and step % ev.every == 0 and \
+                        (step < T or not ev.after):  # the last step's is the eval after
+                    mid = evaluate(None, logger.eval_progress(f"eval step {step}"))
+                    if mid:  # the rank that evaluated: a held-out accuracy curve in metrics.jsonl
+                        logger.log(step, mid)
+                        logger.print(f"eval step {step}: {eval_line(mid)}")
             place.finish(self)
             self.ckpts.wait()
             if finished:
