@@ -73,6 +73,9 @@ class EvalConfig:
             call at once: on a GPU one call for the whole split is fastest).
         max_new_tokens: greedy decoding budget per answer.
         before / after: evaluate before the first step / after the last one.
+        every: also evaluate after every ``every``-th step (0 = never): ``eval/*`` in that
+            step's ``metrics.jsonl`` line, a held-out accuracy curve (the last step's is
+            ``after``'s).
     """
 
     split: str = "test"
@@ -81,11 +84,14 @@ class EvalConfig:
     max_new_tokens: int = 256  # = SamplingConfig.max_new_tokens: one answer budget for both
     before: bool = True
     after: bool = True
+    every: int = 0
 
     def __post_init__(self) -> None:
         if (self.limit is not None and self.limit < 0) or self.batch_size < 1 or self.max_new_tokens < 1:
             raise ValueError("trainer.eval: limit must be >= 0 or null (the whole split), "
                              "batch_size and max_new_tokens >= 1")
+        if self.every < 0:
+            raise ValueError(f"trainer.eval.every must be >= 0 (0 = only before/after), got {self.every}")
 
 
 @dataclass
@@ -244,14 +250,19 @@ def graph_options() -> dict[str, dict[str, Any]]:
 
 
 def register_configs() -> None:
-    """Register the schema (``conf/train.yaml`` lists it first) and the ``graph`` options
-    (:func:`graph_options`) with Hydra's ConfigStore."""
+    """Register the schema (``conf/train.yaml`` lists it first), the ``graph`` options
+    (:func:`graph_options`) and the ``data`` options (one per bundled dataset, ``data=arith``,
+    ``data=gsm8k``) with Hydra's ConfigStore."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     for name, node in graph_options().items():
         cs.store(group="graph", name=name, node=node, package="_global_")
+    from flowrl.data import DATASETS
+
+    for name in DATASETS:  # data=<name>: a bundled dataset (its settings: data.<name>.*)
+        cs.store(group="data", name=name, node={"name": name}, package="data")
 
 
 def to_train_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import json
 from importlib.resources import files
-from typing import Callable, Optional
+from typing import Optional
 
 SPLITS = ("train", "test")
 
@@ -61,6 +61,3 @@ def load_gsm8k(split: str = "train", limit: Optional[int] = None) -> list[dict[s
     records = _read_split(split)
     return [dict(r) for r in (records if limit is None else records[:limit])]
 
-
-# dataset name -> loader(split, limit); DataConfig.name must be a key
-DATASETS: dict[str, Callable[[str, Optional[int]], list[dict[str, str]]]] = {"gsm8k": load_gsm8k}

@@ -7,9 +7,10 @@ import dataclasses
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
-from flowrl.data.gsm8k import DATASETS, SPLITS
+from flowrl.data.arith import ArithConfig, load_arith
+from flowrl.data.gsm8k import SPLITS, load_gsm8k
 from flowrl.data.sampler import PromptSampler
 
 if TYPE_CHECKING:  # DataConfig is read by the run config, before torch loads
@@ -22,6 +23,8 @@ _RECENT_GROUPS = 1 << 16
 
 DEFAULT_INSTRUCTION = ("Let's reason step by step, then write the final answer on its own line "
                        "as '#### <number>'.")
+# arith's: the same answer line (the gsm8k verifier reads it); see flowrl/data/arith.py
+ARITH_INSTRUCTION = "Write the final answer on its own line as '#### <number>'."
 
 
 @dataclass
@@ -29,8 +32,11 @@ class DataConfig:
     """Which prompts to train (and evaluate) on and how they are rendered.
 
     Attributes:
-        name: bundled dataset, a key of ``flowrl.data.gsm8k.DATASETS`` (``"gsm8k"``); used when
-            ``path`` is null.
+        name: bundled dataset, a key of :data:`DATASETS`: ``"gsm8k"`` (GSM8K, bundled) or
+            ``"arith"`` (generated integer arithmetic, difficulty in ``arith``); used when
+            ``path`` is null. On the command line ``data=<name>`` (``conf/train.yaml`` picks
+            ``arith``).
+        arith: the ``arith`` task's difficulty and split sizes (``flowrl.data.arith``).
         path: your own prompts instead: a local ``.jsonl`` / ``.json`` (array of objects) /
             ``.parquet`` / ``.csv`` file, or a directory ``datasets`` can load (``save_to_disk``
             output, or data files named by split: ``train.jsonl``, ``test.jsonl``).
@@ -52,8 +58,8 @@ class DataConfig:
         system_prompt: system message; None keeps the chat template's default (SmolLM2's
             template then inserts its own "You are a helpful AI assistant named SmolLM..." line).
         instruction: appended to a string prompt on a new line ("" = the prompt only); null =
-            the dataset's own: GSM8K's asks for the ``#### <number>`` answer line, a ``path``
-            has none.
+            the dataset's own (:data:`INSTRUCTIONS`: both bundled ones ask for the
+            ``#### <number>`` answer line), a ``path`` has none.
         response_prefix: text every response starts with, pre-filled after the chat
             template's assistant header before sampling (e.g. ``"<think>\n"``: the policy
             continues an opened reasoning block). It belongs to the prompt: ``prompt_ids`` end
@@ -73,6 +79,7 @@ class DataConfig:
     """
 
     name: str = "gsm8k"
+    arith: ArithConfig = field(default_factory=ArithConfig)
     path: Optional[str] = None
     eval_path: Optional[str] = None
     split: str = "train"
@@ -110,7 +117,7 @@ class DataConfig:
         if self.max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.instruction is None:  # the dataset's own: one home for the GSM8K line
-            self.instruction = DEFAULT_INSTRUCTION if self.path is None else ""
+            self.instruction = INSTRUCTIONS.get(self.name, "") if self.path is None else ""
         if not isinstance(self.instruction, str):
             raise ValueError(f"data.instruction must be a string, got {self.instruction!r}")
         if not isinstance(self.response_prefix, str):
@@ -127,14 +134,23 @@ class DataConfig:
         return f"{self.name}/{self.split}" if self.path is None else str(self.path)
 
 
-# columns of the bundled datasets' records (flowrl.data.gsm8k)
+# columns of the bundled datasets' records (flowrl.data.gsm8k, flowrl.data.arith)
 BUNDLED_COLUMNS = ("question", "answer", "ground_truth")
+
+# bundled dataset name (``data.name``, ``data=<name>``) -> loader(split, limit, data config) ->
+# records with BUNDLED_COLUMNS; both use the ``#### <number>`` answer line of the graphs' verifier
+DATASETS: dict[str, Callable[[str, Optional[int], DataConfig], list[dict[str, str]]]] = {
+    "gsm8k": lambda split, limit, cfg: load_gsm8k(split, limit),
+    "arith": lambda split, limit, cfg: load_arith(split, limit, cfg.arith),
+}
+# bundled dataset name -> its instruction (data.instruction=null)
+INSTRUCTIONS = {"gsm8k": DEFAULT_INSTRUCTION, "arith": ARITH_INSTRUCTION}
 
 
 def _bundled_records(cfg: DataConfig, split: str, limit: Optional[int]) -> tuple[dict, ...]:
     return tuple({"prompt": r["question"], "question": r["question"],
                   "ground_truth": r["ground_truth"], "fields": {k: r[k] for k in cfg.extra_keys}}
-                 for r in DATASETS[cfg.name](split, limit))
+                 for r in DATASETS[cfg.name](split, limit, cfg))
 
 
 def load_records(cfg: DataConfig, split: Optional[str] = None, limit: Optional[int] = None, *,

@@ -53,11 +53,15 @@ class PolicyUpdateConfig:
 @dataclass
 class RuleRewardConfig:
     """verifier: key in ``flowrl.rewards.REWARD_FUNCTIONS``; format_score: reward for a
-    well-formed but wrong answer; fallback_last_number: accept the last number when no ``####``."""
+    well-formed but wrong answer (0: a policy must not earn reward without the right answer, e.g.
+    by a ``#### <a number copied from the question>`` line, issue 25); fallback_last_number:
+    accept the last number when no ``####`` (on: the answer is what the response ends with, in any
+    format, compared exactly; SmolLM2-135M writes ``63 + 78 = 141``, never ``####``, so a strict
+    verifier gives GRPO groups of zeros; ``benchmarks/results/task_baseline_cpu.md``)."""
 
     verifier: str = "gsm8k"
     format_score: float = 0.0
-    fallback_last_number: bool = False
+    fallback_last_number: bool = True
 
     def __post_init__(self) -> None:
         if self.verifier not in REWARD_FUNCTIONS:

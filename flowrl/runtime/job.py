@@ -390,6 +390,12 @@ class _Job:
                     log.info("step %d done %.1f s since the command started", step,
                              since_launch_s())
                 self.ckpts.poll()
+                if evaluate is not None and ev.every and step % ev.every == 0 and \
+                        (step < T or not ev.after):  # the last step's is the eval after
+                    mid = evaluate(None, logger.eval_progress(f"eval step {step}"))
+                    if mid:  # the rank that evaluated: a held-out accuracy curve in metrics.jsonl
+                        logger.log(step, mid)
+                        logger.print(f"eval step {step}: {eval_line(mid)}")
             place.finish(self)
             self.ckpts.wait()
             if finished:

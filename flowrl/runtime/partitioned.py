@@ -424,7 +424,7 @@ class TrainRank(_PoolRank):
         from flowrl.runtime.evaluate import greedy_evaluator
 
         ev = cfg.trainer.eval
-        if not (ev.before or ev.after) or ev.limit == 0:
+        if not (ev.before or ev.after or ev.every) or ev.limit == 0:
             return None
         actor = engines.weight_source("actor")
         if prompts.world_size > 1:  # the train pool's shard of the eval slice: rank 0 evaluates it all

@@ -103,7 +103,7 @@ def test_gpu_recipe_evaluates_the_whole_split():
 
 def test_the_eval_scores_with_the_graphs_own_verifier():
     """eval_scorer reads the graph: its reward.rule stage's verifier and settings (format_score
-    shapes eval/reward_mean, never accuracy); the GSM8K views come only with the gsm8k verifier."""
+    would shape eval/reward_mean, never accuracy); the GSM8K views come only with the gsm8k verifier."""
     from flowrl.compiler.plan import compile_plan
     from flowrl.config import REPO_ROOT
     from flowrl.graph import Graph
@@ -113,7 +113,9 @@ def test_the_eval_scores_with_the_graphs_own_verifier():
     graph = Graph.load(REPO_ROOT / "graphs/grpo.yaml")
     s = eval_scorer(compile_plan(graph, run))
     assert s.name == "reward.rule gsm8k (stage 'reward')"
-    assert s.score(["#### 4", "#### 5", "4"], [{"ground_truth": "4"}] * 3, [0, 1, 2]) == [1.0, 0.1, 0.0]
+    # no format bonus, and the last number answers when there is no #### line (RuleRewardConfig)
+    assert s.score(["#### 4", "#### 5", "4", "x"], [{"ground_truth": "4"}] * 4,
+                   [0, 1, 2, 3]) == [1.0, 0.0, 1.0, 0.0]
     assert s.lenient is not None and s.answer_format is not None
     with pytest.raises(ValueError, match="gsm8k ground_truth must hold a number, got 'forty'"):
         s.check_ground_truth("forty")

@@ -174,7 +174,7 @@ GRAPH_CASES = {
         g, "overlong")["params"].update(buffer_fraction="x")),
         "stage 'overlong', field 'params.buffer_fraction': expected a float, got 'x' (str)"),
     "param_exponent_yaml_reads_as_a_string": ((REPO / "graphs/grpo.yaml").read_text().replace(
-        "format_score: 0.1", "format_score: 1e-1"),
+        "verifier: gsm8k", "verifier: gsm8k\n    format_score: 1e-1"),
         "stage 'reward', field 'params.format_score': expected a float, got '1e-1' (str); YAML "
         "reads 1e-1 as a string: write 1.0e-1"),
     "unknown_param": (_edit(GRPO, lambda g: _stage(g, "reward")["params"].update(
