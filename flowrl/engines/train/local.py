@@ -1,6 +1,7 @@
 """Single-process train engine (actor, critic-free ref). The FSDP2 engine follows the same interface."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -21,6 +22,7 @@ from flowrl.algorithms.packing import pack, packable, unpack
 from flowrl.engines.base import LogprobOutput, LossFn
 from flowrl.engines.config import TrainEngineConfig  # noqa: F401  (trainer.engine; re-exported)
 from flowrl.engines.train.guard import guarded_step
+from flowrl.models.attention import SDPA_FLEX, packed_attention
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +99,9 @@ def _take_rows(batch: Mapping[str, Any], rows: list[int], B: int) -> dict[str, A
 
 _SEQ_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 # attention implementations that run a packed row without a dense (T, T) mask
-_VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
+# (sdpa_flex: flowrl/models/attention.py, flex_attention for packed rows only)
+_VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention",
+                     SDPA_FLEX)
 
 
 def _output_head(model: nn.Module) -> Optional[tuple[nn.Module, nn.Linear]]:
@@ -229,6 +233,12 @@ class LocalTrainEngine:
             kwargs["use_cache"] = False
         return kwargs, pred, packed
 
+    def _forward(self, kwargs: dict[str, Any], packed: bool, **extra: Any) -> Any:
+        """The model's forward; a packed row's under :func:`packed_attention`, so a ``sdpa_flex``
+        model masks it per document with flex_attention (CUDA) instead of a dense mask."""
+        with packed_attention() if packed else contextlib.nullcontext():
+            return self.model(**kwargs, **extra)
+
     def _response_logits(self, mb: Mapping[str, Tensor]) -> tuple[Tensor, bool]:
         """Logits predicting the response tokens (model output at the previous position) and
         whether the layout is packed: padded, (b, R, V) for every response column; packed,
@@ -236,8 +246,8 @@ class LocalTrainEngine:
         kwargs, pred, packed = self._model_inputs(mb)
         if packed:
             if self._logits_to_keep:  # the LM head runs on the N predicting positions only
-                return self.model(**kwargs, logits_to_keep=pred).logits[0], True
-            return self.model(**kwargs).logits.flatten(0, 1)[pred], True
+                return self._forward(kwargs, True, logits_to_keep=pred).logits[0], True
+            return self._forward(kwargs, True).logits.flatten(0, 1)[pred], True
         P, R = mb["prompt_ids"].shape[1], mb["response_ids"].shape[1]
         if self._logits_to_keep:
             # positions P-1 .. P+R-1 (the last predicts past the end and is dropped): the LM head
@@ -251,14 +261,15 @@ class LocalTrainEngine:
         from the model's own forward (so FSDP's hooks run); the LM head runs on one position per
         row only. None when that position's logits show the head is not a plain linear map (the
         caller then takes the plain path, from now on)."""
-        kwargs, pred, _ = self._model_inputs(mb)
+        kwargs, pred, packed = self._model_inputs(mb)
         last = kwargs["input_ids"].shape[1] - 1
         captured: list[Tensor] = []
         # the base model's output[0] is its last_hidden_state (a ModelOutput or a tuple)
         base, head = fused
         handle = base.register_forward_hook(lambda m, a, out: captured.append(out[0]))
         try:
-            logits = self.model(**kwargs, logits_to_keep=torch.tensor([last], device=self.device)).logits
+            logits = self._forward(kwargs, packed,
+                                   logits_to_keep=torch.tensor([last], device=self.device)).logits
         finally:
             handle.remove()
         hidden = captured[-1]
