@@ -13,7 +13,9 @@ Run (one H200, about 2-3 minutes, most of it flex_attention's first compile):
    loss, three layouts: padded SDPA (what every GPU number so far ran), packed with SDPA's dense
    (T, T) mask (``attn=sdpa``, ``padding_free=true``), packed ``sdpa_flex``. Median of 5 timed
    iterations after 2 warm-ups; the first call's seconds (compile) reported apart; MFU against
-   989 TFLOP/s with the e2e benchmark's FLOP count (valid tokens only).
+   989 TFLOP/s with the e2e benchmark's FLOP count (valid tokens only); the stream syncs the host
+   makes inside that micro-batch (``torch.cuda.set_sync_debug_mode("warn")``: each one stalls
+   the host until the GPU has drained, so the next kernels are queued late).
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ def _tiny(kind: str, attn: str, dtype, **shape):
 
 
 def _loss_backward(eng, b):
+    # b on the host, as train_step hands each micro-batch's ids and masks to _logprobs
     lp, _ = eng._logprobs(b, 1.0, with_entropy=False)
     m = b["response_mask"].to(lp.device)
     loss = -(lp * m).sum() / m.sum()
@@ -123,12 +126,25 @@ def speed(iters: int = 5) -> list[list]:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             eng.model.zero_grad(set_to_none=True)
+        syncs = "n/a"
+        if cuda:  # stream syncs the host makes inside one micro-batch (the train loop's body)
+            import warnings
+
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    _loss_backward(eng, b)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            eng.model.zero_grad(set_to_none=True)
+            syncs = str(sum("synchroniz" in str(w.message) for w in caught))
         med = statistics.median(times[2:])
         L, d = shape["num_hidden_layers"], shape["hidden_size"]
         flops = sum(6 * n * s + 6 * L * d * s * s for s in seqs)
         rows.append([label, f"{times[0]:.2f}", f"{med * 1e3:.0f}", f"{valid / med:,.0f}",
                      f"{flops / med / PEAK:.1%}" if cuda else "n/a",
-                     f"{torch.cuda.max_memory_allocated() / 2**30:.1f}" if cuda else "n/a"])
+                     f"{torch.cuda.max_memory_allocated() / 2**30:.1f}" if cuda else "n/a", syncs])
         del eng, model
         if cuda:
             torch.cuda.empty_cache()
@@ -151,7 +167,8 @@ def main() -> int:
     eq_head = ["model", "max |Δ logprob|", "max |Δ grad|", "≤ 1e-4"]
     eq = equivalence()
     print(text_table(eq_head, eq), flush=True)
-    sp_head = ["layout", "first call s", "median ms (fwd+bwd)", "valid tokens/s", "MFU", "peak GiB"]
+    sp_head = ["layout", "first call s", "median ms (fwd+bwd)", "valid tokens/s", "MFU", "peak GiB",
+               "host syncs in the micro-batch"]
     sp = speed(args.iters)
     print(text_table(sp_head, sp), flush=True)
     if args.out:
