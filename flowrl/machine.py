@@ -18,7 +18,8 @@ setting (``auto``)                    CUDA visible                          / CP
                                                                             / ``hf``
 ``rollout.hf.dtype``, ``.vllm.dtype`` ``bfloat16`` (the trainer's compute dtype) / the model's
 ``model.attn_implementation``         ``flash_attention_2`` when ``flash_attn`` imports, else
-                                      ``sdpa``                              / ``sdpa``
+                                      ``sdpa_flex`` (packed micro-batches under flex_attention,
+                                      ``flowrl/models/attention.py``)       / ``sdpa``
 ``trainer.engine.max_tokens_per_      16384 valid tokens per micro-batch (token-budget bins)
 micro_batch`` (null)                                                        / null (rows)
 ====================================  ===========================================================
@@ -128,10 +129,13 @@ def resolve_machine_defaults(cfg, *, cuda: bool | None = None, vllm: bool | None
             if name.split(".")[1] == r.backend:
                 out.append(Resolved(name, compute, "the trainer's compute dtype"))
     if m.attn_implementation == "auto":
-        m.attn_implementation = "flash_attention_2" if on_gpu and flash_attn else "sdpa"
+        # without flash-attn, sdpa_flex: packed micro-batches document-masked by flex_attention
+        # (a dense (T, T) SDPA mask would compute every cross-document score)
+        m.attn_implementation = ("flash_attention_2" if flash_attn else "sdpa_flex") if on_gpu else "sdpa"
         out.append(Resolved("model.attn_implementation", m.attn_implementation,
-                            "flash-attn installed" if m.attn_implementation != "sdpa" else
-                            ("flash-attn not installed" if on_gpu else "CPU")))
+                            {"flash_attention_2": "flash-attn installed",
+                             "sdpa_flex": "flash-attn not installed: SDPA, and flex_attention for "
+                                          "packed micro-batches", "sdpa": "CPU"}[m.attn_implementation]))
     return out
 
 

@@ -101,7 +101,8 @@ class TrainEngineConfig:
         padding_free: pack each micro-batch's valid tokens into one row with per-sequence position
             ids and document-masked attention (``algorithms/packing.py``), so no padding token is
             computed. ``auto`` = on for transformers models on CUDA whose attention implementation
-            handles packed rows without a dense mask (``flash_attention_*``, ``flex_attention``;
+            handles packed rows without a dense mask (``flash_attention_*``, ``flex_attention``,
+            ``sdpa_flex``, the GPU default without flash-attn;
             under ``sdpa``/``eager`` transformers builds a dense (T, T) mask over the packed row
             and attention cost grows with the square of the micro-batch's tokens); ``true`` /
             ``false`` force it (``true`` needs a transformers model). A micro-batch whose rows are

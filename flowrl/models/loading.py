@@ -34,7 +34,8 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")  # torch dtypes by name (ModelC
 # "auto" is resolved from the machine before a run loads anything (flowrl/machine.py); a config
 # loaded outside a run (a reward model, a test) reads it as fp32 / SDPA
 MODEL_DTYPES = ("auto", *DTYPE_NAMES)
-ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
+# sdpa_flex: SDPA, with flex_attention for the train engine's packed rows (models/attention.py)
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention", "sdpa_flex")
 
 
 def tiny_model_config(kind: str = "llama") -> dict[str, Any]:
@@ -72,8 +73,11 @@ class ModelConfig:
             on CUDA through the train engine's mixed precision; ``flowrl/machine.py``),
             ``float32``, ``bfloat16`` (pure bf16 weights and optimizer), ``float16``.
         attn_implementation: ``auto`` (default: ``flash_attention_2`` on CUDA when flash-attn is
-            installed, else ``sdpa``), ``sdpa``, ``eager``, ``flash_attention_2`` or ``flex_attention``
-            (torch flex_attention: packed micro-batches run document-masked without a dense mask).
+            installed, else ``sdpa_flex`` on CUDA and ``sdpa`` on CPU), ``sdpa``, ``eager``,
+            ``flash_attention_2``, ``flex_attention`` (torch flex_attention everywhere) or
+            ``sdpa_flex`` (SDPA, except the train engine's packed micro-batches: document-masked
+            flex_attention on CUDA, a dense block-diagonal SDPA mask on CPU;
+            ``flowrl/models/attention.py``).
         gradient_checkpointing: enable activation checkpointing on the loaded model.
         lora: train LoRA adapters (``flowrl/models/lora.py``: rank, alpha, dropout,
             target_modules, modules_to_save); None (default) = full fine-tuning. Set from the
@@ -129,7 +133,12 @@ class ModelConfig:
 
     @property
     def attn(self) -> str:
-        """The attention implementation handed to transformers (``auto`` unresolved: sdpa)."""
+        """The attention implementation handed to transformers (``auto`` unresolved: sdpa);
+        ``sdpa_flex`` is registered with transformers on first use."""
+        if self.attn_implementation == "sdpa_flex":
+            from flowrl.models.attention import register_sdpa_flex
+
+            register_sdpa_flex()
         return "sdpa" if self.attn_implementation == "auto" else self.attn_implementation
 
     @property

@@ -294,3 +294,23 @@ def test_config_validation_names_the_field():
         HFRolloutConfig(compile=True)
     with pytest.raises(ValueError, match="batch_size"):
         HFRolloutConfig(batch_size=0)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 0.0])
+def test_logprob_recorder_equals_token_logprobs_bit_for_bit(temperature):
+    """The recorder splits token_logprobs over two decoding steps (scores / T and their logsumexp
+    at step t, the pick at t+1) and keeps no copy of the scores: same values, bit for bit, and
+    an in-place change of the scores after the recorder (a later processor) changes nothing."""
+    from flowrl.algorithms.logprobs import token_logprobs
+    from flowrl.engines.rollout.hf import _LogprobRecorder
+
+    g = torch.Generator().manual_seed(0)
+    steps = [torch.randn(3, 50, generator=g) * 4 for _ in range(4)]
+    tokens = torch.randint(0, 50, (3, 4), generator=g)
+    rec = _LogprobRecorder(temperature)
+    for t, scores in enumerate(steps):
+        ids = tokens[:, :t] if t else torch.zeros(3, 1, dtype=torch.long)
+        rec(ids, scores.clone()).mul_(0.0)  # the copy of a later in-place processor
+    got = rec.finish(tokens)
+    want = token_logprobs(torch.stack(steps, 1), tokens, temperature)
+    assert torch.equal(got, want)

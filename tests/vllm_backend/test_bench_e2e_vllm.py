@@ -15,7 +15,7 @@ def test_flowrl_vllm_run_reports_engine_and_stages(tmp_path):
     out, js = tmp_path / "e2e.md", tmp_path / "e2e.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "e2e_vs_trl.py"), "--model", "tiny", "--rollout", "vllm",
-         "--only", "flowrl", "--steps", "2", "--prompts-per-step", "2", "--n", "2", "--max-new-tokens", "8",
+         "--only", "flowrl", "--steps", "2", "--warmup", "0", "--prompts-per-step", "2", "--n", "2", "--max-new-tokens", "8",
          "--micro-batch-size", "2", "--out", str(out), "--json-out", str(js), "--child-timeout", "400"],
         cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

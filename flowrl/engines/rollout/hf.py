@@ -25,7 +25,6 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from flowrl.algorithms.logprobs import token_logprobs
 from flowrl.algorithms.masks import response_mask
 from flowrl.engines.base import RolloutBatch, SamplingConfig
 from flowrl.engines.config import HFRolloutConfig  # noqa: F401  (rollout.hf; re-exported)
@@ -40,18 +39,23 @@ class _LogprobRecorder(LogitsProcessor):
 
     def __init__(self, temperature: float) -> None:
         self.temperature = temperature
-        self.pending: Optional[Tensor] = None  # (B, V) fp32 scores of the previous step
+        # previous step: (B, V) fp32 scores / T and their (B,) logsumexp
+        self.pending: Optional[tuple[Tensor, Tensor]] = None
         self.logprobs: list[Tensor] = []
 
     def _score(self, tokens: Tensor) -> None:
         if self.pending is not None:
-            lp = token_logprobs(self.pending.unsqueeze(1), tokens.unsqueeze(1), self.temperature)
-            self.logprobs.append(lp.squeeze(1))
+            x, lse = self.pending
+            self.logprobs.append(x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse)
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         self._score(input_ids[:, -1])
-        # clone: later processors may be (or become) in-place
-        self.pending = scores.detach().float().clone()
+        # token_logprobs' arithmetic (scores / T, then picked - logsumexp), split over two steps.
+        # The division makes a tensor this recorder owns, so later (possibly in-place)
+        # processors cannot change it: no defensive copy of the (B, V) scores per step
+        t = self.temperature if self.temperature > 0 else 1.0
+        x = scores.detach().float() / t
+        self.pending = (x, torch.logsumexp(x, dim=-1))
         return scores
 
     def finish(self, sequences: Tensor) -> Tensor:
@@ -127,7 +131,7 @@ class HFRolloutEngine:
             within ``max_new_tokens``. ``rollout_logprobs`` (0 where the mask is False):
 
             - ``logprobs_mode="tempered"``: log softmax(logits / T)[token] over the full vocabulary
-              (T = 1 for greedy), computed by the same ``token_logprobs`` the trainer uses. With
+              (T = 1 for greedy), with the arithmetic of the trainer's ``token_logprobs``. With
               top_p = 1 and top_k = 0 this is exactly the sampling distribution and equals the
               trainer's recomputation up to kernel noise. With top-p/top-k the token was drawn from
               the truncated, renormalised distribution; its true sampler logprob is this value minus

@@ -1,6 +1,7 @@
 """Single-process train engine (actor, critic-free ref). The FSDP2 engine follows the same interface."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -21,6 +22,7 @@ from flowrl.algorithms.packing import pack, packable, unpack
 from flowrl.engines.base import LogprobOutput, LossFn
 from flowrl.engines.config import TrainEngineConfig  # noqa: F401  (trainer.engine; re-exported)
 from flowrl.engines.train.guard import guarded_step
+from flowrl.models.attention import SDPA_FLEX, packed_attention
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +93,33 @@ def _take_rows(batch: Mapping[str, Any], rows: list[int], B: int) -> dict[str, A
     if rows and rows == list(range(rows[0], rows[-1] + 1)):
         return _slice_batch(batch, rows[0], rows[-1] + 1, B)
     idx = torch.tensor(rows, dtype=torch.long)
-    return {k: (v[idx.to(v.device)] if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == B
+    on: dict[torch.device, Tensor] = {}  # the index on each device, copied once
+
+    def index(device: torch.device) -> Tensor:
+        if device not in on:  # pinned + non-blocking: a blocking H2D copy would sync the stream
+            on[device] = idx if device.type == "cpu" else (
+                idx.pin_memory().to(device, non_blocking=True) if device.type == "cuda"
+                else idx.to(device))
+        return on[device]
+
+    return {k: (v[index(v.device)] if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == B
                 else v) for k, v in batch.items()}
 
 
 _SEQ_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+
+
+def _host_sequences(batch: Mapping[str, Any]) -> dict[str, Tensor]:
+    """The token ids and masks of ``batch`` on the host: one device-to-host copy per call, so the
+    micro-batch loop's index work (trimming, packing, picking valid labels) needs no per-micro-batch
+    stream sync; the forward's inputs then go back through pinned, non-blocking copies."""
+    return {k: batch[k].cpu() for k in _SEQ_KEYS}
+
+
 # attention implementations that run a packed row without a dense (T, T) mask
-_VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
+# (sdpa_flex: flowrl/models/attention.py, flex_attention for packed rows only)
+_VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention",
+                     SDPA_FLEX)
 
 
 def _output_head(model: nn.Module) -> Optional[tuple[nn.Module, nn.Linear]]:
@@ -209,8 +231,10 @@ class LocalTrainEngine:
         """Model kwargs of a (trimmed) micro-batch, the flat index (into the rows x length
         positions) of the output predicting each valid response token (row-major), and whether
         the layout is packed (one row, ``TrainEngineConfig.padding_free``) or padded (b rows)."""
-        p_ids, p_mask = mb["prompt_ids"].to(self.device), mb["prompt_mask"].bool().to(self.device)
-        r_ids, r_mask = mb["response_ids"].to(self.device), mb["response_mask"].bool().to(self.device)
+        # the index work (packing, predictor positions) runs where the micro-batch is (the host,
+        # as the stages hand it over): on the device its boolean indexing would sync the stream
+        p_ids, p_mask = mb["prompt_ids"], mb["prompt_mask"].bool()
+        r_ids, r_mask = mb["response_ids"], mb["response_mask"].bool()
         if self._padding_free and packable(p_mask, r_mask):
             pk = pack(p_ids, p_mask, r_ids, r_mask)
             # no attention_mask: transformers then reads the packing from the position ids
@@ -222,12 +246,29 @@ class LocalTrainEngine:
             attn = torch.cat([p_mask, response_attention_mask(r_mask)], dim=1)
             kwargs = dict(input_ids=torch.cat([p_ids, r_ids], dim=1), attention_mask=attn.long(),
                           position_ids=position_ids_from_mask(attn))
-            cols = torch.arange(P - 1, P + R - 1, device=self.device)
-            rows = torch.arange(r_ids.shape[0], device=self.device)[:, None] * (P + R)
+            cols = torch.arange(P - 1, P + R - 1, device=r_mask.device)
+            rows = torch.arange(r_ids.shape[0], device=r_mask.device)[:, None] * (P + R)
             pred, packed = (rows + cols)[r_mask], False
+        kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
         if self._use_cache:
             kwargs["use_cache"] = False
-        return kwargs, pred, packed
+        return kwargs, self._to_device(pred), packed
+
+    def _to_device(self, t: Tensor) -> Tensor:
+        """``t`` on the engine's device. A host tensor goes to a CUDA device through pinned memory
+        without blocking: a pageable or blocking copy waits for the stream, i.e. for the previous
+        micro-batch's backward, so the host could not queue the next forward ahead of the GPU."""
+        if t.device == self.device:
+            return t
+        if t.device.type == "cpu" and self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _forward(self, kwargs: dict[str, Any], packed: bool, **extra: Any) -> Any:
+        """The model's forward; a packed row's under :func:`packed_attention`, so a ``sdpa_flex``
+        model masks it per document with flex_attention (CUDA) instead of a dense mask."""
+        with packed_attention() if packed else contextlib.nullcontext():
+            return self.model(**kwargs, **extra)
 
     def _response_logits(self, mb: Mapping[str, Tensor]) -> tuple[Tensor, bool]:
         """Logits predicting the response tokens (model output at the previous position) and
@@ -236,8 +277,8 @@ class LocalTrainEngine:
         kwargs, pred, packed = self._model_inputs(mb)
         if packed:
             if self._logits_to_keep:  # the LM head runs on the N predicting positions only
-                return self.model(**kwargs, logits_to_keep=pred).logits[0], True
-            return self.model(**kwargs).logits.flatten(0, 1)[pred], True
+                return self._forward(kwargs, True, logits_to_keep=pred).logits[0], True
+            return self._forward(kwargs, True).logits.flatten(0, 1)[pred], True
         P, R = mb["prompt_ids"].shape[1], mb["response_ids"].shape[1]
         if self._logits_to_keep:
             # positions P-1 .. P+R-1 (the last predicts past the end and is dropped): the LM head
@@ -251,14 +292,15 @@ class LocalTrainEngine:
         from the model's own forward (so FSDP's hooks run); the LM head runs on one position per
         row only. None when that position's logits show the head is not a plain linear map (the
         caller then takes the plain path, from now on)."""
-        kwargs, pred, _ = self._model_inputs(mb)
+        kwargs, pred, packed = self._model_inputs(mb)
         last = kwargs["input_ids"].shape[1] - 1
         captured: list[Tensor] = []
         # the base model's output[0] is its last_hidden_state (a ModelOutput or a tuple)
         base, head = fused
         handle = base.register_forward_hook(lambda m, a, out: captured.append(out[0]))
         try:
-            logits = self.model(**kwargs, logits_to_keep=torch.tensor([last], device=self.device)).logits
+            logits = self._forward(kwargs, packed,
+                                   logits_to_keep=self._to_device(torch.tensor([last]))).logits
         finally:
             handle.remove()
         hidden = captured[-1]
@@ -282,8 +324,10 @@ class LocalTrainEngine:
         the mask is False; differentiable when grad is enabled (entropy only if ``entropy_grad``)."""
         R = mb["response_ids"].shape[1]
         mb = _trim_padding(mb)
-        mb.update({k: mb[k].to(self.device) for k in _SEQ_KEYS})  # once; later .to() are no-ops
-        mask, labels = mb["response_mask"].bool(), mb["response_ids"]
+        # valid labels picked where the micro-batch is (host: no stream sync), then moved
+        host_mask = mb["response_mask"].bool()
+        valid_labels = self._to_device(mb["response_ids"][host_mask])
+        mask, labels = self._to_device(host_mask), self._to_device(mb["response_ids"])
         pad = (0, R - mask.shape[1])  # trimmed response columns come back as 0
         # as a metric only, entropy needs no autograd graph (a (b, R, V) softmax saved for
         # backward otherwise)
@@ -292,7 +336,7 @@ class LocalTrainEngine:
         hidden = self._response_hidden(mb, fused) if fused is not None else None
         if hidden is not None and fused is not None and chunk:
             head = fused[1]
-            lp, ent = linear_logprobs(hidden, head.weight, labels[mask], temperature,
+            lp, ent = linear_logprobs(hidden, head.weight, valid_labels, temperature,
                                       bias=head.bias, chunk_size=chunk,
                                       with_entropy=with_entropy, entropy_grad=ent_grad,
                                       compile=self.cfg.logprob_compile)
@@ -300,7 +344,7 @@ class LocalTrainEngine:
             ent = unpack(ent, mask) if ent is not None else None
             return F.pad(lp, pad), (F.pad(ent, pad) if ent is not None else None)
         logits, packed = self._response_logits(mb)
-        y = labels[mask] if packed else labels
+        y = valid_labels if packed else labels
         zero = torch.zeros((), device=logits.device)
 
         def to_rows(v: Tensor) -> Tensor:
@@ -382,9 +426,10 @@ class LocalTrainEngine:
         lps: list[Tensor] = []
         ents: list[Tensor] = []
         try:
+            host = _host_sequences(batch)
             with torch.no_grad():
                 for rows in parts:
-                    lp, ent = self._logprobs(self._micro_batch(batch, rows, B), temperature,
+                    lp, ent = self._logprobs(self._micro_batch(host, rows, B), temperature,
                                              with_entropy)
                     if rows:  # a dummy (empty) micro-batch's output is dropped
                         lps.append(lp)
@@ -437,9 +482,11 @@ class LocalTrainEngine:
         # a .item() per micro-batch would stall the GPU stream each time
         sums: dict[str, Tensor | float] = {}
         losses: list[Tensor] = []
+        host = _host_sequences(batch)
         for j, rows in enumerate(parts):
             mb = self._micro_batch(batch, rows, B)
-            lp, ent = self._logprobs(mb, temperature, with_entropy, entropy_grad)
+            lp, ent = self._logprobs(self._micro_batch(host, rows, B), temperature, with_entropy,
+                                     entropy_grad)
             loss, metrics = loss_fn(mb, lp, ent)
             # every backward runs, even after a NaN: lockstep ranks must match collectives, and
             # checking finiteness here would sync the stream per micro-batch; a non-finite loss

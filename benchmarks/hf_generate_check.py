@@ -1,0 +1,160 @@
+"""flowrl's HF rollout engine against the ``transformers.generate`` call TRL makes, on one GPU.
+
+Run (one H200, about 2-3 minutes):
+    python benchmarks/hf_generate_check.py --out benchmarks/results/hf_generate_h200.md
+CPU smoke (a 2-layer shape): python benchmarks/hf_generate_check.py --device cpu --rows 8 --max-new-tokens 16
+
+Issue 24: in the e2e benchmark flowrl's HF generate took 7.51 s where TRL's took 6.88 s, the same
+``transformers.generate`` underneath. Same model (the Qwen2.5-0.5B shape, bf16, random: it never
+samples EOS, so every variant runs all steps), same left-padded prompts (rows x 80..200 tokens),
+same sampling (T=0.7, top_p=1, top_k=0), variants interleaved (A B C D, A B C D, ...), median of
+``--reps``; ms per decoding step = seconds / max_new_tokens:
+
+- ``trl``: TRL 1.16's call: the GRPOTrainer's GenerationConfig (temperature etc. in the config,
+  ``disable_compile=True``), ``torch.no_grad()``, the model in train mode (the Trainer's) under
+  bf16 autocast (accelerate wraps the forward in it with ``bf16=True``);
+- ``trl_eval``: the same in eval mode, without autocast;
+- ``flowrl``: ``HFRolloutEngine.generate`` as the rollout stage calls it (logprob recorder,
+  ``inference_mode``, its own warpers, output copied back to the host);
+- ``flowrl_no_recorder``: the same with the logprob recorder a no-op (what recording costs);
+- ``trl_monitored`` / ``flowrl_monitored``: ``trl`` / ``flowrl`` while a second process reads
+  this one's ``psutil.memory_full_info`` every 0.25 s, as the e2e benchmark's TreeMonitor does for
+  every framework process (the read walks the process's memory map under its mmap lock).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import command_line, git_revision, markdown_table, text_table, utc_now, versions  # noqa: E402
+
+QWEN05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+               intermediate_size=4864, tie_word_embeddings=True)
+SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--rows", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    import torch
+    from transformers import GenerationConfig
+
+    import flowrl.engines.rollout.hf as hf
+    from flowrl.engines.base import SamplingConfig
+    from flowrl.models.loading import ModelConfig, build_tiny, load_tokenizer, tiny_model_config
+
+    dev = torch.device(args.device)
+    shape = QWEN05B if dev.type == "cuda" else SMOKE
+    mc = ModelConfig(tiny={**tiny_model_config("llama"), "model_type": "qwen2", **shape})
+    model = build_tiny(mc, torch.bfloat16, device=dev)
+    tok = load_tokenizer(mc)
+    g = torch.Generator().manual_seed(0)
+    P = 200
+    lens = torch.randint(80, P + 1, (args.rows,), generator=g)
+    mask = torch.arange(P)[None] >= (P - lens)[:, None]
+    ids = torch.where(mask, torch.randint(10, len(tok), (args.rows, P), generator=g), tok.pad_token_id)
+    never = [len(tok) + 7]  # an id past the vocabulary: no row stops early in any variant
+    n = args.max_new_tokens
+    sampling = SamplingConfig(temperature=0.7, top_p=1.0, top_k=0, max_new_tokens=n)
+    trl_cfg = GenerationConfig(max_new_tokens=n, do_sample=True, pad_token_id=tok.pad_token_id,
+                               bos_token_id=tok.bos_token_id, eos_token_id=never, temperature=0.7,
+                               top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0,
+                               cache_implementation=None, disable_compile=True)
+    engine = hf.HFRolloutEngine(model, tok, hf.HFRolloutConfig(batch_size=args.rows), shared=True)
+    engine.eos_token_id = never[0]
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def trl(train: bool, autocast: bool):
+        def run():
+            model.train(train)
+            amp = torch.autocast(dev.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+            with torch.no_grad(), amp:
+                model.generate(input_ids=ids.to(dev), attention_mask=mask.long().to(dev),
+                               generation_config=trl_cfg)
+        return run
+
+    def flowrl(record: bool):
+        def run():
+            orig = hf._LogprobRecorder.__call__, hf._LogprobRecorder.finish
+            if not record:
+                hf._LogprobRecorder.__call__ = lambda self, input_ids, scores: scores  # type: ignore[method-assign]
+                hf._LogprobRecorder.finish = (  # type: ignore[method-assign]
+                    lambda self, seqs: torch.zeros(seqs.shape[0], n, device=seqs.device))
+            try:
+                engine.generate(ids, mask, sampling, generator=torch.Generator().manual_seed(1))
+            finally:
+                hf._LogprobRecorder.__call__, hf._LogprobRecorder.finish = orig  # type: ignore[method-assign]
+        return run
+
+    def monitored(fn):
+        """fn while another process reads this one's memory_full_info every 0.25 s, as the e2e
+        benchmark's TreeMonitor does (it reads /proc/<pid>/smaps*, under this process's mmap lock)."""
+        def run():
+            import os
+            import subprocess
+
+            code = ("import psutil, sys, time\np = psutil.Process(int(sys.argv[1]))\n"
+                    "while True:\n    p.memory_full_info(); time.sleep(0.25)")
+            sampler = subprocess.Popen([sys.executable, "-c", code, str(os.getpid())])
+            time.sleep(2.0)  # its start-up (imports) outside the timed region
+            try:
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                return time.perf_counter() - t0
+            finally:
+                sampler.kill()
+                sampler.wait()
+        return run
+
+    variants = {"trl": trl(True, dev.type == "cuda"), "trl_eval": trl(False, False),
+                "flowrl": flowrl(True), "flowrl_no_recorder": flowrl(False),
+                "trl_monitored": monitored(trl(True, dev.type == "cuda")),
+                "flowrl_monitored": monitored(flowrl(True))}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for name, fn in variants.items():  # warm-up: kernels, allocator pool
+        if not name.endswith("_monitored"):
+            fn()
+    for _ in range(args.reps):
+        for name, fn in variants.items():
+            sync()
+            t0 = time.perf_counter()
+            dt = fn()
+            sync()
+            times[name].append(dt if dt is not None else time.perf_counter() - t0)
+    base = statistics.median(times["trl"])
+    head = ["variant", "median s", "min–max s", "ms / step", "vs trl"]
+    rows = [[k, f"{statistics.median(v):.3f}", f"{min(v):.3f}–{max(v):.3f}",
+             f"{1e3 * statistics.median(v) / n:.2f}", f"{statistics.median(v) / base:.3f}×"]
+            for k, v in times.items()]
+    print(text_table(head, rows))
+    if args.out:
+        args.out.write_text("\n".join([
+            "# flowrl's HF rollout engine vs TRL's transformers.generate call", "",
+            "Produced by `benchmarks/hf_generate_check.py` (see its docstring).", "",
+            f"- command: `{command_line()}`", f"- date: {utc_now()}; flowrl commit {git_revision()}",
+            f"- device: {torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU'}; "
+            + ", ".join(f"{k} {x}" for k, x in versions(["torch", "transformers"]).items()),
+            f"- {args.rows} rows, prompts 80-200 tokens, {n} new tokens, {args.reps} interleaved reps", "",
+            markdown_table(head, rows), ""]))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""benchmarks/e2e_vs_trl.py's interleaved rounds: the statistics (median, min–max, ratio of medians
+with the per-round range), the step → round map, the per-round summaries and tables, the file
+gate a framework process waits at, and the order ``run_pair`` runs the rounds in."""
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import e2e_vs_trl as bench  # noqa: E402
+
+
+def test_spread_median_min_max():
+    assert bench.spread([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+    assert bench.spread([4.0, 1.0, 3.0, 2.0]) == (2.5, 1.0, 4.0)  # even count: mean of the middle two
+    assert bench.spread([7.0]) == (7.0, 7.0, 7.0)
+    with pytest.raises(ValueError, match="no values"):
+        bench.spread([])
+
+
+def test_ratio_of_medians_and_per_round_range():
+    # medians 11 and 5; per-round ratios 10/5=2, 12/4=3, 11/5.5=2
+    assert bench.ratio_of_medians([10.0, 12.0, 11.0], [5.0, 4.0, 5.5]) == (11.0 / 5.0, 2.0, 3.0)
+    # the ratio of medians is not the median of the ratios: 4/1, 1/2, 2/4 -> medians 2/2 = 1
+    assert bench.ratio_of_medians([4.0, 1.0, 2.0], [1.0, 2.0, 4.0]) == (1.0, 0.5, 4.0)
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        bench.ratio_of_medians([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        bench.ratio_of_medians([], [])
+    with pytest.raises(ValueError, match="zero denominator"):
+        bench.ratio_of_medians([1.0, 2.0], [1.0, 0.0])
+
+
+def test_round_of_steps():
+    # 1 warm-up step, rounds of 2 steps
+    assert [bench.round_of(s, 1, 2) for s in range(1, 8)] == [0, 1, 1, 2, 2, 3, 3]
+    assert [bench.round_of(s, 0, 3) for s in range(1, 7)] == [1, 1, 1, 2, 2, 2]
+    bc = bench.BenchConfig(steps=2, rounds=3, warmup=1, prompts_per_step=2, n=2, micro_batch_size=2)
+    assert bc.total_steps == 7 and bc.round_of(4) == 2
+    with pytest.raises(ValueError, match="--rounds must be >= 1"):
+        bench.BenchConfig(rounds=0)
+    with pytest.raises(ValueError, match="--warmup must be >= 0"):
+        bench.BenchConfig(warmup=-1)
+
+
+def _step(i, step_s, tokens, update_s=1.0, sync_s=0.0):
+    return {"step": i, "step_s": step_s, "gen_tokens": tokens, "length_mean": tokens / 2,
+            "reward_mean": 0.0, "generate_s": step_s - update_s, "update_s": update_s,
+            "stages": {"rollout": step_s - update_s, "update": update_s},
+            "perf": {"sync_s": sync_s}, "profile": {}}
+
+
+def _run(fw, steps):
+    return {"model": "m", "rollout": "hf", "framework": fw, "warmup": 1, "rounds": 3, "round_steps": 2,
+            "prompt_lens": [[10, 10]] * len(steps),
+            "model_info": {"matmul_params": 100, "layers": 1, "attn_dim": 4},
+            "child": {"peak_rss_bytes": 2**30, "wall_s": 1.0}, "monitor": {},
+            "result": {"steps": steps, "build_s": 1.0}}
+
+
+def test_round_summaries_and_tables():
+    # flowrl rounds: tokens/s (20+20)/(2+2)=10, (30+30)/(2+4)=10... chosen for exact values
+    fl = _run("flowrl", [_step(1, 99.0, 1),  # warm-up: in no round
+                         _step(2, 2.0, 20), _step(3, 2.0, 20),    # round 1: 40 / 4 s = 10 tok/s
+                         _step(4, 2.0, 40), _step(5, 2.0, 40),    # round 2: 80 / 4 = 20
+                         _step(6, 1.0, 15), _step(7, 1.0, 15)])   # round 3: 30 / 2 = 15
+    tr = _run("trl", [_step(1, 50.0, 1),
+                      _step(2, 4.0, 20), _step(3, 4.0, 20),       # 40 / 8 = 5
+                      _step(4, 4.0, 20), _step(5, 4.0, 20),       # 5
+                      _step(6, 2.0, 10), _step(7, 2.0, 10)])      # 20 / 4 = 5
+    fr, trr = bench.round_summaries(fl, None), bench.round_summaries(tr, None)
+    assert [r["tokens_per_s"] for r in fr] == [10.0, 20.0, 15.0]
+    assert [r["tokens_per_s"] for r in trr] == [5.0, 5.0, 5.0]
+    assert [r["step_s"] for r in fr] == [2.0, 2.0, 1.0]
+    assert [r["measured"] for r in fr] == ["2 of 2"] * 3
+    rows = {r[0]: r for r in bench.round_rows({"flowrl": fr, "trl": trr})}
+    # median 15 [10–20]; TRL 5 [5–5]; ratio 15/5 = 3, per-round 2, 4, 3
+    assert rows["completion tokens/s"] == ["completion tokens/s", "15.0 [10.0–20.0]", "5 [5–5]",
+                                           "3.00× [2.00–4.00×]", "10.0 / 5; 20.0 / 5; 15.0 / 5"]
+    assert rows["MFU update"][1:4] == ["n/a", "n/a", "n/a"]  # no peak given
+    assert bench.headline_rows({("m", "hf"): {"flowrl": fr, "trl": trr}}) == [
+        ["m", "hf", "3 / 3", "15.0 [10.0–20.0]", "5 [5–5]", "**3.00×** [2.00–4.00×]"]]
+    # goals read the medians over rounds: 15 / 5
+    goals = bench.goals_rows({("m", "hf"): {"flowrl": bench.summarize(fl, None),
+                                            "trl": bench.summarize(tr, None)}},
+                             {("m", "hf"): {"flowrl": fr, "trl": trr}})
+    assert goals[0] == ["m", "completion tokens/s: flowrl (hf) / TRL (hf)", "3.00×", "≥ 1.2×", "met"]
+    # a run stored before rounds existed: no round summaries, first step dropped as warm-up
+    old = {k: v for k, v in fl.items() if k not in ("warmup", "rounds", "round_steps")}
+    assert bench.round_summaries(old, None) == [] and bench.warmup_of(old) == 1
+
+
+def _bc(tmp_path, name):
+    d = tmp_path / name
+    d.mkdir()
+    return bench.BenchConfig(steps=2, rounds=3, warmup=1, prompts_per_step=2, n=2,
+                             micro_batch_size=2, gate_dir=str(d))
+
+
+def test_gate_waits_for_go_before_a_round_starts(tmp_path):
+    bc = _bc(tmp_path, "g")
+    gate, d = bench.Gate(bc, poll_s=0.001), Path(bc.gate_dir)
+    gate.before(1)  # warm-up: no wait
+    assert list(d.iterdir()) == []
+    t = threading.Thread(target=gate.before, args=(2,))  # round 1's first step
+    t.start()
+    time.sleep(0.05)
+    assert t.is_alive() and (d / "ready_1").exists()
+    (d / "go_1").touch()
+    t.join(2)
+    assert not t.is_alive()
+    gate.before(3)  # second step of round 1: no wait
+    assert sorted(p.name for p in d.iterdir()) == ["go_1", "ready_1"]
+    gate.after(6)
+    assert not (d / "done").exists()
+    gate.after(7)  # the last step
+    assert (d / "done").exists()
+
+
+def test_run_pair_interleaves_rounds(tmp_path):
+    """Two fake framework processes (threads running the Gate protocol): the steps run in the
+    order warm-up A, warm-up B, round 1 A, round 1 B, round 2 A, ..."""
+    base = bench.BenchConfig(steps=2, rounds=3, warmup=1, prompts_per_step=2, n=2, micro_batch_size=2)
+    log: list[tuple[str, int]] = []
+
+    def launch(fw, gate_dir):
+        from dataclasses import replace
+        gate = bench.Gate(replace(base, gate_dir=str(gate_dir)), poll_s=0.001)
+
+        def child():
+            for step in range(1, base.total_steps + 1):
+                gate.before(step)
+                log.append((fw, step))
+                gate.after(step)
+            th.result = fw  # what run_pair hands back per framework
+
+        th = threading.Thread(target=child)
+        th.start()
+        return th
+
+    assert bench.run_pair(["flowrl", "trl"], base, tmp_path, launch) == {"flowrl": "flowrl", "trl": "trl"}
+    assert log == [("flowrl", 1), ("trl", 1),
+                   ("flowrl", 2), ("flowrl", 3), ("trl", 2), ("trl", 3),
+                   ("flowrl", 4), ("flowrl", 5), ("trl", 4), ("trl", 5),
+                   ("flowrl", 6), ("flowrl", 7), ("trl", 6), ("trl", 7)]
+
+
+def test_plan_rows_estimate():
+    bc = bench.BenchConfig(device="cuda", steps=2, rounds=3, warmup=1, prompts_per_step=32, n=8,
+                           max_new_tokens=256, micro_batch_size=32)
+    rows = bench.plan_rows(["qwen05b"], ["hf"], ["flowrl", "trl"], bc)
+    # 2 processes x 35 s + builds 5 + 1 + 7 steps x (10 + 8) s, plus 15 s of model preparation
+    assert rows[0] == ["qwen05b", "hf", "1 + 3 x 2", f"{70 + 6 + 7 * 18:.0f}"]
+    assert rows[-1][-1] == f"{15 + 70 + 6 + 7 * 18} s = {(15 + 70 + 6 + 7 * 18) / 60:.1f} min"
