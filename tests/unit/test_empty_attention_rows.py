@@ -140,3 +140,23 @@ def test_left_align_rotates_each_row_by_its_padding():
     new_ids, new_mask = left_align(ids, mask, torch.tensor([2, 0]))
     assert new_ids.tolist() == [[5, 6, 7, 0, 0], [8, 9, 10, 11, 0]]
     assert new_mask.tolist() == [[True, True, True, False, False], [True, True, True, True, False]]
+
+
+def test_entropy_of_a_row_with_minus_inf_logits_is_finite_with_finite_gradients():
+    """A -inf logit (vocabulary mask, top-k filtering) has p = 0; its entropy term is 0, not NaN
+    (0·(−inf)), in the plain and the fused chunked path, forward and backward."""
+    from flowrl.algorithms.logprobs import entropy_from_logits, linear_logprobs
+
+    logits = torch.tensor([[[0.0, 0.0, -torch.inf, -torch.inf]]], requires_grad=True)
+    ent = entropy_from_logits(logits)
+    assert ent.item() == pytest.approx(0.6931471805599453)  # ln 2: two equally likely tokens
+    ent.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    hidden = torch.tensor([[1.0, 0.0]], requires_grad=True)
+    weight = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.3, 0.0], [0.5, 0.0]], requires_grad=True)
+    bias = torch.tensor([0.0, 0.0, -torch.inf, -torch.inf])  # the same logits as above
+    lp, ent = linear_logprobs(hidden, weight, torch.tensor([0]), bias=bias, with_entropy=True)
+    assert ent.item() == pytest.approx(0.6931471805599453)
+    assert torch.isfinite(ent).all() and torch.isfinite(lp).all()
+    (lp + ent).sum().backward()
+    assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
