@@ -116,6 +116,13 @@ class TrainerConfig:
         offload: move idle models to host memory at the plan's swap points (train state while the
             rollout engine generates, the rollout copy while training): ``auto`` (only when the
             models would not fit side by side: ``machine.keep_resident``), ``always``, ``never``.
+        max_skipped_steps: optimizer steps a run may skip (non-finite loss or grad norm) before
+            it stops with exit status 1 (``runtime/health.py``; counted in
+            ``train/skipped_steps``).
+        max_skipped_frac: largest fraction of skipped optimizer steps (judged from the 4th step
+            and at the last one): a run that trains on almost no step stops instead of exiting 0.
+        constant_reward_steps: steps in a row whose rewards are all equal before a warning
+            (``reward/constant_steps``); 0 = no warning.
     """
 
     total_steps: int = 10
@@ -132,8 +139,16 @@ class TrainerConfig:
     critic_lr: Optional[float] = None
     offload: str = "auto"
     eval: EvalConfig = field(default_factory=EvalConfig)
+    max_skipped_steps: int = 10
+    max_skipped_frac: float = 0.5
+    constant_reward_steps: int = 5
 
     def __post_init__(self) -> None:
+        if self.max_skipped_steps < 0 or not 0.0 <= self.max_skipped_frac <= 1.0:
+            raise ValueError(f"trainer.max_skipped_steps must be >= 0 and trainer.max_skipped_frac "
+                             f"in [0, 1], got {self.max_skipped_steps}, {self.max_skipped_frac}")
+        if self.constant_reward_steps < 0:
+            raise ValueError(f"trainer.constant_reward_steps must be >= 0, got {self.constant_reward_steps}")
         if self.total_steps < 1:
             raise ValueError(f"trainer.total_steps must be >= 1, got {self.total_steps}")
         if self.prompts_per_step < 1:

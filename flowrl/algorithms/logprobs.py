@@ -33,7 +33,10 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
     t = temperature if temperature > 0 else 1.0
     x = logits.float() / t
     logp = torch.log_softmax(x, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    # a -inf logit (a vocabulary mask, top-k/top-p filtering) has p = 0: its term is 0, not
+    # 0·(−inf); the where() is on the factor, so the backward sees no −inf either
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, 0.0)).sum(-1)
 
 
 def _matmul_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
@@ -60,7 +63,8 @@ def _chunk_logprobs(logits: Tensor, labels: Tensor, t: float,
     if not with_entropy:
         return lp, None
     logp = x.sub_(lse[:, None])
-    return lp, -(logp.exp() * logp).sum(-1)
+    p = logp.exp()
+    return lp, -(p * torch.where(p > 0, logp, 0.0)).sum(-1)  # p = 0 (a -inf logit) → 0
 
 
 def _chunk_grad_logits(logits: Tensor, labels: Tensor, t: float, g_lp: Optional[Tensor],
@@ -74,6 +78,8 @@ def _chunk_grad_logits(logits: Tensor, labels: Tensor, t: float, g_lp: Optional[
     p = logp.exp()
     gl = g_lp[:, None] if g_lp is not None else None
     if g_ent is not None:
+        # p = 0 (a -inf logit) contributes 0 to the entropy and its gradient, not 0·(−inf)
+        logp = torch.where(p > 0, logp, 0.0)
         ent = -(p * logp).sum(-1, keepdim=True)
         coef = logp.add_(ent).mul_(g_ent[:, None])
         if gl is not None:

@@ -66,3 +66,29 @@ def response_attention_mask(response_mask: Tensor) -> Tensor:
     """
     m = response_mask.bool()
     return m.flip(1).cummax(dim=1).values.flip(1)
+
+
+def left_align(input_ids: Tensor, attention_mask: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotate each row left by ``shift`` columns, so a left-padded prompt starts at column 0 and
+    its padding moves to the end of the row.
+
+    Why: in a left-padded row the padding columns are query positions that attend to no key
+    (causal mask ∧ padding mask is empty). cuDNN's fused attention (PyTorch's default SDPA
+    backend for bf16 on H100/H200) returns a finite forward there but a NaN ∂Q in the backward
+    when the padded length is 64 mod 128 (measured on an H200, torch 2.11: L = 64, 192, 320, …),
+    and ∂W_q = Xᵀ∂Q carries that NaN into every weight gradient although the loss never reads
+    those rows (the NaN grad norm of issue 25). After the rotation every pad is a trailing
+    query that sees the row's real tokens, so no row of the attention is empty; the real tokens
+    keep their order, their keys and their position ids (taken from the rotated mask).
+
+    Args:
+        input_ids: (B, L) token ids; attention_mask: (B, L) bool/int (the same layout).
+        shift: (B,) int64, the number of leading padding columns of each row (>= 0, < L).
+
+    Returns:
+        (ids, mask) rotated, same shapes and dtypes: column c of row b holds old column
+        (c + shift[b]) mod L.
+    """
+    B, L = input_ids.shape
+    idx = (torch.arange(L, device=input_ids.device)[None, :] + shift.to(input_ids.device)[:, None]) % L
+    return input_ids.gather(1, idx), attention_mask.gather(1, idx.to(attention_mask.device))

@@ -93,6 +93,23 @@ def log_reward_stats(ctx: StageContext, rewards: torch.Tensor, prefix: str = "re
     ctx.log(**{f"{prefix}/mean": valid.mean() if valid.numel() else float("nan"),
                f"{prefix}/std": valid.std() if valid.numel() > 1 else 0.0,
                f"{prefix}/unscorable": (~ok).sum()})
+    if prefix == "reward" and rewards.numel():  # the batch's reward: its health counter
+        ctx.log(**{"train/unscorable_frac": (~ok).float().mean()})
+
+
+def mark_empty_unscorable(ctx: StageContext, rewards: torch.Tensor,
+                          response_mask: torch.Tensor) -> torch.Tensor:
+    """NaN (unscorable) for rows without a single generated token: a generation that failed
+    (an aborted or errored request) is not an answer the policy gave, so it must not be scored
+    as a normal 0 that GRPO would push the policy away from. Logs ``reward/empty`` (count).
+    rewards (B,) float32, response_mask (B, R) bool → (B,) float32."""
+    empty = ~response_mask.bool().any(-1).to(rewards.device)
+    ctx.log(**{"reward/empty": empty.sum()})
+    if bool(empty.any()):
+        log.warning("stage %s: %d of %d response(s) have no token (a failed generation); "
+                    "marked unscorable (NaN), not scored 0", ctx.stage, int(empty.sum()),
+                    empty.numel())
+    return torch.where(empty, torch.full_like(rewards, float("nan")), rewards)
 
 
 # --------------------------------------------------------------------------- reward.rule
@@ -120,7 +137,7 @@ def rule_reward(ctx: StageContext, cfg: RuleRewardConfig, *, response_ids, respo
         except Exception as e:  # a verifier bug must not kill the run: mark the sample unscorable
             log.warning("stage %s: verifier %s raised %r; sample marked unscorable", ctx.stage, cfg.verifier, e)
             scores.append(float("nan"))
-    rewards = torch.tensor(scores, dtype=torch.float32)
+    rewards = mark_empty_unscorable(ctx, torch.tensor(scores, dtype=torch.float32), response_mask)
     valid = rewards[torch.isfinite(rewards)]
     log_reward_stats(ctx, rewards)
     ctx.log(**{"reward/accuracy": (valid == 1.0).float().mean() if valid.numel() else 0.0})
@@ -169,6 +186,7 @@ def function_reward(ctx: StageContext, cfg: FunctionRewardConfig, *, response_id
             outcomes[i] = Outcome(NONFINITE, {}, f"weighted sum of {o.components!r} overflows float32")
     rewards = torch.tensor([combine(o.components, cfg.weights) if o.status == OK else float("nan")
                             for o in outcomes], dtype=torch.float32)
+    rewards = mark_empty_unscorable(ctx, rewards, response_mask)
     counts = log_unscorable(ctx, cfg.path, outcomes)
     comps: dict[str, list[float]] = {}
     for o in outcomes:

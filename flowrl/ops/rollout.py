@@ -27,6 +27,8 @@ def generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_ids, pro
     ctx.log(**{
         "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
         "response/truncated_frac": out.truncated.float().mean(),
+        # no token at all: a generation that failed (the reward ops mark it unscorable)
+        "rollout/empty_response_frac": (lengths == 0).float().mean(),
         "perf/rollout_tokens_per_s": lengths.sum() / max(dt, 1e-9),
     })
     return {"response_ids": out.response_ids, "response_mask": out.response_mask,

@@ -57,7 +57,9 @@ log = logging.getLogger("flowrl")
 
 OP_STATE_KEY = "op_state"  # trainer_state.json: every stateful op's state dict, by its key
 LEGACY_OP_STATE = ("kl_controller",)  # written at the top level before op_state existed
-HISTORY_KEYS = ("reward/mean", "reward/accuracy", "perf/step_s", "placement/version_lag")
+HISTORY_KEYS = ("reward/mean", "reward/accuracy", "perf/step_s", "placement/version_lag",
+                # the health counters continue across a resume (runtime/health.py)
+                "train/skipped_steps", "train/optimizer_steps", "reward/constant_steps")
 
 
 class JobEvents(Protocol):
@@ -297,6 +299,7 @@ class _Job:
         self.cfg, self.full, self.pp, self.dinfo = cfg, plan, pp, dinfo
         self.out_dir, self.ckpts, self.engines = out_dir, ckpts, engines
         self.history: list[dict[str, Any]] = []
+        self.health: Optional[Any] = None  # runtime/health.RunHealth, made at the first step
         self.save_steps: set[int] = set()
         self.logger: Any = None
 
@@ -444,8 +447,17 @@ class _Job:
         gen_tokens = (m.get("response/length_mean", 0.0) * self.cfg.trainer.prompts_per_step
                       * self.cfg.algorithm.n * self.place.sampling_ranks)
         m["perf/tokens_per_s"] = gen_tokens / max(m["perf/step_s"], 1e-9)
-        self.logger.log(step, m)
-        self.history.append({"step": step, **{k: m[k] for k in HISTORY_KEYS if k in m}})
+        if self.health is None:  # after a resume has restored the history
+            from flowrl.runtime.health import RunHealth
+
+            t = self.cfg.trainer
+            self.health = RunHealth(t.max_skipped_steps, t.max_skipped_frac,
+                                    t.constant_reward_steps, t.total_steps, self.history)
+        try:
+            self.health.update(step, m)  # raises RunStopped past the skipped-step budget
+        finally:  # the step that broke the budget is in metrics.jsonl too
+            self.logger.log(step, m)
+            self.history.append({"step": step, **{k: m[k] for k in HISTORY_KEYS if k in m}})
 
     def reached(self, version: int) -> None:
         if version in self.save_steps:

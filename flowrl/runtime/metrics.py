@@ -39,7 +39,12 @@ _CONSOLE_KEYS = [
     ("eval/accuracy_math_verify", "eval_mv", "{:.3f}"), ("eval/format_frac", "eval_fmt", "{:.2f}"),
     ("eval/reward_mean", "eval_reward", "{:.3f}"), ("eval/response_length_mean", "eval_len", "{:.0f}"),
     ("eval/seconds", "eval_s", "{:.0f}"),
+    # run health (runtime/health.py), shown only when not 0 (_QUIET_ZERO)
+    ("train/skipped_steps", "skipped", "{:.0f}"), ("train/unscorable_frac", "unscorable", "{:.2f}"),
+    ("rollout/empty_response_frac", "empty", "{:.2f}"), ("reward/constant_steps", "const_reward", "{:.0f}"),
 ]
+_QUIET_ZERO = {"train/skipped_steps", "train/unscorable_frac", "rollout/empty_response_frac",
+               "reward/constant_steps"}
 
 
 def human_bytes(n: float) -> str:
@@ -177,7 +182,8 @@ class MetricsLogger:
 
             mlflow.log_metrics({k.replace("/", "."): v for k, v in clean.items() if math.isfinite(v)}, step=step)
         if self.cfg.console:
-            parts = [f"{short}={_fmt(k, clean[k], spec, clean)}" for k, short, spec in _CONSOLE_KEYS if k in clean]
+            parts = [f"{short}={_fmt(k, clean[k], spec, clean)}" for k, short, spec in _CONSOLE_KEYS
+                     if k in clean and not (k in _QUIET_ZERO and clean[k] == 0)]
             if parts:
                 self.console.print(f"[dim]step {step:>4}[/dim] " + " ".join(parts))
         if "perf/step_s" in clean and self._train_t0 is not None:

@@ -17,7 +17,7 @@ from transformers import get_scheduler
 
 from flowrl.algorithms.balance import inverse_permutation, token_budget_partitions
 from flowrl.algorithms.logprobs import entropy_from_logits, linear_logprobs, token_logprobs
-from flowrl.algorithms.masks import position_ids_from_mask, response_attention_mask
+from flowrl.algorithms.masks import left_align, position_ids_from_mask, response_attention_mask
 from flowrl.algorithms.packing import pack, packable, unpack
 from flowrl.engines.base import LogprobOutput, LossFn
 from flowrl.engines.config import TrainEngineConfig  # noqa: F401  (trainer.engine; re-exported)
@@ -244,9 +244,14 @@ class LocalTrainEngine:
             P, R = p_ids.shape[1], r_ids.shape[1]
             # environment tokens between policy turns (mask False) are context: attended
             attn = torch.cat([p_mask, response_attention_mask(r_mask)], dim=1)
-            kwargs = dict(input_ids=torch.cat([p_ids, r_ids], dim=1), attention_mask=attn.long(),
+            # the prompt's left padding moves to the row's end: a leading pad is a query that
+            # attends to nothing, and cuDNN attention's backward gives it a NaN gradient
+            # (masks.left_align; issue 25)
+            shift = self._left_pad(p_mask)
+            ids, attn = left_align(torch.cat([p_ids, r_ids], dim=1), attn, shift)
+            kwargs = dict(input_ids=ids, attention_mask=attn.long(),
                           position_ids=position_ids_from_mask(attn))
-            cols = torch.arange(P - 1, P + R - 1, device=r_mask.device)
+            cols = torch.arange(P - 1, P + R - 1, device=r_mask.device)[None, :] - shift[:, None]
             rows = torch.arange(r_ids.shape[0], device=r_mask.device)[:, None] * (P + R)
             pred, packed = (rows + cols)[r_mask], False
         kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
@@ -280,11 +285,17 @@ class LocalTrainEngine:
                 return self._forward(kwargs, True, logits_to_keep=pred).logits[0], True
             return self._forward(kwargs, True).logits.flatten(0, 1)[pred], True
         P, R = mb["prompt_ids"].shape[1], mb["response_ids"].shape[1]
-        if self._logits_to_keep:
-            # positions P-1 .. P+R-1 (the last predicts past the end and is dropped): the LM head
-            # runs on R+1 rows instead of P+R
-            return self.model(**kwargs, logits_to_keep=R + 1).logits[:, :R], False
-        return self.model(**kwargs).logits[:, P - 1:P + R - 1], False
+        # left-aligned rows (_model_inputs): row b's response predictors are at columns
+        # P-1-s_b .. P+R-2-s_b, s_b its prompt padding; keep from the earliest of them
+        # the masks are host tensors here (the stages hand them over there): no stream sync
+        shift = self._left_pad(mb["prompt_mask"].bool())
+        start = P - 1 - int(shift.max())
+        if self._logits_to_keep:  # the LM head runs on the kept positions only
+            logits = self.model(**kwargs, logits_to_keep=P + R - start).logits
+        else:
+            logits = self.model(**kwargs).logits[:, start:]
+        idx = torch.arange(R, device=logits.device)[None, :] + (P - 1 - start) - shift[:, None]
+        return logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1])), False
 
     def _response_hidden(self, mb: Mapping[str, Tensor],
                          fused: tuple[nn.Module, nn.Linear]) -> Optional[Tensor]:
@@ -356,6 +367,11 @@ class LocalTrainEngine:
             with torch.set_grad_enabled(ent_grad):
                 ent = to_rows(entropy_from_logits(logits, temperature))
         return lp, ent
+
+    @staticmethod
+    def _left_pad(prompt_mask: Tensor) -> Tensor:
+        """(b,) int64: the leading padding columns of each left-padded prompt row."""
+        return prompt_mask.shape[1] - prompt_mask.bool().sum(-1)
 
     # ------------------------------------------------------------------ micro-batching
     # Hooks a data-parallel subclass overrides; here (one process) they are identities.

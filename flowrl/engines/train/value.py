@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 import torch
 from torch import Tensor, nn
 
-from flowrl.algorithms.masks import position_ids_from_mask, response_attention_mask
+from flowrl.algorithms.masks import left_align, position_ids_from_mask, response_attention_mask
 from flowrl.engines.train.local import LocalTrainEngine, _slice_batch
 
 
@@ -71,11 +71,15 @@ class ValueTrainEngine(LocalTrainEngine):
         ids = torch.cat([p_ids, r_ids], dim=1).to(self.device)
         # environment tokens between policy turns (mask False) are context: attended
         attn = torch.cat([p_mask, response_attention_mask(r_mask)], dim=1).to(self.device)
+        # left padding moved to the row's end: no query attends to nothing (masks.left_align)
+        shift = (P - p_mask.sum(-1)).to(self.device)
+        ids, attn = left_align(ids, attn, shift)
         out = self.model(input_ids=ids, attention_mask=attn.long(),
                          position_ids=position_ids_from_mask(attn)).logits
         if out.dim() != 3 or out.shape[-1] != 1:
             raise ValueError(f"critic model must output (B, L, 1) values, got {tuple(out.shape)}")
-        v = out[:, P - 1:P + R - 1, 0].float()
+        idx = torch.arange(P - 1, P + R - 1, device=out.device)[None, :] - shift[:, None]
+        v = out[..., 0].gather(1, idx).float()
         return torch.where(r_mask.to(v.device), v, torch.zeros((), device=v.device))
 
     def _logprobs(self, mb: Mapping[str, Tensor], temperature: float,
