@@ -286,7 +286,7 @@ def rollout_job(cfg: "TrainConfig", world_size: int | None = None) -> "RolloutJo
 
     Each rank generates ``prompts_per_step × algorithm.n`` sequences per step and evaluates
     ``min(eval.limit, eval.batch_size)`` prompts per call; the decode steps count every step's
-    ``max_new_tokens`` and the two evaluations (before and after)."""
+    ``max_new_tokens`` and the evaluations (before, after and every ``eval.every`` steps)."""
     from flowrl.engines.rollout.vllm_config import RolloutJob
     from flowrl.runtime.distributed import dist_info
 
@@ -295,8 +295,9 @@ def rollout_job(cfg: "TrainConfig", world_size: int | None = None) -> "RolloutJo
     limit = ev.limit if ev.limit is not None else 1 << 16
     eval_seqs = min(limit, ev.batch_size)
     calls = -(-limit // ev.batch_size)  # generate calls per eval pass
+    passes = EVAL_PASSES + (t.total_steps // ev.every if ev.every else 0)  # + periodic evals
     decode = (t.total_steps * cfg.rollout.sampling.max_new_tokens
-              + EVAL_PASSES * calls * ev.max_new_tokens)
+              + passes * calls * ev.max_new_tokens)
     return RolloutJob(seqs_per_step=t.prompts_per_step * cfg.algorithm.n, eval_seqs=eval_seqs,
                       decode_steps=decode, ranks=world_size or dist_info().world_size)
 

@@ -89,7 +89,9 @@ def test_rollout_job_from_the_default_config():
 
     cfg = TrainConfig()
     cfg.rollout.sampling.max_new_tokens = 200
+    cfg.trainer.total_steps, cfg.trainer.eval.every = 30, 10
+    cfg.trainer.eval.limit, cfg.trainer.eval.batch_size, cfg.trainer.eval.max_new_tokens = 128, 32, 64
     job = rollout_job(cfg, world_size=1)
+    # 30 steps x 200 + (before, after, steps 10/20/30) x 4 calls of 32 x 64 tokens
     assert job == RolloutJob(seqs_per_step=cfg.trainer.prompts_per_step * cfg.algorithm.n,
-                             eval_seqs=32, decode_steps=cfg.trainer.total_steps * 200 + 2 * 256,
-                             ranks=1)
+                             eval_seqs=32, decode_steps=30 * 200 + 5 * 4 * 64, ranks=1)
