@@ -13,6 +13,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from flowrl.algorithms.config import AlgorithmConfig
+from flowrl.compiler.cluster import ClusterConfig
 from flowrl.compiler.placement import PlacementConfig
 from flowrl.data import DataConfig
 from flowrl.engines.base import SamplingConfig
@@ -212,6 +213,8 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    # cluster=<name> (conf/cluster/): the hardware `flowrl plan` predicts for; None = this machine
+    cluster: Optional[ClusterConfig] = None
 
 
 def graph_options() -> dict[str, dict[str, Any]]:
