@@ -942,6 +942,9 @@ def plan_cluster(full_plan: Any, costs: ClusterCosts, placement_cfg: Optional[Pl
         chosen = colo
         reason = "no partitioned split fits" + (f" ({why_not})" if why_not else "") \
             if world >= 2 else "one GPU: colocated"
+        if not colo.fits:
+            reason = "NOTHING FITS (colocated shown): " + "; ".join(
+                x for m in colo.memory.values() for x in m.does_not_fit)
     else:
         gain = colo.step_s / best.step_s if best.step_s > 0 else INF
         if gain >= min_gain:
@@ -1007,7 +1010,7 @@ def cluster_placement(cp: ClusterPlan) -> PlacementPlan:
     """The chosen candidate's PlacementPlan with its ``estimate`` (PlacementEstimate: what the
     text/Mermaid/DOT renderers read) and the cluster report as its ``notes``."""
     e, w = cp.chosen, cp.costs.workload
-    mem = {k: (int(v.peak), None) for k, v in e.memory.items()}
+    mem: dict[str, tuple[int, Optional[str]]] = {k: (int(v.peak), None) for k, v in e.memory.items()}
     est = PlacementEstimate(e.step_s, e.sides, e.sync_s, e.transfer_s, mem,
                             transfer_bytes(e.pp, w), 2 * cp.costs.shape.n_params
                             if e.pp.mode == "partitioned" else 0, cp.costs.cluster.name,
