@@ -3,6 +3,8 @@
     flowrl train [hydra overrides...]        run a job (Hydra: -m sweeps, --cfg job, ...)
     flowrl plan  [hydra overrides...]        print the compiled execution plan; loads no model
                  [--format text|mermaid|dot]  placement=auto: explains the choice without training
+    flowrl plan  cluster=<name> model.path=DIR   a cluster you do not have (conf/cluster/): step
+                                             time, best split and memory per GPU, no GPU
     flowrl graph validate FILE [FILE ...]    check graph files: every problem, one line each (exit 1)
     flowrl export CKPT OUT_DIR [overrides]   checkpoint -> plain HF model dir (save_pretrained;
                                              LoRA: merged, or --adapter-only: the PEFT dir)

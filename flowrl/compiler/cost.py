@@ -983,7 +983,12 @@ def cluster_report(cp: ClusterPlan) -> list[str]:
         mark = " (chosen)" if e is cp.chosen else ""
         out.append(f"| {e.label}{mark} | {_g(e.step_s)} | {tps:,.0f} | {tot:,.0f} | {mem} | "
                    f"{'yes' if e.fits else 'NO'} |")
-    out += ["", f"Chose {cp.chosen.label}: {cp.reason}", "",
+    colo, bp = cp.colocated, cp.best_partitioned
+    out += ["", f"Colocated: step {_g(colo.step_s)} s, {cp.tokens_per_s(colo):,.0f} response tok/s"
+            + ("" if colo.fits else " (does not fit)") + "; best partitioned: "
+            + (f"{bp.label}, step {_g(bp.step_s)} s, {cp.tokens_per_s(bp):,.0f} response tok/s"
+               if bp is not None else "none fits"),
+            f"Chose {cp.chosen.label}: {cp.reason}", "",
             f"Terms of {cp.chosen.label} (seconds per step):"]
     out += [f"  {t.name:<52} {_g(t.seconds):>8}  = {t.formula}" for t in cp.chosen.terms]
     if cp.chosen.pp.mode == "partitioned":

@@ -262,8 +262,19 @@ def test_plan_a_cluster_from_a_folder_holding_only_config_json(tmp_path, capsys)
     assert "Cluster h200x64: 8 node(s) x 8 H200 SXM 141GB = 64 GPUs" in out
     assert "| candidate | step s | response tok/s |" in out and "\nChose " not in out
     assert "  Chose " in out and "Terms of " in out and "Memory per GPU" in out
+    assert "  Colocated: step " in out and "; best partitioned: partitioned rollout=" in out
     assert main(["plan", "cluster=h200x64", f"model.path={tmp_path}", "--format", "mermaid"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("flowchart TB\n") and '  predicted["predicted (h200x64): step ' in out
     assert main(["plan", "cluster=h300x9", f"model.path={tmp_path}"]) == 2
     assert "cluster" in capsys.readouterr().err
+
+
+def test_a_run_refuses_a_cluster_it_would_not_use():
+    from flowrl.config import compose
+    from flowrl.train import ConfigError, prepare_run
+
+    raw = compose(["cluster=h200x8", "model=tiny", "trainer=smoke"])
+    raw.trainer.output_dir = "(test)"
+    with pytest.raises(ConfigError, match=r"cluster=h200x8: a cluster is planned, not run here"):
+        prepare_run(raw, [])
