@@ -516,11 +516,14 @@ def kv_token_bytes(m: ModelShape) -> int:
 
 @dataclass(frozen=True)
 class Term:
-    """One cost term: ``seconds`` per step and the formula with its numbers put in."""
+    """One cost term: ``seconds`` per step and the formula with its numbers put in;
+    ``overlaps_previous``: it runs concurrently with the term before it (FSDP's collectives with
+    the compute they prefetch for), so the two cost their max."""
 
     name: str
     seconds: float
     formula: str
+    overlaps_previous: bool = False
 
 
 def _g(x: float) -> str:
@@ -690,7 +693,8 @@ class ClusterCosts:
                      f"({gpus}·{_g(c.peak_bf16_flops)}·{eff:.3f})"),
                 Term(f"{stage}: FSDP collectives (overlapped: max with compute)", comm,
                      f"(p−1)/p·(micro·2·2N + 4N) / (link·{cal('nccl_eff')}) = {_g(comm_bytes)} B / "
-                     f"{_g(bw)} B/s, {micro} micro-batch(es) of {self.micro_batch_tokens} tokens")]
+                     f"{_g(bw)} B/s, {micro} micro-batch(es) of {self.micro_batch_tokens} tokens",
+                     overlaps_previous=True)]
 
     # ---- weights between the sides -------------------------------------------------------------
     def sync_terms(self, colocated: bool, train_gpus: int, rollout_gpus: int) -> list[Term]:
@@ -780,16 +784,15 @@ def _stage_terms(costs: ClusterCosts, stage: str, gpus: int, kv_budget: float,
 
 
 def _side_seconds(terms: list[Term]) -> float:
-    """Σ terms, a training stage's compute and collectives overlapping (max of the two)."""
-    total, i = 0.0, 0
-    while i < len(terms):
-        t = terms[i]
-        if t.name.endswith(": compute") and i + 1 < len(terms) and "collectives" in terms[i + 1].name:
-            total += max(t.seconds, terms[i + 1].seconds)
-            i += 2
-            continue
-        total += t.seconds
-        i += 1
+    """Σ terms, a term that overlaps the previous one counting as the max of the two."""
+    total, prev = 0.0, 0.0
+    for t in terms:
+        if t.overlaps_previous:
+            total += max(t.seconds - prev, 0.0)  # only what the previous term does not hide
+            prev = max(prev, t.seconds)
+        else:
+            total += t.seconds
+            prev = t.seconds
     return total
 
 
