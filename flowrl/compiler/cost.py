@@ -990,7 +990,8 @@ def cluster_report(cp: ClusterPlan) -> list[str]:
     out += ["", f"Colocated: step {_g(colo.step_s)} s, {cp.tokens_per_s(colo):,.0f} response tok/s"
             + ("" if colo.fits else " (does not fit)") + "; best partitioned: "
             + (f"{bp.label}, step {_g(bp.step_s)} s, {cp.tokens_per_s(bp):,.0f} response tok/s"
-               if bp is not None else "none fits"),
+               if bp is not None else ("none fits" if cp.costs.cluster.world > 1
+                                       else "none (one GPU)")),
             f"Chose {cp.chosen.label}: {cp.reason}", "",
             f"Terms of {cp.chosen.label} (seconds per step):"]
     out += [f"  {t.name:<52} {_g(t.seconds):>8}  = {t.formula}" for t in cp.chosen.terms]
