@@ -47,7 +47,7 @@ def check_run(cfg: "TrainConfig", raw: Any,
     from flowrl.graph.validate import load_graph
     from flowrl.runtime.rundir import check_resume, invocation_overrides
 
-    if getattr(cfg, "cluster", None) is not None:  # flowrl plan answers before this point
+    if cfg.cluster is not None:  # flowrl plan answers before this point
         raise ValueError(f"cluster={cfg.cluster.name}: a cluster is planned, not run here; use "
                          "`flowrl plan cluster=...` (a run uses this machine's GPUs: drop cluster=)")
     plan = compile_plan(load_graph(cfg.graph.resolve()), _resolved_tree(raw),
