@@ -3,6 +3,8 @@
     flowrl train [hydra overrides...]        run a job (Hydra: -m sweeps, --cfg job, ...)
     flowrl plan  [hydra overrides...]        print the compiled execution plan; loads no model
                  [--format text|mermaid|dot]  placement=auto: explains the choice without training
+    flowrl plan  cluster=<name> model.path=DIR   a cluster you do not have (conf/cluster/): step
+                                             time, best split and memory per GPU, no GPU
     flowrl graph validate FILE [FILE ...]    check graph files: every problem, one line each (exit 1)
     flowrl export CKPT OUT_DIR [overrides]   checkpoint -> plain HF model dir (save_pretrained;
                                              LoRA: merged, or --adapter-only: the PEFT dir)
@@ -53,6 +55,9 @@ def plan_main(argv: list[str]) -> int:
     cfg = compose(rest)
     if "${hydra:" in str(cfg.trainer._get_node("output_dir")._value()):
         cfg.trainer.output_dir = "(none: plan only)"  # no Hydra run dir exists when planning
+    if cfg.get("cluster") is not None:
+        print(cluster_plan(cfg, fmt))
+        return 0
     cfg, plan, resolved = prepare_run(cfg, plan_only=True)  # a teacher may be left unset
     w = world_size(cfg)
     pp = prepare_placement(cfg, plan, w)
@@ -74,6 +79,57 @@ def plan_main(argv: list[str]) -> int:
         for problem in machine_problems(cfg):  # planned anyway: a GPU job may be planned anywhere
             print(f"  cannot run on this machine: {problem}")
     return 0
+
+
+def build_cluster_plan(raw):
+    """``flowrl plan cluster=<name>``: the ClusterPlan of the composed config ``raw`` on the
+    cluster it names (``flowrl.compiler.cost.plan_cluster``). Nothing of this machine is read: no
+    machine defaults, no data rows, no tokenizer; the model is read by shape from its config
+    (``model.path`` may hold only a config.json), no weights.
+
+    The workload is the run's: B = trainer.prompts_per_step × algorithm.n × the cluster's GPUs
+    (prompts_per_step counts per data-parallel rank, as in ``flowrl train``), P =
+    data.max_prompt_tokens, R = rollout.sampling.max_new_tokens; the engine settings are
+    ``rollout.vllm``'s and ``trainer.engine``'s.
+
+    Raises:
+        ValueError / FileNotFoundError / GraphError: a bad field, graph or model folder.
+    """
+    from omegaconf import OmegaConf
+
+    from flowrl.compiler.cost import ClusterCosts, Workload, plan_cluster, stage_kind
+    from flowrl.compiler.plan import compile_plan
+    from flowrl.config import to_train_config
+    from flowrl.graph.validate import load_graph
+    from flowrl.models.size import model_size
+
+    cfg = to_train_config(raw)
+    tree = OmegaConf.to_container(raw, resolve=True)
+    plan = compile_plan(load_graph(cfg.graph.resolve()), tree, placement="colocated")
+    cl = cfg.cluster
+    world = cl.world
+    w = Workload(cfg.trainer.prompts_per_step * cfg.algorithm.n * world, cfg.data.max_prompt_tokens,
+                 cfg.rollout.sampling.max_new_tokens, cfg.algorithm.ppo_epochs)
+    eng, vl = cfg.trainer.engine, cfg.rollout.vllm
+    costs = ClusterCosts(cl, model_size(cfg.model), w, cfg.algorithm.n,
+                         {c.stage.name: (c.stage.role, stage_kind(c.stage.op, c.stage.role))
+                          for c in plan.stages},
+                         rollout_tp=vl.tensor_parallel_size if vl.tensor_parallel_size > 1 else 0,
+                         micro_batch_tokens=eng.max_tokens_per_micro_batch or 16384,
+                         activation_checkpointing=eng.gradient_checkpointing,
+                         max_num_seqs=vl.max_num_seqs)
+    # k >= 1 trains on older weights' batches: the old-logprob stage must run (preflight's rule)
+    ks = (0, 1) if cfg.algorithm.recompute_old_logprobs else (0,)
+    return plan_cluster(plan, costs, cfg.placement, cfg.placement.auto.min_gain, ks)
+
+
+def cluster_plan(raw, fmt: str) -> str:
+    """What ``flowrl plan cluster=<name>`` prints: the chosen placement rendered in ``fmt`` (text:
+    its timelines, then the candidate table, every term with its formula, the memory check)."""
+    from flowrl.compiler.cost import cluster_placement
+    from flowrl.compiler.render import format_placement
+
+    return format_placement(cluster_placement(build_cluster_plan(raw)), fmt)
 
 
 def graph_main(argv: list[str]) -> int:

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from flowrl.algorithms.config import AlgorithmConfig
+from flowrl.compiler.cluster import ClusterConfig
 from flowrl.compiler.placement import PlacementConfig
 from flowrl.data import DataConfig
 from flowrl.engines.base import SamplingConfig
@@ -236,6 +237,8 @@ class TrainConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     # the teacher role's model (on-policy distillation); unset = none (flowrl/models/teacher.py)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    # cluster=<name> (conf/cluster/): the hardware `flowrl plan` predicts for; None = this machine
+    cluster: Optional[ClusterConfig] = None
 
 
 def graph_options() -> dict[str, dict[str, Any]]:

@@ -105,7 +105,7 @@ def _text(pp: "PlacementPlan") -> str:
              + (f"  staleness={pp.staleness}" if pp.mode == "partitioned" else "")]
     for name, pool in pp.pools.items():
         lines.append("")
-        lines.append(f"Pool {name}  ranks {pool.ranks}  roles: {', '.join(pool.roles) or '-'}")
+        lines.append(f"Pool {name}  ranks {_ranks(pool.ranks)}  roles: {', '.join(pool.roles) or '-'}")
         lines += [f"  {role} served by {how}" for role, how in pp.full.served_by.items()
                   if role in pool.roles]
         for i, (kind, text) in enumerate(pool_timeline(pp, name), 1):
@@ -147,6 +147,14 @@ def _estimate_lines(pp: "PlacementPlan") -> list[str]:
     return out
 
 
+def _ranks(ranks: list[int]) -> str:
+    """A pool's ranks as printed: the list, or ``[a..b]`` for more than 8 contiguous ranks (a
+    planned 64-GPU cluster)."""
+    if len(ranks) > 8 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"[{ranks[0]}..{ranks[-1]}]"
+    return str(list(ranks))
+
+
 def _ident(s: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in s)
 
@@ -179,12 +187,17 @@ def _mermaid(pp: "PlacementPlan") -> str:
     lines = ["flowchart TB"]
     for name, ns in nodes.items():
         pool = pp.pools[name]
-        lines.append(f'  subgraph {_ident(name)}["pool {name} ranks {pool.ranks}"]')
+        lines.append(f'  subgraph {_ident(name)}["pool {name} ranks {_ranks(pool.ranks)}"]')
         lines += [f'    {i}["{q(k)}: {q(t)}"]' for i, k, t in ns]
         lines.append("  end")
     for a, b, label, dashed in edges:
         arrow = "-.->" if dashed else "-->"
         lines.append(f"  {a} {arrow}" + (f'|"{q(label)}"| ' if label else " ") + b)
+    est = pp.estimate
+    if est is not None:  # the cost model's prediction as a note beside the pools
+        pools = "; ".join(f"pool {k} {est.sides.get(k, 0.0):.3g} s, peak {_fmt_bytes(b)}/device"
+                          for k, (b, _) in est.memory.items())
+        lines.append(f'  predicted["predicted ({q(est.device)}): step {est.step_s:.3g} s; {q(pools)}"]')
     return "\n".join(lines)
 
 
@@ -194,7 +207,7 @@ def _dot(pp: "PlacementPlan") -> str:
     lines = [f'digraph "{q(pp.full.graph.name)}" {{', "  rankdir=TB;", "  node [shape=box];"]
     for name, ns in nodes.items():
         lines.append(f"  subgraph cluster_{_ident(name)} {{")
-        lines.append(f'    label="pool {name} ranks {pp.pools[name].ranks}";')
+        lines.append(f'    label="pool {name} ranks {_ranks(pp.pools[name].ranks)}";')
         lines += [f'    {i} [label="{q(k)}: {q(t)}"];' for i, k, t in ns]
         lines.append("  }")
     for a, b, label, dashed in edges:

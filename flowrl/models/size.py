@@ -25,6 +25,9 @@ class ModelSize:
         n_params: parameter count (tied embeddings counted once).
         n_layers, n_kv_heads, head_dim: attention shape, for the KV cache.
         dtype_bytes: bytes per parameter in the training dtype (``model.dtype``).
+        hidden_size, n_heads, vocab_size, intermediate_size, tied_embeddings: the rest of the
+            shape, for the cluster planner's FLOP and activation counts (0 / False where the
+            source does not say, e.g. a GGUF file's vocabulary).
     """
 
     n_params: int
@@ -32,6 +35,11 @@ class ModelSize:
     n_kv_heads: int
     head_dim: int
     dtype_bytes: int = 4
+    hidden_size: int = 0
+    n_heads: int = 0
+    vocab_size: int = 0
+    intermediate_size: int = 0
+    tied_embeddings: bool = False
 
     @property
     def weight_bytes(self) -> int:
@@ -53,7 +61,12 @@ def _size_from_hf_config(config: Any, dtype_bytes: int) -> ModelSize:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv = getattr(config, "num_key_value_heads", None) or heads
-    return ModelSize(int(n), config.num_hidden_layers, kv, head_dim, dtype_bytes)
+    inter = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    return ModelSize(int(n), config.num_hidden_layers, kv, head_dim, dtype_bytes,
+                     hidden_size=config.hidden_size, n_heads=heads,
+                     vocab_size=int(getattr(config, "vocab_size", 0) or 0),
+                     intermediate_size=int(inter),
+                     tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
 
 
 @lru_cache(maxsize=16)
@@ -68,8 +81,12 @@ def _gguf_size(path: str, dtype_bytes: int) -> ModelSize:
 
     heads = meta("attention.head_count")
     n = sum(int(t.n_elements) for t in reader.tensors)
+    hidden = meta("embedding_length")
+    names = {t.name for t in reader.tensors}
     return ModelSize(n, meta("block_count"), meta("attention.head_count_kv"),
-                     meta("embedding_length") // heads, dtype_bytes)
+                     hidden // heads, dtype_bytes, hidden_size=hidden, n_heads=heads,
+                     intermediate_size=meta("feed_forward_length"),
+                     tied_embeddings="output.weight" not in names)
 
 
 def model_size(cfg: Any) -> ModelSize:

@@ -48,6 +48,9 @@ def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = Non
     from flowrl.graph.validate import load_graph
     from flowrl.runtime.rundir import check_resume, invocation_overrides
 
+    if cfg.cluster is not None:  # flowrl plan answers before this point
+        raise ValueError(f"cluster={cfg.cluster.name}: a cluster is planned, not run here; use "
+                         "`flowrl plan cluster=...` (a run uses this machine's GPUs: drop cluster=)")
     plan = compile_plan(load_graph(cfg.graph.resolve()), _resolved_tree(raw),
                         placement=cfg.placement.mode)
     # first: a resume with forgotten overrides would fail the checks below less clearly

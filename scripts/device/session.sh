@@ -31,11 +31,25 @@ phase_nan() {  # ~30 s: cuDNN SDPA on empty query rows, left-padded vs left-alig
   elif [ -f scripts/nan_check_gpu.py ]; then python3 scripts/nan_check_gpu.py | tee "$OUT/nan_h200.txt"
   else log "no nan check script"; fi
 }
-phase_learning() {  # ~9 min: the learnable task, full fine-tuning and LoRA side by side
-  if [ -f scripts/device/task_learning_run.sh ]; then
-    FLOWRL_COMMIT=$COMMIT bash scripts/device/task_learning_run.sh
-  else log "no task learning script"; fi
+phase_learning() {  # ~9 min: the arith task, full fine-tuning and LoRA side by side (and the tier)
+  # two runs share the GPU: half the default vLLM budget each (their KV caches are fixed anyway)
+  local mem=rollout.vllm.gpu_memory_utilization=0.25
+  rm -rf /tmp/learn_out && mkdir -p /tmp/learn_out
+  OUT=/tmp/learn_out TRAIN_TIMEOUT_S=${TRAIN_TIMEOUT_S:-500} FLOWRL_COMMIT=$COMMIT \
+    bash scripts/device/arith_learning_run.sh full $mem > "$OUT/learning_full.log" 2>&1 &
+  local a=$!
+  sleep 20  # the second run's engines start after the first's have profiled
+  OUT=/tmp/learn_out TRAIN_TIMEOUT_S=${TRAIN_TIMEOUT_S:-480} FLOWRL_COMMIT=$COMMIT \
+    bash scripts/device/arith_learning_run.sh lora $mem > "$OUT/learning_lora.log" 2>&1 &
+  local b=$!
+  if [ -n "${WITH_TIER:-}" ]; then TIER_N=4 phase_tier; fi
+  wait $a; wait $b
+  tail -n 25 "$OUT/learning_full.log" "$OUT/learning_lora.log"
+  # $OUT brings back at most 8 files: the report's kept runs and the consoles as one archive
+  cp /tmp/learn_out/learning_h200.md /tmp/learn_out/learning_h200.png "$OUT/" 2>/dev/null
+  (cd /tmp && tar czf "$OUT/learning_runs.tgz" learn_out arith_runs/*/console.log 2>/dev/null)
 }
+phase_first_step_nan() { phase_first_step; phase_nan; }
 phase_e2e() {  # ~8 min: flowrl vs TRL, interleaved rounds
   python3 benchmarks/e2e_vs_trl.py --suite gpu ${E2E_ARGS:-} --out "$OUT/e2e_vs_trl_h200.md" \
     --json-out "$OUT/e2e_vs_trl_h200.json"
@@ -66,7 +80,7 @@ install)
 esac
 rc=0
 for p in "$@"; do
-  case "$p" in first_step|nan|learning|e2e|tier) ;; *) continue ;; esac
+  case "$p" in first_step|nan|learning|e2e|tier|first_step_nan) ;; *) continue ;; esac
   log "phase $p"
   t0=$SECONDS
   "phase_$p" || { rc=$?; log "phase $p exit $rc"; }
