@@ -53,6 +53,9 @@ VARIANTS: dict[str, list[str]] = {
     # other), CUDA graphs up to max_num_seqs (2,048)
     "before": ["rollout.vllm.engine_procs=4", "rollout.vllm.enforce_eager=false",
                "rollout.vllm.max_cudagraph_capture_size=2048"],
+    # the same, cut to 10 steps and the before/after evals: its start-up and step times only
+    "graphs10": ["rollout.vllm.engine_procs=0", "rollout.vllm.enforce_eager=false",
+                 "trainer.total_steps=10", "trainer.eval.every=0"],
     "hf": ["rollout=hf"],
 }
 MILESTONES = {

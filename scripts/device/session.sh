@@ -23,7 +23,7 @@ COMMIT=$(cat .flowrl_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/nul
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 
 phase_first_step() {  # ~3 min: the default job, job-sized engine vs graphs in process
-  python3 benchmarks/first_step.py --variants default,graphs --timeout-s 200 \
+  python3 benchmarks/first_step.py --variants ${FIRST_STEP_VARIANTS:-default,graphs10} --timeout-s 200 \
     --md-out "$OUT/first_step_h200.md" --log-dir "$OUT/first_step_logs"
 }
 phase_nan() {  # ~30 s: cuDNN SDPA on empty query rows, left-padded vs left-aligned
@@ -54,8 +54,8 @@ phase_e2e() {  # ~8 min: flowrl vs TRL, interleaved rounds
   python3 benchmarks/e2e_vs_trl.py --suite gpu ${E2E_ARGS:-} --out "$OUT/e2e_vs_trl_h200.md" \
     --json-out "$OUT/e2e_vs_trl_h200.json"
 }
-phase_tier() {  # ~5 min: the GPU tier
-  python3 -m pytest -m "gpu or vllm" tests/gpu/test_train_gpu.py tests/gpu/test_multi_turn_gpu.py \
+phase_tier() {  # ~5 min: the GPU tier (TIER_K: a -k selection)
+  timeout -k 10 ${TIER_TIMEOUT_S:-540} python3 -m pytest ${TIER_K:+-k "$TIER_K"} -m "gpu or vllm" tests/gpu/test_train_gpu.py tests/gpu/test_multi_turn_gpu.py \
     tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
     2>&1 | tee "$OUT/gpu_tier.log" | tail -n 60
 }
