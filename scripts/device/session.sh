@@ -15,6 +15,7 @@
 #   carry [".vllm/p5"]:           bash scripts/device/session.sh install first_step
 #   (no carry):                   bash scripts/device/session.sh <phase> [<phase> ...]
 # Phases: first_step, nan, learning, e2e, tier (see each below). Results land in $OUT.
+# X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
 set -uo pipefail
 : "${OUT:?OUT must name the folder that comes back}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false COLUMNS=200 PYTHONUNBUFFERED=1
@@ -24,7 +25,7 @@ log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 
 phase_first_step() {  # ~3 min: the default job, job-sized engine vs graphs in process
   python3 benchmarks/first_step.py --variants ${FIRST_STEP_VARIANTS:-default,graphs10} --timeout-s 200 \
-    --md-out "$OUT/first_step_h200.md" --log-dir "$OUT/first_step_logs"
+    --md-out "$OUT/first_step_h200.md" --log-dir "$OUT/first_step_logs" -- ${X:-}
 }
 phase_nan() {  # ~30 s: cuDNN SDPA on empty query rows, left-padded vs left-aligned
   if [ -f benchmarks/nan_check_gpu.py ]; then python3 benchmarks/nan_check_gpu.py --md-out "$OUT/nan_h200.md"
@@ -36,11 +37,11 @@ phase_learning() {  # ~9 min: the arith task, full fine-tuning and LoRA side by 
   local mem=rollout.vllm.gpu_memory_utilization=0.25
   rm -rf /tmp/learn_out && mkdir -p /tmp/learn_out
   OUT=/tmp/learn_out TRAIN_TIMEOUT_S=${TRAIN_TIMEOUT_S:-500} FLOWRL_COMMIT=$COMMIT \
-    bash scripts/device/arith_learning_run.sh full $mem > "$OUT/learning_full.log" 2>&1 &
+    bash scripts/device/arith_learning_run.sh full $mem ${X:-} > "$OUT/learning_full.log" 2>&1 &
   local a=$!
   sleep 20  # the second run's engines start after the first's have profiled
   OUT=/tmp/learn_out TRAIN_TIMEOUT_S=${TRAIN_TIMEOUT_S:-480} FLOWRL_COMMIT=$COMMIT \
-    bash scripts/device/arith_learning_run.sh lora $mem > "$OUT/learning_lora.log" 2>&1 &
+    bash scripts/device/arith_learning_run.sh lora $mem ${X:-} > "$OUT/learning_lora.log" 2>&1 &
   local b=$!
   if [ -n "${WITH_TIER:-}" ]; then TIER_N=4 phase_tier; fi
   wait $a; wait $b
@@ -52,7 +53,7 @@ phase_learning() {  # ~9 min: the arith task, full fine-tuning and LoRA side by 
 phase_first_step_nan() { phase_first_step; phase_nan; }
 phase_e2e() {  # ~8 min: flowrl vs TRL, interleaved rounds
   python3 benchmarks/e2e_vs_trl.py --suite gpu ${E2E_ARGS:-} --out "$OUT/e2e_vs_trl_h200.md" \
-    --json-out "$OUT/e2e_vs_trl_h200.json"
+    --json-out "$OUT/e2e_vs_trl_h200.json" ${X:-}
 }
 phase_tier() {  # ~5 min: the GPU tier (TIER_K: a -k selection)
   timeout -k 10 ${TIER_TIMEOUT_S:-540} python3 -m pytest ${TIER_K:+-k "$TIER_K"} -m "gpu or vllm" tests/gpu/test_train_gpu.py tests/gpu/test_multi_turn_gpu.py \
