@@ -2,15 +2,27 @@
 
 Run (SmolLM2-135M-Instruct; about 10 min on a quiet 2-core CPU):
     python benchmarks/e2e_vs_trl.py
-Quick check (tiny random model, a few minutes):
-    python benchmarks/e2e_vs_trl.py --model tiny --steps 2
+The rounds machinery on CPU (a tiny random model, a few minutes):
+    python benchmarks/e2e_vs_trl.py --suite cpu
 One GPU, both rollout modes (HF generation on both sides; flowrl rollout=vllm vs TRL
-use_vllm=True, vllm_mode="colocate"), both models, one report (benchmarks/results/e2e_vs_trl_h200.md):
-    python benchmarks/e2e_vs_trl.py --suite gpu --json-out e2e.json
-    (= --device cuda --model qwen05b,smollm2 --rollout hf,vllm --prompts-per-step 32 --n 8
-       --max-new-tokens 256 --steps 4 --micro-batch-size 32; any of them can still be given)
-Rewrite the report from saved runs (e.g. two device calls, one per model):
+use_vllm=True, vllm_mode="colocate"), three models (Qwen2.5-0.5B shape, SmolLM2-135M real
+weights, Qwen2.5-1.5B shape), interleaved rounds, one report (benchmarks/results/e2e_vs_trl_h200.md):
+    python benchmarks/e2e_vs_trl.py --suite gpu --plan          # the runs and their estimated time
+    python benchmarks/e2e_vs_trl.py --suite gpu --models qwen05b --json-out a.json
+    (= --device cuda --model qwen05b,smollm2,qwen15b --rollout hf,vllm --prompts-per-step 32 --n 8
+       --max-new-tokens 256 --warmup 1 --rounds 3 --steps 2 --micro-batch-size 32, plus the vLLM
+       budgets of GPU_SUITE_OVERRIDES; any of them can still be given)
+Rewrite the report from saved runs (one device call per model, say):
     python benchmarks/e2e_vs_trl.py --from-json a.json b.json --out benchmarks/results/e2e_vs_trl_h200.md
+
+Interleaved rounds (``run_pair``): per pair (model, rollout), each framework runs in ONE process
+for all its rounds: ``--warmup`` untimed steps, then ``--rounds`` rounds of ``--steps`` timed steps,
+the two processes taking turns at a file gate (flowrl round 1, TRL round 1, flowrl round 2, ...).
+A process is reused rather than restarted per round because its start-up (engine build, 20-90 s
+on the H200 with vLLM) would otherwise cost more than the round itself, several times over the
+suite's 20-minute budget; start-up is still measured once per process ("engine build s").
+Reported per framework: the median over rounds with min–max; per pair the ratio of the medians
+with the min and max of the per-round ratios (``ratio_of_medians``).
 
 Both runs of a pair are built from ONE flowrl config (``flowrl.cli.compose`` of the overrides below):
 flowrl trains it through its public API (``flowrl.train.train``); the TRL child maps the same
