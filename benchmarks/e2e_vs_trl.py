@@ -1069,7 +1069,8 @@ steps; reported: the median over rounds with min–max, and the ratio of the two
 min and max of the per-round ratios (flowrl round r / TRL round r). The warm-up steps are in no
 round. Device memory: while one framework runs, the other's process holds its weights (and, on
 vLLM, its engines) on the same device, so NVML's device-wide peak counts both; the process-tree
-column sums NVML's per-process use over the framework's own processes only."""
+column sums NVML's per-process use over the framework's own processes only. "process wall s"
+includes the time a process waited at its gates while the other framework ran."""
 
 NOTES = """\
 - **Sampled tokens differ.** Both sample from the same model with the same settings, but from
