@@ -32,11 +32,10 @@ TrainConfig onto a ``GRPOConfig`` (``trl_kwargs``), loads the same model with
 re-templating, same ids), and scores with the reward stage of the same compiled graph. The initial
 model is saved once per model as a plain HF directory (weights + tokenizer) that both frameworks
 load (TRL's vLLM colocate mode builds its engine from ``model.name_or_path``). Each framework runs
-in a fresh subprocess with the same torch thread count; its own peak RSS comes from ``wait4``, the
+in a fresh subprocess per pair (all its rounds) with the same torch thread count; its own peak RSS comes from ``wait4``, the
 peak of its whole process tree (flowrl's vLLM engine processes included) and of the GPU from a
 sampling thread (``_common.TreeMonitor``). Generated tokens = valid completion tokens including the
-stop token, counted the same way in both. The first (warm-up) step is excluded from every mean
-when there is more than one step.
+stop token, counted the same way in both. The ``--warmup`` steps are excluded from every figure.
 Writes ``benchmarks/results/e2e_vs_trl.md`` (``--out``; rewritten after every pair, so a run cut
 short still leaves its finished pairs) and prints the tables.
 """
@@ -949,7 +948,8 @@ def write_report(path: Path, doc: dict) -> str:
     title = "one GPU" if on_gpu else "CPU"
     lines = [f"# flowrl vs TRL GRPOTrainer: end-to-end GRPO on {title}", "",
              "Produced by `benchmarks/e2e_vs_trl.py` (the same GRPO run in both frameworks, each in a "
-             "fresh subprocess; see the script's docstring for what is shared).", ""]
+             "subprocess of its own, reused for all rounds of a pair; see the script's docstring for "
+             "what is shared).", ""]
     for m in meta:
         mach = m["machine"]
         lines += [f"- command: `{m['command']}`",
@@ -1036,7 +1036,8 @@ def write_report(path: Path, doc: dict) -> str:
 
 RESULTS_TEXT = """\
 completion tokens/s = valid completion tokens (stop token included) / step time, over the timed
-steps (the first, warm-up step is excluded when there are several; so is it from every mean below).
+steps (the warm-up steps, `--warmup`, are excluded from every figure below; older reports: the
+first step when there were several).
 step s: flowrl `perf/step_s` (all stages and swaps of one iteration); TRL: `on_step_begin` →
 `on_step_end` (generation, scoring, every micro-batch, optimizer step). generate s: flowrl
 `time/rollout`; TRL `_generate_single_turn` (vLLM: with its weight sync). update s: flowrl
