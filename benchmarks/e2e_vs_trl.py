@@ -1150,8 +1150,9 @@ PREPARE_S_GUESS = {"qwen05b": 15.0, "smollm2": 10.0, "qwen15b": 40.0, "tiny": 2.
 
 
 def plan_rows(models: list[str], rollouts: list[str], fws: list[str], bc: BenchConfig) -> list[list]:
-    """(model, rollout, steps per framework, estimated s) per pair, then the total, for a CUDA run
-    (CPU: no estimate). Step seconds scale with batch x max_new_tokens from the suite's shape."""
+    """(model, rollout, steps per framework, estimated H200 s) per pair, then the total (the same
+    H200 figures for a CPU run, which says nothing of its own time). Step seconds scale with
+    batch x max_new_tokens from the suite's shape."""
     scale = bc.batch * bc.max_new_tokens / (256 * 256)
     rows, total = [], sum(PREPARE_S_GUESS.get(m, 30.0) for m in models)
     for m in models:
