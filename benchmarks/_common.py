@@ -115,10 +115,14 @@ class TreeMonitor:
         interval_s: seconds between samples.
         gpu_index: NVML index of the GPU to watch; None = none (also when pynvml or a driver is
             missing: the GPU fields are then None).
+        pss_every: read PSS (``/proc/<pid>/smaps``, costly) every this many samples; RSS every
+            sample.
     """
 
-    def __init__(self, interval_s: float = 0.25, gpu_index: Optional[int] = None) -> None:
+    def __init__(self, interval_s: float = 0.25, gpu_index: Optional[int] = None,
+                 pss_every: int = 8) -> None:
         self.interval_s = interval_s
+        self.pss_every = max(1, pss_every)
         self.gpu_index = gpu_index
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -171,15 +175,23 @@ class TreeMonitor:
                 except psutil.Error:
                     break
                 rss = pss = 0
+                # PSS walks /proc/<pid>/smaps under the process's mmap lock (it can hold up the
+                # measured process's own mmaps, e.g. cudaMalloc): read it every pss_every-th
+                # sample only; RSS (statm) every sample
+                full_read = self._peaks["samples"] % self.pss_every == 0
                 for p in procs:
                     try:
-                        full = p.memory_full_info()
-                        rss, pss = rss + full.rss, pss + getattr(full, "pss", full.rss)
+                        if full_read:
+                            full = p.memory_full_info()
+                            rss, pss = rss + full.rss, pss + getattr(full, "pss", full.rss)
+                        else:
+                            rss += p.memory_info().rss
                     except psutil.Error:  # exited between the listing and the read
                         pass
                 pk = self._peaks
                 pk["tree_rss_peak_bytes"] = max(pk["tree_rss_peak_bytes"], rss)
-                pk["tree_pss_peak_bytes"] = max(pk["tree_pss_peak_bytes"], pss)
+                if full_read:
+                    pk["tree_pss_peak_bytes"] = max(pk["tree_pss_peak_bytes"], pss)
                 pk["tree_procs_max"] = max(pk["tree_procs_max"], len(procs))
                 if handle is not None:
                     import pynvml

@@ -2,15 +2,27 @@
 
 Run (SmolLM2-135M-Instruct; about 10 min on a quiet 2-core CPU):
     python benchmarks/e2e_vs_trl.py
-Quick check (tiny random model, a few minutes):
-    python benchmarks/e2e_vs_trl.py --model tiny --steps 2
+The rounds machinery on CPU (a tiny random model, a few minutes):
+    python benchmarks/e2e_vs_trl.py --suite cpu
 One GPU, both rollout modes (HF generation on both sides; flowrl rollout=vllm vs TRL
-use_vllm=True, vllm_mode="colocate"), both models, one report (benchmarks/results/e2e_vs_trl_h200.md):
-    python benchmarks/e2e_vs_trl.py --suite gpu --json-out e2e.json
-    (= --device cuda --model qwen05b,smollm2 --rollout hf,vllm --prompts-per-step 32 --n 8
-       --max-new-tokens 256 --steps 4 --micro-batch-size 32; any of them can still be given)
-Rewrite the report from saved runs (e.g. two device calls, one per model):
+use_vllm=True, vllm_mode="colocate"), three models (Qwen2.5-0.5B shape, SmolLM2-135M real
+weights, Qwen2.5-1.5B shape), interleaved rounds, one report (benchmarks/results/e2e_vs_trl_h200.md):
+    python benchmarks/e2e_vs_trl.py --suite gpu --plan          # the runs and their estimated time
+    python benchmarks/e2e_vs_trl.py --suite gpu --models qwen05b --json-out a.json
+    (= --device cuda --model qwen05b,smollm2,qwen15b --rollout hf,vllm --prompts-per-step 32 --n 8
+       --max-new-tokens 256 --warmup 1 --rounds 3 --steps 2 --micro-batch-size 32, plus the vLLM
+       budgets of GPU_SUITE_OVERRIDES; any of them can still be given)
+Rewrite the report from saved runs (one device call per model, say):
     python benchmarks/e2e_vs_trl.py --from-json a.json b.json --out benchmarks/results/e2e_vs_trl_h200.md
+
+Interleaved rounds (``run_pair``): per pair (model, rollout), each framework runs in ONE process
+for all its rounds: ``--warmup`` untimed steps, then ``--rounds`` rounds of ``--steps`` timed steps,
+the two processes taking turns at a file gate (flowrl round 1, TRL round 1, flowrl round 2, ...).
+A process is reused rather than restarted per round because its start-up (engine build, 20-90 s
+on the H200 with vLLM) would otherwise cost more than the round itself, several times over the
+suite's 20-minute budget; start-up is still measured once per process ("engine build s").
+Reported per framework: the median over rounds with min–max; per pair the ratio of the medians
+with the min and max of the per-round ratios (``ratio_of_medians``).
 
 Both runs of a pair are built from ONE flowrl config (``flowrl.cli.compose`` of the overrides below):
 flowrl trains it through its public API (``flowrl.train.train``); the TRL child maps the same
@@ -20,11 +32,10 @@ TrainConfig onto a ``GRPOConfig`` (``trl_kwargs``), loads the same model with
 re-templating, same ids), and scores with the reward stage of the same compiled graph. The initial
 model is saved once per model as a plain HF directory (weights + tokenizer) that both frameworks
 load (TRL's vLLM colocate mode builds its engine from ``model.name_or_path``). Each framework runs
-in a fresh subprocess with the same torch thread count; its own peak RSS comes from ``wait4``, the
+in a fresh subprocess per pair (all its rounds) with the same torch thread count; its own peak RSS comes from ``wait4``, the
 peak of its whole process tree (flowrl's vLLM engine processes included) and of the GPU from a
 sampling thread (``_common.TreeMonitor``). Generated tokens = valid completion tokens including the
-stop token, counted the same way in both. The first (warm-up) step is excluded from every mean
-when there is more than one step.
+stop token, counted the same way in both. The ``--warmup`` steps are excluded from every figure.
 Writes ``benchmarks/results/e2e_vs_trl.md`` (``--out``; rewritten after every pair, so a run cut
 short still leaves its finished pairs) and prints the tables.
 """
@@ -291,6 +302,10 @@ def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, 
         ("model", f"{MODEL_NAMES[bc.model]}, model.dtype={tc.model.dtype}, loaded from the saved "
          "initial model directory", f"the same `load_model` output, bf16={kw['bf16']} fp16=False"),
         ("device", f"trainer.device={tc.trainer.device}", f"use_cpu={kw['use_cpu']}"),
+        ("attention", f"model.attn_implementation={tc.model.attn_implementation}, "
+         f"trainer.engine.padding_free={e.padding_free} (packed micro-batches: on CUDA with "
+         "flash_attention_*, flex_attention or sdpa_flex)",
+         "the same loaded model, padded batches (padding_free=False, TRL's default)"),
         ("rollout", rollout, trl_rollout),
         ("batch", f"prompts_per_step={tc.trainer.prompts_per_step} × n={a.n}",
          f"num_generations={kw['num_generations']}, generation batch "
@@ -937,7 +952,8 @@ def write_report(path: Path, doc: dict) -> str:
     title = "one GPU" if on_gpu else "CPU"
     lines = [f"# flowrl vs TRL GRPOTrainer: end-to-end GRPO on {title}", "",
              "Produced by `benchmarks/e2e_vs_trl.py` (the same GRPO run in both frameworks, each in a "
-             "fresh subprocess; see the script's docstring for what is shared).", ""]
+             "subprocess of its own, reused for all rounds of a pair; see the script's docstring for "
+             "what is shared).", ""]
     for m in meta:
         mach = m["machine"]
         lines += [f"- command: `{m['command']}`",
@@ -1024,7 +1040,8 @@ def write_report(path: Path, doc: dict) -> str:
 
 RESULTS_TEXT = """\
 completion tokens/s = valid completion tokens (stop token included) / step time, over the timed
-steps (the first, warm-up step is excluded when there are several; so is it from every mean below).
+steps (the warm-up steps, `--warmup`, are excluded from every figure below; older reports: the
+first step when there were several).
 step s: flowrl `perf/step_s` (all stages and swaps of one iteration); TRL: `on_step_begin` →
 `on_step_end` (generation, scoring, every micro-batch, optimizer step). generate s: flowrl
 `time/rollout`; TRL `_generate_single_turn` (vLLM: with its weight sync). update s: flowrl
@@ -1057,7 +1074,8 @@ steps; reported: the median over rounds with min–max, and the ratio of the two
 min and max of the per-round ratios (flowrl round r / TRL round r). The warm-up steps are in no
 round. Device memory: while one framework runs, the other's process holds its weights (and, on
 vLLM, its engines) on the same device, so NVML's device-wide peak counts both; the process-tree
-column sums NVML's per-process use over the framework's own processes only."""
+column sums NVML's per-process use over the framework's own processes only. "process wall s"
+includes the time a process waited at its gates while the other framework ran."""
 
 NOTES = """\
 - **Sampled tokens differ.** Both sample from the same model with the same settings, but from
@@ -1136,8 +1154,9 @@ PREPARE_S_GUESS = {"qwen05b": 15.0, "smollm2": 10.0, "qwen15b": 40.0, "tiny": 2.
 
 
 def plan_rows(models: list[str], rollouts: list[str], fws: list[str], bc: BenchConfig) -> list[list]:
-    """(model, rollout, steps per framework, estimated s) per pair, then the total, for a CUDA run
-    (CPU: no estimate). Step seconds scale with batch x max_new_tokens from the suite's shape."""
+    """(model, rollout, steps per framework, estimated H200 s) per pair, then the total (the same
+    H200 figures for a CPU run, which says nothing of its own time). Step seconds scale with
+    batch x max_new_tokens from the suite's shape."""
     scale = bc.batch * bc.max_new_tokens / (256 * 256)
     rows, total = [], sum(PREPARE_S_GUESS.get(m, 30.0) for m in models)
     for m in models:

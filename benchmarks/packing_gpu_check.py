@@ -10,8 +10,10 @@ Run (one H200, about 2-3 minutes, most of it flex_attention's first compile):
 2. Speed (bf16 weights, the e2e benchmark's Qwen2.5-0.5B shape): one update-sized micro-batch of
    50 sequences, ragged prompts of 60-200 tokens and responses of 128-256 (~16k valid tokens, about the
    GPU default ``max_tokens_per_micro_batch``), forward + backward of the token-mean logprob
-   loss, three layouts: padded SDPA (what every GPU number so far ran), packed with SDPA's dense
-   (T, T) mask (``attn=sdpa``, ``padding_free=true``), packed ``sdpa_flex``. Median of 5 timed
+   loss, four layouts: padded SDPA (what every GPU number so far ran), packed with SDPA's dense
+   (T, T) mask (``attn=sdpa``, ``padding_free=true``), packed ``sdpa_flex`` (the new GPU
+   default), and that with ``trainer.engine.logprob_compile=true`` (the chunked LM-head logprobs
+   compiled; off by default until it measures faster). Median of 5 timed
    iterations after 2 warm-ups; the first call's seconds (compile) reported apart; MFU against
    989 TFLOP/s with the e2e benchmark's FLOP count (valid tokens only); the stream syncs the host
    makes inside that micro-batch (``torch.cuda.set_sync_debug_mode("warn")``: each one stalls
@@ -35,11 +37,12 @@ SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
              intermediate_size=128, vocab_size=1024)
 
 
-def _engine(model, padding_free: str):
+def _engine(model, padding_free: str, compile_logprobs: bool = False):
     from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
 
     return LocalTrainEngine(model, TrainEngineConfig(lr=1e-5, logprob_chunk_size=1024,
-                                                     padding_free=padding_free))
+                                                     padding_free=padding_free,
+                                                     logprob_compile=compile_logprobs))
 
 
 def _batch(n_rows: int, p_range, r_range, vocab: int, seed: int = 0):
@@ -108,11 +111,14 @@ def speed(iters: int = 5) -> list[list]:
     seqs = (b["prompt_mask"].sum(1) + b["response_mask"].sum(1)).tolist()
     n = None
     rows = []
-    for label, attn, pf in (("padded, SDPA", "sdpa", "false"), ("packed, SDPA dense mask", "sdpa", "true"),
-                            ("packed, sdpa_flex (flex_attention)", "sdpa_flex", "true")):
+    for label, attn, pf, comp in (
+            ("padded, SDPA", "sdpa", "false", False),
+            ("packed, SDPA dense mask", "sdpa", "true", False),
+            ("packed, sdpa_flex (flex_attention)", "sdpa_flex", "true", False),
+            ("packed, sdpa_flex + logprob_compile", "sdpa_flex", "true", True)):
         model = _tiny("qwen2", attn, torch.bfloat16, **shape)
         n = n or sum(p.numel() for p in model.parameters())
-        eng = _engine(model, pf)
+        eng = _engine(model, pf, comp)
         times = []
         cuda = DEVICE == "cuda"
         if cuda:

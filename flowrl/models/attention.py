@@ -56,8 +56,10 @@ def _flex(device: torch.device):
 
     if device.type != "cuda":
         return flex_attention
-    if "flex" not in _compiled:  # one compiled kernel per process (dynamic shapes after a recompile)
-        _compiled["flex"] = torch.compile(flex_attention)
+    if "flex" not in _compiled:
+        # one compiled kernel per process; dynamic from the start: every packed micro-batch has
+        # its own length, and a static first compile would be thrown away at the second length
+        _compiled["flex"] = torch.compile(flex_attention, dynamic=True)
     return _compiled["flex"]
 
 
