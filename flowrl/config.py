@@ -249,6 +249,10 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
     for name, node in graph_options().items():
         cs.store(group="graph", name=name, node=node, package="_global_")
+    from flowrl.data import DATASETS
+
+    for name in DATASETS:  # data=<name>: a bundled dataset (its settings: data.<name>.*)
+        cs.store(group="data", name=name, node={"name": name}, package="data")
 
 
 def to_train_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:

@@ -1,8 +1,9 @@
 """Datasets (bundled GSM8K, your own files), prompt rendering/collation, and the stateful prompt
 sampler."""
 from flowrl.data.files import DataError
-from flowrl.data.gsm8k import DATASETS, SPLITS, load_gsm8k, parse_ground_truth
+from flowrl.data.gsm8k import SPLITS, load_gsm8k, parse_ground_truth
 from flowrl.data.prompts import (
+                                 DATASETS,
                                  DEFAULT_INSTRUCTION,
                                  DataConfig,
                                  PromptBatch,

@@ -430,7 +430,10 @@ class TrainRank(_PoolRank):
         if prompts.world_size > 1:  # the train pool's shard of the eval slice: rank 0 evaluates it all
             from flowrl.data import PromptSource
 
-            prompts = PromptSource(cfg.data, tokenizer)
+            from flowrl.runtime.resources import image_encoder
+
+            prompts = PromptSource(cfg.data, tokenizer,
+                                   image_encoder=image_encoder(cfg.model, tokenizer))
         if not actor.lockstep:  # one train rank: the module is whole
             if not self.logs:
                 return None

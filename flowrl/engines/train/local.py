@@ -211,6 +211,8 @@ class LocalTrainEngine:
         the layout is packed (one row, ``TrainEngineConfig.padding_free``) or padded (b rows)."""
         p_ids, p_mask = mb["prompt_ids"].to(self.device), mb["prompt_mask"].bool().to(self.device)
         r_ids, r_mask = mb["response_ids"].to(self.device), mb["response_mask"].bool().to(self.device)
+        if "pixel_values" in mb:  # a vision-language model: images in the prompts
+            return self._vision_inputs(mb, p_ids, p_mask, r_ids, r_mask)
         if self._padding_free and packable(p_mask, r_mask):
             pk = pack(p_ids, p_mask, r_ids, r_mask)
             # no attention_mask: transformers then reads the packing from the position ids
@@ -228,6 +230,32 @@ class LocalTrainEngine:
         if self._use_cache:
             kwargs["use_cache"] = False
         return kwargs, pred, packed
+
+    def _vision_inputs(self, mb: Mapping[str, Tensor], p_ids: Tensor, p_mask: Tensor,
+                       r_ids: Tensor, r_mask: Tensor) -> tuple[dict[str, Any], Tensor, bool]:
+        """:meth:`_model_inputs` of a micro-batch with ``pixel_values`` (b, N, D) and
+        ``image_grid_thw`` (b, K, 3) (``flowrl.data.images``): padded rows, the images flattened
+        as the model takes them, and no ``position_ids``: a Qwen2-VL-family model derives its
+        M-RoPE positions (text, and height/width inside each image) from the ids, the image
+        grids and the attention mask, exactly as its ``generate`` did for the rollout."""
+        from flowrl.data.images import flatten_images, mm_token_type_ids, model_image_token_id
+
+        P, R = p_ids.shape[1], r_ids.shape[1]
+        attn = torch.cat([p_mask, response_attention_mask(r_mask)], dim=1)
+        pv, grid = flatten_images(mb["pixel_values"], mb["image_grid_thw"])
+        ids = torch.cat([p_ids, r_ids], dim=1)
+        kwargs: dict[str, Any] = dict(
+            input_ids=ids, attention_mask=attn.long(), pixel_values=pv.to(self.device),
+            image_grid_thw=grid.to(self.device),
+            # image slots in the prompt only: a response never holds one (ops/vision.py)
+            mm_token_type_ids=mm_token_type_ids(
+                torch.cat([p_ids, torch.zeros_like(r_ids)], dim=1),
+                model_image_token_id(self.model)))
+        if self._use_cache:
+            kwargs["use_cache"] = False
+        cols = torch.arange(P - 1, P + R - 1, device=self.device)
+        rows = torch.arange(r_ids.shape[0], device=self.device)[:, None] * (P + R)
+        return kwargs, (rows + cols)[r_mask], False
 
     def _response_logits(self, mb: Mapping[str, Tensor]) -> tuple[Tensor, bool]:
         """Logits predicting the response tokens (model output at the previous position) and
