@@ -114,3 +114,25 @@ def test_a_response_ends_before_the_first_vision_token_it_samples():
                                           [False] * 4]
     assert out.rollout_logprobs.tolist() == [[-1., -2., 0., 0.], [-1., -2., 0., 0.], [0.] * 4]
     assert out.truncated.tolist() == [True, False, True]
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["model=tiny", "data=visual", "graph=grpo_vl"],
+     "the prompts of visual/train hold images, but the model is a text model: use a "
+     "vision-language model (model=tiny_vl"),
+    (["model=tiny_vl", "data=visual"],
+     "the graph's sample stage hands out no images: use graph=grpo_vl"),
+    (["model=tiny_vl", "graph=grpo_vl"],
+     "stage 'sample' (data.sample_images): the prompts of gsm8k/train hold no images"),
+    (["model=tiny_vl", "data=visual", "graph=grpo_vl", "rollout=vllm"],
+     "rollout.backend=vllm: images reach the HF rollout engine only for now"),
+])
+def test_images_model_and_graph_mismatch_is_one_line_before_any_model_loads(
+        overrides, fragment, tmp_path, no_model):
+    from flowrl.cli import compose
+    from flowrl.train import ConfigError, train
+
+    with pytest.raises(ConfigError) as e:
+        train(compose(["trainer=smoke", f"trainer.output_dir={tmp_path}", *overrides]))
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+    assert not no_model
