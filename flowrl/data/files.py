@@ -239,9 +239,12 @@ def to_records(rows: list[dict], where: Callable[[int], str], label: str, *, pro
         records.append({"prompt": prompt, "question": question, "ground_truth": truth,
                         "fields": {k: values[k] for k in extra_keys}})
         if image_key is not None:
-            from flowrl.data.images import check_images
+            from flowrl.data.images import ImageError, check_images
 
-            records[-1]["images"] = check_images(values[image_key], at, image_key, image_base)
+            try:
+                records[-1]["images"] = check_images(values[image_key], at, image_key, image_base)
+            except ImageError as e:
+                raise DataError(str(e)) from None
     return records
 
 

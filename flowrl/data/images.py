@@ -22,12 +22,15 @@ import io
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from flowrl.data.files import DataError
-
 if TYPE_CHECKING:
     from torch import Tensor
 
 VISION_KEYS = ("pixel_values", "image_grid_thw")
+
+
+class ImageError(ValueError):
+    """A row's image flowrl cannot use, in one line naming the row and field
+    (``flowrl.data.files`` reports it as its ``DataError``)."""
 IMAGE_PLACEHOLDER = "<|image_pad|>"  # the Qwen2-VL family's image token (one per image in the text)
 
 
@@ -56,12 +59,12 @@ def check_images(value: Any, at: str, key: str, base: Optional[Path] = None) -> 
         a list of sources: absolute path strings, ``bytes`` or PIL images.
 
     Raises:
-        DataError: ``"<at>: field 'image': ..."`` for a missing file, bytes or a file that is no
+        ImageError: ``"<at>: field 'image': ..."`` for a missing file, bytes or a file that is no
             image, a wrong type, or an empty list.
     """
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     if not items:
-        raise DataError(f"{at}: field {key!r}: no image (an empty list)")
+        raise ImageError(f"{at}: field {key!r}: no image (an empty list)")
     out = []
     for j, item in enumerate(items):
         which = f"field {key!r}" + (f" image {j}" if len(items) > 1 else "")
@@ -72,17 +75,17 @@ def check_images(value: Any, at: str, key: str, base: Optional[Path] = None) -> 
             if not p.is_absolute() and base is not None:
                 p = base / p
             if not p.is_file():
-                raise DataError(f"{at}: {which}: no image file {str(p)!r}")
+                raise ImageError(f"{at}: {which}: no image file {str(p)!r}")
             item = str(p.resolve())
         elif not isinstance(item, (bytes, bytearray)) and type(item).__module__.split(".")[0] != "PIL":
             got = "null" if item is None else type(item).__name__
-            raise DataError(f"{at}: {which} must be an image path, image bytes or a "
+            raise ImageError(f"{at}: {which} must be an image path, image bytes or a "
                             f"{{'bytes', 'path'}} dict, got {got}")
         try:
             open_image(item)
         except Exception as e:  # PIL raises UnidentifiedImageError, OSError (truncated), ...
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DataError(f"{at}: {which}: not a readable image ({msg})") from None
+            raise ImageError(f"{at}: {which}: not a readable image ({msg})") from None
         out.append(item)
     return out
 
@@ -128,11 +131,11 @@ class ImageEncoder:
         features the vision tower gives image i).
 
         Raises:
-            DataError: the text holds another number of image tokens than there are images.
+            ImageError: the text holds another number of image tokens than there are images.
         """
         found = sum(1 for t in token_ids if t == self.image_token_id)
         if found != grids.shape[0]:
-            raise DataError(f"{at}: {grids.shape[0]} image(s) but the rendered prompt has {found} "
+            raise ImageError(f"{at}: {grids.shape[0]} image(s) but the rendered prompt has {found} "
                             f"{IMAGE_PLACEHOLDER} token(s) (a chat template without image support?)")
         counts = (grids.prod(-1) // self.merge_size ** 2).tolist()
         out: list[int] = []
