@@ -140,6 +140,11 @@ class DataConfig:
             raise ValueError(f"data.system_prompt must be a string or None, got {self.system_prompt!r}")
 
     @property
+    def has_images(self) -> bool:
+        """True when the prompts carry images: ``image_column`` set, or the bundled ``visual``."""
+        return self.image_column is not None or (self.path is None and self.name == "visual")
+
+    @property
     def source_name(self) -> str:
         """The training prompts in messages: the bundled name and split, or the path."""
         return f"{self.name}/{self.split}" if self.path is None else str(self.path)

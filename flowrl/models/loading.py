@@ -187,7 +187,7 @@ def load_tokenizer(cfg: ModelConfig) -> "PreTrainedTokenizerBase":
     from flowrl.models.vision import add_vision_tokens, is_vision_config
 
     if cfg.tiny is not None and is_vision_config(cfg):  # the tiny VLM: + vision tokens, VL template
-        tok = add_vision_tokens(tok)
+        add_vision_tokens(tok)  # in place
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ValueError(f"tokenizer at {src} has neither a pad nor an eos token")

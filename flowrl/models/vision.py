@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import torch
@@ -105,8 +105,9 @@ def build_tiny_vl(cfg: "ModelConfig", tok: "PreTrainedTokenizerBase", dtype: "to
     text.setdefault("vocab_size", len(tok))
     vision.setdefault("hidden_size" if model_type == "qwen2_vl" else "out_hidden_size",
                       text.get("hidden_size", 64))
-    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
-                    "video_token_id"), tok.convert_tokens_to_ids(list(VISION_TOKENS))))
+    ids = {k: int(cast(int, tok.convert_tokens_to_ids(t))) for k, t in zip(
+        ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+        VISION_TOKENS)}
     special = {k: getattr(tok, k) for k in ("pad_token_id", "eos_token_id", "bos_token_id")}
     text.update({k: v for k, v in special.items() if k not in text})
     config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision,

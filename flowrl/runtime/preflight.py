@@ -84,7 +84,7 @@ def check_vision(cfg, plan) -> None:
     from flowrl.models.vision import is_vision_config
 
     data = cfg.data
-    images = data.image_column is not None or (data.path is None and data.name == "visual")
+    images = data.has_images
     samplers = [c.stage.name for c in plan.stages if c.stage.op == "data.sample_images"]
     vlm = is_vision_config(cfg.model)
     source = data.source_name
