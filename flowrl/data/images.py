@@ -170,6 +170,21 @@ def mm_token_type_ids(input_ids: Tensor, image_token_id: int) -> Tensor:
     return (input_ids == image_token_id).int()
 
 
+def vision_kwargs(model: Any, pixel_values: Tensor, image_grid_thw: Tensor, input_ids: Tensor,
+                  device: Any) -> dict[str, Tensor]:
+    """The image kwargs of a forward/``generate`` of ``model`` over ``input_ids`` (B, L):
+    flattened patches and grids, and ``mm_token_type_ids`` (image tokens of ``input_ids``) when
+    the model's forward takes it (transformers >= 5.2x reads M-RoPE placement from it; earlier
+    ones find the image tokens in the ids themselves)."""
+    import inspect
+
+    pv, grid = flatten_images(pixel_values, image_grid_thw)
+    out = {"pixel_values": pv.to(device), "image_grid_thw": grid.to(device)}
+    if "mm_token_type_ids" in inspect.signature(type(model).forward).parameters:
+        out["mm_token_type_ids"] = mm_token_type_ids(input_ids, model_image_token_id(model)).to(device)
+    return out
+
+
 def model_image_token_id(model: Any) -> int:
     """The ``image_token_id`` of a vision-language model's config.
 

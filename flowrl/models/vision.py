@@ -70,12 +70,14 @@ def image_processor(cfg: "ModelConfig") -> Any:
     """The model's image processor: a directory's own (``AutoImageProcessor``, the PIL backend
     when torchvision is missing), the tiny model's ``Qwen2VLImageProcessorPil``."""
     if cfg.tiny is not None:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil,
-        )
-
-        return Qwen2VLImageProcessorPil(min_pixels=TINY_MIN_PIXELS, max_pixels=TINY_MAX_PIXELS,
-                                        patch_size=14, merge_size=2, temporal_patch_size=2)
+        try:  # transformers >= 5.2x: the PIL backend, no torchvision needed
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+                Qwen2VLImageProcessorPil as Processor,
+            )
+        except ImportError:  # older: the one class (torchvision where the lead's GPU image has it)
+            from transformers import Qwen2VLImageProcessor as Processor  # type: ignore[assignment]
+        return Processor(min_pixels=TINY_MIN_PIXELS, max_pixels=TINY_MAX_PIXELS,
+                         patch_size=14, merge_size=2, temporal_patch_size=2)
     from transformers import AutoImageProcessor
 
     return AutoImageProcessor.from_pretrained(cfg.path)

@@ -233,11 +233,10 @@ class HFRolloutEngine:
         lm.generation_config = GenerationConfig()
         extra: dict[str, Tensor] = {}
         if images is not None:
-            from flowrl.data.images import flatten_images, mm_token_type_ids, model_image_token_id
+            from flowrl.data.images import vision_kwargs
 
-            pv, grid = flatten_images(images["pixel_values"], images["image_grid_thw"])
-            extra = {"pixel_values": pv.to(self.device), "image_grid_thw": grid.to(self.device),
-                     "mm_token_type_ids": mm_token_type_ids(ids, model_image_token_id(self.model))}
+            extra = vision_kwargs(self.model, images["pixel_values"], images["image_grid_thw"],
+                                  ids, self.device)
         try:
             seqs = lm.generate(input_ids=ids, attention_mask=mask.long(),
                                generation_config=gen_cfg, logits_processor=processors, **extra)

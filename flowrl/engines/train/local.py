@@ -238,19 +238,15 @@ class LocalTrainEngine:
         as the model takes them, and no ``position_ids``: a Qwen2-VL-family model derives its
         M-RoPE positions (text, and height/width inside each image) from the ids, the image
         grids and the attention mask, exactly as its ``generate`` did for the rollout."""
-        from flowrl.data.images import flatten_images, mm_token_type_ids, model_image_token_id
+        from flowrl.data.images import vision_kwargs
 
         P, R = p_ids.shape[1], r_ids.shape[1]
         attn = torch.cat([p_mask, response_attention_mask(r_mask)], dim=1)
-        pv, grid = flatten_images(mb["pixel_values"], mb["image_grid_thw"])
-        ids = torch.cat([p_ids, r_ids], dim=1)
         kwargs: dict[str, Any] = dict(
-            input_ids=ids, attention_mask=attn.long(), pixel_values=pv.to(self.device),
-            image_grid_thw=grid.to(self.device),
+            input_ids=torch.cat([p_ids, r_ids], dim=1), attention_mask=attn.long(),
             # image slots in the prompt only: a response never holds one (ops/vision.py)
-            mm_token_type_ids=mm_token_type_ids(
-                torch.cat([p_ids, torch.zeros_like(r_ids)], dim=1),
-                model_image_token_id(self.model)))
+            **vision_kwargs(self.model, mb["pixel_values"], mb["image_grid_thw"],
+                            torch.cat([p_ids, torch.zeros_like(r_ids)], dim=1), self.device))
         if self._use_cache:
             kwargs["use_cache"] = False
         cols = torch.arange(P - 1, P + R - 1, device=self.device)
