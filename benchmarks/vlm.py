@@ -3,8 +3,10 @@ random model (flowrl's HF rollout engine and train engine, the images of ``data=
 raw vLLM generation with ``multi_modal_data`` on the same checkpoint (flowrl's vLLM engine does
 not take images yet).
 
-    python benchmarks/vlm.py --device cuda --md-out benchmarks/results/vlm_h200.md
-    python benchmarks/vlm.py --smoke            # CPU, a 2-layer model: the numbers mean nothing
+    HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 timeout 900 python benchmarks/vlm.py \
+        --md-out benchmarks/results/vlm_h200.md        # one H200: ~5-10 min (estimate, not run)
+    python benchmarks/vlm.py --skip-vllm ...            # the flowrl (HF) rows only
+    python benchmarks/vlm.py --smoke                    # CPU, a 2-layer model: numbers mean nothing
 
 Model: transformers ``Qwen2_5_VLConfig`` with Qwen2.5-VL-3B's shapes (text: hidden 2048, 36
 layers, 16 heads, 2 KV heads, intermediate 11008, vocab 151936, tied embeddings; vision: 32
@@ -16,8 +18,8 @@ samples, temperature 1, ``--new-tokens`` new tokens per response (a random model
 EOS, so responses run the full length).
 
 Rows: ``hf-rollout`` (HFRolloutEngine.generate with the images, bf16 copy of the weights),
-``logprobs`` (LocalTrainEngine.logprobs, fp32 master weights under bf16 autocast... here: the
-engine's dtype, see --train-dtype), ``train-step`` (one AdamW step of the GRPO loss over the
+``logprobs`` (LocalTrainEngine.logprobs in ``--train-dtype``, default bf16 weights: the one-GPU
+FSDP2 mixed-precision path is not used here), ``train-step`` (one AdamW step of the GRPO loss over the
 batch in micro-batches of ``--micro-batch``), the rollout-vs-trainer logprob mismatch, and
 ``vllm-raw`` (``vllm.LLM.generate`` with ``multi_modal_data``, in a child process; a failure is
 reported in the table, not raised).
