@@ -91,6 +91,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
     else:
         peft_model.merge_and_unload().save_pretrained(out)
     load_tokenizer(model_cfg).save_pretrained(out)
+    from flowrl.models.vision import image_processor, is_vision_config
+
+    if is_vision_config(model_cfg):  # a VLM directory needs its preprocessor_config.json too
+        image_processor(model_cfg).save_pretrained(out)
     return out
 
 

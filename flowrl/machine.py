@@ -116,9 +116,11 @@ def resolve_machine_defaults(cfg, *, cuda: bool | None = None, vllm: bool | None
         out.append(Resolved("trainer.engine.max_tokens_per_micro_batch", GPU_TOKENS_PER_MICRO_BATCH,
                             "token-budget micro-batches on GPU"))
     if r.backend == "auto":
-        r.backend = "vllm" if on_gpu and vllm else "hf"
+        images = cfg.data.has_images  # flowrl's vLLM engine takes no images yet
+        r.backend = "vllm" if on_gpu and vllm and not images else "hf"
         out.append(Resolved("rollout.backend", r.backend,
                             "CUDA and vLLM installed" if r.backend == "vllm" else
+                            "prompts with images: the HF engine takes them" if images and on_gpu else
                             ("vLLM is not installed" if on_gpu else "CPU run: transformers generate")))
         if r.backend == "vllm":
             r.vllm.check_sampling(r.sampling)

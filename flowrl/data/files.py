@@ -200,8 +200,13 @@ def _ground_truth(value: Any, at: str, key: str) -> str:
 def to_records(rows: list[dict], where: Callable[[int], str], label: str, *, prompt_key: str,
                ground_truth_key: Optional[str], extra_keys: tuple[str, ...],
                key_fields: tuple[str, str, str] = ("data.prompt_key", "data.ground_truth_key",
-                                                   "data.extra_keys")) -> list[dict]:
+                                                   "data.extra_keys"),
+               image_key: Optional[str] = None, image_base: Optional[Path] = None) -> list[dict]:
     """Map raw rows to records (module docstring), checking every row.
+
+    ``image_key`` (``data.image_column``): the column of each row's image(s); every one is opened
+    and decoded here (``flowrl.data.images.check_images``, relative paths from ``image_base``)
+    and the record gets ``"images"``: its list of sources.
 
     Raises:
         DataError: no rows; a column missing from the data (named with the config field that
@@ -213,6 +218,8 @@ def to_records(rows: list[dict], where: Callable[[int], str], label: str, *, pro
     if ground_truth_key is not None:
         wanted.append((ground_truth_key, key_fields[1]))
     wanted += [(k, key_fields[2]) for k in extra_keys]
+    if image_key is not None:
+        wanted.append((image_key, "data.image_column"))
     for key, field in wanted:  # a wrong column name shows in the first row
         if key not in rows[0]:
             raise DataError(f"{label}: no column {key!r} ({field}); columns: "
@@ -231,21 +238,32 @@ def to_records(rows: list[dict], where: Callable[[int], str], label: str, *, pro
             _ground_truth(values[ground_truth_key], at, ground_truth_key)
         records.append({"prompt": prompt, "question": question, "ground_truth": truth,
                         "fields": {k: values[k] for k in extra_keys}})
+        if image_key is not None:
+            from flowrl.data.images import ImageError, check_images
+
+            try:
+                records[-1]["images"] = check_images(values[image_key], at, image_key, image_base)
+            except ImageError as e:
+                raise DataError(str(e)) from None
     return records
 
 
 @functools.lru_cache(maxsize=8)
 def _cached_records(path: str, stamp: tuple, split: str, split_field: str, prompt_key: str,
-                    ground_truth_key: Optional[str], extra_keys: tuple[str, ...]
+                    ground_truth_key: Optional[str], extra_keys: tuple[str, ...],
+                    image_key: Optional[str] = None
                     ) -> tuple[tuple[dict, ...], tuple[str, ...]]:
     rows, where, label = read_rows(path, split, split_field)
+    base = Path(path) if Path(path).is_dir() else Path(path).parent
     records = to_records(rows, where, label, prompt_key=prompt_key,
-                         ground_truth_key=ground_truth_key, extra_keys=extra_keys)
+                         ground_truth_key=ground_truth_key, extra_keys=extra_keys,
+                         image_key=image_key, image_base=base)
     return tuple(records), tuple(f"{label} {where(i)}" for i in range(len(records)))
 
 
 def load_file_records(path: str, split: str, *, prompt_key: str, ground_truth_key: Optional[str],
-                      extra_keys: tuple[str, ...] = (), split_field: str = "data.split"
+                      extra_keys: tuple[str, ...] = (), split_field: str = "data.split",
+                      image_key: Optional[str] = None
                       ) -> tuple[tuple[dict, ...], tuple[str, ...]]:
     """Records of a data file or of a split of a ``datasets`` directory, read once per process
     (cached on the path, its modification time and the mapping; do not mutate them).
@@ -260,4 +278,4 @@ def load_file_records(path: str, split: str, *, prompt_key: str, ground_truth_ke
     p = Path(path).expanduser().resolve()
     st = p.stat()
     return _cached_records(str(p), (st.st_mtime_ns, st.st_size), split, split_field, prompt_key,
-                           ground_truth_key, tuple(extra_keys))
+                           ground_truth_key, tuple(extra_keys), image_key)

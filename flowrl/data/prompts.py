@@ -12,9 +12,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 from flowrl.data.arith import ArithConfig, load_arith
 from flowrl.data.gsm8k import SPLITS, load_gsm8k
 from flowrl.data.sampler import PromptSampler
+from flowrl.data.visual import INSTRUCTION as VISUAL_INSTRUCTION
+from flowrl.data.visual import VISUAL_COLUMNS, VisualConfig, load_visual
 
 if TYPE_CHECKING:  # DataConfig is read by the run config, before torch loads
     from torch import Tensor
+
+    from flowrl.data.images import ImageEncoder
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +37,18 @@ class DataConfig:
 
     Attributes:
         name: bundled dataset, a key of :data:`DATASETS`: ``"gsm8k"`` (GSM8K, bundled) or
-            ``"arith"`` (generated integer arithmetic, difficulty in ``arith``); used when
+            ``"arith"`` (generated integer arithmetic, difficulty in ``arith``), ``"visual"`` (generated
+            images, "how many red shapes?", ``flowrl.data.visual``; needs a vision-language model
+            and ``graph=grpo_vl``); used when
             ``path`` is null. On the command line ``data=<name>`` (``conf/train.yaml`` picks
             ``arith``).
         arith: the ``arith`` task's difficulty and split sizes (``flowrl.data.arith``).
+        visual: the ``visual`` task's image size, shapes and split sizes.
+        image_column: ``path``'s column of each prompt's image(s) (a path relative to the data
+            file's folder, image bytes, a ``datasets`` ``Image`` value, or a list of them;
+            ``flowrl.data.images``); every image is opened and checked before any model loads.
+            null = text prompts. The images go into the user turn before its text, rendered by
+            the model's chat template and image processor.
         path: your own prompts instead: a local ``.jsonl`` / ``.json`` (array of objects) /
             ``.parquet`` / ``.csv`` file, or a directory ``datasets`` can load (``save_to_disk``
             output, or data files named by split: ``train.jsonl``, ``test.jsonl``).
@@ -80,6 +92,8 @@ class DataConfig:
 
     name: str = "gsm8k"
     arith: ArithConfig = field(default_factory=ArithConfig)
+    visual: VisualConfig = field(default_factory=VisualConfig)
+    image_column: Optional[str] = None
     path: Optional[str] = None
     eval_path: Optional[str] = None
     split: str = "train"
@@ -104,10 +118,14 @@ class DataConfig:
                 raise ValueError(f"data.name must be one of {tuple(DATASETS)}, got {self.name!r}")
             if self.split not in SPLITS:
                 raise ValueError(f"data.split must be 'train' or 'test', got {self.split!r}")
-            unknown = sorted(set(self.extra_keys) - set(BUNDLED_COLUMNS))
+            columns = DATASET_COLUMNS.get(self.name, BUNDLED_COLUMNS)
+            unknown = sorted(set(self.extra_keys) - set(columns))
             if unknown:
                 raise ValueError(f"data.extra_keys: the bundled {self.name} has no column(s) "
-                                 f"{unknown}; it has {list(BUNDLED_COLUMNS)}")
+                                 f"{unknown}; it has {list(columns)}")
+            if self.image_column is not None:
+                raise ValueError("data.image_column names a column of data.path; the bundled "
+                                 f"{self.name} has none (data=visual brings its own images)")
         else:
             check_path(self.path, "data.path")
         if self.eval_path is not None:
@@ -129,6 +147,11 @@ class DataConfig:
             raise ValueError(f"data.system_prompt must be a string or None, got {self.system_prompt!r}")
 
     @property
+    def has_images(self) -> bool:
+        """True when the prompts carry images: ``image_column`` set, or the bundled ``visual``."""
+        return self.image_column is not None or (self.path is None and self.name == "visual")
+
+    @property
     def source_name(self) -> str:
         """The training prompts in messages: the bundled name and split, or the path."""
         return f"{self.name}/{self.split}" if self.path is None else str(self.path)
@@ -137,20 +160,27 @@ class DataConfig:
 # columns of the bundled datasets' records (flowrl.data.gsm8k, flowrl.data.arith)
 BUNDLED_COLUMNS = ("question", "answer", "ground_truth")
 
-# bundled dataset name (``data.name``, ``data=<name>``) -> loader(split, limit, data config) ->
-# records with BUNDLED_COLUMNS; both use the ``#### <number>`` answer line of the graphs' verifier
-DATASETS: dict[str, Callable[[str, Optional[int], DataConfig], list[dict[str, str]]]] = {
+# bundled dataset name (data.name, data=<name>) -> loader(split, limit, data config) -> records
+# with its columns (and "images" for a visual task); each is scored by the graphs' `#### n` verifier
+DATASETS: dict[str, Callable[[str, Optional[int], DataConfig], list[dict[str, Any]]]] = {
     "gsm8k": lambda split, limit, cfg: load_gsm8k(split, limit),
     "arith": lambda split, limit, cfg: load_arith(split, limit, cfg.arith),
+    "visual": lambda split, limit, cfg: load_visual(split, limit, cfg.visual),
 }
-# bundled dataset name -> its instruction (data.instruction=null)
-INSTRUCTIONS = {"gsm8k": DEFAULT_INSTRUCTION, "arith": ARITH_INSTRUCTION}
+DATASET_COLUMNS = {"gsm8k": BUNDLED_COLUMNS, "arith": BUNDLED_COLUMNS, "visual": VISUAL_COLUMNS}
+INSTRUCTIONS = {"gsm8k": DEFAULT_INSTRUCTION, "arith": ARITH_INSTRUCTION,
+                "visual": VISUAL_INSTRUCTION}
 
 
 def _bundled_records(cfg: DataConfig, split: str, limit: Optional[int]) -> tuple[dict, ...]:
-    return tuple({"prompt": r["question"], "question": r["question"],
-                  "ground_truth": r["ground_truth"], "fields": {k: r[k] for k in cfg.extra_keys}}
-                 for r in DATASETS[cfg.name](split, limit, cfg))
+    out = []
+    for r in DATASETS[cfg.name](split, limit, cfg):
+        rec = {"prompt": r["question"], "question": r["question"],
+               "ground_truth": r["ground_truth"], "fields": {k: r[k] for k in cfg.extra_keys}}
+        if "images" in r:
+            rec["images"] = r["images"]
+        out.append(rec)
+    return tuple(out)
 
 
 def load_records(cfg: DataConfig, split: Optional[str] = None, limit: Optional[int] = None, *,
@@ -180,7 +210,8 @@ def load_records(cfg: DataConfig, split: Optional[str] = None, limit: Optional[i
     records, _ = load_file_records(path, split, prompt_key=cfg.prompt_key,
                                    ground_truth_key=cfg.ground_truth_key,
                                    extra_keys=tuple(cfg.extra_keys),
-                                   split_field="trainer.eval.split" if for_eval else "data.split")
+                                   split_field="trainer.eval.split" if for_eval else "data.split",
+                                   image_key=cfg.image_column)
     return records if limit is None else records[:limit]
 
 
@@ -230,6 +261,45 @@ def render_prompts(prompts: Sequence[str | list[dict[str, str]]], tokenizer: Any
     return texts, tokens
 
 
+def with_images(messages: list[dict], num_images: int) -> list[dict]:
+    """``messages`` with ``num_images`` image entries before the text of the first user turn
+    (content as a list of ``{"type": "image"}`` / ``{"type": "text"}`` parts, the form
+    multimodal chat templates read); messages that already hold image parts are kept as they are."""
+    if any(isinstance(m.get("content"), list) and any(p.get("type") == "image" for p in m["content"])
+           for m in messages):
+        return messages
+    out = [dict(m) for m in messages]
+    for m in out:
+        if m["role"] == "user":
+            text = m["content"]
+            m["content"] = [{"type": "image"} for _ in range(num_images)] + \
+                [{"type": "text", "text": text}]
+            break
+    return out
+
+
+def render_image_prompts(records: Sequence[dict], tokenizer: Any, cfg: DataConfig,
+                         encoder: "ImageEncoder", labels: Sequence[str]) -> tuple[list[str], list[list[int]]]:
+    """:func:`render_prompts` for records with ``images``: the images go into the user turn,
+    the chat template writes one image token per image, and each is repeated as many times as
+    the vision tower gives it features (:meth:`ImageEncoder.expand`), as the model's processor
+    does. ``labels[i]`` names record i in errors."""
+    texts, tokens = [], []
+    prefix_ids = list(tokenizer(cfg.response_prefix, add_special_tokens=False)["input_ids"]) \
+        if cfg.response_prefix else []
+    for rec, label in zip(records, labels):
+        msgs = with_images(record_messages(rec, cfg), len(rec["images"]))
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        _, grids = encoder.encode(rec["images"])
+        ids = encoder.expand(ids, grids, label)
+        if cfg.response_prefix and not text.endswith(cfg.response_prefix):
+            text, ids = text + cfg.response_prefix, ids + prefix_ids
+        texts.append(text)
+        tokens.append(ids)
+    return texts, tokens
+
+
 def collate_prompts(token_lists: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     """Left-pad prompts into a batch.
 
@@ -270,6 +340,8 @@ class PromptBatch:
         prompt_index: (B,) int64, index of the record in the loaded split.
         ground_truth: B reference answers. prompt_text: B rendered prompts (chat template applied).
         fields: B dicts for reward functions: ``question`` and the ``data.extra_keys`` columns.
+        pixel_values / image_grid_thw: the rows' vision inputs, (B, N, D) float32 / (B, K, 3)
+            int64 (``flowrl.data.images``), or None for text prompts.
     """
 
     prompt_ids: Tensor
@@ -279,6 +351,14 @@ class PromptBatch:
     ground_truth: list[str]
     prompt_text: list[str]
     fields: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    pixel_values: Optional[Tensor] = None
+    image_grid_thw: Optional[Tensor] = None
+
+    def images(self) -> Optional[dict[str, Tensor]]:
+        """``{"pixel_values", "image_grid_thw"}`` of an image batch, else None."""
+        if self.pixel_values is None or self.image_grid_thw is None:
+            return None
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
 
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
@@ -294,14 +374,25 @@ class PromptSource:
     All prompts of the split are rendered and encoded once at construction; those longer than
     ``cfg.max_prompt_tokens`` are dropped and counted in ``num_skipped`` (logged as a warning).
 
+    Prompts with images (``data.image_column``, ``data=visual``) need ``image_encoder`` (the
+    model's image processor, ``flowrl.models.vision.image_encoder``); their batches carry
+    ``pixel_values`` / ``image_grid_thw``, encoded when a batch is drawn.
+
     Raises:
-        ValueError: every prompt is too long, or fewer usable prompts than ranks.
+        ValueError: every prompt is too long, fewer usable prompts than ranks, or images
+            without an ``image_encoder`` (a text-only model).
     """
 
-    def __init__(self, cfg: DataConfig, tokenizer: Any, *, rank: int = 0, world_size: int = 1):
+    def __init__(self, cfg: DataConfig, tokenizer: Any, *, rank: int = 0, world_size: int = 1,
+                 image_encoder: Optional["ImageEncoder"] = None):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.rank, self.world_size = rank, world_size
+        self.image_encoder = image_encoder
         self.records = load_records(cfg, cfg.split, cfg.limit)
+        if self.records and "images" in self.records[0] and image_encoder is None:
+            raise ValueError(f"the prompts of {cfg.source_name} hold images, but the model has no "
+                             "image processor: use a vision-language model (model=tiny_vl, or "
+                             "model.path=<a Qwen2-VL / Qwen2.5-VL directory>)")
         self._texts, self._tokens, self._kept, self.num_skipped = self._encode(self.records)
         if not self._kept:
             raise ValueError(f"all {len(self.records)} prompts exceed data.max_prompt_tokens="
@@ -314,7 +405,12 @@ class PromptSource:
         self._group_records: OrderedDict[int, int] = OrderedDict()  # recent group id -> record
 
     def _encode(self, records: Sequence[dict[str, Any]]):
-        texts, tokens = render_prompts([r["prompt"] for r in records], self.tokenizer, self.cfg)
+        if records and "images" in records[0] and self.image_encoder is not None:
+            labels = [f"{self.cfg.source_name} record {i}" for i in range(len(records))]
+            texts, tokens = render_image_prompts(records, self.tokenizer, self.cfg,
+                                                 self.image_encoder, labels)
+        else:
+            texts, tokens = render_prompts([r["prompt"] for r in records], self.tokenizer, self.cfg)
         kept = [i for i, t in enumerate(tokens) if len(t) <= self.cfg.max_prompt_tokens]
         skipped = len(records) - len(kept)
         if skipped:
@@ -338,7 +434,13 @@ class PromptSource:
 
         rows = [i for i in indices for _ in range(n)]
         ids, mask = collate_prompts([tokens[i] for i in rows], self.tokenizer.pad_token_id)
-        return PromptBatch(
+        vision: dict[str, Any] = {}
+        if self.image_encoder is not None and rows and "images" in records[rows[0]]:
+            from flowrl.data.images import collate_images
+
+            encoded = {i: self.image_encoder.encode(records[i]["images"]) for i in indices}
+            vision = collate_images([encoded[i] for i in rows])
+        return PromptBatch(**vision,
             prompt_ids=ids, prompt_mask=mask,
             group_id=torch.tensor(group_ids, dtype=torch.int64).repeat_interleave(n),
             prompt_index=torch.tensor(rows, dtype=torch.int64),

@@ -109,8 +109,11 @@ class RolloutEngine(Engine, Protocol):
     last_prefix_cache: dict[str, int]
 
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingConfig,
-                 generator: torch.Generator | None = None) -> RolloutBatch:
-        """prompt_ids/prompt_mask: (B, P) left-padded. One response per row."""
+                 generator: torch.Generator | None = None,
+                 images: Mapping[str, Tensor] | None = None) -> RolloutBatch:
+        """prompt_ids/prompt_mask: (B, P) left-padded. One response per row. ``images``: the
+        rows' vision inputs (``pixel_values`` (B, N, D), ``image_grid_thw`` (B, K, 3);
+        ``flowrl.data.images``) for a vision-language model, None for text."""
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:

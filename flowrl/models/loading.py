@@ -79,6 +79,9 @@ class ModelConfig:
             flex_attention on CUDA, a dense block-diagonal SDPA mask on CPU;
             ``flowrl/models/attention.py``).
         gradient_checkpointing: enable activation checkpointing on the loaded model.
+        freeze_vision: a vision-language model (Qwen2-VL / Qwen2.5-VL, ``model=tiny_vl``) trains
+            its language model only: the vision tower (and its merger) keeps
+            ``requires_grad=False`` (``flowrl/models/vision.py``); false trains it too.
         lora: train LoRA adapters (``flowrl/models/lora.py``: rank, alpha, dropout,
             target_modules, modules_to_save); None (default) = full fine-tuning. Set from the
             command line with ``+model.lora.rank=8`` or ``model.lora={rank: 8}``.
@@ -91,6 +94,7 @@ class ModelConfig:
     dtype: str = "auto"
     attn_implementation: str = "auto"
     gradient_checkpointing: bool = False
+    freeze_vision: bool = True
     lora: Any = None  # Optional[LoraConfig]; Any so a CLI/YAML dict can fill a None section
 
     def __post_init__(self) -> None:
@@ -189,6 +193,10 @@ def load_tokenizer(cfg: ModelConfig) -> "PreTrainedTokenizerBase":
     if not cfg.uses_bundled_tokenizer:
         check_model_dir(src, cfg.gguf_file, tokenizer=True)
     tok = AutoTokenizer.from_pretrained(str(src))
+    from flowrl.models.vision import add_vision_tokens, is_vision_config
+
+    if cfg.tiny is not None and is_vision_config(cfg):  # the tiny VLM: + vision tokens, VL template
+        add_vision_tokens(tok)  # in place
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ValueError(f"tokenizer at {src} has neither a pad nor an eos token")
@@ -267,9 +275,14 @@ def load_model(cfg: ModelConfig, device: "torch.device | str" = "cpu") -> "PreTr
     import torch
     from transformers import AutoModelForCausalLM, GgufConfig
 
+    from flowrl.models.vision import build_tiny_vl, freeze_vision_tower, is_vision_config
+
     dtype = cfg.torch_dtype
     device = torch.device(device)
-    if cfg.tiny is not None:
+    vision = is_vision_config(cfg)
+    if cfg.tiny is not None and vision:
+        model = build_tiny_vl(cfg, load_tokenizer(cfg), dtype, device)
+    elif cfg.tiny is not None:
         model = build_tiny(cfg, dtype, device=device)
     else:
         folder = smollm2_dir() if cfg.path == SMOLLM2 else Path(cfg.path)
@@ -282,7 +295,12 @@ def load_model(cfg: ModelConfig, device: "torch.device | str" = "cpu") -> "PreTr
             # dequantize=True: dense trainable weights even where a GGUF matmul kernel exists
             kwargs.update(gguf_file=cfg.gguf_file,
                           quantization_config=GgufConfig(dequantize=True))
-        model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+        if vision:  # Qwen2-VL / Qwen2.5-VL: not an AutoModelForCausalLM class
+            from transformers import AutoModelForImageTextToText
+
+            model = AutoModelForImageTextToText.from_pretrained(str(folder), **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
         _clear_quantization_flags(model)
         # transformers wraps ``to`` in functools.wraps(nn.Module.to), which mypy reads as an
         # unbound function (the model is the first argument); it is a bound method
@@ -290,5 +308,7 @@ def load_model(cfg: ModelConfig, device: "torch.device | str" = "cpu") -> "PreTr
     if cfg.gradient_checkpointing:  # transformers 5 renamed it; 4.x only has the old name
         enable = getattr(model, "activation_checkpointing_enable", None)
         (enable or model.gradient_checkpointing_enable)()
+    if vision and cfg.freeze_vision:
+        freeze_vision_tower(model)
     model.train()
     return model

@@ -23,6 +23,9 @@ PROMPT = ("prompt_ids", "prompt_mask")
 RESPONSE = ("response_ids", "response_mask")
 # (B, ...) batch fields dynamic sampling carries through; any may be left unbound (output None)
 CARRIED = PROMPT + RESPONSE + ("rollout_logprobs", "truncated")
+# a vision-language batch's image inputs (flowrl.data.images): (B, N, D) patches and (B, K, 3)
+# grids, store entries read by the rollout, every logprob stage and the update (graphs/grpo_vl.yaml)
+VISION = ("pixel_values", "image_grid_thw")
 # the components reward.mix sums, each an optional input
 MIX_COMPONENTS = ("rule", "function", "model", "genrm", "format", "overlong")
 
@@ -243,8 +246,12 @@ def _advantage_ops() -> list[OpSpec]:
 BUILTIN_OPS: list[OpSpec] = [
     _op("data.sample", "sample", "Draw prompts_per_step prompts, each repeated algorithm.n times",
         outputs=PROMPT + ("group_id", "ground_truth"), kinds=GT_LIST),
+    _op("data.sample_images", "vision",
+        "data.sample for prompts with images: also the rows' pixel_values and image_grid_thw",
+        outputs=PROMPT + ("group_id", "ground_truth") + VISION, kinds=GT_LIST),
     _op("rollout.generate", "rollout", "One response per prompt row with rollout.sampling",
-        inputs=PROMPT, outputs=RESPONSE + ("rollout_logprobs", "truncated"), roles=("rollout",)),
+        inputs=PROMPT, optional_inputs=VISION,
+        outputs=RESPONSE + ("rollout_logprobs", "truncated"), roles=("rollout",)),
     _op("rollout.multi_turn", "multi_turn",
         "Policy and environment alternate per prompt (tools, max_turns); standard outputs",
         inputs=PROMPT, optional_inputs=("ground_truth", "group_id"),
@@ -278,14 +285,15 @@ BUILTIN_OPS: list[OpSpec] = [
         inputs=("rewards", "response_mask"), optional_inputs=("old_logprobs", "ref_logprobs"),
         outputs=("token_rewards",)),
     _op("logprobs", "logprobs", "Log-probabilities of the responses at the sampling temperature",
-        inputs=PROMPT + RESPONSE, optional_inputs=("rollout_logprobs",), outputs=("logprobs",),
+        inputs=PROMPT + RESPONSE, optional_inputs=("rollout_logprobs",) + VISION,
+        outputs=("logprobs",),
         config=LogprobsConfig, roles=("actor", "ref", "teacher")),
     _op("values", "critic", "Critic values V(s_t) at the response positions",
         inputs=PROMPT + RESPONSE, outputs=("values",), roles=("critic",)),
     *_advantage_ops(),
     _op("update.policy", "update", "Policy update: epochs x mini-batches of the policy loss",
         inputs=PROMPT + RESPONSE + ("advantages",),
-        optional_inputs=("old_logprobs", "ref_logprobs", "truncated", "rollout_logprobs"),
+        optional_inputs=("old_logprobs", "ref_logprobs", "truncated", "rollout_logprobs") + VISION,
         config=PolicyUpdateConfig, roles=("actor",), trains=True),
     _op("update.critic", "critic", "Critic update: clipped value regression towards returns",
         inputs=PROMPT + RESPONSE + ("values", "returns"), optional_inputs=("truncated",),

@@ -17,16 +17,19 @@ if TYPE_CHECKING:
 
 @implements("logprobs")
 def logprobs(ctx: StageContext[LogprobEngine], cfg: LogprobsConfig, *, prompt_ids, prompt_mask, response_ids,
-             response_mask, rollout_logprobs=None) -> dict:
+             response_mask, rollout_logprobs=None, pixel_values=None, image_grid_thw=None) -> dict:
     """Recompute log π(response token) at the sampling temperature (case C08).
 
     Output: logprobs (B, R) float32, 0 where response_mask is False.
     When ``rollout_logprobs`` is bound, logs ``rollout/logprob_mismatch``: mean |rollout − this|
     over valid tokens (≈0 for an on-policy setup whose sampler and trainer agree; a stale-weights
-    or temperature bug shows up here first).
+    or temperature bug shows up here first). ``pixel_values`` / ``image_grid_thw``: a
+    vision-language batch's images (``flowrl.data.images``), the rollout's own.
     """
     batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
              "response_ids": response_ids, "response_mask": response_mask}
+    if pixel_values is not None and image_grid_thw is not None:
+        batch.update(pixel_values=pixel_values, image_grid_thw=image_grid_thw)
     temp = ctx.resource("sampling").temperature
     # equal rows / tokens per data-parallel rank; outputs come back in this rank's row order
     bal = balance_rows(ctx, batch)

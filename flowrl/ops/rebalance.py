@@ -184,6 +184,9 @@ def _pad_width(t: Tensor, width: int, fill: Any, left: bool) -> Tensor:
     return new
 
 
+_VISION_KEYS = ("pixel_values", "image_grid_thw")  # flowrl.data.images (ops/builtin.py VISION)
+
+
 def check_batch(stage: str, batch: Mapping[str, Any]) -> tuple[int, int, int]:
     """(B, P, R) of a batch that may be rebalanced.
 
@@ -202,6 +205,8 @@ def check_batch(stage: str, batch: Mapping[str, Any]) -> tuple[int, int, int]:
     R = batch["response_mask"].shape[1]
     for k, v in batch.items():
         width = P if k.startswith("prompt_") else R
+        if k in _VISION_KEYS and v.dim() >= 2 and v.shape[0] == B:
+            continue  # (B, N, D) patches / (B, K, 3) grids: widths of their own
         if v.dim() == 0 or v.shape[0] != B or (v.dim() >= 2 and v.shape[1] != width):
             raise ValueError(f"stage '{stage}': field '{k}' has shape {tuple(v.shape)}; expected "
                              f"({B},) or ({B}, {width}, ...)")
@@ -299,7 +304,9 @@ def balance_rows(ctx: StageContext[LogprobEngine | Trainable], batch: Mapping[st
     from flowrl.ops.collectives import device_for
 
     B, P, R = check_batch(ctx.stage, batch)
-    if not enabled(ctx):
+    # a vision-language batch stays where it is: its patch widths differ from rank to rank
+    # (each rank then trains its own rows; balancing only evens the work out)
+    if not enabled(ctx) or any(k in batch for k in _VISION_KEYS):
         return Balanced(dict(batch))
     group = ctx.dist.group if ctx.dist.group is not None else dist.group.WORLD
     W, rank = dist.get_world_size(group), dist.get_rank(group)

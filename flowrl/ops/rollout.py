@@ -13,15 +13,26 @@ if TYPE_CHECKING:
 
 
 @implements("rollout.generate")
-def generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_ids, prompt_mask) -> dict:
+def generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_ids, prompt_mask,
+             pixel_values=None, image_grid_thw=None) -> dict:
     """One response per prompt row with the run's ``rollout.sampling`` settings.
 
     Outputs: response_ids (B, R) int64 right-padded; response_mask (B, R) bool;
     rollout_logprobs (B, R) float32 at the sampling temperature; truncated (B,) bool.
+    With ``pixel_values`` / ``image_grid_thw`` (a vision-language batch, ``flowrl.data.images``)
+    the engine sees the images, and a response ends before any vision token it samples
+    (``flowrl.ops.vision.cut_at_vision_tokens``).
     """
     t0 = time.perf_counter()
+    images = None
+    if pixel_values is not None and image_grid_thw is not None:
+        images = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
     out = ctx.engine.generate(prompt_ids, prompt_mask, ctx.resource("sampling"),
-                              generator=ctx.generator)
+                              generator=ctx.generator, images=images)
+    if images is not None:
+        from flowrl.ops.vision import cut_at_vision_tokens
+
+        out = cut_at_vision_tokens(out, ctx.resource("tokenizer"))
     dt = time.perf_counter() - t0
     lengths = out.response_mask.sum(-1).float()
     ctx.log(**{

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 _RANK_INVARIANT = ("grad_norm", "lr", "skipped")
 _BATCH_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "old_logprobs",
-               "advantages", "ref_logprobs", "rollout_logprobs")
+               "advantages", "ref_logprobs", "rollout_logprobs", "pixel_values", "image_grid_thw")
 
 
 def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: float,

@@ -156,7 +156,9 @@ def evaluate_greedy(rollout_engine, prompts, tokenizer, scorer: EvalScorer, *, s
     if on_progress is not None:
         on_progress(0, total)
     for batch in batches:
-        out = rollout_engine.generate(batch.prompt_ids, batch.prompt_mask, params)
+        images = batch.images()  # a vision-language eval: the prompts' images (else None)
+        out = rollout_engine.generate(batch.prompt_ids, batch.prompt_mask, params,
+                                      **({} if images is None else {"images": images}))
         texts = decode_responses(tokenizer, out.response_ids, out.response_mask,
                                  prompts.response_prefix)  # the pre-filled start is answer text
         fields = [{"ground_truth": gt, **f} for gt, f in zip(batch.ground_truth, batch.fields)]

@@ -316,6 +316,7 @@ class _Job:
         from flowrl.runtime.resources import (
             RunResources,
             build_engines,
+            image_encoder,
             peak_rss_gib,
             resolve_offload,
             since_launch_s,
@@ -330,7 +331,8 @@ class _Job:
         # ---- setup: this rank's engines, resources, executor
         tokenizer = load_tokenizer(cfg.model)
         prompts = PromptSource(cfg.data, tokenizer, rank=place.dist.rank,
-                               world_size=place.dist.world_size)
+                               world_size=place.dist.world_size,
+                               image_encoder=image_encoder(cfg.model, tokenizer))
         t0 = time.perf_counter()
         built = build_engines(cfg, place.plan, tokenizer, world_size=place.engine_ranks,
                               group=place.engine_group)

@@ -429,8 +429,10 @@ class TrainRank(_PoolRank):
         actor = engines.weight_source("actor")
         if prompts.world_size > 1:  # the train pool's shard of the eval slice: rank 0 evaluates it all
             from flowrl.data import PromptSource
+            from flowrl.runtime.resources import image_encoder
 
-            prompts = PromptSource(cfg.data, tokenizer)
+            prompts = PromptSource(cfg.data, tokenizer,
+                                   image_encoder=image_encoder(cfg.model, tokenizer))
         if not actor.lockstep:  # one train rank: the module is whole
             if not self.logs:
                 return None

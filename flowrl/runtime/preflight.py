@@ -73,8 +73,42 @@ def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = Non
     if cfg.model.lora is not None and "ref" in plan.roles:
         plan.served_by["ref"] = "the actor engine with its LoRA adapters disabled (no weight copy)"
     prepare_placement(cfg, plan, world_size(cfg))  # an impossible placement fails here
+    check_vision(cfg, plan)  # images need a VLM, a graph that carries them and HF rollout
     check_run_inputs(cfg, plan)  # a bad model folder, data file, column or row: one line
     return plan
+
+
+def check_vision(cfg, plan) -> None:
+    """Prompts with images (``data.image_column``, ``data=visual``), a vision-language model
+    (``flowrl.models.vision.is_vision_config``) and a graph whose sample stage hands out the
+    images (``data.sample_images``, ``graphs/grpo_vl.yaml``) go together; the images reach the
+    HF rollout engine only (vLLM's ``multi_modal_data`` is not wired yet).
+
+    Raises:
+        ValueError: one line naming what is missing and the setting that brings it.
+    """
+    from flowrl.models.vision import is_vision_config
+
+    data = cfg.data
+    images = data.has_images
+    samplers = [c.stage.name for c in plan.stages if c.stage.op == "data.sample_images"]
+    vlm = is_vision_config(cfg.model)
+    source = data.source_name
+    if images and not vlm:
+        raise ValueError(f"data: the prompts of {source} hold images, but the model is a text "
+                         "model: use a vision-language model (model=tiny_vl, or model.path=<a "
+                         "Qwen2-VL / Qwen2.5-VL directory>)")
+    if images and not samplers:
+        raise ValueError(f"data: the prompts of {source} hold images, but the graph's sample stage "
+                         "hands out no images: use graph=grpo_vl (or a data.sample_images stage "
+                         "wired into the rollout, logprob and update stages)")
+    if samplers and not images:
+        raise ValueError(f"stage '{samplers[0]}' (data.sample_images): the prompts of {source} "
+                         "hold no images: set data.image_column (or data=visual), or use a text "
+                         "graph (graph=grpo)")
+    if images and cfg.rollout.backend == "vllm":
+        raise ValueError("rollout.backend=vllm: images reach the HF rollout engine only for now "
+                         "(vLLM multi_modal_data is not wired): use rollout=hf")
 
 
 # ---- run once: the Hydra callback's result, handed to the job of the same config -----------------

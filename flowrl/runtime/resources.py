@@ -155,6 +155,18 @@ class RunResources:
         return out
 
 
+def image_encoder(model_cfg: Any, tokenizer: Any) -> Any:
+    """The prompts' image encoder of a vision-language model (``flowrl.data.images``), or None
+    for a text model (``flowrl.models.vision.is_vision_config``)."""
+    from flowrl.models.vision import image_processor, is_vision_config
+
+    if not is_vision_config(model_cfg):
+        return None
+    from flowrl.data.images import ImageEncoder
+
+    return ImageEncoder.for_model(image_processor(model_cfg), tokenizer)
+
+
 def run_device(cfg: "TrainConfig") -> "torch.device":
     """``trainer.device`` as a torch device (``auto``: cuda when visible).
 

@@ -47,7 +47,7 @@ def test_ground_truth_strips_commas_and_requires_marker():
 
 @pytest.mark.parametrize("kwargs, msg", [
     ({"split": "tran"}, "data.split must be 'train' or 'test', got 'tran'"),
-    ({"name": "math"}, "data.name must be one of ('gsm8k', 'arith'), got 'math'"),
+    ({"name": "math"}, "data.name must be one of ('gsm8k', 'arith', 'visual'), got 'math'"),
     ({"limit": 0}, "data.limit must be >= 1 or None, got 0"),
     ({"max_prompt_tokens": 0}, "data.max_prompt_tokens must be >= 1, got 0"),
 ])

@@ -214,11 +214,11 @@ CONFIG_CASES = {
     "total_steps_float": (["trainer.total_steps=2.5"],
                           "trainer.total_steps=2.5: trainer.total_steps takes an integer, got 2.5"),
     "unknown_graph_option": (["graph=grpoo"], "graph=grpoo: no such option; choose one of dapo, "
-                             "distill, dr_grpo, genrm_grpo, grpo, grpo_distill, grpo_tools, gspo, ppo, "
+                             "distill, dr_grpo, genrm_grpo, grpo, grpo_distill, grpo_tools, grpo_vl, gspo, ppo, "
                              "reinforce_pp, rloo (or "
                              "graph.path=FILE for your own graph file)"),
     "unknown_model_option": (["model=tiniest"], "model=tiniest: no such option; choose one of "
-                             "smollm2, tiny (or model.path=DIR for a local model folder)"),
+                             "smollm2, tiny, tiny_vl (or model.path=DIR for a local model folder)"),
     "unknown_rollout_option": (["rollout=vlm"], "rollout=vlm: no such option; choose one of auto, "
                                "hf, vllm"),
     "unknown_key": (["algorithm.kl_coeff=0.5"], "unknown key algorithm.kl_coeff (did you mean "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterable, Optional, cast
+from typing import Any, Iterable, Mapping, Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -108,7 +108,8 @@ class HFRolloutEngine:
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingConfig,
-                 generator: torch.Generator | None = None) -> RolloutBatch:
+                 generator: torch.Generator | None = None,
+                 images: Mapping[str, Tensor] | None = None) -> RolloutBatch:
         """Sample one response per prompt.
 
         Args:
@@ -121,6 +122,9 @@ class HFRolloutEngine:
                 from the global RNG), so the global RNG is left untouched and the same generator
                 state, inputs and ``cfg.batch_size`` give the same samples on the same device. With
                 ``None`` the global RNG is used (and advanced).
+            images: a vision-language model's ``pixel_values`` (B, N, D) and ``image_grid_thw``
+                (B, K, 3) (``flowrl.data.images``), handed to ``generate`` chunk by chunk; the
+                model computes its M-RoPE positions from them and the mask.
 
         Returns:
             :class:`RolloutBatch` on ``prompt_ids.device``; R = the longest response generated.
@@ -166,8 +170,10 @@ class HFRolloutEngine:
         try:
             with self._rng(seed), torch.inference_mode():
                 for s in range(0, B, self.cfg.batch_size):
-                    chunks.append(self._generate_chunk(prompt_ids[s:s + self.cfg.batch_size],
-                                                       mask[s:s + self.cfg.batch_size], params, stops))
+                    e = s + self.cfg.batch_size
+                    vis = None if images is None else {k: v[s:e] for k, v in images.items()}
+                    chunks.append(self._generate_chunk(prompt_ids[s:e], mask[s:e], params, stops,
+                                                       vis))
         finally:
             self.model.train(was_training)
 
@@ -204,7 +210,8 @@ class HFRolloutEngine:
         return forked()
 
     def _generate_chunk(self, ids: Tensor, mask: Tensor, params: SamplingConfig,
-                        stops: list[int]) -> tuple[Tensor, Tensor]:
+                        stops: list[int], images: Mapping[str, Tensor] | None = None
+                        ) -> tuple[Tensor, Tensor]:
         # columns that are padding in every row of this chunk only cost compute
         first = int(mask.any(dim=0).long().argmax())
         ids, mask = ids[:, first:].to(self.device), mask[:, first:].to(self.device)
@@ -228,9 +235,15 @@ class HFRolloutEngine:
         lm = cast(GenerationMixin, self.model)  # a causal LM: nn.Module + GenerationMixin
         saved = lm.generation_config
         lm.generation_config = GenerationConfig()
+        extra: dict[str, Tensor] = {}
+        if images is not None:
+            from flowrl.data.images import vision_kwargs
+
+            extra = vision_kwargs(self.model, images["pixel_values"], images["image_grid_thw"],
+                                  ids, self.device)
         try:
             seqs = lm.generate(input_ids=ids, attention_mask=mask.long(),
-                               generation_config=gen_cfg, logits_processor=processors)
+                               generation_config=gen_cfg, logits_processor=processors, **extra)
         finally:
             lm.generation_config = saved
         if isinstance(seqs, Tensor):

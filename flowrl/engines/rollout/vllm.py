@@ -24,7 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, cast
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, cast
 
 import torch
 from torch import Tensor, nn
@@ -264,7 +264,8 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingConfig,
-                 generator: torch.Generator | None = None) -> RolloutBatch:
+                 generator: torch.Generator | None = None,
+                 images: Mapping[str, Tensor] | None = None) -> RolloutBatch:
         """Sample one response per prompt row (same contract as ``HFRolloutEngine.generate``).
 
         Consecutive identical prompt rows (a group of ``n`` samples) become one vLLM request with
@@ -290,7 +291,11 @@ class VLLMRolloutEngine:
             RuntimeError: a level-2 sleep discarded the weights (or a load was incomplete) and no
                 complete load came since, or
                 vLLM finished a request for another reason than stop/length.
+            NotImplementedError: ``images`` (vision inputs are HF-only for now).
         """
+        if images is not None:  # preflight refuses rollout=vllm with images before loading
+            raise NotImplementedError("rollout=vllm does not take images yet (multi_modal_data); "
+                                      "use rollout=hf for a vision-language policy")
         self.cfg.check_sampling(params)
         rows = _prompt_rows(prompt_ids, prompt_mask)
         if not self._weights_valid:

@@ -31,7 +31,7 @@ import signal
 import time
 import traceback
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.multiprocessing as mp
@@ -313,13 +313,17 @@ class VLLMProcessEngine:
 
     # ------------------------------------------------------------------ RolloutEngine
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingConfig,
-                 generator: torch.Generator | None = None) -> RolloutBatch:
+                 generator: torch.Generator | None = None,
+                 images: Mapping[str, Tensor] | None = None) -> RolloutBatch:
         """Sample one response per prompt row, the rows split between the engines.
 
         Args/Returns/Raises: as ``VLLMRolloutEngine.generate``. With a ``generator``, one seed per
         engine slice is drawn from it: the same generator state, inputs and ``procs`` give the same
         samples (a different ``procs`` splits differently, hence other samples).
         """
+        if images is not None:  # preflight refuses rollout=vllm with images before loading
+            raise NotImplementedError("rollout=vllm does not take images yet (multi_modal_data); "
+                                      "use rollout=hf for a vision-language policy")
         self.cfg.check_sampling(params)
         t0 = time.perf_counter()
         rows = _prompt_rows(prompt_ids, prompt_mask)

@@ -235,6 +235,9 @@ class LocalTrainEngine:
         # as the stages hand it over): on the device its boolean indexing would sync the stream
         p_ids, p_mask = mb["prompt_ids"], mb["prompt_mask"].bool()
         r_ids, r_mask = mb["response_ids"], mb["response_mask"].bool()
+        if "pixel_values" in mb:  # a vision-language model: images in the prompts
+            return self._vision_inputs(mb, p_ids.to(self.device), p_mask.to(self.device),
+                                       r_ids.to(self.device), r_mask.to(self.device))
         if self._padding_free and packable(p_mask, r_mask):
             pk = pack(p_ids, p_mask, r_ids, r_mask)
             # no attention_mask: transformers then reads the packing from the position ids
@@ -274,6 +277,28 @@ class LocalTrainEngine:
         model masks it per document with flex_attention (CUDA) instead of a dense mask."""
         with packed_attention() if packed else contextlib.nullcontext():
             return self.model(**kwargs, **extra)
+
+    def _vision_inputs(self, mb: Mapping[str, Tensor], p_ids: Tensor, p_mask: Tensor,
+                       r_ids: Tensor, r_mask: Tensor) -> tuple[dict[str, Any], Tensor, bool]:
+        """:meth:`_model_inputs` of a micro-batch with ``pixel_values`` (b, N, D) and
+        ``image_grid_thw`` (b, K, 3) (``flowrl.data.images``): padded rows, the images flattened
+        as the model takes them, and no ``position_ids``: a Qwen2-VL-family model derives its
+        M-RoPE positions (text, and height/width inside each image) from the ids, the image
+        grids and the attention mask, exactly as its ``generate`` did for the rollout."""
+        from flowrl.data.images import vision_kwargs
+
+        P, R = p_ids.shape[1], r_ids.shape[1]
+        attn = torch.cat([p_mask, response_attention_mask(r_mask)], dim=1)
+        kwargs: dict[str, Any] = dict(
+            input_ids=torch.cat([p_ids, r_ids], dim=1), attention_mask=attn.long(),
+            # image slots in the prompt only: a response never holds one (ops/vision.py)
+            **vision_kwargs(self.model, mb["pixel_values"], mb["image_grid_thw"],
+                            torch.cat([p_ids, torch.zeros_like(r_ids)], dim=1), self.device))
+        if self._use_cache:
+            kwargs["use_cache"] = False
+        cols = torch.arange(P - 1, P + R - 1, device=self.device)
+        rows = torch.arange(r_ids.shape[0], device=self.device)[:, None] * (P + R)
+        return kwargs, (rows + cols)[r_mask], False
 
     def _response_logits(self, mb: Mapping[str, Tensor]) -> tuple[Tensor, bool]:
         """Logits predicting the response tokens (model output at the previous position) and
