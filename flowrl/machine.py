@@ -18,7 +18,7 @@ setting (``auto``)                    CUDA visible                          / CP
                                                                             / ``hf``
 ``rollout.hf.dtype``, ``.vllm.dtype`` ``bfloat16`` (the trainer's compute dtype) / the model's
 ``model.attn_implementation``         ``flash_attention_2`` when ``flash_attn`` imports, else
-                                      ``sdpa_flex`` (packed micro-batches under flex_attention,
+                                      ``sdpa`` (``sdpa_flex``, packed micro-batches under flex_attention, is opt-in:
                                       ``flowrl/models/attention.py``)       / ``sdpa``
 ``trainer.engine.max_tokens_per_      16384 valid tokens per micro-batch (token-budget bins)
 micro_batch`` (null)                                                        / null (rows)
@@ -131,13 +131,14 @@ def resolve_machine_defaults(cfg, *, cuda: bool | None = None, vllm: bool | None
             if name.split(".")[1] == r.backend:
                 out.append(Resolved(name, compute, "the trainer's compute dtype"))
     if m.attn_implementation == "auto":
-        # without flash-attn, sdpa_flex: packed micro-batches document-masked by flex_attention
-        # (a dense (T, T) SDPA mask would compute every cross-document score)
-        m.attn_implementation = ("flash_attention_2" if flash_attn else "sdpa_flex") if on_gpu else "sdpa"
+        # not sdpa_flex (packed micro-batches under flex_attention) by default: on the H200 its
+        # first compile made step 1 of the default job take 50-70 s (benchmarks/results/
+        # first_step_h200.md); opt in with model.attn_implementation=sdpa_flex for long jobs
+        m.attn_implementation = "flash_attention_2" if on_gpu and flash_attn else "sdpa"
         out.append(Resolved("model.attn_implementation", m.attn_implementation,
-                            {"flash_attention_2": "flash-attn installed",
-                             "sdpa_flex": "flash-attn not installed: SDPA, and flex_attention for "
-                                          "packed micro-batches", "sdpa": "CPU"}[m.attn_implementation]))
+                            "flash-attn installed" if m.attn_implementation != "sdpa" else
+                            ("flash-attn not installed (sdpa_flex packs micro-batches: opt in)"
+                             if on_gpu else "CPU")))
     return out
 
 

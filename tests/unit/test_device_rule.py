@@ -163,14 +163,14 @@ def test_gpu_machine_resolves_gpu_defaults():
     assert (cfg.trainer.device, cfg.model.dtype, cfg.trainer.engine.strategy, cfg.rollout.backend,
             cfg.rollout.vllm.dtype, cfg.rollout.hf.dtype, cfg.model.attn_implementation,
             cfg.trainer.engine.max_tokens_per_micro_batch) == (
-        "cuda", "float32", "fsdp", "vllm", "bfloat16", "bfloat16", "sdpa_flex", 16384)
+        "cuda", "float32", "fsdp", "vllm", "bfloat16", "bfloat16", "sdpa", 16384)
     assert [r.field for r in got] == [
         "trainer.device", "model.dtype", "trainer.engine.strategy",
         "trainer.engine.max_tokens_per_micro_batch", "rollout.backend", "rollout.vllm.dtype",
         "model.attn_implementation"]
     assert str(got[0]) == "trainer.device=cuda (a CUDA device is visible)"
-    assert str(got[-1]) == ("model.attn_implementation=sdpa_flex (flash-attn not installed: SDPA, "
-                            "and flex_attention for packed micro-batches)")
+    assert str(got[-1]) == ("model.attn_implementation=sdpa (flash-attn not installed (sdpa_flex "
+                            "packs micro-batches: opt in))")
 
 
 def test_gpu_without_vllm_and_explicit_settings_win():

@@ -15,15 +15,16 @@ H200 = 141 * GiB
 SMOL = 135_000_000 * 4  # fp32 master weights of a 135M model
 
 
-def test_small_job_runs_one_eager_engine_in_process():
-    # the default job: 4 prompts x 8, 10 steps x 200 tokens + 2 evals of 32 x 256
-    job = RolloutJob(seqs_per_step=32, eval_seqs=32, decode_steps=10 * 200 + 2 * 256, ranks=1)
+def test_small_job_runs_one_engine_in_process_with_graphs_for_its_batch():
+    # the default job: 8 prompts x 8, evals of 32 prompts per call
+    job = RolloutJob(seqs_per_step=64, eval_seqs=32, decode_steps=30 * 64 + 5 * 4 * 64, ranks=1)
     procs, cfg, why = VLLMRolloutConfig().sized_for(job, SMOL, H200)
     assert procs == 0
-    assert cfg.enforce_eager is True
-    assert cfg.max_cudagraph_capture_size is None  # eager: nothing captured
+    assert cfg.enforce_eager is False
+    assert cfg.max_cudagraph_capture_size == 64  # not max_num_seqs (2,048): start-up
     assert cfg.kv_cache_memory_gb is None  # one engine: vLLM sizes its own cache
-    assert [w.split("=")[0] for w in why] == ["rollout.vllm.engine_procs", "rollout.vllm.enforce_eager"]
+    assert [w.split("=")[0] for w in why] == ["rollout.vllm.engine_procs",
+                                              "rollout.vllm.max_cudagraph_capture_size"]
 
 
 def test_small_job_on_two_ranks_keeps_a_child_process():
@@ -43,7 +44,7 @@ def test_large_job_gets_four_engines_graphs_sized_to_the_batch_and_a_fixed_cache
     kv = (0.5 * H200 - 4 * (SMOL + ENGINE_OVERHEAD_BYTES)) / GiB
     assert cfg.kv_cache_memory_gb == pytest.approx(int(kv * 4) / 4)
     assert cfg.kv_cache_memory_gb == 56.25
-    assert len(why) == 4
+    assert len(why) == 3
 
 
 def test_engines_scale_with_sequences_per_step():
@@ -63,8 +64,7 @@ def test_capture_size_rounds_up_per_engine_and_stops_at_max_num_seqs():
 
 def test_explicit_settings_win():
     job = RolloutJob(seqs_per_step=32, eval_seqs=32, decode_steps=100, ranks=1)
-    base = VLLMRolloutConfig(engine_procs=4, enforce_eager=False, max_cudagraph_capture_size=512,
-                             kv_cache_memory_gb=20)
+    base = VLLMRolloutConfig(engine_procs=4, max_cudagraph_capture_size=512, kv_cache_memory_gb=20)
     procs, cfg, why = base.sized_for(job, SMOL, H200)
     assert procs == 4 and cfg == base and why == []
 
@@ -72,7 +72,7 @@ def test_explicit_settings_win():
 def test_cpu_fills_nothing_but_the_process_choice():
     job = RolloutJob(seqs_per_step=256, eval_seqs=32, decode_steps=10**6, ranks=1)
     procs, cfg, _ = VLLMRolloutConfig().sized_for(job, SMOL, None)
-    assert procs == 0 and cfg.enforce_eager is False and cfg.kv_cache_memory_gb is None
+    assert procs == 0 and cfg.kv_cache_memory_gb is None
     assert cfg.max_cudagraph_capture_size is None
 
 

@@ -28,11 +28,6 @@ AUTO_ENGINE_PROCS = 4
 # as fast as four; at 256 (e2e_vs_trl, 0.5B) four engines generate in 1.49 s against ~2.1 s for one
 # in-process engine, benchmarks/results/rollout_h200.md). Fewer engines also start sooner.
 SEQS_PER_ENGINE_PROC = 64
-# a CUDA-graph run of the whole job pays for vLLM's torch.compile and graph capture at start-up
-# (~25-35 s cold on an H200) only when it has enough decode steps to win it back (graphs save a
-# few ms of kernel launches per decode step of a small model): below this many decode steps of
-# the whole job (steps x max_new_tokens + evals) the job-sized engine runs eagerly
-EAGER_BELOW_DECODE_STEPS = 4000
 # device memory an engine process takes besides its KV cache and weights (profiling activations,
 # the sampler's logits, CUDA graphs) when flowrl fixes the cache size up front
 ENGINE_OVERHEAD_BYTES = 3 << 30
@@ -76,10 +71,11 @@ class VLLMRolloutConfig:
         max_num_batched_tokens: most tokens in one engine step (None = vLLM's default).
         max_model_len: longest prompt + response in tokens (None = the model config's
             ``max_position_embeddings``). A request longer than this finishes as truncated.
-        enforce_eager: True = no CUDA graphs (slower decode, faster start, less memory). None
-            (default) = sized to the job (:meth:`sized_for`): eager when the whole job has fewer
-            than ``EAGER_BELOW_DECODE_STEPS`` decode steps, else CUDA graphs; False without job
-            information (an engine built directly).
+        enforce_eager: True = no CUDA graphs (slower decode, less memory). False (default): CUDA
+            graphs, captured only up to the job's largest generate call. Eager does not start
+            faster once the capture is sized to the job: on the H200 the default job's in-process
+            engine was ready in 40.5 s eager and 40.4 s with graphs up to 64 sequences, and
+            stepped in 1.30 s vs 0.49 s (median; benchmarks/results/first_step_h200.md).
         max_cudagraph_capture_size: largest decode batch captured as a CUDA graph; None = the
             job's sequences per generate call (:meth:`sized_for`, rounded up to 8 per engine), or
             ``max_num_seqs`` without job information. Every captured size costs start-up: on the
@@ -127,7 +123,7 @@ class VLLMRolloutConfig:
     max_num_seqs: int = 2048  # benchmarks/results/rollout_h200.md: a whole RL step in flight at once
     max_num_batched_tokens: Optional[int] = 32768
     max_model_len: Optional[int] = None
-    enforce_eager: Optional[bool] = None
+    enforce_eager: bool = False
     max_cudagraph_capture_size: Optional[int] = None
     dtype: str = "auto"
     enable_prefix_caching: bool = True
@@ -206,8 +202,7 @@ class VLLMRolloutConfig:
         job-sized ``None`` filled in, one reason per filled setting for the console).
 
         Filled (each only where the field is None, on CUDA):
-        ``engine_procs`` (:meth:`engine_procs_for`); ``enforce_eager`` (eager below
-        ``EAGER_BELOW_DECODE_STEPS`` decode steps of the whole job); ``max_cudagraph_capture_size``
+        ``engine_procs`` (:meth:`engine_procs_for`); ``max_cudagraph_capture_size``
         (the job's largest generate call, rounded up to 8 sequences per engine, at most
         ``max_num_seqs``); ``kv_cache_memory_gb`` when several engines share the device (the
         memory budget less each engine's weights and ``ENGINE_OVERHEAD_BYTES``, so the engines
@@ -227,14 +222,8 @@ class VLLMRolloutConfig:
             why.append(f"rollout.vllm.engine_procs={procs} ({where}: {job.seqs_per_step} sequences "
                        f"per step, {SEQS_PER_ENGINE_PROC}+ per engine pays for another)")
         if device_memory is None:
-            return procs, dataclasses.replace(self, enforce_eager=bool(self.enforce_eager)), why
+            return procs, self, why
         cfg = self
-        if cfg.enforce_eager is None:
-            eager = job.decode_steps < EAGER_BELOW_DECODE_STEPS
-            cfg = dataclasses.replace(cfg, enforce_eager=eager)
-            why.append(f"rollout.vllm.enforce_eager={eager} ({job.decode_steps} decode steps in the "
-                       f"job; CUDA graphs pay for their compile and capture from "
-                       f"{EAGER_BELOW_DECODE_STEPS})")
         engines = max(procs, 1)
         if not cfg.enforce_eager and cfg.max_cudagraph_capture_size is None:
             per_engine = -(-max(job.seqs_per_step, job.eval_seqs, 1) // engines)
