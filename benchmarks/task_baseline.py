@@ -46,12 +46,12 @@ def main() -> int:
 
     import torch
 
-    from flowrl.data import ArithConfig, DataConfig, PromptSource
-    from flowrl.engines.rollout.hf import HFRolloutEngine
-    from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
     from flowrl.compiler.plan import compile_plan
     from flowrl.config import REPO_ROOT as FLOWRL_ROOT
+    from flowrl.data import ArithConfig, DataConfig, PromptSource
+    from flowrl.engines.rollout.hf import HFRolloutEngine
     from flowrl.graph import Graph
+    from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
     from flowrl.runtime.evaluate import eval_scorer, evaluate_greedy
 
     torch.manual_seed(0)

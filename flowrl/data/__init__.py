@@ -1,7 +1,7 @@
 """Datasets (bundled GSM8K, your own files), prompt rendering/collation, and the stateful prompt
 sampler."""
-from flowrl.data.files import DataError
 from flowrl.data.arith import ArithConfig, load_arith
+from flowrl.data.files import DataError
 from flowrl.data.gsm8k import SPLITS, load_gsm8k, parse_ground_truth
 from flowrl.data.prompts import (
                                  DATASETS,
