@@ -73,8 +73,11 @@ def main() -> int:
     first, last = steps[:half], steps[half:] or steps[-1:]
     mean = lambda rs, k: statistics.fmean(r[k] for r in rs)  # noqa: E731
     facts = [
-        ["greedy accuracy before (GSM8K test, first 32)", f"{before.get('eval/accuracy', float('nan')):.3f}"],
+        [f"greedy accuracy before (held-out, first {before.get('eval/n', float('nan')):.0f})",
+         f"{before.get('eval/accuracy', float('nan')):.3f}"],
         ["greedy accuracy after", f"{after.get('eval/accuracy', float('nan')):.3f}"],
+        ["held-out accuracy per eval step", ", ".join(
+            f"{r['step']}: {r['eval/accuracy']:.3f}" for r in rows if "eval/accuracy" in r)],
         ["mean reward, first half of steps", f"{mean(first, 'reward/mean'):.4f}"],
         ["mean reward, second half of steps", f"{mean(last, 'reward/mean'):.4f}"],
         ["mean step time (s)", f"{mean(steps, 'perf/step_s'):.1f}"],
@@ -94,7 +97,8 @@ def main() -> int:
     printed = "\n".join(l for l in console.splitlines()
                         if l.startswith(("step", "eval", "flowrl")) or "clip=" in l)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(f"""# The default job on CPU: GRPO on GSM8K with SmolLM2-135M-Instruct
+    data = cfg["data"]["name"] if not cfg["data"].get("path") else cfg["data"]["path"]
+    args.out.write_text(f"""# The default job on CPU: GRPO on `{data}` with SmolLM2-135M-Instruct
 
 - Command: `{command_line()}` — it runs `flowrl train {' '.join(args.overrides)}`, the README's
   Quick-start job (run directory `hydra.run.dir` in a temp folder)
@@ -106,8 +110,10 @@ def main() -> int:
   {cfg['trainer']['total_steps']} steps × {cfg['trainer']['prompts_per_step']} prompts ×
   {cfg['algorithm']['n']} samples, T = {cfg['rollout']['sampling']['temperature']},
   ≤ {cfg['rollout']['sampling']['max_new_tokens']} new tokens, AdamW lr {cfg['trainer']['engine']['lr']},
-  kl_coef {cfg['algorithm']['kl_coef']}; reward (graph `reward` stage): 1 for a correct
-  `#### <number>`, the graph's `format_score` for a well-formed wrong one, 0 otherwise.
+  kl_coef {cfg['algorithm']['kl_coef']}; data `{data}` {cfg['data'].get('arith', '') if data == 'arith' else ''};
+  reward (graph `reward` stage): 1 for a right answer (the number after the last `####`, else
+  the last number of the response; no format bonus), 0 otherwise; eval: greedy on the first
+  {cfg['trainer']['eval']['limit']} held-out items, before, every {cfg['trainer']['eval'].get('every', 0)} steps and after.
 
 ## Summary
 

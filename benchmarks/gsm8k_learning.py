@@ -292,8 +292,9 @@ def render(steps: list[dict], summary: dict, stem: Path, meta: dict[str, str], c
 - Machine: {meta['machine']}
 - Versions: {meta['versions']}
 - Config (composed): {config_line}
-- Reward (graph `reward` stage): 1 for a right `#### <number>`, the graph's `format_score` for a
-  well-formed wrong one, 0 otherwise. Eval: strict = the same rule (reward exactly 1); math-verify =
+- Reward (graph `reward` stage): 1 for a right answer (the number after the last `####`; since
+  issue 25 also the last number of an answer without `####`, and no `format_score` unless the
+  graph sets one), 0 otherwise. Eval: strict = the same rule (reward exactly 1); math-verify =
   `flowrl.rewards.math_verify_reward` (the final answer found in any format); `#### n` share = a
   parseable `#### <number>` line, right or wrong. Run files: `{stem.name}/` (`metrics.jsonl` kept).
 

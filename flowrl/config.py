@@ -241,6 +241,16 @@ class TrainConfig:
     cluster: Optional[ClusterConfig] = None
 
 
+def schema() -> DictConfig:
+    """The structured ``TrainConfig`` the composition starts from, with ``data.instruction``
+    left null: building the schema runs ``DataConfig.__post_init__``, which would fill in the
+    default dataset's instruction, and ``data=arith`` or ``data.path`` would then inherit
+    GSM8K's; null lets the final ``DataConfig`` pick its own dataset's (or none for a file)."""
+    node = OmegaConf.structured(TrainConfig)
+    node.data.instruction = None
+    return node
+
+
 def graph_options() -> dict[str, dict[str, Any]]:
     """``graph=<name>`` options: one per ``graphs/<name>.yaml`` (the working directory's first,
     then flowrl's: the order :meth:`GraphConfig.resolve` finds files in), each setting
@@ -274,7 +284,7 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="train_schema", node=schema())
     for name, node in graph_options().items():
         cs.store(group="graph", name=name, node=node, package="_global_")
     from flowrl.data import DATASETS
@@ -289,7 +299,7 @@ def to_train_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
     Raises:
         ValueError: a field a ``__post_init__`` rejects, or a type mismatch; the message names it.
     """
-    base = OmegaConf.structured(TrainConfig)
+    base = schema()
     unknown = unknown_keys(base, cfg)
     if unknown:  # Hydra's `+key=value` adds a key the schema does not have; it would be ignored
         key, hint = unknown[0]

@@ -34,4 +34,4 @@ def test_gsm8k_is_one_override_away():
     assert (cfg.data.name, cfg.trainer.total_steps, cfg.rollout.sampling.max_new_tokens) == (
         "gsm8k", 10, 200)
     cfg = to_train_config(compose(["trainer.output_dir=/tmp/x"]))  # the README's `flowrl train`
-    assert (cfg.data.name, cfg.trainer.total_steps, cfg.trainer.eval.every) == ("arith", 30, 10)
+    assert (cfg.data.name, cfg.trainer.total_steps, cfg.trainer.eval.every) == ("arith", 20, 10)

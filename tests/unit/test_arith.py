@@ -79,12 +79,18 @@ def test_data_name_arith_loads_the_task_with_its_instruction():
         DataConfig(name="x")
 
 
-def test_data_option_selects_the_task_on_the_command_line():
+def test_data_option_selects_the_task_on_the_command_line(tmp_path):
     from flowrl.cli import compose
     from flowrl.config import to_train_config
 
     cfg = to_train_config(compose(["trainer.output_dir=/tmp/x"]))
     assert (cfg.data.name, cfg.data.arith.num_operands) == ("arith", ArithConfig().num_operands)
+    # each dataset's own instruction, never the schema's default dataset's (GSM8K's)
+    assert cfg.data.instruction == ARITH_INSTRUCTION
+    own = tmp_path / "p.jsonl"
+    own.write_text('{"prompt": "1 + 1?", "ground_truth": "2"}\n')
+    cfg = to_train_config(compose([f"data.path={own}", "trainer.output_dir=/tmp/x"]))
+    assert cfg.data.instruction == ""  # a file of your own: none
     cfg = to_train_config(compose(["data=arith", "data.arith.digits=3", "trainer.output_dir=/tmp/x"]))
     assert (cfg.data.name, cfg.data.arith.digits) == ("arith", 3)
     cfg = to_train_config(compose(["data=gsm8k", "trainer.output_dir=/tmp/x"]))
