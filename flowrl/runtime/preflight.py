@@ -47,8 +47,14 @@ def check_run(cfg: "TrainConfig", raw: Any,
     from flowrl.graph.validate import load_graph
     from flowrl.runtime.rundir import check_resume, invocation_overrides
 
-    plan = compile_plan(load_graph(cfg.graph.resolve()), _resolved_tree(raw),
-                        placement=cfg.placement.mode)
+    from flowrl.graph import GraphError
+
+    graph_file = cfg.graph.resolve()
+    try:
+        plan = compile_plan(load_graph(graph_file), _resolved_tree(raw),
+                            placement=cfg.placement.mode)
+    except GraphError as e:  # a problem the file parses into: name the file, as its schema's do
+        raise (e if e.source else e.with_source(graph_file)) from None
     # first: a resume with forgotten overrides would fail the checks below less clearly
     check_resume(cfg, plan.roles, invocation_overrides() if overrides is None else overrides)
     _check_estimators(plan, cfg)
