@@ -103,7 +103,10 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
     if isinstance(e, MissingConfigException) and e.missing_cfg_file and "/" in e.missing_cfg_file:
         group, name = e.missing_cfg_file.rsplit("/", 1)
         options = ", ".join(e.options or []) or "(none)"
-        return f"{group}={name}: no such option; choose one of {options}{_OWN.get(group, '')}"
+        close = difflib.get_close_matches(name, list(e.options or []), n=1)
+        hint = f" (did you mean {group}={close[0]}?)" if close else ""
+        return (f"{group}={name}: no such option{hint}; choose one of {options}"
+                f"{_OWN.get(group, '')}")
     if isinstance(e, OverrideParseException):
         bad, reason = _first_unparsable(overrides)
         if bad and "=" not in bad:

@@ -95,7 +95,21 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
 
     if is_vision_config(model_cfg):  # a VLM directory needs its preprocessor_config.json too
         image_processor(model_cfg).save_pretrained(out)
+    _umask_mode(out)
     return out
+
+
+def _umask_mode(out: Path) -> None:
+    """Give the weight files the mode of every other file of the export: transformers writes
+    each shard to a ``mkstemp`` file (mode 0600) and renames it, so ``model.safetensors`` came
+    out readable by its owner only (issue 27)."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in out.iterdir():
+        if f.is_file() and f.suffix in (".safetensors", ".bin"):
+            f.chmod(0o666 & ~mask)
 
 
 def export_main(argv: list[str]) -> int:

@@ -43,17 +43,63 @@ class GraphError(ValueError):
     file) when it is known."""
 
     def __init__(self, problems: list[tuple[str, str, str]], source: Optional[str] = None):
-        self.problems = problems
+        # the root problems first (a cycle before the lines it causes); what follows from one
+        # of them is folded into a count on the first line (``follow_on`` keeps it)
+        self.problems, self.follow_on = fold_problems(problems)
         self.source = source
         super().__init__(self._text())
 
     def _text(self) -> str:
         head = f"{self.source}: " if self.source else ""
-        return "\n".join(head + problem_line(*p) for p in self.problems)
+        lines = [head + problem_line(*p) for p in self.problems]
+        if self.follow_on and lines:
+            n = len(self.follow_on)
+            lines[0] += f" (+{n} follow-on problem{'s' if n > 1 else ''})"
+        return "\n".join(lines)
 
     def with_source(self, source: str | Path) -> "GraphError":
         """The same problems, each line prefixed with ``source``."""
-        return GraphError(self.problems, str(source))
+        return GraphError(self.problems + self.follow_on, str(source))
+
+
+# message fragments of validate.py's problems that the folding below recognises
+CYCLE = "which closes the cycle"
+UNBOUND = "is not bound: add 'inputs."
+UNKNOWN_FIELD = "unknown stage field"
+
+
+def fold_problems(problems: list[tuple[str, str, str]]
+                  ) -> tuple[list[tuple[str, str, str]], list[tuple[str, str, str]]]:
+    """``(roots, follow_on)``: every problem once, the roots ordered so that the first line is
+    the one to fix first, the follow-on problems (those that fixing a root removes) set apart.
+
+    Order (stable within a rank): a file that does not parse; a cycle; a misspelt name (a
+    "did you mean" or "rename it to"); the rest. Follow-on: a required input "not bound" in a
+    stage whose ``inputs`` is misspelt or malformed (an unknown stage field, a non-mapping);
+    another problem of the field that closes a cycle; the same problem repeated in later stages.
+    """
+    unique = list(dict.fromkeys(problems))
+    lost_inputs = {st for st, fld, msg in unique
+                   if (UNKNOWN_FIELD in msg and not fld.startswith("inputs")) or
+                   (fld == "inputs" and msg.startswith("must be a mapping"))}
+    cycle_fields = {(st, fld) for st, fld, msg in unique if CYCLE in msg}
+    roots, follow_on, seen = [], [], set()
+    for st, fld, msg in unique:
+        repeat = (fld, msg) in seen and not st.startswith("<")
+        seen.add((fld, msg))
+        if (UNBOUND in msg and st in lost_inputs) or \
+                ((st, fld) in cycle_fields and CYCLE not in msg) or repeat:
+            follow_on.append((st, fld, msg))
+        else:
+            roots.append((st, fld, msg))
+
+    def rank(p: tuple[str, str, str]) -> int:
+        if p[1] in ("<yaml>", "<root>"):
+            return 0
+        if CYCLE in p[2]:
+            return 1
+        return 2 if ("did you mean" in p[2] or "rename it to" in p[2]) else 3
+    return sorted(roots, key=rank), follow_on
 
 
 def problem_line(stage: str, fld: str, message: str) -> str:
@@ -89,6 +135,9 @@ class Stage:
             the run config (``${algorithm.n}``), resolved when the plan is compiled.
         when: optional condition (usually an interpolation such as ``${algorithm.kl_coef}``); a
             falsy value prunes the stage from the plan.
+        outputs: optional list of the op outputs the stage is meant to produce: the op names
+            its outputs, so this only documents them, and the validator checks each name (a
+            misspelt one gets a "did you mean").
     """
 
     name: str
@@ -97,6 +146,7 @@ class Stage:
     inputs: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
     when: Any = None
+    outputs: Optional[list[str]] = None
 
     def out(self, output: str) -> str:
         """Reference to one of this stage's outputs, for another stage's ``inputs``."""
@@ -119,6 +169,8 @@ class Stage:
             d["role"] = self.role
         if self.when is not None:
             d["when"] = self.when
+        if self.outputs is not None:
+            d["outputs"] = list(self.outputs)
         if self.inputs:
             d["inputs"] = dict(self.inputs)
         if self.params:
@@ -126,7 +178,7 @@ class Stage:
         return d
 
 
-_STAGE_KEYS = {"name", "op", "role", "inputs", "params", "when"}
+_STAGE_KEYS = {"name", "op", "role", "inputs", "params", "when", "outputs"}
 
 
 @dataclass
@@ -278,9 +330,17 @@ class Graph:
                 problems.append((label, "role", "must be a string"))
                 rs = {**rs, "role": None}
                 bad.add("role")
+            outputs = rs.get("outputs")
+            if outputs is not None and not (isinstance(outputs, list) and
+                                            all(isinstance(o, str) for o in outputs)):
+                problems.append((label, "outputs", "must be a list of the op's output names, got "
+                                 f"{outputs!r}"))
+                outputs = None
+                bad.add("outputs")
             stages.append(Stage(name=str(rs.get("name", label)), op=str(rs.get("op", "")),
                                 role=rs.get("role"), inputs=dict(rs.get("inputs") or {}),
-                                params=dict(rs.get("params") or {}), when=rs.get("when")))
+                                params=dict(rs.get("params") or {}), when=rs.get("when"),
+                                outputs=outputs))
         syncs: list[WeightSync] = []
         raw_syncs = d.get("weight_sync") or []
         if not isinstance(raw_syncs, list):

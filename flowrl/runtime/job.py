@@ -328,11 +328,16 @@ class _Job:
         if dinfo.rank == 0:
             (out_dir / "plan.txt").write_text(self.full.format_text() + "\n")
 
-        # ---- setup: this rank's engines, resources, executor
+        # ---- setup: this rank's engines, resources, executor; a console line for each phase
+        # as it ends, from the first second (a file gets them as a terminal does)
+        say = _Say(place.logs and cfg.logger.console)
+        say(place.header(cfg, out_dir))
+        t0 = time.perf_counter()
         tokenizer = load_tokenizer(cfg.model)
         prompts = PromptSource(cfg.data, tokenizer, rank=place.dist.rank,
                                world_size=place.dist.world_size,
                                image_encoder=image_encoder(cfg.model, tokenizer))
+        say(f"setup: data {len(prompts)} prompts in {time.perf_counter() - t0:.1f} s")
         t0 = time.perf_counter()
         built = build_engines(cfg, place.plan, tokenizer, world_size=place.engine_ranks,
                               group=place.engine_group)
@@ -341,6 +346,8 @@ class _Job:
         load_s = time.perf_counter() - t0
         log.info("engines built in %.1f s (%.1f s since the command started); host peak RSS so "
                  "far %.2f GiB", load_s, since_launch_s(), peak_rss_gib())
+        say(f"setup: model and engines ({', '.join(place.plan.roles)}) in {load_s:.1f} s, host "
+            f"peak RSS {peak_rss_gib():.2f} GiB")
         resources = RunResources(
             tokenizer=tokenizer, prompts=prompts, algorithm=cfg.algorithm,
             sampling=cfg.rollout.sampling, trainer=cfg.trainer,
@@ -357,7 +364,9 @@ class _Job:
         # ---- resume
         start, earlier = 1, dict[str, Any]()
         if cfg.trainer.resume and resume_from is not None:
+            t0 = time.perf_counter()
             start, earlier = self.resume(resume_from, prompts)
+            say(f"setup: resumed from {resume_from} in {time.perf_counter() - t0:.1f} s")
         elif cfg.trainer.resume:
             log.info("trainer.resume=true but no checkpoint in %s: starting fresh", self.ckpts.root)
         self.save_steps = {s for s in range(start, T + 1)
@@ -376,7 +385,6 @@ class _Job:
             out_dir, cfg.logger, T, enabled=place.logs, first_step=start,
             run_config=run_config)
         with logger:
-            logger.print(place.header(cfg, out_dir))
             logger.print(f"machine: device={cfg.trainer.device} rollout={cfg.rollout.backend} "
                          f"dtype={cfg.model.dtype} strategy={cfg.trainer.engine.strategy} "
                          f"offload={'on' if swap else 'off'} ({why_swap})")
@@ -413,6 +421,8 @@ class _Job:
                     if after:
                         logger.log(T, after)
                         logger.print(f"eval after: {eval_line(after)}")
+            if self.ckpts.latest() is not None and not finished:
+                logger.print(f"checkpoint: {self.ckpts.latest()}")
         summary["history"] = self.history
         summary.update(place.final_fields(summary))
         summary["checkpoint"] = str(self.ckpts.latest())
@@ -487,10 +497,26 @@ class _Job:
                 **run_record(self.cfg, self.full.roles, invocation_overrides()),
                 OP_STATE_KEY: merge_op_states([r["op_state"] for r in ranks])}
         tensors = self.engines.train_state() if self.place.holds_state else {}
-        self.ckpts.save(step, tensors, meta, async_save=self.cfg.trainer.async_save and not last)
+        path = self.ckpts.save(step, tensors, meta,
+                               async_save=self.cfg.trainer.async_save and not last)
+        self.logger.print(f"checkpoint step {step}: {path}")
         # async: only the copy to host memory blocked the step
         self.logger.log(step, {"perf/checkpoint_s": time.perf_counter() - t0,
                                "perf/host_peak_rss_gib_after_checkpoint": peak_rss_gib()})
+
+
+class _Say:
+    """Console lines before the metrics logger exists (the start-up phases), flushed at once."""
+
+    def __init__(self, enabled: bool):
+        from rich.console import Console
+
+        self.console = Console(soft_wrap=True) if enabled else None
+
+    def __call__(self, msg: str) -> None:
+        if self.console is not None:
+            self.console.print(msg)
+            self.console.file.flush()
 
 
 def merge_op_states(per_rank: list[dict[str, Any]]) -> dict[str, Any]:

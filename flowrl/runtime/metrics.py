@@ -47,6 +47,10 @@ _QUIET_ZERO = {"train/skipped_steps", "train/unscorable_frac", "rollout/empty_re
                "reward/constant_steps"}
 
 
+# stdout in a file: an evaluation prints its progress at most this often (seconds)
+_LINE_EVERY_S = 30.0
+
+
 def human_bytes(n: float) -> str:
     """``1536`` → ``1.5KiB``: bytes in the largest binary unit that keeps the number >= 1."""
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -98,6 +102,9 @@ class MetricsLogger:
         self._task: Optional[TaskID] = None
         self._train_t0: Optional[float] = None
         self._train_first = 0  # steps already done when this run's training began
+        # stdout in a file: rich draws a progress bar only when it stops (the ETA came at the
+        # very end), so a file gets the same progress as plain lines, printed as they happen
+        self._lines = False
         if not enabled:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +128,9 @@ class MetricsLogger:
             self._mlflow = mlflow.start_run()
             if run_config:
                 mlflow.log_params({k: str(v) for k, v in _flatten(run_config).items()})
-        if cfg.progress:
+        if cfg.progress and not self.console.is_terminal:
+            self._lines = True
+        elif cfg.progress:
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
@@ -150,8 +159,16 @@ class MetricsLogger:
         task = None
         t0 = time.perf_counter()
 
+        last = [-math.inf]  # when the last plain progress line was printed (stdout in a file)
+
         def update(done: int, total: int) -> None:
             nonlocal task
+            if self._lines and (done in (0, total) or time.perf_counter() - last[0] >= _LINE_EVERY_S):
+                last[0] = time.perf_counter()
+                self.console.print(f"{label} {done}/{total} " + (
+                    "greedy decoding" if done == 0 else
+                    f"done in {last[0] - t0:.0f} s" if done >= total else
+                    f"eta {_clock(_eta(t0, done, total))}"))
             if self._progress is None:
                 return
             if task is None:
@@ -189,10 +206,12 @@ class MetricsLogger:
         if "perf/step_s" in clean and self._train_t0 is not None:
             done = step - self._train_first
             eta = _eta(self._train_t0, done, self.total_steps - self._train_first)
+            info = (f"reward {clean.get('reward/mean', float('nan')):.3f}  "
+                    f"step {clean['perf/step_s']:.1f}s  eta {_clock(eta)}")
             if self._progress is not None and self._task is not None:
-                self._progress.update(self._task, completed=step, info=(
-                    f"reward {clean.get('reward/mean', float('nan')):.3f}  "
-                    f"step {clean['perf/step_s']:.1f}s  eta {_clock(eta)}"))
+                self._progress.update(self._task, completed=step, info=info)
+            elif self._lines:
+                self.console.print(f"train {step}/{self.total_steps}  {info}")
 
     def _write_row(self, f: io.BufferedRandom, step: int, row: dict[str, Any]) -> None:
         if self._last is not None and self._last[0] == step:  # same step: rewrite the last row

@@ -51,8 +51,14 @@ def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = Non
     if cfg.cluster is not None:  # flowrl plan answers before this point
         raise ValueError(f"cluster={cfg.cluster.name}: a cluster is planned, not run here; use "
                          "`flowrl plan cluster=...` (a run uses this machine's GPUs: drop cluster=)")
-    plan = compile_plan(load_graph(cfg.graph.resolve()), _resolved_tree(raw),
-                        placement=cfg.placement.mode)
+    from flowrl.graph import GraphError
+
+    graph_file = cfg.graph.resolve()
+    try:
+        plan = compile_plan(load_graph(graph_file), _resolved_tree(raw),
+                            placement=cfg.placement.mode)
+    except GraphError as e:  # a problem the file parses into: name the file, as its schema's do
+        raise (e if e.source else e.with_source(graph_file)) from None
     # first: a resume with forgotten overrides would fail the checks below less clearly
     check_resume(cfg, plan.roles, invocation_overrides() if overrides is None else overrides)
     _check_estimators(plan, cfg)

@@ -64,6 +64,26 @@ def resume_hint(out_dir: str | Path, overrides: Optional[list[str]] = None) -> s
             f"trainer.resume=true{rest}")
 
 
+def disk_full(e: BaseException) -> Optional[str]:
+    """One line for a write the disk refused (a checkpoint that does not fit, ENOSPC / EDQUOT
+    from any writer: metrics, TensorBoard), else None. The 26-line traceback that came before
+    the checkpoint's own clear message showed flowrl's internals, not the cause."""
+    import errno
+
+    from flowrl.runtime.checkpoint import CheckpointWriteError
+
+    if isinstance(e, CheckpointWriteError):
+        return " ".join(str(e).split()).rstrip(".")
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:  # the OSError may be the cause of another error
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            where = f" writing {e.filename}" if e.filename else ""
+            return f"no space left on the device{where} ({e.strerror or 'ENOSPC'}): free space"
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return None
+
+
 def report_crash(e: BaseException, out_dir: str | Path) -> int:
     """Print why the run stopped and how to continue it (stderr); returns the exit status
     (130 Ctrl-C, 143 SIGTERM, 1 anything else). A :class:`RunStopped` is one line (its
@@ -79,6 +99,8 @@ def report_crash(e: BaseException, out_dir: str | Path) -> int:
         what, code = "stopped by SIGTERM", 143
     elif isinstance(e, RunStopped):  # the message says what to change; no internals
         what, code = f"stopped: {' '.join(str(e).split()).rstrip('.')}", 1
+    elif disk_full(e) is not None:  # the file system, not flowrl: no traceback either
+        what, code = f"stopped: {disk_full(e)}", 1
     else:
         traceback.print_exception(e)
         first = (str(e).strip().splitlines() or [""])[0][:500].rstrip(".")

@@ -210,6 +210,19 @@ def invocation_overrides() -> Optional[list[str]]:
     return [str(o) for o in HydraConfig.get().overrides.task]
 
 
+def _model_option(overrides: list[str]) -> str:
+    """The ``model`` group option that ``overrides`` select: the last ``model=X``, else the
+    default of ``conf/train.yaml``'s defaults list."""
+    chosen = [o.split("=", 1)[1] for o in overrides if o.startswith("model=")]
+    if chosen:
+        return chosen[-1]
+    import yaml
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / "train.yaml"  # flowrl.config's conf/
+    defaults = yaml.safe_load(conf.read_text())["defaults"]
+    return next(d["model"] for d in defaults if isinstance(d, dict) and "model" in d)
+
+
 def _key(override: str) -> str:
     """The config key of a Hydra override (``+a.b=1``, ``~a.b``, ``group=option``)."""
     return override.split("=", 1)[0].lstrip("+~")
@@ -344,6 +357,13 @@ def check_resume(cfg, roles: list[str], overrides: Optional[list[str]] = None) -
         if f in model:
             a, b = _differences(f"model.{f}", model[f], now["model"][f])
             was, has = was + a, has + b
+    original = meta.get("overrides")
+    if isinstance(original, list) and overrides is not None and was:
+        # another model option (a forgotten model=tiny): name the option, not the fields it sets
+        saved_opt, now_opt = _model_option(original), _model_option(overrides)
+        if saved_opt != now_opt:
+            was = [f"model={saved_opt}", *(w for w in was if not w.startswith("model."))]
+            has = [f"model={now_opt}", *(h for h in has if not h.startswith("model."))]
     graph = meta.get("graph")  # the same file named another way (absolute, relative) is the same
     if isinstance(graph, dict) and graph.get("path") != cfg.graph.path and \
             graph.get("file") != now["graph"]["file"]:
@@ -355,7 +375,6 @@ def check_resume(cfg, roles: list[str], overrides: Optional[list[str]] = None) -
         has.append(f"trained roles [{', '.join(now['trained_roles'])}]")
     if not was:
         return
-    original = meta.get("overrides")
     if isinstance(original, list):
         again = " ".join(["flowrl train", _dir_option(out_dir), "trainer.resume=true",
                           *repeat_overrides(original, overrides)])

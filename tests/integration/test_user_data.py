@@ -156,8 +156,16 @@ def test_cli_one_row_per_step_clean_console_and_a_refused_second_run(tmp_path):
     assert "torch.distributed is disabled" not in r.stderr + r.stdout
     step_lines = [x for x in r.stdout.splitlines() if x.startswith("step    1 ")]
     assert len(step_lines) == 1 and "store=" in step_lines[0]  # one line, never wrapped at 80
-    assert any(x.startswith("train ") and "2/2" in x and "eta 0:00:00" in x
-               for x in r.stdout.splitlines())
+    out_lines = r.stdout.splitlines()
+    assert any(x.startswith("train ") and "2/2" in x and "eta 0:00:00" in x for x in out_lines)
+    # issue 27: stdout in a file gets the start-up phases as they end, a plain progress line per
+    # step (rich drew its bar only at the end), the checkpoint path at each save and at the end
+    firsts = [x.split(" ")[0] for x in out_lines if not x.startswith("[")][:4]
+    assert firsts == ["flowrl", "setup:", "setup:", "machine:"], out_lines
+    assert [x for x in out_lines if x.startswith("train ")] == [
+        x for x in out_lines if x.startswith(("train 1/2  reward ", "train 2/2  reward "))]
+    assert f"checkpoint step 1: {d / 'checkpoints' / 'step_000001'}" in out_lines
+    assert out_lines[-1] == f"checkpoint: {d / 'checkpoints' / 'step_000002'}"
     record = (d / ".hydra/overrides.yaml").read_text()
     metrics = (d / "metrics.jsonl").read_text()
     again = cli(f"hydra.run.dir={d}", "trainer.total_steps=3")

@@ -213,14 +213,14 @@ CONFIG_CASES = {
     "n_not_integer": (["algorithm.n=2.5"], "algorithm.n=2.5: algorithm.n takes an integer, got 2.5"),
     "total_steps_float": (["trainer.total_steps=2.5"],
                           "trainer.total_steps=2.5: trainer.total_steps takes an integer, got 2.5"),
-    "unknown_graph_option": (["graph=grpoo"], "graph=grpoo: no such option; choose one of dapo, "
-                             "distill, dr_grpo, genrm_grpo, grpo, grpo_distill, grpo_tools, grpo_vl, gspo, ppo, "
-                             "reinforce_pp, rloo (or "
+    "unknown_graph_option": (["graph=grpoo"], "graph=grpoo: no such option (did you mean "
+                             "graph=grpo?); choose one of dapo, distill, dr_grpo, genrm_grpo, grpo, "
+                             "grpo_distill, grpo_tools, grpo_vl, gspo, ppo, reinforce_pp, rloo (or "
                              "graph.path=FILE for your own graph file)"),
     "unknown_model_option": (["model=tiniest"], "model=tiniest: no such option; choose one of "
                              "smollm2, tiny, tiny_vl (or model.path=DIR for a local model folder)"),
-    "unknown_rollout_option": (["rollout=vlm"], "rollout=vlm: no such option; choose one of auto, "
-                               "hf, vllm"),
+    "unknown_rollout_option": (["rollout=vlm"], "rollout=vlm: no such option (did you mean "
+                               "rollout=vllm?); choose one of auto, hf, vllm"),
     "unknown_key": (["algorithm.kl_coeff=0.5"], "unknown key algorithm.kl_coeff (did you mean "
                     "algorithm.kl_coef?): nothing reads it"),
     "appended_misspelt_key": (["+algorithm.kl_coeff=0.5"], "unknown key algorithm.kl_coeff (did "
@@ -307,7 +307,7 @@ def test_malformed_config_is_one_line_before_any_model_loads(case, command, tmp_
 
 def test_every_problem_of_a_file_is_reported_one_line_each(tmp_path, no_model):
     """A schema error (an unknown stage field) no longer hides the graph checks: the misspelt
-    reference and the cycle in the same file are reported with it."""
+    reference and the cycle in the same file are reported with it, the cycle first."""
     g = _edit(GRPO, _cycle)
     _stage(g, "advantage")["bogus"] = 1
     _stage(g, "update")["inputs"]["advantages"] = "advantag.advantages"
@@ -315,14 +315,14 @@ def test_every_problem_of_a_file_is_reported_one_line_each(tmp_path, no_model):
     rc, lines = run_cli(["graph", "validate", str(path)], tmp_path)
     assert rc == 1
     assert lines == [
-        f"{path}: stage 'advantage', field 'bogus': unknown stage field; known: ['inputs', "
-        "'name', 'op', 'params', 'role', 'when']",
-        f"{path}: stage 'update', field 'inputs.advantages': reads 'advantag.advantages', but no "
-        "stage is named 'advantag'; did you mean 'advantage.advantages'?",
         f"{path}: stage 'reward', field 'inputs.response_ids': reads 'advantage.advantages', which "
         "closes the cycle reward -> advantage -> reward; a stage may only read stages that do not "
         "depend on it within a step (the update -> rollout loop is a weight_sync, not an input): "
-        "bind 'response_ids' to another output"]
+        "bind 'response_ids' to another output",
+        f"{path}: stage 'update', field 'inputs.advantages': reads 'advantag.advantages', but no "
+        "stage is named 'advantag'; did you mean 'advantage.advantages'?",
+        f"{path}: stage 'advantage', field 'bogus': unknown stage field; known: ['inputs', "
+        "'name', 'op', 'outputs', 'params', 'role', 'when']"]
     rc, plan_lines = run_cli(["plan", *job_args(tmp_path, f"graph.path={path}")], tmp_path)
     assert rc == 2 and plan_lines == [f"flowrl plan: error: {lines[0]}", *lines[1:]]
 
@@ -368,3 +368,85 @@ def test_the_refill_loop_and_the_filter_raise_run_stopped():
     with pytest.raises(RunStopped, match="set params.refill: true of stage 'filter'"):
         dynamic_sampling(ctx, DynamicSamplingConfig(refill=False),
                          rewards=torch.tensor([1.0, 1.0]), group_id=torch.tensor([0, 0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 27: the first line is the root problem, what follows from it is folded into a count.
+CYCLE_LINE = ("stage 'reward', field 'inputs.response_ids': reads 'advantage.advantages', which "
+              "closes the cycle reward -> advantage -> reward; a stage may only read stages that "
+              "do not depend on it within a step (the update -> rollout loop is a weight_sync, not "
+              "an input): bind 'response_ids' to another output")
+
+
+def _misspelt_inputs_field(g):
+    adv = _stage(g, "advantage")
+    adv["inptus"] = adv.pop("inputs")
+
+
+def _outputs_everywhere(g, misspelt: bool = True):
+    """A new user's graph: each stage lists its outputs (DESIGN.md's Stage has them), one
+    misspelt."""
+    from flowrl.ops.registry import OPS
+
+    for s in g["stages"]:
+        s["outputs"] = list(OPS[s["op"]].outputs)
+    if misspelt:
+        _stage(g, "rollout")["outputs"][0] = "respones"
+
+
+def _depends_on_everywhere(g):
+    for s in g["stages"][1:]:
+        s["depends_on"] = "sample"
+
+
+def _cycle_through_update(g):
+    _stage(g, "rollout")["inputs"]["prompt_ids"] = "update.loss"
+
+
+ROOT_CASES = {
+    # (edit of graphs/grpo.yaml, the exact first line; on the old code the cascade lines came
+    # first or the misspelt name was never named)
+    "misspelt_inputs_field": (_misspelt_inputs_field,
+        "stage 'advantage', field 'inptus': unknown stage field (did you mean 'inputs'?); known: "
+        "['inputs', 'name', 'op', 'outputs', 'params', 'role', 'when'] (+3 follow-on problems)"),
+    "misspelt_declared_output": (_outputs_everywhere,
+        "stage 'rollout', field 'outputs': op 'rollout.generate' has no output 'respones'; did you "
+        "mean 'response_ids'?"),
+    "cycle_after_schema_lines": (lambda g: (_outputs_everywhere(g, misspelt=False),
+                                            _depends_on_everywhere(g), _cycle(g)),
+        CYCLE_LINE + " (+5 follow-on problems)"),
+    "cycle_through_update": (_cycle_through_update,
+        "stage 'rollout', field 'inputs.prompt_ids': reads 'update.loss', which closes the cycle "
+        "rollout -> reward -> advantage -> update -> rollout; a stage may only read stages that do "
+        "not depend on it within a step (the update -> rollout loop is a weight_sync, not an "
+        "input): bind 'prompt_ids' to another output (+1 follow-on problem)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROOT_CASES))
+def test_the_first_line_is_the_root_problem(case, tmp_path, no_model):
+    edit, first = ROOT_CASES[case]
+    path = write_graph(tmp_path, _edit(GRPO, edit))
+    rc, lines = run_cli(["graph", "validate", str(path)], tmp_path)
+    assert rc == 1 and lines[0] == f"{path}: {first}", lines
+    rc, plan_lines = run_cli(["plan", *job_args(tmp_path, f"graph.path={path}")], tmp_path)
+    assert rc == 2 and plan_lines[0] == f"flowrl plan: error: {path}: {first}", plan_lines
+
+
+def test_a_repeated_schema_problem_is_one_line_and_a_count(tmp_path):
+    path = write_graph(tmp_path, _edit(GRPO, _depends_on_everywhere))
+    rc, lines = run_cli(["graph", "validate", str(path)], tmp_path)
+    assert rc == 1 and lines == [
+        f"{path}: stage 'rollout', field 'depends_on': unknown stage field; known: ['inputs', "
+        "'name', 'op', 'outputs', 'params', 'role', 'when'] (+5 follow-on problems)"]
+
+
+def test_declared_outputs_that_match_the_op_pass():
+    from flowrl.graph import validate_graph
+    from flowrl.graph.validate import graph_from_yaml
+
+    g = graph_from_yaml(yaml.safe_dump(_edit(GRPO, lambda g: _outputs_everywhere(g, False))))
+    validate_graph(g)
+    assert g["rollout"].outputs == ["response_ids", "response_mask", "rollout_logprobs",
+                                    "truncated"]
+    assert graph_from_yaml(g.to_yaml()).to_dict() == g.to_dict()

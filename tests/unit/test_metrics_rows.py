@@ -91,7 +91,9 @@ def test_eta_and_clock(monkeypatch):
     assert (M._clock(70.0), M._clock(3723.4), M._clock(None)) == ("0:01:10", "1:02:03", "-:--:--")
 
 
-def test_eval_has_its_own_progress_and_the_train_bar_starts_with_training(tmp_path):
+def test_eval_has_its_own_progress_and_the_train_bar_starts_with_training(tmp_path, monkeypatch):
+    monkeypatch.setattr(M, "Console", lambda **kw: Console(file=io.StringIO(), force_terminal=True,
+                                                           **kw))
     cfg = LoggerConfig(console=False, jsonl=False, tensorboard=False)
     log = MetricsLogger(tmp_path, cfg, 10)
     tasks = lambda: [(t.description, t.completed, t.total) for t in log._progress.tasks]  # noqa: E731
@@ -107,3 +109,26 @@ def test_eval_has_its_own_progress_and_the_train_bar_starts_with_training(tmp_pa
     assert tasks() == [("train", 5, 10)]
     assert "eta 0:00:" in log._progress.tasks[0].fields["info"]
     log.close()
+
+
+def test_progress_in_a_file_is_plain_lines_as_they_happen(tmp_path, monkeypatch):
+    """stdout in a file (issue 27): rich drew the bar, ETA included, only when it stopped; a
+    file now gets each eval and train progress line when it happens."""
+    out = io.StringIO()
+    monkeypatch.setattr(M, "Console", lambda **kw: Console(file=out, **kw))
+    now = [100.0]
+    monkeypatch.setattr(M.time, "perf_counter", lambda: now[0])
+    log = MetricsLogger(tmp_path, LoggerConfig(jsonl=False, tensorboard=False), 4)
+    with log:
+        update = log.eval_progress("eval before")  # t0 = 100
+        for t, done in ((100, 0), (110, 8), (115, 16), (150, 24)):
+            now[0] = t
+            update(done, 32)  # a line at the start, then once 30 s have passed: at 150
+        assert out.getvalue().splitlines() == ["eval before 0/32 greedy decoding",
+                                               "eval before 24/32 eta 0:00:17"]
+        now[0] = 160.0
+        log.set_progress(0)
+        now[0] = 200.0  # eta: 40 s a step x 3
+        log.log(1, {"perf/step_s": 40.0, "reward/mean": 0.25})  # 200: eta 40 s x 3
+    assert out.getvalue().splitlines()[2:] == [
+        "step    1 reward=0.250 step_s=40.0", "train 1/4  reward 0.250  step 40.0s  eta 0:02:00"]

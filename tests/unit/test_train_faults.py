@@ -149,7 +149,8 @@ def _checkpoint_dir(tmp_path: Path, step: int) -> None:
 @pytest.mark.parametrize("exc, code, what", [
     (RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"), 1,
      "stopped by RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer"),
-    (OSError(28, "No space left on device"), 1, "stopped by OSError: [Errno 28] No space left"),
+    (OSError(28, "No space left on device", "/run/metrics.jsonl"), 1, "stopped: no space left on "
+     "the device writing /run/metrics.jsonl (No space left on device): free space."),
     (KeyboardInterrupt(), 130, "interrupted"),
 ])
 def test_every_crash_prints_the_resume_command(tmp_path, capsys, exc, code, what):
@@ -162,6 +163,9 @@ def test_every_crash_prints_the_resume_command(tmp_path, capsys, exc, code, what
     assert f"flowrl train: {what}" in err
     assert (f"Continue from step_000004 with: flowrl train "
             f"hydra.run.dir={tmp_path} trainer.resume=true") in err
+    # a full disk is the file system's, not flowrl's: nothing is printed before the one line
+    # (issue 27); an unknown error keeps its exception text (and traceback) before it
+    assert bool(err.split("flowrl train:")[0].strip()) == isinstance(exc, RuntimeError)
     assert report_crash(Terminated(), tmp_path / "empty") == 143
     # before any checkpoint the directory refuses a plain fresh run: the hint says overwrite
     assert (f"No checkpoint was written yet, so there is nothing to continue; start again with: "
@@ -206,3 +210,18 @@ def test_a_diverged_run_stops_at_step_one_with_the_guard_message_and_the_resume_
     assert last.startswith("flowrl train: stopped by ParameterDivergenceError") and \
         "No checkpoint was written yet" in last and "trainer.overwrite=true" in last
     assert not list((run_dir / "checkpoints").glob("step_*"))
+
+
+def test_a_checkpoint_that_does_not_fit_is_one_line_without_a_traceback(tmp_path, capsys):
+    """Issue 27: the disk-full message came after a 26-line traceback (report_crash printed one
+    for every error that is not a RunStopped)."""
+    from flowrl.runtime.checkpoint import CheckpointWriteError
+    from flowrl.runtime.recovery import report_crash
+
+    _checkpoint_dir(tmp_path, 1)
+    msg = ("checkpoint step 2 not saved: the file system at /mnt (tmpfs, tmpfs) has 46.9 MiB "
+           "free, this checkpoint needs about 77.5 MiB. Nothing was written.")
+    assert report_crash(CheckpointWriteError(msg), tmp_path) == 1
+    assert [ln for ln in capsys.readouterr().err.splitlines() if ln] == [
+        f"flowrl train: stopped: {msg[:-1]}. Continue from step_000001 with: flowrl train "
+        f"hydra.run.dir={tmp_path} trainer.resume=true (plus your overrides)"]
