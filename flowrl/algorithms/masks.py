@@ -73,13 +73,15 @@ def left_align(input_ids: Tensor, attention_mask: Tensor, shift: Tensor) -> tupl
     its padding moves to the end of the row.
 
     Why: in a left-padded row the padding columns are query positions that attend to no key
-    (causal mask ∧ padding mask is empty). cuDNN's fused attention (PyTorch's default SDPA
-    backend for bf16 on H100/H200) returns a finite forward there but a NaN ∂Q in the backward
-    when the padded length is 64 mod 128 (measured on an H200, torch 2.11: L = 64, 192, 320, …),
-    and ∂W_q = Xᵀ∂Q carries that NaN into every weight gradient although the loss never reads
-    those rows (the NaN grad norm of issue 25). After the rotation every pad is a trailing
-    query that sees the row's real tokens, so no row of the attention is empty; the real tokens
-    keep their order, their keys and their position ids (taken from the rotated mask).
+    (causal mask ∧ padding mask is empty). The hypothesis for issue 25's NaN grad norm (default
+    GPU job, bf16) is that cuDNN's fused attention (PyTorch's default SDPA backend for bf16 on
+    Hopper) returns a finite forward for such rows but a NaN ∂Q in the backward, and ∂W_q = Xᵀ∂Q
+    carries that NaN into every weight gradient although the loss never reads those rows. It is
+    not confirmed on the GPU yet: ``benchmarks/nan_h200.py`` runs both layouts there. Whatever
+    the kernel does, after the rotation every pad is a trailing query that sees the row's real
+    tokens, so no row of the attention is empty; the real tokens stay contiguous and in order,
+    with their keys and their position ids (taken from the rotated mask), so a sliding window
+    sees the same neighbours as in the unpadded sequence.
 
     Args:
         input_ids: (B, L) token ids; attention_mask: (B, L) bool/int (the same layout).

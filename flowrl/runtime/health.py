@@ -12,7 +12,7 @@ nothing and must not end with exit status 0 (Dr.GRPO with rewards ±3e38 skipped
   run stops with :class:`~flowrl.errors.RunStopped` naming the setting (``flowrl train`` prints
   it in one line with the resume command, exit status 1).
 - ``reward/constant_steps``: consecutive steps whose scorable rewards were all the same value
-  (``reward/std == 0``): a verifier that quietly returns 0 (or a format bonus for everyone)
+  (``reward/std == 0``; a step without any scorable reward leaves the count as it was): a verifier that quietly returns 0 (or a format bonus for everyone)
   gives GRPO no signal at all. At ``trainer.constant_reward_steps`` in a row a warning says so
   (again every that many steps while it lasts).
 """
@@ -69,8 +69,9 @@ class RunHealth:
             self.skipped += int(round(float(m.get(f"{role}/skipped", 0.0)) * float(n)))
         m[SKIPPED_KEY] = float(self.skipped)
         m["train/optimizer_steps"] = float(self.optimizer_steps)
-        std = m.get("reward/std")
-        if std is not None and math.isfinite(std):
+        # a step with no scorable reward (reward/mean NaN) says nothing about the verifier's spread
+        std, mean = m.get("reward/std"), m.get("reward/mean", 0.0)
+        if std is not None and math.isfinite(std) and math.isfinite(mean):
             self.constant = self.constant + 1 if std == 0.0 else 0
             m[CONSTANT_KEY] = float(self.constant)
             n_const = self.constant_reward_steps

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
+from flowrl.runtime.health import RunHealth
 from flowrl.runtime.preflight import ConfigError
 
 if TYPE_CHECKING:
@@ -299,7 +300,7 @@ class _Job:
         self.cfg, self.full, self.pp, self.dinfo = cfg, plan, pp, dinfo
         self.out_dir, self.ckpts, self.engines = out_dir, ckpts, engines
         self.history: list[dict[str, Any]] = []
-        self.health: Optional[Any] = None  # runtime/health.RunHealth, made at the first step
+        self.health: Optional[RunHealth] = None  # made at the first step (after a resume)
         self.save_steps: set[int] = set()
         self.logger: Any = None
 
@@ -460,8 +461,6 @@ class _Job:
                       * self.cfg.algorithm.n * self.place.sampling_ranks)
         m["perf/tokens_per_s"] = gen_tokens / max(m["perf/step_s"], 1e-9)
         if self.health is None:  # after a resume has restored the history
-            from flowrl.runtime.health import RunHealth
-
             t = self.cfg.trainer
             self.health = RunHealth(t.max_skipped_steps, t.max_skipped_frac,
                                     t.constant_reward_steps, t.total_steps, self.history)

@@ -1,14 +1,14 @@
-"""Issue 25's NaN grad norm, reproduced on CPU: no forward of the train engines has a query row
-that attends to nothing.
+"""Issue 25's NaN grad norm, its suspected cause reproduced on CPU: no forward of the train
+engines has a query row that attends to nothing.
 
-On the H200 (torch 2.11, bf16, PyTorch's default SDPA backend = cuDNN attention) a query row whose
-mask is empty — every left-padding column of a left-padded prompt — gets a finite forward but a
-NaN ∂Q in the backward when the padded length is 64 mod 128 (measured: L = 64, 192, 320, …; no
-NaN for any L in 2..1099 without left padding, or with each empty row given one key). The loss
-never reads those rows, so the loss is finite while ∂W_q = Xᵀ∂Q is NaN: "non-finite grad norm
-(nan); skipping the optimizer step". Here an attention function behaves like that kernel (plain
-SDPA forward, NaN gradient at empty query rows) on a tiny random Llama; the engines must not
-trip it (``algorithms/masks.left_align``) and must give the plain-SDPA values and gradients.
+The hypothesis (not yet confirmed on the GPU; ``benchmarks/nan_h200.py`` runs both layouts on
+the H200): in bf16 under PyTorch's default SDPA backend on Hopper (cuDNN attention) a query row
+whose mask is empty — every left-padding column of a left-padded prompt — gets a finite forward
+but a NaN ∂Q in the backward. The loss never reads those rows, so the loss is finite while
+∂W_q = Xᵀ∂Q is NaN: "non-finite grad norm (nan); skipping the optimizer step". Here an attention
+function behaves like that kernel (plain SDPA forward, NaN gradient at empty query rows) on a tiny
+random Llama; the engines must not trip it (``algorithms/masks.left_align``) and must give the
+plain-SDPA values and gradients. The old code fails the first three tests (skipped=1, NaN norm).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import transformers
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from flowrl.algorithms.masks import left_align
+from flowrl.algorithms.masks import left_align, position_ids_from_mask
 from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
 from flowrl.engines.train.value import ValueTrainEngine, value_model_from_causal_lm
 from flowrl.models.loading import ModelConfig, build_tiny, tiny_model_config
@@ -111,7 +111,6 @@ def test_left_alignment_keeps_every_logprob_of_the_padded_layout(tiny):
     P, R = 5, 4
     ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)
     attn = torch.cat([batch["prompt_mask"], batch["response_mask"]], 1)
-    from flowrl.algorithms.masks import position_ids_from_mask
     with torch.no_grad():
         logits = tiny(input_ids=ids, attention_mask=attn.long(),
                       position_ids=position_ids_from_mask(attn)).logits[:, P - 1:P + R - 1]

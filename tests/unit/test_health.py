@@ -14,7 +14,6 @@ import torch
 
 from flowrl.errors import RunStopped
 from flowrl.runtime.health import RunHealth
-from flowrl.runtime.metrics import _CONSOLE_KEYS, _QUIET_ZERO
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -103,11 +102,37 @@ def test_constant_rewards_are_counted_and_warned_every_n_steps(caplog):
                                 "(reward/mean=0.25, reward/std=0)")
 
 
-def test_the_health_counters_are_in_the_console_line_only_when_not_zero():
-    shown = {k for k, _, _ in _CONSOLE_KEYS}
-    assert _QUIET_ZERO <= shown
-    assert {"train/skipped_steps", "train/unscorable_frac", "rollout/empty_response_frac",
-            "reward/constant_steps"} == _QUIET_ZERO
+def test_a_step_without_a_scorable_reward_leaves_the_constant_count_alone():
+    h = _health(constant_reward_steps=2)
+    counts = []
+    for s, mean in enumerate([0.25, float("nan"), 0.25], 1):  # step 2: every reward unscorable
+        m = {**_step(0.0, std=0.0), "reward/mean": mean}
+        h.update(s, m)
+        counts.append(m.get("reward/constant_steps"))
+    # old code: [1.0, 2.0, 3.0] (reward/std is 0 when nothing is scorable)
+    assert counts == [1.0, None, 2.0]
+
+
+def test_the_health_counters_are_in_the_console_line_only_when_not_zero(tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from flowrl.config import LoggerConfig
+    from flowrl.runtime import metrics as M
+
+    out = io.StringIO()
+    monkeypatch.setattr(M, "Console", lambda **kw: Console(file=out, **kw))
+    cfg = LoggerConfig(progress=False, jsonl=False, tensorboard=False)
+    zero = {"train/skipped_steps": 0.0, "train/unscorable_frac": 0.0,
+            "rollout/empty_response_frac": 0.0, "reward/constant_steps": 0.0}
+    with M.MetricsLogger(tmp_path, cfg, 2) as log:
+        log.log(1, {"reward/mean": 0.5, **zero})
+        log.log(2, {"reward/mean": 0.5, "train/skipped_steps": 2.0, "train/unscorable_frac": 0.25,
+                    "rollout/empty_response_frac": 0.125, "reward/constant_steps": 3.0})
+    assert out.getvalue().splitlines() == [
+        "step    1 reward=0.500",
+        "step    2 reward=0.500 skipped=2 unscorable=0.25 empty=0.12 const_reward=3"]
 
 
 class _Ctx:

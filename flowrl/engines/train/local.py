@@ -248,8 +248,8 @@ class LocalTrainEngine:
             # environment tokens between policy turns (mask False) are context: attended
             attn = torch.cat([p_mask, response_attention_mask(r_mask)], dim=1)
             # the prompt's left padding moves to the row's end: a leading pad is a query that
-            # attends to nothing, and cuDNN attention's backward gives it a NaN gradient
-            # (masks.left_align; issue 25)
+            # attends to nothing, suspected to get a NaN gradient from cuDNN attention's backward
+            # (masks.left_align; issue 25; benchmarks/nan_h200.py checks it on the GPU)
             shift = self._left_pad(p_mask)
             ids, attn = left_align(torch.cat([p_ids, r_ids], dim=1), attn, shift)
             kwargs = dict(input_ids=ids, attention_mask=attn.long(),
@@ -311,8 +311,10 @@ class LocalTrainEngine:
             return self._forward(kwargs, True).logits.flatten(0, 1)[pred], True
         P, R = mb["prompt_ids"].shape[1], mb["response_ids"].shape[1]
         # left-aligned rows (_model_inputs): row b's response predictors are at columns
-        # P-1-s_b .. P+R-2-s_b, s_b its prompt padding; keep from the earliest of them
-        # the masks are host tensors here (the stages hand them over there): no stream sync
+        # P-1-s_b .. P+R-2-s_b, s_b its prompt padding; keep from the earliest of them (the LM
+        # head runs on R + max_b s_b rows, not R: this is the fallback path, the fused
+        # logprob_chunk_size path gathers the predicting rows before the head); the masks are
+        # host tensors here (the stages hand them over there): no stream sync
         shift = self._left_pad(mb["prompt_mask"].bool())
         start = P - 1 - int(shift.max())
         if self._logits_to_keep:  # the LM head runs on the kept positions only

@@ -72,7 +72,7 @@ class ValueTrainEngine(LocalTrainEngine):
         # environment tokens between policy turns (mask False) are context: attended
         attn = torch.cat([p_mask, response_attention_mask(r_mask)], dim=1).to(self.device)
         # left padding moved to the row's end: no query attends to nothing (masks.left_align)
-        shift = (P - p_mask.sum(-1)).to(self.device)
+        shift = self._left_pad(p_mask).to(self.device)
         ids, attn = left_align(ids, attn, shift)
         out = self.model(input_ids=ids, attention_mask=attn.long(),
                          position_ids=position_ids_from_mask(attn)).logits
