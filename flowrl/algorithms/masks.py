@@ -77,7 +77,8 @@ def left_align(input_ids: Tensor, attention_mask: Tensor, shift: Tensor) -> tupl
     GPU job, bf16) is that cuDNN's fused attention (PyTorch's default SDPA backend for bf16 on
     Hopper) returns a finite forward for such rows but a NaN ∂Q in the backward, and ∂W_q = Xᵀ∂Q
     carries that NaN into every weight gradient although the loss never reads those rows. It is
-    not confirmed on the GPU yet: ``benchmarks/nan_h200.py`` runs both layouts there. Whatever
+    not confirmed on the GPU: the old layout has not been run there against the new one (with
+    it, 200 H200 training steps of benchmarks/results/learning_h200.md had no NaN). Whatever
     the kernel does, after the rotation every pad is a trailing query that sees the row's real
     tokens, so no row of the attention is empty; the real tokens stay contiguous and in order,
     with their keys and their position ids (taken from the rotated mask), so a sliding window

@@ -27,10 +27,8 @@ phase_first_step() {  # ~3 min: the default job, job-sized engine vs graphs in p
   python3 benchmarks/first_step.py --variants ${FIRST_STEP_VARIANTS:-default,graphs10} --timeout-s 200 \
     --md-out "$OUT/first_step_h200.md" --log-dir "$OUT/first_step_logs" -- ${X:-}
 }
-phase_nan() {  # ~30 s: cuDNN SDPA on empty query rows, left-padded vs left-aligned
-  if [ -f benchmarks/nan_check_gpu.py ]; then python3 benchmarks/nan_check_gpu.py --md-out "$OUT/nan_h200.md"
-  elif [ -f scripts/nan_check_gpu.py ]; then python3 scripts/nan_check_gpu.py | tee "$OUT/nan_h200.txt"
-  else log "no nan check script"; fi
+phase_nan() {  # the NaN of issue 25 on the GPU: no script yet (the check of both layouts is open)
+  log "no nan check script yet"
 }
 phase_learning() {  # ~9 min: the arith task, full fine-tuning and LoRA side by side (and the tier)
   # two runs share the GPU: half the default vLLM budget each (their KV caches are fixed anyway)

@@ -1,8 +1,8 @@
 """Issue 25's NaN grad norm, its suspected cause reproduced on CPU: no forward of the train
 engines has a query row that attends to nothing.
 
-The hypothesis (not yet confirmed on the GPU; ``benchmarks/nan_h200.py`` runs both layouts on
-the H200): in bf16 under PyTorch's default SDPA backend on Hopper (cuDNN attention) a query row
+The hypothesis (not yet confirmed on the GPU: the old layout has not been run there against the
+new one): in bf16 under PyTorch's default SDPA backend on Hopper (cuDNN attention) a query row
 whose mask is empty — every left-padding column of a left-padded prompt — gets a finite forward
 but a NaN ∂Q in the backward. The loss never reads those rows, so the loss is finite while
 ∂W_q = Xᵀ∂Q is NaN: "non-finite grad norm (nan); skipping the optimizer step". Here an attention

@@ -249,7 +249,7 @@ class LocalTrainEngine:
             attn = torch.cat([p_mask, response_attention_mask(r_mask)], dim=1)
             # the prompt's left padding moves to the row's end: a leading pad is a query that
             # attends to nothing, suspected to get a NaN gradient from cuDNN attention's backward
-            # (masks.left_align; issue 25; benchmarks/nan_h200.py checks it on the GPU)
+            # (masks.left_align; issue 25: a hypothesis not yet confirmed on the GPU)
             shift = self._left_pad(p_mask)
             ids, attn = left_align(torch.cat([p_ids, r_ids], dim=1), attn, shift)
             kwargs = dict(input_ids=ids, attention_mask=attn.long(),
