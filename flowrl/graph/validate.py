@@ -152,10 +152,11 @@ def graph_problems(graph: Graph, *, check_params: bool = True, require_update: b
                                  f"responses: '{ref}' (op '{src_spec.name}') holds environment "
                                  "tokens between policy turns; score the trajectory with "
                                  "reward.rule / reward.function or the environment's rewards"))
-        for out in s.outputs or []:
+        declared = list(s.outputs or [])
+        for out in declared:
             if out not in spec.outputs:
                 close = difflib.get_close_matches(out, [o for o in spec.outputs
-                                                        if o not in s.outputs], n=1)
+                                                        if o not in declared], n=1)
                 fix = f"did you mean '{close[0]}'?" if close else f"its outputs: {list(spec.outputs)}"
                 problems.append((s.name, "outputs", f"op '{s.op}' has no output '{out}'; {fix}"))
         if check_params:

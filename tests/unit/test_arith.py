@@ -75,7 +75,7 @@ def test_data_name_arith_loads_the_task_with_its_instruction():
     assert cfg.instruction == ARITH_INSTRUCTION and DataConfig().instruction == DEFAULT_INSTRUCTION
     rec = load_records(cfg, "test", 1, for_eval=True)[0]
     assert (rec["prompt"], rec["ground_truth"]) == ("What is 63 + 78?", "141")
-    with pytest.raises(ValueError, match="data.name must be one of \\('gsm8k', 'arith'\\), got 'x'"):
+    with pytest.raises(ValueError, match="data.name must be one of \\('gsm8k', 'arith', 'visual'\\), got 'x'"):
         DataConfig(name="x")
 
 

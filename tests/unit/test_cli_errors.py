@@ -16,7 +16,8 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
      "flowrl train: error: unknown key trainer.total_step (did you mean trainer.total_steps?): "
      "nothing reads it; `flowrl train --cfg job` prints every key"),
     (["train", "launcher.nproc=2", "placement=partitoned"],
-     "flowrl train: error: placement=partitoned: no such option; choose one of auto, colocated, "
+     "flowrl train: error: placement=partitoned: no such option (did you mean "
+     "placement=partitioned?); choose one of auto, colocated, "
      "partitioned"),
     (["train", "launcher.nproc=2", "placement=partitioned", "placement.pools.train=[0,1]"],
      "flowrl train: error: placement.pools: rank 1 is in both 'train' and 'rollout' (partitioned "

@@ -123,7 +123,7 @@ def test_a_response_ends_before_the_first_vision_token_it_samples():
     (["model=tiny_vl", "data=visual"],
      "the graph's sample stage hands out no images: use graph=grpo_vl"),
     (["model=tiny_vl", "graph=grpo_vl"],
-     "stage 'sample' (data.sample_images): the prompts of gsm8k/train hold no images"),
+     "stage 'sample' (data.sample_images): the prompts of arith/train hold no images"),
     (["model=tiny_vl", "data=visual", "graph=grpo_vl", "rollout=vllm"],
      "rollout.backend=vllm: images reach the HF rollout engine only for now"),
 ])

@@ -107,13 +107,17 @@ def _take_rows(batch: Mapping[str, Any], rows: list[int], B: int) -> dict[str, A
 
 
 _SEQ_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+_EXTRA_INPUT_KEYS = ("pixel_values", "image_grid_thw")
 
 
 def _host_sequences(batch: Mapping[str, Any]) -> dict[str, Tensor]:
     """The token ids and masks of ``batch`` on the host: one device-to-host copy per call, so the
     micro-batch loop's index work (trimming, packing, picking valid labels) needs no per-micro-batch
     stream sync; the forward's inputs then go back through pinned, non-blocking copies."""
-    return {k: batch[k].cpu() for k in _SEQ_KEYS}
+    host = {k: batch[k].cpu() for k in _SEQ_KEYS}
+    # any other model input (a VLM's pixel_values / image_grid_thw) stays where it is
+    host.update({k: v for k, v in batch.items() if k in _EXTRA_INPUT_KEYS})
+    return host
 
 
 # attention implementations that run a packed row without a dense (T, T) mask
@@ -316,12 +320,15 @@ class LocalTrainEngine:
         # logprob_chunk_size path gathers the predicting rows before the head); the masks are
         # host tensors here (the stages hand them over there): no stream sync
         shift = self._left_pad(mb["prompt_mask"].bool())
+        if "pixel_values" in mb:  # _vision_inputs keeps the left-padded layout (M-RoPE from it)
+            shift = torch.zeros_like(shift)
         start = P - 1 - int(shift.max())
         if self._logits_to_keep:  # the LM head runs on the kept positions only
             logits = self.model(**kwargs, logits_to_keep=P + R - start).logits
         else:
             logits = self.model(**kwargs).logits[:, start:]
-        idx = torch.arange(R, device=logits.device)[None, :] + (P - 1 - start) - shift[:, None]
+        idx = (torch.arange(R, device=logits.device)[None, :] + (P - 1 - start)
+               - shift.to(logits.device)[:, None])
         return logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1])), False
 
     def _response_hidden(self, mb: Mapping[str, Tensor],
