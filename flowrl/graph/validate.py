@@ -155,7 +155,7 @@ def graph_problems(graph: Graph, *, check_params: bool = True, require_update: b
         for out in s.outputs or []:
             if out not in spec.outputs:
                 close = difflib.get_close_matches(out, [o for o in spec.outputs
-                                                        if o not in s.outputs], n=1)
+                                                        if o not in (s.outputs or [])], n=1)
                 fix = f"did you mean '{close[0]}'?" if close else f"its outputs: {list(spec.outputs)}"
                 problems.append((s.name, "outputs", f"op '{s.op}' has no output '{out}'; {fix}"))
         if check_params:

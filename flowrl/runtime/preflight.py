@@ -44,10 +44,9 @@ def check_run(cfg: "TrainConfig", raw: Any,
             than the checkpoint's (``runtime/rundir.check_resume``).
     """
     from flowrl.compiler.plan import compile_plan
+    from flowrl.graph import GraphError
     from flowrl.graph.validate import load_graph
     from flowrl.runtime.rundir import check_resume, invocation_overrides
-
-    from flowrl.graph import GraphError
 
     graph_file = cfg.graph.resolve()
     try:
