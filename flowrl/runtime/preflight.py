@@ -45,14 +45,13 @@ def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = Non
             than the checkpoint's (``runtime/rundir.check_resume``).
     """
     from flowrl.compiler.plan import compile_plan
+    from flowrl.graph import GraphError
     from flowrl.graph.validate import load_graph
     from flowrl.runtime.rundir import check_resume, invocation_overrides
 
     if cfg.cluster is not None:  # flowrl plan answers before this point
         raise ValueError(f"cluster={cfg.cluster.name}: a cluster is planned, not run here; use "
                          "`flowrl plan cluster=...` (a run uses this machine's GPUs: drop cluster=)")
-    from flowrl.graph import GraphError
-
     graph_file = cfg.graph.resolve()
     try:
         plan = compile_plan(load_graph(graph_file), _resolved_tree(raw),
