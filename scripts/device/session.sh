@@ -14,7 +14,7 @@
 #   carry [".model/b"]:           bash scripts/device/session.sh model b
 #   carry [".vllm/p5"]:           bash scripts/device/session.sh install first_step
 #   (no carry):                   bash scripts/device/session.sh <phase> [<phase> ...]
-# Phases: first_step, nan, learning, e2e, tier (see each below). Results land in $OUT.
+# Phases: first_step, learning, e2e, tier (see each below). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
 set -uo pipefail
 : "${OUT:?OUT must name the folder that comes back}"
@@ -26,9 +26,6 @@ log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 phase_first_step() {  # ~3 min: the default job, job-sized engine vs graphs in process
   python3 benchmarks/first_step.py --variants ${FIRST_STEP_VARIANTS:-default,graphs10} --timeout-s 200 \
     --md-out "$OUT/first_step_h200.md" --log-dir "$OUT/first_step_logs" -- ${X:-}
-}
-phase_nan() {  # the NaN of issue 25 on the GPU: no script yet (the check of both layouts is open)
-  log "no nan check script yet"
 }
 phase_learning() {  # ~9 min: the arith task, full fine-tuning and LoRA side by side (and the tier)
   # two runs share the GPU: half the default vLLM budget each (their KV caches are fixed anyway)
@@ -48,7 +45,6 @@ phase_learning() {  # ~9 min: the arith task, full fine-tuning and LoRA side by 
   cp /tmp/learn_out/learning_h200.md /tmp/learn_out/learning_h200.png "$OUT/" 2>/dev/null
   (cd /tmp && tar czf "$OUT/learning_runs.tgz" learn_out arith_runs/*/console.log 2>/dev/null)
 }
-phase_first_step_nan() { phase_first_step; phase_nan; }
 phase_e2e() {  # ~8 min: flowrl vs TRL, interleaved rounds
   python3 benchmarks/e2e_vs_trl.py --suite gpu ${E2E_ARGS:-} --out "$OUT/e2e_vs_trl_h200.md" \
     --json-out "$OUT/e2e_vs_trl_h200.json" ${X:-}
@@ -79,7 +75,7 @@ install)
 esac
 rc=0
 for p in "$@"; do
-  case "$p" in first_step|nan|learning|e2e|tier|first_step_nan) ;; *) continue ;; esac
+  case "$p" in first_step|learning|e2e|tier) ;; *) continue ;; esac
   log "phase $p"
   t0=$SECONDS
   "phase_$p" || { rc=$?; log "phase $p exit $rc"; }
