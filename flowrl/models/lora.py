@@ -24,6 +24,7 @@ How the roles share one model (``build_lora_actor``, called by ``flowrl.train.bu
 """
 from __future__ import annotations
 
+import contextlib
 import struct
 import time
 from dataclasses import dataclass, field
@@ -211,6 +212,33 @@ def inject_lora(model: nn.Module, lora: LoraConfig):
         return peft.get_peft_model(model, lora.peft_config())
 
 
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Context: every peft adapter layer and ``modules_to_save`` wrapper of ``model`` forwards its
+    base module, and nothing else changes.
+
+    Not peft's ``PeftModel.disable_adapter()``: that also flips the adapters' ``requires_grad``
+    off and back on. Under FSDP2 the first forward (lazy init) then sees the adapters frozen and
+    never gives them the fp32 reduce dtype of ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)``; the next backward fails with "attempting to assign a gradient with
+    dtype BFloat16 to a tensor with grad_dtype Float" (the GPU tier's LoRA rows with
+    ``kl_coef>0``, where the reference forward comes first). Only the flag that the layers'
+    ``forward`` reads (peft's ``disable_adapters`` property) is set here.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, ModulesToSaveWrapper))]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, b in zip(layers, before):
+            m._disable_adapters = b
+
+
 class LoraEngineMixin:
     """The LoRA actor engine over any train engine class (``lora_variant(cls)``): checkpoints hold
     the trainable tensors only, and ``named_weights`` serves merged weights to the rollout engine.
@@ -244,9 +272,9 @@ class LoraEngineMixin:
                                "(built with trainable=False?)")
         return self.optimizer, self.scheduler
 
-    def disable_adapter(self):
-        """Context: forwards of this engine run the base weights (peft ``disable_adapter``)."""
-        return self.peft_model.disable_adapter()
+    def disable_adapter(self) -> contextlib.AbstractContextManager[None]:
+        """Context: forwards of this engine run the base weights (see :func:`adapters_disabled`)."""
+        return adapters_disabled(self.model)
 
     def named_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, Tensor]]:
         """(base HF name, full tensor) of every tensor the adapters change: ``W0 + (alpha/r) B A``

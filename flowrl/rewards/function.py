@@ -19,13 +19,15 @@ pool, so the one that dies alone is the one marked.
 
 Timeouts: each call runs under ``SIGALRM`` (``setitimer``) in the process that runs it, which
 interrupts Python code and sleeps. With ``num_workers >= 1`` calls run in a
-``concurrent.futures.ProcessPoolExecutor`` (spawned workers); a worker stuck where no signal
-reaches it (a C call that blocks the alarm) cannot be cancelled by the pool, so the parent also
-waits at most ``timeout_s * ceil(B / num_workers) + max(timeout_s, 5)`` seconds in total (after the
-workers have started and imported the function), then kills
-the pool's workers, marks what is left as timeouts and starts a fresh pool for the next call.
+``concurrent.futures.ProcessPoolExecutor`` (spawned workers); each worker reports when it starts a
+call, and a call still running ``timeout_s + 1`` s later (stuck where no signal reaches it: a C
+call, or code that blocks ``SIGALRM``) has its worker process killed (SIGKILL): that sample is a
+timeout, and the other calls the broken pool took down with it are scored again in a fresh pool.
+A backstop bounds the whole batch too (``timeout_s * ceil(B / num_workers) + max(timeout_s, 5)``
+seconds after the workers have started and imported the function).
 In-process (``num_workers = 0``) the alarm works only on the main thread of a platform with
-``SIGALRM``; elsewhere calls run without a timeout (a warning says so once).
+``SIGALRM``; elsewhere calls run without a timeout (a warning says so once), and a call that
+blocks the alarm cannot be stopped: use workers.
 """
 from __future__ import annotations
 
@@ -33,8 +35,10 @@ import importlib
 import logging
 import math
 import multiprocessing
+import os
 import signal
 import threading
+import time
 from concurrent.futures import Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -46,6 +50,10 @@ OK, ERROR, TIMEOUT, NONFINITE = "ok", "error", "timeout", "nonfinite"
 # largest float32: a larger finite float64 becomes inf in the (B,) float32 rewards tensor
 FLOAT32_MAX = 3.4028234663852886e38
 _LOST = (ERROR, "lost with a broken worker pool")  # placeholder until re-scored alone
+_REQUEUE = (ERROR, "taken down by a killed worker")  # placeholder until re-scored (as a batch)
+# seconds past timeout_s before a worker whose call ignored the alarm is killed: the alarm's own
+# exception and the result's trip back through the pool take well under this
+KILL_GRACE_S = 1.0
 
 
 def fits_float32(x: float) -> bool:
@@ -111,11 +119,22 @@ def _call(fn: Callable, text: str, fields: dict, meta: dict,
 
 
 _WORKER_FNS: dict[str, Callable] = {}
+_STARTS: Any = None  # the worker's end of the parent's SimpleQueue of call starts
+
+
+def _worker_init(starts: Any) -> None:
+    """Pool initializer: keep the queue each call reports its start on."""
+    global _STARTS
+    _STARTS = starts
 
 
 def _worker_call(path: str, text: str, fields: dict, meta: dict,
-                 timeout_s: Optional[float]) -> tuple[str, Any]:
-    """Process-pool entry point (top level: picklable); caches the imported function."""
+                 timeout_s: Optional[float], task: int = -1) -> tuple[str, Any]:
+    """Process-pool entry point (top level: picklable); caches the imported function. Reports
+    ``(task, pid, time.monotonic())`` first (a SimpleQueue writes at once, no feeder thread), so
+    the parent can kill this process if the call outlives its alarm."""
+    if _STARTS is not None:
+        _STARTS.put((task, os.getpid(), time.monotonic()))
     if path not in _WORKER_FNS:
         try:
             _WORKER_FNS[path] = load_reward_function(path)
@@ -175,6 +194,7 @@ class RewardFunctionRunner:
         self.path, self.num_workers, self.timeout_s = path, int(num_workers), timeout_s
         self.fn = load_reward_function(path)
         self._pool: Optional[ProcessPoolExecutor] = None
+        self._starts: Any = None  # the SimpleQueue the pool's workers report call starts on
         self._warned = False
 
     def score(self, texts: Sequence[str], fields: Sequence[dict], metas: Sequence[dict]) -> list[Outcome]:
@@ -203,6 +223,10 @@ class RewardFunctionRunner:
     def _score_pool(self, texts, fields, metas) -> list[tuple[str, Any]]:
         items = list(zip(texts, fields, metas))
         out = self._run_batch(items)
+        # calls a killed worker's pool took down with it: not suspects, scored again together
+        while again := [i for i, r in enumerate(out) if r is _REQUEUE]:
+            for i, r in zip(again, self._run_batch([items[i] for i in again])):
+                out[i] = r
         lost = [i for i, r in enumerate(out) if r is _LOST]
         if lost:
             log.warning("reward function %s: a worker process died (os._exit, a crash, an OOM "
@@ -210,47 +234,88 @@ class RewardFunctionRunner:
                         "pool", self.path, len(lost))
             for i in lost:  # alone, a death is this sample's own
                 r = self._run_batch([items[i]])[0]
+                while r is _REQUEUE:  # cannot happen alone (nothing else to take down): defensive
+                    r = self._run_batch([items[i]])[0]
                 out[i] = (ERROR, "the reward worker process died while scoring this sample") \
                     if r is _LOST else r
         return out
 
     def _run_batch(self, items) -> list[tuple[str, Any]]:
-        """Submit ``items`` to the pool and collect them; a sample lost to a broken pool is
-        ``_LOST``, and the broken pool is replaced on the next call."""
+        """Submit ``items`` to the pool and collect them, killing the worker of any call that
+        runs ``timeout_s + KILL_GRACE_S`` past its start (its sample: a timeout). A sample lost
+        to a pool a worker's own death broke is ``_LOST``; one lost to a kill of ours is
+        ``_REQUEUE``; the broken pool is replaced on the next call."""
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.num_workers,
-                                             mp_context=multiprocessing.get_context("spawn"))
+            ctx = multiprocessing.get_context("spawn")
+            self._starts = ctx.SimpleQueue()
+            self._pool = ProcessPoolExecutor(self.num_workers, mp_context=ctx,
+                                             initializer=_worker_init, initargs=(self._starts,))
             # start every worker and import the function before the clock runs: spawning and
             # importing (seconds on a loaded machine) must not count against timeout_s
             wait([self._pool.submit(_worker_load, self.path) for _ in range(self.num_workers)])
         try:
             futures: list[Future] = [self._pool.submit(_worker_call, self.path, t, f, m,
-                                                       self.timeout_s) for t, f, m in items]
+                                                       self.timeout_s, i)
+                                     for i, (t, f, m) in enumerate(items)]
         except BrokenProcessPool:  # broke while submitting (a worker died already)
             self._kill_pool()
             return [_LOST] * len(items)
-        budget = None
-        if self.timeout_s:
-            rounds = -(-len(futures) // self.num_workers)
-            budget = self.timeout_s * rounds + max(self.timeout_s, 5.0)
-        _, pending = wait(futures, timeout=budget)
-        if pending:
-            log.warning("reward function %s: %d call(s) still running after %.1f s; killing the "
-                        "worker pool", self.path, len(pending), budget)
+        killed = self._watch(futures)
+        if killed:  # a killed worker broke the pool: the next call gets a fresh one
             self._kill_pool()
         out: list[tuple[str, Any]] = []
-        for fut in futures:
-            if fut in pending:
+        for i, fut in enumerate(futures):
+            if i in killed:
                 out.append((TIMEOUT, None))
                 continue
             try:
                 out.append(fut.result())
             except BrokenProcessPool:  # a worker died: this sample may or may not be the cause
-                out.append(_LOST)
+                out.append(_REQUEUE if killed else _LOST)
                 self._kill_pool()
             except Exception as e:  # an unpicklable result
                 out.append((ERROR, repr(e)))
         return out
+
+    def _watch(self, futures: list[Future]) -> set[int]:
+        """Wait for ``futures``; returns the tasks that timed out: those whose worker was killed
+        past its deadline and, past the backstop budget (the whole pool is killed then), those
+        still pending. Without ``timeout_s`` this only waits."""
+        if not self.timeout_s:
+            wait(futures)
+            return set()
+        limit = self.timeout_s + KILL_GRACE_S
+        rounds = -(-len(futures) // self.num_workers)
+        budget = self.timeout_s * rounds + max(self.timeout_s, 5.0)
+        end = time.monotonic() + budget
+        starts: dict[int, tuple[int, float]] = {}  # task -> (worker pid, start)
+        killed: set[int] = set()
+        pending = set(futures)
+        while pending:
+            _, pending = wait(pending, timeout=0.05)
+            while self._starts is not None and not self._starts.empty():
+                task, pid, t = self._starts.get()
+                starts[task] = (pid, t)
+            now = time.monotonic()
+            for i, fut in enumerate(futures):
+                if fut in pending and i in starts and i not in killed and \
+                        now - starts[i][1] > limit:
+                    log.warning("reward function %s: a call still running %.1f s after its "
+                                "timeout_s=%g (it ignores SIGALRM?); killing its worker "
+                                "process %d", self.path, now - starts[i][1] - self.timeout_s,
+                                self.timeout_s, starts[i][0])
+                    try:
+                        os.kill(starts[i][0], signal.SIGKILL)
+                    except ProcessLookupError:  # it ended on its own meanwhile
+                        pass
+                    killed.add(i)
+            if pending and now > end:
+                log.warning("reward function %s: %d call(s) still running after %.1f s; killing "
+                            "the worker pool", self.path, len(pending), budget)
+                self._kill_pool()
+                killed |= {i for i, fut in enumerate(futures) if fut in pending}
+                break
+        return killed
 
     def _kill_pool(self) -> None:
         """Kill the workers now: a pool cannot cancel a task that is already running.
@@ -258,7 +323,7 @@ class RewardFunctionRunner:
         Python >= 3.14 has ``kill_workers``; before it the pool's processes are only
         reachable through its ``_processes`` attribute.
         """
-        pool, self._pool = self._pool, None
+        pool, self._pool, self._starts = self._pool, None, None
         if pool is None:
             return
         procs = list((getattr(pool, "_processes", None) or {}).values())

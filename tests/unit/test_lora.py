@@ -95,6 +95,38 @@ def test_optimizer_holds_only_the_adapters():
     assert changed == {n for n in names if ".lora_B." in n}
 
 
+def test_fsdp_bf16_reference_forward_first_then_update():
+    """FSDP2 with the GPU's mixed precision (bf16 compute, fp32 gradient reduction), the reference
+    (adapters off) as FSDP's first forward, then an update. peft's ``disable_adapter()`` froze the
+    adapters during the reference forward; FSDP2 fixes a parameter's reduce dtype from its
+    ``requires_grad`` when it (lazily) initialises, so a frozen-at-that-moment adapter later got a
+    bf16 gradient assigned to an fp32 tensor ("assign a gradient with dtype BFloat16 to a tensor
+    with grad_dtype Float": the GPU tier's LoRA rows). The adapters must keep ``requires_grad``
+    inside the reference forward, and the update must train them."""
+    from flowrl.engines.train.fsdp import FSDPTrainEngine
+    from flowrl.runtime.distributed import init_single_process, teardown
+
+    init_single_process("cpu")  # a one-rank gloo group, as `flowrl train` makes without torchrun
+    try:
+        actor = build_lora_actor(FSDPTrainEngine, tiny_llama(), LoraConfig(rank=4),
+                                 TrainEngineConfig(lr=1e-2, micro_batch_size=2, strategy="fsdp",
+                                                   mixed_precision="bf16"))
+        adapters = [p for n, p in actor.model.named_parameters() if ".lora_" in n]
+        assert adapters and all(p.requires_grad for p in adapters)
+        seen: list[bool] = []
+        hook = actor.model.register_forward_pre_hook(
+            lambda mod, args: seen.append(all(p.requires_grad for p in adapters)))
+        batch = _train_batch()
+        ref = AdapterDisabledReference(actor)
+        assert torch.isfinite(ref.logprobs(batch, 1.0).logprobs).all()
+        hook.remove()
+        assert seen and all(seen)  # never frozen, not even inside the reference forward
+        m = actor.train_step(batch, token_mean_loss(batch), temperature=1.0)
+        assert m["grad_norm"] > 0
+    finally:
+        teardown()
+
+
 def test_chunked_head_and_plain_path_agree_on_a_lora_model():
     batch = _train_batch()
     chunked, plain = _lora_actor(), _lora_actor(logprob_chunk_size=None)
