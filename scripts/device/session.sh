@@ -14,7 +14,8 @@
 #   carry [".model/b"]:           bash scripts/device/session.sh model b
 #   carry [".vllm/p5"]:           bash scripts/device/session.sh install first_step
 #   (no carry):                   bash scripts/device/session.sh <phase> [<phase> ...]
-# Phases: first_step, learning, e2e, tier (see each below). Results land in $OUT.
+# Phases: first_step, learning, e2e, tier, vlm, nan, distill_teacher, distill_arms (see each below);
+# `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
 set -uo pipefail
 : "${OUT:?OUT must name the folder that comes back}"
@@ -49,6 +50,20 @@ phase_e2e() {  # ~8 min: flowrl vs TRL, interleaved rounds
   python3 benchmarks/e2e_vs_trl.py --suite gpu ${E2E_ARGS:-} --out "$OUT/e2e_vs_trl_h200.md" \
     --json-out "$OUT/e2e_vs_trl_h200.json" ${X:-}
 }
+phase_nan() {  # ~1 min: issue 25's NaN hypothesis, empty attention rows vs left-aligned rows
+  timeout -k 10 300 python3 benchmarks/nan_layout_check.py --md-out "$OUT/nan_layout_h200.md"
+}
+phase_vlm() {  # ~3 min: Qwen2.5-VL-3B-shaped random model, HF and vLLM rollout (issue 29)
+  HF_HUB_OFFLINE=1 timeout -k 10 ${VLM_TIMEOUT_S:-400} python3 benchmarks/vlm.py ${VLM_ARGS:-} \
+    --md-out "$OUT/vlm_h200.md" > "$OUT/vlm.log" 2>&1; local rc=$?
+  tail -n 30 "$OUT/vlm.log"; return $rc
+}
+phase_distill_teacher() {  # ~4 min: arm (b), RL on arith from the base, exported as the teacher
+  OUT=$OUT STAGE=teacher FLOWRL_COMMIT=$COMMIT bash scripts/device/distill_run.sh ${DISTILL_ARGS:-} ${X:-}
+}
+phase_distill_arms() {  # ~4 min: arms (a) on-policy distillation and (c) SFT on teacher samples
+  OUT=$OUT STAGE=distill FLOWRL_COMMIT=$COMMIT bash scripts/device/distill_run.sh ${DISTILL_ARGS:-} ${X:-}
+}
 phase_tier() {  # ~5 min: the GPU tier (TIER_K: a -k selection)
   timeout -k 10 ${TIER_TIMEOUT_S:-540} python3 -m pytest ${TIER_K:+-k "$TIER_K"} -m "gpu or vllm" tests/gpu/test_train_gpu.py tests/gpu/test_multi_turn_gpu.py \
     tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
@@ -75,7 +90,16 @@ install)
 esac
 rc=0
 for p in "$@"; do
-  case "$p" in first_step|learning|e2e|tier) ;; *) continue ;; esac
+  if [[ "$p" == *+* ]]; then  # side by side: each in the background, its output in a log
+    log "phases ${p//+/ and } side by side"
+    t0=$SECONDS; pids=()
+    for q in ${p//+/ }; do ("phase_$q" > "$OUT/phase_$q.log" 2>&1; echo "phase $q exit $?" >> "$OUT/phase_$q.log") & pids+=($!); done
+    wait "${pids[@]}"
+    for q in ${p//+/ }; do echo "== phase $q"; tail -n 40 "$OUT/phase_$q.log"; done
+    log "phases $p done in $((SECONDS - t0)) s"
+    continue
+  fi
+  case "$p" in first_step|learning|e2e|tier|vlm|nan|distill_teacher|distill_arms) ;; *) continue ;; esac
   log "phase $p"
   t0=$SECONDS
   "phase_$p" || { rc=$?; log "phase $p exit $rc"; }
