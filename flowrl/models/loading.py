@@ -85,6 +85,11 @@ class ModelConfig:
         lora: train LoRA adapters (``flowrl/models/lora.py``: rank, alpha, dropout,
             target_modules, modules_to_save); None (default) = full fine-tuning. Set from the
             command line with ``+model.lora.rank=8`` or ``model.lora={rank: 8}``.
+        gguf_cache: keep a GGUF checkpoint's dequantized weights as an HF directory under
+            ``$FLOWRL_CACHE`` (default ``~/.cache/flowrl``) after the first load, so later runs
+            load them in about a second instead of dequantizing again (SmolLM2: ~14 s, the
+            largest block of start-up before the engines). Keyed by the file's path, size and
+            mtime, the dtype and the transformers version; false = always dequantize.
     """
 
     path: str = SMOLLM2
@@ -96,6 +101,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     freeze_vision: bool = True
     lora: Any = None  # Optional[LoraConfig]; Any so a CLI/YAML dict can fill a None section
+    gguf_cache: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
@@ -261,13 +267,50 @@ def build_tiny(cfg: ModelConfig, dtype: "torch.dtype", auto_cls=None,
     return model
 
 
+def gguf_cache_dir(gguf: Path, dtype: "torch.dtype") -> Path:
+    """Where :func:`load_model` keeps the dequantized weights of ``gguf`` in ``dtype``:
+    ``$FLOWRL_CACHE/gguf/<name>-<key>`` (default ``~/.cache/flowrl``), the key a hash of the
+    file's resolved path, size and mtime, the dtype and the transformers version (a changed file
+    or a transformers upgrade that converts differently gets a new entry)."""
+    import hashlib
+
+    import transformers
+
+    st = gguf.stat()
+    ident = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{transformers.__version__}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("FLOWRL_CACHE") or Path.home() / ".cache" / "flowrl")
+    return root / "gguf" / f"{gguf.stem}-{key}"
+
+
+def _write_gguf_cache(model: "PreTrainedModel", target: Path) -> None:
+    """``save_pretrained`` into a temporary sibling, then one rename: a reader never sees a
+    half-written entry, and of two processes writing at once (torchrun ranks) one rename wins.
+    A failure (read-only home, full disk) only costs the next run the dequantization."""
+    import shutil
+    import tempfile
+
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        model.save_pretrained(str(tmp))
+        try:
+            tmp.rename(target)
+        except OSError:  # another process got there first: its entry is the same weights
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        log.warning("model.gguf_cache: could not write %s (%s); the next run dequantizes again",
+                    target, e)
+
+
 def load_model(cfg: ModelConfig, device: "torch.device | str" = "cpu") -> "PreTrainedModel":
     """Load the causal LM described by ``cfg`` on ``device`` in ``cfg.dtype``, in train mode.
 
     A tiny model is built on ``device`` and an HF directory loaded straight onto it
     (``device_map``), so a GPU run holds no host copy of the weights; the SmolLM2 GGUF (Q4_1, 135M
     params) is dequantized on the host (~15 s on CPU), then moved, and is saveable with
-    ``save_pretrained`` afterwards.
+    ``save_pretrained`` afterwards; with ``cfg.gguf_cache`` the dequantized weights are kept
+    (:func:`gguf_cache_dir`) and later loads read them as an HF directory.
 
     Raises:
         FileNotFoundError: ``path='smollm2'`` without the package, or a missing gguf file.
@@ -289,12 +332,20 @@ def load_model(cfg: ModelConfig, device: "torch.device | str" = "cpu") -> "PreTr
         kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": cfg.attn}
         if cfg.gguf_file is None and device.type != "cpu":
             kwargs["device_map"] = str(device)
+        cache: Optional[Path] = None
         if cfg.gguf_file is not None:
             if not (folder / cfg.gguf_file).is_file():
                 raise FileNotFoundError(f"model.gguf_file {cfg.gguf_file!r} not found in {folder}")
-            # dequantize=True: dense trainable weights even where a GGUF matmul kernel exists
-            kwargs.update(gguf_file=cfg.gguf_file,
-                          quantization_config=GgufConfig(dequantize=True))
+            cache = gguf_cache_dir(folder / cfg.gguf_file, dtype) if cfg.gguf_cache else None
+            if cache is not None and (cache / "config.json").is_file():
+                log.info("model: the dequantized %s from %s", cfg.gguf_file, cache)
+                folder, cache = cache, None  # an ordinary HF directory from here on
+                if device.type != "cpu":
+                    kwargs["device_map"] = str(device)
+            else:
+                # dequantize=True: dense trainable weights even where a GGUF matmul kernel exists
+                kwargs.update(gguf_file=cfg.gguf_file,
+                              quantization_config=GgufConfig(dequantize=True))
         if vision:  # Qwen2-VL / Qwen2.5-VL: not an AutoModelForCausalLM class
             from transformers import AutoModelForImageTextToText
 
@@ -302,6 +353,8 @@ def load_model(cfg: ModelConfig, device: "torch.device | str" = "cpu") -> "PreTr
         else:
             model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
         _clear_quantization_flags(model)
+        if cache is not None:  # dequantized just now: keep it for the next run
+            _write_gguf_cache(model, cache)
         # transformers wraps ``to`` in functools.wraps(nn.Module.to), which mypy reads as an
         # unbound function (the model is the first argument); it is a bound method
         model = model.to(device)  # type: ignore[arg-type]

@@ -157,6 +157,48 @@ def test_gguf_load_is_plain_and_saveable(tmp_path):
         load_model(ModelConfig(path=str(tmp_path), gguf_file="other.gguf"))
 
 
+def test_gguf_cache_keeps_the_dequantized_weights(tmp_path, monkeypatch):
+    """model.gguf_cache: the first load dequantizes and writes the HF directory; the second reads
+    it (no GGUF parse: the GGUF path is made to fail) with identical weights; a changed file
+    gets a new entry; gguf_cache=false never writes one."""
+    import os
+
+    import transformers
+
+    from flowrl.models.loading import gguf_cache_dir
+
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m" / "tiny.gguf"
+    gguf.parent.mkdir()
+    _write_tiny_gguf(gguf)
+    cfg = ModelConfig(path=str(gguf.parent), gguf_file="tiny.gguf")
+    entry = gguf_cache_dir(gguf, torch.float32)
+    assert entry.parent == tmp_path / "cache" / "gguf" and entry.name.startswith("tiny-")
+    first = load_model(cfg)
+    assert (entry / "config.json").is_file() and (entry / "model.safetensors").is_file()
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no temporary left behind
+
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def no_gguf(path, *a, **kw):
+        assert "gguf_file" not in kw, "the cached entry must be read, not the GGUF"
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_gguf)
+    second = load_model(cfg)
+    sa, sb = first.state_dict(), second.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert second.training and getattr(second, "hf_quantizer", None) is None
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", real)
+
+    st = gguf.stat()
+    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed
+    assert gguf_cache_dir(gguf, torch.float32) != entry
+    assert gguf_cache_dir(gguf, torch.bfloat16) != gguf_cache_dir(gguf, torch.float32)
+    load_model(ModelConfig(path=str(gguf.parent), gguf_file="tiny.gguf", gguf_cache=False))
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]
+
+
 @pytest.mark.slow
 def test_smollm2_gguf_loads_generates_and_round_trips(tmp_path):
     model = load_model(ModelConfig())
