@@ -223,7 +223,8 @@ def prepare_run(bc: BenchConfig, out_dir: str):
     from flowrl.cli import compose
     from flowrl.train import prepare
 
-    tc, plan = prepare(compose(flowrl_overrides(bc, out_dir)))
+    spec = prepare(compose(flowrl_overrides(bc, out_dir)))
+    tc, plan = spec.config, spec.plan
     ops = {c.stage.name: c.stage.op for c in plan.stages}
     if ops != _TRL_STAGES:
         raise ValueError(f"graph stages {ops} differ from the GRPO stages TRL runs {_TRL_STAGES}")

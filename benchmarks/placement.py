@@ -85,8 +85,9 @@ def auto_choice(args) -> str:
         from flowrl.cli import compose
         from flowrl.train import prepare, prepare_placement
 
-        cfg, plan = prepare(compose(overrides(args, "colocated", Path(tempfile.mkdtemp()))
+        spec = prepare(compose(overrides(args, "colocated", Path(tempfile.mkdtemp()))
                                     [:-1] + ["placement=auto", "launcher.nproc=2"]))
+        cfg, plan = spec.config, spec.plan
         pp = prepare_placement(cfg, plan, 2)
         return f"{pp.mode}: " + "; ".join(pp.notes)
     except Exception as e:  # auto is another engineer's seam: report, do not fail the benchmark

@@ -39,7 +39,8 @@ def plan_main(argv: list[str]) -> int:
     """``flowrl plan [--format text|mermaid|dot] [overrides]``: the placement plan (per-pool
     timelines, transfers, predicted step time and memory; ``placement=auto``: the choice and why)."""
     from flowrl.compiler.render import FORMATS, format_placement
-    from flowrl.train import prepare_placement, prepare_run, role_parallelism, world_size
+    from flowrl.config import task_section
+    from flowrl.train import prepare, role_parallelism, world_size
 
     fmt, rest = "text", []
     it = iter(argv)
@@ -52,18 +53,16 @@ def plan_main(argv: list[str]) -> int:
             rest.append(a)
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}")
-    cfg = compose(rest)
-    if "${hydra:" in str(cfg.trainer._get_node("output_dir")._value()):
-        cfg.trainer.output_dir = "(none: plan only)"  # no Hydra run dir exists when planning
-    if cfg.get("cluster") is not None:
-        print(cluster_plan(cfg, fmt))
+    raw = task_section(compose(rest), "(none: plan only)")  # no Hydra run dir exists when planning
+    if raw.get("cluster") is not None:
+        print(cluster_plan(raw, fmt))
         return 0
-    cfg, plan, resolved = prepare_run(cfg, plan_only=True)  # a teacher may be left unset
-    w = world_size(cfg)
-    pp = prepare_placement(cfg, plan, w)
+    spec = prepare(raw, rest, plan_only=True)  # a teacher may be left unset
+    cfg, plan, pp = spec.config, spec.plan, spec.placement
     if pp.estimate is None:  # auto attached its own; a missing model file only loses predictions
         from flowrl.compiler.cost import StageCosts, estimate
 
+        w = world_size(cfg)
         try:
             pp.estimate = estimate(pp, StageCosts.from_config(plan, cfg, w,
                                                               parallelism=role_parallelism(cfg)))
@@ -72,7 +71,7 @@ def plan_main(argv: list[str]) -> int:
     print(format_placement(pp, fmt))
     if fmt == "text":  # mermaid / dot stay valid diagrams
         print("machine defaults (auto settings resolved on this machine):")
-        for r in resolved:
+        for r in spec.resolved:
             print(f"  {r}")
         from flowrl.machine import machine_problems
 
@@ -183,15 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
-        from flowrl import train
-        from flowrl.launch import maybe_exec_torchrun
+        from flowrl.train import main as train_main
 
-        maybe_exec_torchrun(rest)  # launcher.nproc > 1: becomes torchrun, never returns
-        from flowrl.config_errors import refuse_bad_overrides
-
-        refuse_bad_overrides(rest)  # a Hydra error: one line, exit 2 (Hydra's own takes 6-15)
-        sys.argv = [sys.argv[0] + " train", *rest]
-        train.main()
+        sys.argv = [sys.argv[0] + " train", *rest]  # Hydra's own command line (-m, --help) reads it
+        train_main(rest)  # launcher.nproc > 1: becomes torchrun, never returns
         return 0
     try:
         if cmd == "plan":

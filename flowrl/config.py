@@ -22,9 +22,58 @@ from flowrl.engines.rollout import ROLLOUT_BACKENDS
 from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
 from flowrl.models.loading import ModelConfig
 from flowrl.models.teacher import TeacherConfig
-from flowrl.runtime.launcher import LauncherConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class LauncherConfig:
+    """How ``flowrl train`` starts its processes (all but ``collective_timeout_s`` are ignored
+    once running under torchrun) and how long its ranks wait for each other.
+
+    Attributes:
+        nproc: processes (GPUs) per node; > 1 (or nnodes > 1) re-executes under torchrun.
+        nnodes: nodes taking part (torchrun ``--nnodes``; ``"MIN:MAX"`` elastic ranges are not used).
+        rdzv_endpoint: ``host:port`` of the c10d rendezvous (multi-node; any node's address).
+        rdzv_id: job id shared by all nodes of one run.
+        rdzv_backend: torchrun rendezvous backend (``c10d``).
+        max_restarts: torchrun worker-group restarts on failure (resume picks up the newest
+            complete checkpoint when ``trainer.resume=true``).
+        node_rank: fixed node rank (static rendezvous); None = assigned by the rendezvous.
+        collective_timeout_s: seconds a rank waits in a collective (the process group's
+            timeout) before the job fails with an error. 600 (10 minutes): ranks legitimately
+            wait for the slowest rank's generation and reward calls, rank 0's eval and
+            checkpoint writes, which take minutes at most; a frozen or hung rank then stops
+            the job within 10 minutes instead of torch's default 30 (a rank that stops
+            heartbeating is named in the log after min(60, timeout / 2) s,
+            ``runtime/distributed.PeerMonitor``). Raise it for a long rank-0-only phase, e.g. an
+            eval of the whole test split on the HF backend (``trainer.eval.limit=null``).
+    """
+
+    nproc: int = 1
+    nnodes: int = 1
+    rdzv_endpoint: str = "localhost:29500"
+    rdzv_id: str = "flowrl"
+    rdzv_backend: str = "c10d"
+    max_restarts: int = 0
+    node_rank: Optional[int] = None
+    collective_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"launcher.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if self.nproc < 1:
+            raise ValueError(f"launcher.nproc must be >= 1, got {self.nproc}")
+        if self.nnodes < 1:
+            raise ValueError(f"launcher.nnodes must be >= 1, got {self.nnodes}")
+        if self.max_restarts < 0:
+            raise ValueError(f"launcher.max_restarts must be >= 0, got {self.max_restarts}")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"launcher.node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+
+    @property
+    def distributed(self) -> bool:
+        return self.nproc > 1 or self.nnodes > 1
 
 
 @dataclass
@@ -347,17 +396,58 @@ def unknown_keys(base: DictConfig, cfg: Any, prefix: str = "") -> list[tuple[str
     return out
 
 
-def compose(overrides: list[str]):
-    """The run config Hydra would build for ``flowrl train <overrides>``, without running it.
+def compose(overrides: list[str], *, with_hydra: bool = False):
+    """The run config Hydra would build for ``flowrl train <overrides>``, without running it;
+    ``with_hydra``: with Hydra's own ``hydra`` section (run dir, logging, the overrides), what
+    a Hydra job of it needs (``flowrl.train``'s entry runs one).
 
-    ``trainer.output_dir`` still points at Hydra's run dir unless overridden; set it before use.
+    ``trainer.output_dir`` still points at Hydra's run dir unless overridden: set it before use,
+    or take :func:`task_section`.
+
+    Raises:
+        HydraException / OmegaConfBaseException: an override that does not compose
+            (``flowrl.config_errors.explain`` says it in one line).
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
-        return hydra_compose(config_name="train", overrides=overrides)
+    # job_name: the log file's name (train.log), as the `python -m flowrl.train` app has it
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3",
+                               job_name="train"):
+        return hydra_compose(config_name="train", overrides=overrides,
+                             return_hydra_config=with_hydra)
+
+
+def output_dir_is_hydras(cfg: Any) -> bool:
+    """``trainer.output_dir`` of a composed config is still ``${hydra:...}`` (Hydra's run dir,
+    which resolves only inside a running Hydra job)."""
+    trainer = cfg.get("trainer") if isinstance(cfg, DictConfig) else None
+    if not isinstance(trainer, DictConfig) or not OmegaConf.is_interpolation(trainer, "output_dir"):
+        return False
+    fields = OmegaConf.to_container(trainer, resolve=False)
+    return isinstance(fields, dict) and "${hydra:" in str(fields.get("output_dir"))
+
+
+def task_section(cfg: Any, output_dir: Optional[str] = None) -> DictConfig:
+    """The run config of a composed config ``cfg`` (a DictConfig or a mapping): a copy without
+    Hydra's ``hydra`` section, and with a ``trainer.output_dir`` that is Hydra's run dir pinned to
+    ``output_dir`` (default: the directory ``hydra.run.dir`` names, when ``cfg`` has it), so it
+    resolves before Hydra's job starts (nothing else resolved: ``${...}`` stay interpolations).
+    """
+    import os
+
+    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    fields = OmegaConf.to_container(node, resolve=False)
+    if not isinstance(fields, dict):  # a run config is a mapping at the top
+        raise TypeError(f"the run config must be a mapping, got {type(fields).__name__}")
+    has_hydra = fields.pop("hydra", None) is not None
+    task = OmegaConf.create(fields)
+    if output_dir is None and has_hydra:
+        output_dir = os.path.abspath(str(OmegaConf.select(node, "hydra.run.dir")))
+    if output_dir is not None and output_dir_is_hydras(task):
+        task.trainer.output_dir = output_dir
+    return task
 
 
 def one_line(e: BaseException) -> str:

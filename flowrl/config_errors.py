@@ -11,14 +11,13 @@ then refuses as an unknown key. :func:`explain` turns each kind into one line:
 - an override that does not parse: ``override 'trainer.total_steps' has no '='``;
 - ``placement.pools.*`` without ``placement=partitioned``.
 
-:func:`refuse_bad_overrides` is what ``flowrl train`` calls before Hydra's own entry point, so
-``flowrl train`` and ``flowrl plan`` print the same line (exit status 2).
+``flowrl train`` (``flowrl.train.main``, where the run's one composition fails) and ``flowrl plan``
+print the same line (exit status 2).
 """
 from __future__ import annotations
 
 import difflib
 import re
-import sys
 from typing import Any, Optional, Sequence
 
 # OmegaConf's "could not be converted to <Type>" → what the field takes
@@ -143,21 +142,3 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
 
     return one_line(e)
 
-
-def refuse_bad_overrides(overrides: Sequence[str], prog: str = "flowrl train"):
-    """Compose ``overrides`` as ``flowrl train`` will; on a composition error print
-    ``<prog>: error: <one line>`` to stderr and exit with status 2 (nothing started, no run
-    directory). Returns the composed config, or None when Hydra's own command line takes over
-    (flags such as ``-m``, ``--cfg``, ``--help``; overrides of Hydra's own groups)."""
-    if any(o.startswith("-") or o.startswith(("hydra/", "+hydra/")) for o in overrides):
-        return None
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from flowrl.config import compose
-
-    try:
-        return compose(list(overrides))
-    except (HydraException, OmegaConfBaseException) as e:
-        print(f"{prog}: error: {explain(e, overrides)}", file=sys.stderr)
-        sys.exit(2)

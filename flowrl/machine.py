@@ -31,25 +31,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
 
 # trainer.offload=auto is decided where the engines are built (runtime/resources.py)
 from flowrl.runtime.resources import keep_resident  # noqa: F401  (re-exported)
+from flowrl.runtime.spec import Resolved
 
 # the token budget of a GPU micro-batch: the scaling benchmark's bins (benchmarks/results/scaling.md)
 GPU_TOKENS_PER_MICRO_BATCH = 16384
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """One ``auto`` setting and what it became, with the reason (printed at the start of a run)."""
-
-    field: str
-    value: object
-    why: str
-
-    def __str__(self) -> str:
-        return f"{self.field}={self.value} ({self.why})"
 
 
 # device nodes a CUDA (or ROCm/HIP, which torch.cuda also drives) runtime needs: NVIDIA, WSL, AMD

@@ -1,60 +1,62 @@
-"""``flowrl train`` / ``python -m flowrl.train``: the Hydra entry point of one training run.
+"""``flowrl train`` / ``python -m flowrl.train``: one training run, set up once.
 
-Bad input loses nothing: :func:`prepare_run` checks the config fields, resolves the machine's
-``auto`` settings and hands the rest of the pre-flight to ``runtime/preflight.py`` (graph,
-placement, model folder, every data row: one line naming the field, stage or file) before any
-model loads; then ``runtime/job.py`` runs the job, one loop for every placement. Nothing heavy
-is imported at module level, so a rejected config answers before torch loads.
+    overrides ──prepare──► RunSpec ──(launcher.nproc > 1: torchrun, each rank prepares its own)
+        composed once · fields · machine defaults · graph → plan · placement · model folder ·
+        every data row (runtime/preflight.py); run directory free; nothing loaded, nothing written
+    RunSpec ──Hydra job (run dir, .hydra/, train.log)──► runtime/job.run_job
+
+A rejected run prints one line (exit status 2) and leaves nothing on disk. Hydra's own command
+line (``-m`` sweeps, ``--cfg``, ``--help``) runs Hydra's app, each job prepared by
+:func:`train`. Nothing heavy is imported at module level: a rejected config answers before
+torch loads.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-import hydra
-from hydra.experimental.callback import Callback
-
-from flowrl.config import REPO_ROOT, register_configs
+from flowrl.config import REPO_ROOT
 from flowrl.runtime.preflight import ConfigError, prepare_placement, role_parallelism, world_size
+from flowrl.runtime.spec import RunSpec
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from flowrl.compiler.plan import ExecutionPlan
-    from flowrl.config import TrainConfig
-    from flowrl.machine import Resolved
 
-
-def prepare_run(raw: "DictConfig | dict", overrides: "list[str] | None" = None, *,
-                plan_only: bool = False) -> "tuple[TrainConfig, ExecutionPlan, list[Resolved]]":
-    """Validate the config, resolve its ``auto`` settings for this machine (returned with their
-    reasons) and pre-flight the run (``runtime/preflight.check_run``, given the invocation's
-    command-line ``overrides`` when the caller knows them; ``plan_only``: for ``flowrl plan``,
-    which may leave a graph's teacher unset); loads no model.
+def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Sequence[str]] = None,
+            *, plan_only: bool = False) -> RunSpec:
+    """The run of ``source`` (command-line overrides, composed here with Hydra's section, or a
+    composed config), pre-flighted: fields validated, ``auto`` settings resolved for this machine,
+    graph compiled, placed, its inputs checked (``runtime/preflight.check_run``). ``overrides``:
+    the invocation's (default: ``source`` when it is overrides; Hydra's inside a Hydra job);
+    ``plan_only`` (``flowrl plan``): a graph's teacher may be left unset. Loads no model.
 
     Raises:
-        ConfigError: naming the field, stage, file or row.
+        ConfigError: naming the field, stage, file or row. HydraException /
+            OmegaConfBaseException: overrides that do not compose (``config_errors.explain``).
     """
-    from flowrl.config import to_train_config
+    from flowrl.config import compose, task_section, to_train_config
     from flowrl.machine import resolve_machine_defaults
     from flowrl.runtime.preflight import check_run
 
+    if isinstance(source, (list, tuple)):
+        overrides = list(source) if overrides is None else overrides
+        source = compose(list(source), with_hydra=True)
+    given = None if overrides is None else list(overrides)
     try:
-        cfg = to_train_config(raw)  # a bad field stops here, before torch is imported
+        task = task_section(source)  # Hydra's run dir pinned: the run is checked before it exists
+        cfg = to_train_config(task)  # a bad field stops here, before torch is imported
         resolved = resolve_machine_defaults(cfg)
-        return cfg, check_run(cfg, raw, overrides, plan_only=plan_only), resolved
+        plan, placement = check_run(cfg, task, given, plan_only=plan_only)
     except (ValueError, FileNotFoundError) as e:
         raise e if isinstance(e, ConfigError) else ConfigError(str(e)) from e
+    return RunSpec(source, cfg, plan, placement, tuple(resolved),
+                   None if given is None else tuple(given))
 
 
-def prepare(raw: "DictConfig | dict") -> "tuple[TrainConfig, ExecutionPlan]":
-    """:func:`prepare_run` without the resolved settings."""
-    cfg, plan, _ = prepare_run(raw)
-    return cfg, plan
-
-
-def check_machine(cfg: "TrainConfig") -> None:
+def check_machine(cfg) -> None:
     """Raises ConfigError naming the first thing this machine cannot run (vLLM missing, no CUDA;
     ``flowrl plan`` only prints them: a GPU job may be planned anywhere)."""
     from flowrl.machine import machine_problems
@@ -64,49 +66,85 @@ def check_machine(cfg: "TrainConfig") -> None:
         raise ConfigError(problems[0])
 
 
-def train(raw: "DictConfig | dict") -> dict[str, Any]:
-    """Run a whole training job; returns the summary also written to ``summary.json``.
+def train(source: "RunSpec | DictConfig | dict") -> dict[str, Any]:
+    """Run a whole training job (``source``: a prepared run, or a composed config to
+    :func:`prepare`); returns the summary also written to ``summary.json``.
 
     Raises:
         ConfigError: rejected before any model loaded. RunDirError: the run directory holds a
             previous run (``trainer.resume`` / ``trainer.overwrite``) or another run.
     """
-    from flowrl.runtime import preflight
     from flowrl.runtime.job import run_job
 
-    # pre-flight runs once: the Hydra callback already checked this very config
-    cfg, plan, resolved = preflight.take(raw) or prepare_run(raw)
-    check_machine(cfg)  # what this machine cannot run: refused before anything loads
-    return run_job(cfg, plan, resolved)
+    spec = source if isinstance(source, RunSpec) else prepare(source)
+    check_machine(spec.config)  # what this machine cannot run: refused before anything loads
+    return run_job(spec)
 
 
-class PreflightCallback(Callback):
-    """Hydra callback (``conf/train.yaml``: ``hydra.callbacks``): pre-flight the run and check
-    its run directory in ``on_run_start``, before Hydra creates the directory and writes
-    ``.hydra/`` into it (which would overwrite the record of a previous run held there). A
-    rejected run prints one line and exits with status 2, leaving nothing on disk; an accepted
-    one hands its result to :func:`train`. Multirun jobs are checked by :func:`train` itself
-    (their directories are created per job)."""
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``flowrl train [overrides]``: prepare once, refuse a bad run in one line (exit status 2,
+    nothing written), start torchrun for ``launcher.nproc > 1``, else run the job in a Hydra job
+    (run dir, ``.hydra/``, ``train.log``)."""
+    from flowrl.runtime import rundir
 
-    def on_run_start(self, config, **kwargs: Any) -> None:
-        from flowrl.runtime import preflight, rundir
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a.startswith("-") for a in args):  # Hydra's command line: -m, --cfg job, --help...
+        sys.argv = [sys.argv[0], *args]
+        return _hydra_app()
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
-        task = rundir.task_config(config)
-        try:  # Hydra sets the job's HydraConfig (its overrides) only after this callback
-            result = prepare_run(task, [str(o) for o in config.hydra.overrides.task])
-            rundir.check_run_dir(Path(result[0].trainer.output_dir), result[0].trainer)
-        except (ConfigError, rundir.RunDirError) as e:
-            print(f"flowrl train: error: {e}", file=sys.stderr)
-            sys.exit(2)
-        preflight.remember(task, result)
+    from flowrl.config_errors import explain
+
+    try:
+        spec = prepare(args)
+        rundir.check_run_dir(Path(spec.config.trainer.output_dir), spec.config.trainer)
+        check_machine(spec.config)
+    except (ConfigError, rundir.RunDirError) as e:
+        sys.exit(_refused(str(e)))
+    except (HydraException, OmegaConfBaseException) as e:  # Hydra's own report takes 6-15 lines
+        sys.exit(_refused(explain(e, args)))
+    if spec.config.launcher.distributed and "LOCAL_RANK" not in os.environ:
+        from flowrl.launch import exec_torchrun
+
+        exec_torchrun(spec.config.launcher, args)  # every rank prepares its own; never returns
+    _hydra_job(spec)
 
 
-register_configs()
+def _hydra_job(spec: RunSpec) -> None:
+    """Run ``spec`` as Hydra runs a job (``hydra.core.utils.run_job``, its launchers' API): the
+    run dir created, ``.hydra/`` and ``train.log`` written, ``HydraConfig`` set while it runs."""
+    from typing import cast
+
+    from hydra.core.utils import run_job
+    from hydra.types import HydraContext, RunMode
+
+    if spec.raw.hydra.mode is None:  # what Hydra's app records for a single run
+        spec.raw.hydra.mode = RunMode.RUN
+    context = HydraContext(config_loader=cast(Any, None), callbacks=cast(Any, _NoCallbacks()))
+    ret = run_job(task_function=lambda _: _run(spec), config=spec.raw,
+                  job_dir_key="hydra.run.dir", job_subdir_key=None, hydra_context=context)
+    _ = ret.return_value  # re-raises what the job raised
 
 
-# absolute: Hydra resolves a relative path against the package when this module is imported
-@hydra.main(version_base="1.3", config_path=str(REPO_ROOT / "conf"), config_name="train")
-def main(cfg: "DictConfig") -> None:
+class _NoCallbacks:
+    """Hydra's job hooks (``hydra.core.utils.run_job`` calls them): flowrl configures none."""
+
+    def on_job_start(self, **kwargs: Any) -> None:
+        pass
+
+    def on_job_end(self, **kwargs: Any) -> None:
+        pass
+
+
+def _refused(line: str) -> int:
+    print(f"flowrl train: error: {line}", file=sys.stderr)
+    return 2
+
+
+def _run(source: "RunSpec | DictConfig") -> None:
+    """The job inside Hydra's (its run dir exists): a crash, Ctrl-C or SIGTERM ends in one
+    report with the command that continues the run; a multirun job is prepared here."""
     from hydra.core.hydra_config import HydraConfig
 
     from flowrl.runtime import rundir
@@ -114,21 +152,28 @@ def main(cfg: "DictConfig") -> None:
 
     hydra_dir = HydraConfig.get().runtime.output_dir
     stop_on_sigterm()  # torchrun stops the survivors of a dead rank with SIGTERM
+    out_dir = (source.config if isinstance(source, RunSpec) else source).trainer.output_dir
     try:
-        train(cfg)
+        if isinstance(source, RunSpec):  # checked before Hydra wrote anything (main)
+            spec = source
+        else:
+            spec = prepare(source)
+            check_machine(spec.config)
+        from flowrl.runtime.job import run_job
+
+        run_job(spec)
     except (ConfigError, rundir.RunDirError) as e:  # rejected before any model loaded: one line
-        print(f"flowrl train: error: {e}", file=sys.stderr)
         if isinstance(e, ConfigError):  # a multirun job's directory: Hydra's files only
             rundir.remove_hydra_leftovers(Path(hydra_dir))
-        sys.exit(2)
+        sys.exit(_refused(str(e)))
     except KeyboardInterrupt:
-        print(f"\nflowrl train: interrupted; {rundir.resume_hint(cfg.trainer.output_dir, hydra_dir)}",
+        print(f"\nflowrl train: interrupted; {rundir.resume_hint(Path(out_dir), hydra_dir)}",
               file=sys.stderr)
         sys.exit(130)
     except BaseException as e:  # SIGTERM, a dead peer, a full disk, a diverged step...
         if isinstance(e, SystemExit):
             raise
-        sys.exit(report_crash(e, cfg.trainer.output_dir))
+        sys.exit(report_crash(e, out_dir))
     finally:
         if "torch.distributed" in sys.modules:  # a config rejected before torch loaded: nothing
             from flowrl.runtime.distributed import teardown
@@ -136,8 +181,19 @@ def main(cfg: "DictConfig") -> None:
             teardown()
 
 
-__all__ = ["ConfigError", "PreflightCallback", "check_machine", "main", "prepare",
-           "prepare_placement", "prepare_run", "role_parallelism", "train", "world_size"]
+def _hydra_app() -> None:
+    import hydra
+
+    from flowrl.config import register_configs
+
+    register_configs()
+    # absolute: Hydra resolves a relative path against the package when this module is imported
+    hydra.main(version_base="1.3", config_path=str(REPO_ROOT / "conf"),
+               config_name="train")(_run)()
+
+
+__all__ = ["ConfigError", "RunSpec", "check_machine", "main", "prepare", "prepare_placement",
+           "role_parallelism", "train", "world_size"]
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def init_distributed(device: str = "auto", timeout_s: Optional[float] = None) -> DistInfo:
+def init_distributed(device: str = "auto", *, timeout_s: float) -> DistInfo:
     """Create the default process group from torchrun's environment (idempotent).
 
     Backend: ``cpu:gloo,cuda:nccl`` when CUDA is used (NCCL for FSDP, gloo for CPU-side objects
@@ -55,8 +55,8 @@ def init_distributed(device: str = "auto", timeout_s: Optional[float] = None) ->
 
     Args:
         device: ``cpu`` | ``cuda`` | ``auto`` (cuda when available), as ``trainer.device``.
-        timeout_s: collective timeout in seconds (``launcher.collective_timeout_s``; None = its
-            default, see :class:`flowrl.launch.LauncherConfig`). A :class:`PeerMonitor` is
+        timeout_s: collective timeout in seconds (``launcher.collective_timeout_s``: its default
+            lives in :class:`flowrl.config.LauncherConfig`). A :class:`PeerMonitor` is
             started too: it names a rank whose heartbeat stops (frozen, dead) long before that.
 
     Returns:
@@ -77,10 +77,6 @@ def init_distributed(device: str = "auto", timeout_s: Optional[float] = None) ->
                                "CUDA devices are visible: lower --nproc_per_node")
         torch.cuda.set_device(local_rank)
     backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
-    if timeout_s is None:
-        from flowrl.runtime.launcher import LauncherConfig
-
-        timeout_s = LauncherConfig.collective_timeout_s
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     info = dist_info()
     log.info("process group: rank %d/%d backend=%s collective timeout %.0f s", info.rank,

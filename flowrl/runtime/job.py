@@ -2,10 +2,10 @@
 
     flowrl train ...  (flowrl/train.py: the Hydra entry)
         │
-        ▼  pre-flight: config fields · machine defaults (train.prepare_run) · graph → plan ·
-        │  placement · model folder + every data row (runtime/preflight.check_run); no model loaded
-        ▼
-    run_job          process group · run directory claimed (one run per directory)
+        ▼  train.prepare, once: config composed · fields · machine defaults · graph → plan ·
+        │  placement · model folder + every data row (runtime/preflight.check_run) = RunSpec
+        ▼  (runtime/spec.py); no model loaded
+    run_job(spec)    process group · run directory claimed (one run per directory)
         │            placement=auto: runtime/auto.py re-plans between phases, each one
         │            a run_placement resuming the previous one's checkpoint
         ▼
@@ -47,12 +47,12 @@ if TYPE_CHECKING:
     from flowrl.compiler.placement import PlacementPlan
     from flowrl.compiler.plan import ExecutionPlan
     from flowrl.config import TrainConfig
-    from flowrl.machine import Resolved
     from flowrl.ops.context import DistInfo
     from flowrl.runtime.checkpoint import CheckpointManager
     from flowrl.runtime.evaluate import Evaluator
     from flowrl.runtime.executor import Executor
     from flowrl.runtime.resources import Engines
+    from flowrl.runtime.spec import RunSpec
 
 log = logging.getLogger("flowrl")
 
@@ -186,46 +186,49 @@ def rank_placement(cfg: "TrainConfig", pp: "PlacementPlan", dinfo: "DistInfo") -
 
 
 # ---- the job --------------------------------------------------------------------------------------
-def run_job(cfg: "TrainConfig", plan: "ExecutionPlan", resolved: "list[Resolved]") -> dict[str, Any]:
-    """Run a pre-flighted training job (``flowrl.train.prepare_run``); returns the
+def run_job(spec: "RunSpec") -> dict[str, Any]:
+    """Run a pre-flighted training job (``flowrl.train.prepare``) on this rank; returns the
     summary also written to ``summary.json``.
 
     Raises:
-        ConfigError: an impossible placement on the world the job got. RunDirError: the run
-            directory holds a previous run (``trainer.resume`` / ``trainer.overwrite``) or
-            another run.
+        ConfigError: an impossible placement on the world the job got (when that is not the one
+            ``spec`` was placed on). RunDirError: the run directory holds a previous run
+            (``trainer.resume`` / ``trainer.overwrite``) or another run.
     """
     from flowrl.runtime import distributed as fdist
     from flowrl.runtime import rundir
 
+    cfg, plan = spec.config, spec.plan
     dinfo = fdist.init_distributed(cfg.trainer.device, timeout_s=cfg.launcher.collective_timeout_s)
     if dinfo.world_size == 1 and cfg.trainer.engine.strategy == "fsdp" and \
             {"actor", "critic"} & set(plan.roles):
         dinfo = fdist.init_single_process(cfg.trainer.device)  # FSDP2 needs a (1-rank) group
     rank0 = dinfo.rank == 0
     if rank0:
-        for r in resolved:  # the machine's defaults, before anything loads
+        for r in spec.resolved:  # the machine's defaults, before anything loads
             log.info("resolved %s", r)
+    # the job got another world than the configured one (train() outside torchrun): place again
+    pp = spec.placement if spec.placement.world_size == dinfo.world_size else \
+        placement_for(cfg, plan, dinfo.world_size)
     # ranks' Hydra run dirs can differ by a timestamp second: all use rank 0's (DCP needs one dir)
     out_dir = Path(fdist.broadcast_object(cfg.trainer.output_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = rundir.claim_run_dir(out_dir, cfg.trainer, rank0=rank0)  # one run per directory
     try:
         if cfg.placement.mode == "auto" and dinfo.world_size > 1:
-            placement_for(cfg, plan, dinfo.world_size)  # still impossible on this world: one line
             done = finished_run(cfg, out_dir, rank0)
             if done is not None:
                 return done
             from flowrl.runtime import auto  # profile colocated, choose, continue
 
             return auto.run_auto(cfg, plan, dinfo, out_dir, run_placement)
-        return run_placement(cfg, plan, placement_for(cfg, plan, dinfo.world_size), dinfo, out_dir)
+        return run_placement(cfg, plan, pp, dinfo, out_dir)
     finally:
         lock.release()
 
 
 def placement_for(cfg: "TrainConfig", plan: "ExecutionPlan", world_size: int) -> "PlacementPlan":
-    """The placement on the world the job got (pre-flight placed it on the configured one).
+    """The placement on ``world_size`` ranks, another world than pre-flight placed the job on.
 
     Raises:
         ConfigError: the placement is impossible on ``world_size`` ranks (nothing loaded).

@@ -1,9 +1,9 @@
 """Pre-flight: everything a run is checked for before any model loads, in one place.
 
-The entry (``flowrl/train.py`` ``prepare_run``: ``flowrl train`` in every launch mode, ``flowrl
-plan``, the torchrun launcher's check in the parent process, the Hydra callback) validates the
-config fields (the dataclasses' ``__post_init__``) and resolves the machine's ``auto`` settings,
-then hands the typed config here, to :func:`check_run`: the graph compiled to a plan, the
+The entry (``flowrl/train.py`` ``prepare``: ``flowrl train`` in every launch mode, each torchrun
+rank and the parent that starts them, ``flowrl plan``) validates the config fields (the
+dataclasses' ``__post_init__``) and resolves the machine's ``auto`` settings, then hands the
+typed config here, once, to :func:`check_run`: the graph compiled to a plan, the
 estimators, LoRA, in-reward KL, the placement (``auto`` included) and what the run reads from disk
 (:func:`check_run_inputs`: the model folder's tokenizer files, every training and evaluation row,
 a verifier for the evaluation). Each problem is one line naming the file, row, field or stage.
@@ -13,7 +13,6 @@ before torch loads.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -31,11 +30,12 @@ class ConfigError(ValueError):
 
 
 def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = None, *,
-              plan_only: bool = False) -> "ExecutionPlan":
+              plan_only: bool = False) -> "tuple[ExecutionPlan, PlacementPlan]":
     """The plan of a validated, machine-resolved ``cfg`` (``raw``: the composed config the
-    graph's ``when:`` / ``${...}`` params resolve against), with every check a run needs before
-    its models load. ``overrides``: the invocation's command-line overrides (default: Hydra's,
-    when a Hydra job runs), which a refused resume repeats in the command it prints.
+    graph's ``when:`` / ``${...}`` params resolve against) and its placement on the job's world
+    (:func:`world_size`), with every check a run needs before its models load. ``overrides``:
+    the invocation's command-line overrides (default: Hydra's, when a Hydra job runs), which a
+    refused resume repeats in the command it prints.
     ``plan_only`` (``flowrl plan``): a graph's teacher may be left unset (the plan says so).
 
     Raises:
@@ -77,10 +77,10 @@ def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = Non
     check_lora(cfg, set(plan.roles))  # model.lora: module names from a meta-device model
     if cfg.model.lora is not None and "ref" in plan.roles:
         plan.served_by["ref"] = "the actor engine with its LoRA adapters disabled (no weight copy)"
-    prepare_placement(cfg, plan, world_size(cfg))  # an impossible placement fails here
+    placement = prepare_placement(cfg, plan, world_size(cfg))  # an impossible one fails here
     check_vision(cfg, plan)  # images need a VLM, a graph that carries them and HF rollout
     check_run_inputs(cfg, plan)  # a bad model folder, data file, column or row: one line
-    return plan
+    return plan, placement
 
 
 def check_vision(cfg, plan) -> None:
@@ -116,10 +116,6 @@ def check_vision(cfg, plan) -> None:
                          "(vLLM multi_modal_data is not wired): use rollout=hf")
 
 
-# ---- run once: the Hydra callback's result, handed to the job of the same config -----------------
-_PREFLIGHTED: dict[str, tuple] = {}
-
-
 def _resolved_tree(raw: Any) -> "dict[DictKeyType, Any]":
     """``raw`` (the composed run config: a DictConfig or a dict) as plain dicts and lists, every
     interpolation resolved.
@@ -133,31 +129,6 @@ def _resolved_tree(raw: Any) -> "dict[DictKeyType, Any]":
     if not isinstance(tree, dict):  # a run config is a mapping at the top
         raise TypeError(f"the run config must be a mapping, got {type(tree).__name__}")
     return tree
-
-
-def _config_key(raw: Any) -> Optional[str]:
-    """The resolved run config as stable text (``hydra`` left out); None when it does not
-    resolve (``${hydra:...}`` outside a Hydra app)."""
-    try:
-        tree = _resolved_tree(raw)
-    except Exception:  # an unresolvable interpolation: nothing to share
-        return None
-    tree.pop("hydra", None)
-    return json.dumps(tree, sort_keys=True, default=str)
-
-
-def remember(raw: Any, result: tuple) -> None:
-    """Keep a pre-flight ``result`` for the job that will run ``raw`` in this process (one entry)."""
-    _PREFLIGHTED.clear()
-    key = _config_key(raw)
-    if key is not None:
-        _PREFLIGHTED[key] = result
-
-
-def take(raw: Any) -> Optional[tuple]:
-    """The remembered pre-flight result of this very config (consumed), else None."""
-    key = _config_key(raw)
-    return _PREFLIGHTED.pop(key, None) if key is not None else None
 
 
 def world_size(cfg: "TrainConfig") -> int:

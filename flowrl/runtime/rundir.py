@@ -6,7 +6,7 @@
 - A lock (``.flowrl.lock``, ``fcntl.flock``: the kernel drops it when the process dies, so a
   killed run never leaves a stale lock) keeps a second run out while one is using the directory.
 - ``flowrl train`` checks both before Hydra writes its ``.hydra/`` record and ``train.log``
-  (:class:`PreflightCallback`), so a rejected run leaves nothing behind.
+  (``flowrl.train.main``: :func:`check_run_dir`), so a rejected run leaves nothing behind.
 - A resumed run must be the checkpoint's run (:func:`check_resume`, before any model loads):
   each checkpoint records the model, graph and trained roles it was written with and the
   command-line overrides of the invocation that wrote it (:func:`run_record`; Hydra rewrites
@@ -398,16 +398,3 @@ def check_run_dir(out_dir: Path, trainer_cfg) -> None:
                           "wait for it to finish or choose another directory")
     check_fresh(out_dir, trainer_cfg.resume, trainer_cfg.overwrite)
 
-
-def task_config(config):
-    """The task's run config from the config a Hydra callback receives (``hydra`` removed,
-    ``trainer.output_dir=${hydra:...}`` pinned to the run directory it will resolve to)."""
-    from omegaconf import OmegaConf
-
-    run_dir = os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
-    task = OmegaConf.create(OmegaConf.to_container(config, resolve=False))
-    task.pop("hydra", None)
-    node = task.trainer._get_node("output_dir") if "trainer" in task else None
-    if node is not None and "${hydra:" in str(node._value()):
-        task.trainer.output_dir = run_dir
-    return task

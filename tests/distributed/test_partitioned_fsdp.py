@@ -53,8 +53,9 @@ def test_split_batch_cuts_rows_and_copies_the_rest():
 def test_train_pool_of_two_ranks_is_accepted_before_models_load():
     base = ["model=tiny", "trainer=smoke", "trainer.output_dir=/tmp/unused", "placement=partitioned"]
     for train_ranks, roll_ranks, n in (("[0,1]", "[2]", 3), ("[0,1]", "[2,3,4,5,6,7]", 8)):
-        cfg, plan = prepare(compose(base + [f"launcher.nproc={n}", f"placement.pools.train={train_ranks}",
+        spec = prepare(compose(base + [f"launcher.nproc={n}", f"placement.pools.train={train_ranks}",
                                             f"placement.pools.rollout={roll_ranks}"]))
+        cfg, plan = spec.config, spec.plan
         check_partitioned(prepare_placement(cfg, plan, n))
 
 

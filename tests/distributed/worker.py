@@ -68,11 +68,12 @@ def update_once(engine, batch: dict, dist: DistInfo, step: int) -> dict[str, flo
 
 
 def main(out: Path) -> None:
+    from flowrl.config import LauncherConfig
     from flowrl.engines.train.fsdp import FSDPTrainEngine
     from flowrl.runtime import distributed as fdist
     from flowrl.runtime.checkpoint import CheckpointManager
 
-    info = fdist.init_distributed("cpu")
+    info = fdist.init_distributed("cpu", timeout_s=LauncherConfig().collective_timeout_s)
     r, w = info.rank, info.world_size
     res: dict = {}
     # token budget 12: balanced bins differ from the reference's fixed micro-batches of 2 rows

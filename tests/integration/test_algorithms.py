@@ -73,7 +73,7 @@ def assert_common(m: dict, stages: list[str]) -> None:
 @pytest.mark.parametrize("name", CRITIC_FREE)
 def test_critic_free_graph_runs(tmp_path, name):
     cfg = compose(overrides(tmp_path, f"graph={name}", "trainer.total_steps=1"))
-    _, plan = prepare(cfg)
+    plan = prepare(cfg).plan
     train(cfg)
     m = read_metrics(tmp_path)[1]
     assert_common(m, plan.order)
@@ -110,7 +110,7 @@ def ppo_run(tmp_path_factory):
     mp.setitem(REWARD_FUNCTIONS, "gsm8k", stand_in_reward)
     try:
         cfg = compose(overrides(out, *PPO))
-        _, plan = prepare(cfg)
+        plan = prepare(cfg).plan
         train(cfg)
     finally:
         mp.undo()

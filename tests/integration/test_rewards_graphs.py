@@ -28,7 +28,7 @@ def read_metrics(d: Path) -> dict[int, dict]:
 def test_genrm_graph_tiny_judge_unparseable_is_counted(tmp_path):
     cfg = compose(BASE + [f"trainer.output_dir={tmp_path}", "graph=genrm_grpo",
                           "trainer.total_steps=1"])
-    _, plan = prepare(cfg)
+    plan = prepare(cfg).plan
     assert plan.roles == ["rollout", "genrm", "actor"]
     train(cfg)
     m = read_metrics(tmp_path)[1]
@@ -57,7 +57,7 @@ def test_dapo_graph_filters_and_refills(tmp_path, monkeypatch):
     monkeypatch.setitem(REWARD_FUNCTIONS, "gsm8k", varied_for_even_truths)
     cfg = compose(BASE + [f"trainer.output_dir={tmp_path}", "graph=dapo",
                           "trainer.prompts_per_step=4"])
-    _, plan = prepare(cfg)
+    plan = prepare(cfg).plan
     assert plan.refill["filter"].upstream == ["sample", "rollout", "reward", "overlong", "mix"]
     train(cfg)
     rows = read_metrics(tmp_path)
@@ -108,7 +108,7 @@ def test_reward_model_role_needs_its_config_before_any_model_loads(tmp_path):
             "num_attention_heads: 2, num_key_value_heads: 1, intermediate_size: 64}}")
     cfg = compose(BASE + [f"trainer.output_dir={tmp_path}", f"graph.path={path}", tiny,
                           "trainer.total_steps=1"])
-    _, plan = prepare(cfg)
+    plan = prepare(cfg).plan
     assert "reward_model" in plan.roles
     train(cfg)
     m = read_metrics(tmp_path)[1]

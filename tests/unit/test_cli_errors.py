@@ -39,6 +39,7 @@ def test_valid_multi_rank_job_reaches_torchrun(monkeypatch, tmp_path):
     """The pre-launch validation passes a good job through to the torchrun exec (regression: a
     local import once shadowed ``sys`` and broke every launcher.nproc > 1 run)."""
     from flowrl import launch
+    from flowrl.train import main
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     seen = {}
@@ -49,7 +50,6 @@ def test_valid_multi_rank_job_reaches_torchrun(monkeypatch, tmp_path):
 
     monkeypatch.setattr(launch.os, "execv", fake_execv)
     with pytest.raises(SystemExit) as e:
-        launch.maybe_exec_torchrun(["launcher.nproc=2", "model=tiny", "trainer=smoke",
-                                    f"trainer.output_dir={tmp_path}"])
+        main(["launcher.nproc=2", "model=tiny", "trainer=smoke", f"trainer.output_dir={tmp_path}"])
     assert e.value.code == 0
     assert "--nproc_per_node=2" in seen["argv"] and "launcher.nproc=2" in seen["argv"]

@@ -272,9 +272,9 @@ def test_plan_a_cluster_from_a_folder_holding_only_config_json(tmp_path, capsys)
 
 def test_a_run_refuses_a_cluster_it_would_not_use():
     from flowrl.config import compose
-    from flowrl.train import ConfigError, prepare_run
+    from flowrl.train import ConfigError, prepare
 
     raw = compose(["cluster=h200x8", "model=tiny", "trainer=smoke"])
     raw.trainer.output_dir = "(test)"
     with pytest.raises(ConfigError, match=r"cluster=h200x8: a cluster is planned, not run here"):
-        prepare_run(raw, [])
+        prepare(raw, [])

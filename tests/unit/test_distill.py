@@ -125,7 +125,8 @@ def _actions(plan):
 def test_colocated_plan_swaps_the_teacher_and_never_syncs_it(no_model):
     from flowrl.train import prepare
 
-    cfg, plan = prepare(cfg_for("model=tiny", "graph=distill", "teacher=tiny"))
+    spec = prepare(cfg_for("model=tiny", "graph=distill", "teacher=tiny"))
+    cfg, plan = spec.config, spec.plan
     assert plan.roles == ["rollout", "teacher", "actor"]
     assert _actions(plan) == [
         ("run", "sample"), ("offload", "actor"), ("onload", "rollout"), ("run", "rollout"),
@@ -142,7 +143,7 @@ def test_colocated_plan_swaps_the_teacher_and_never_syncs_it(no_model):
 def test_grpo_distill_adds_the_task_advantage(no_model):
     from flowrl.train import prepare
 
-    _, plan = prepare(cfg_for("model=tiny", "graph=grpo_distill", "teacher=tiny"))
+    plan = prepare(cfg_for("model=tiny", "graph=grpo_distill", "teacher=tiny")).plan
     ops = {c.stage.name: c.stage.op for c in plan.stages}
     assert ops["task_advantage"] == "advantage.grpo" and ops["advantage"] == "advantage.distill"
     assert plan.graph["advantage"].inputs["advantages"] == "task_advantage.advantages"
@@ -154,11 +155,13 @@ def test_partitioned_teacher_lives_in_its_pool(no_model):
     from flowrl.train import prepare, prepare_placement
 
     base = ("model=tiny", "graph=distill", "teacher=tiny", "launcher.nproc=2", "placement=partitioned")
-    cfg, plan = prepare(cfg_for(*base))
+    spec = prepare(cfg_for(*base))
+    cfg, plan = spec.config, spec.plan
     pp = prepare_placement(cfg, plan, 2)
     assert pp.pools["train"].roles == ["teacher", "actor"] and pp.pools["rollout"].roles == ["rollout"]
     assert pp.weight_sync == [("actor", "rollout")]
-    cfg, plan = prepare(cfg_for(*base, "+placement.roles.teacher=rollout"))
+    spec = prepare(cfg_for(*base, "+placement.roles.teacher=rollout"))
+    cfg, plan = spec.config, spec.plan
     pp = prepare_placement(cfg, plan, 2)
     assert pp.pools["rollout"].roles == ["rollout", "teacher"]
     assert "teacher_logprobs.logprobs" in pp.transfers  # scored beside the sampler, then sent

@@ -73,7 +73,8 @@ EXPECTED_OPS = {"grpo": "advantage.grpo", "dr_grpo": "advantage.dr_grpo", "dapo"
 def test_graph_config_composes_and_compiles(name):
     from flowrl.train import prepare
 
-    cfg, plan = prepare(cfg_for(f"graph={name}"))  # default model/data; no model is loaded
+    spec = prepare(cfg_for(f"graph={name}"))
+    cfg, plan = spec.config, spec.plan  # default model/data; no model is loaded
     assert cfg.graph.path == f"graphs/{name}.yaml" and plan.graph.name == name
     for k, v in EXPECTED_ALGO[name].items():
         assert getattr(cfg.algorithm, k) == v, k
@@ -82,7 +83,7 @@ def test_graph_config_composes_and_compiles(name):
     update = next(c for c in plan.stages if c.stage.op == "update.policy")
     assert update.config.policy_loss == ("gspo" if name == "gspo" else "ppo_clip")
     # a command-line override still beats the graph config
-    cfg2, _ = prepare(cfg_for(f"graph={name}", "algorithm.loss_agg_mode=seq-mean-token-sum"))
+    cfg2 = prepare(cfg_for(f"graph={name}", "algorithm.loss_agg_mode=seq-mean-token-sum")).config
     assert cfg2.algorithm.loss_agg_mode == "seq-mean-token-sum"
 
 
@@ -93,8 +94,8 @@ def test_ppo_plan_has_critic_swaps_and_ref_with_kl(capsys):
     assert "onload  critic" in out and "offload critic" in out
     for stage in ("values", "token_rewards", "advantage", "update_critic", "update"):
         assert f"run     {stage} " in out
-    _, plan = __import__("flowrl.train", fromlist=["prepare"]).prepare(
-        cfg_for("graph=ppo", "algorithm.kl_coef=0"))
+    plan = __import__("flowrl.train", fromlist=["prepare"]).prepare(
+        cfg_for("graph=ppo", "algorithm.kl_coef=0")).plan
     assert plan.pruned == ["ref_logprobs"] and "ref" not in plan.roles
 
 

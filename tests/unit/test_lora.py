@@ -48,10 +48,11 @@ def test_lora_with_a_critic_graph_is_rejected():
 
 
 def test_plan_shows_the_reference_served_by_the_actor():
-    cfg, plan = _prepare("+model.lora.rank=4", "algorithm.kl_coef=0.1")
+    spec = _prepare("+model.lora.rank=4", "algorithm.kl_coef=0.1")
+    cfg, plan = spec.config, spec.plan
     assert cfg.model.lora == LoraConfig(rank=4)
     assert "ref served by the actor engine with its LoRA adapters disabled" in plan.format_text()
-    _, plain = _prepare("algorithm.kl_coef=0.1")
+    plain = _prepare("algorithm.kl_coef=0.1").plan
     assert "ref" in plain.roles and "served by" not in plain.format_text()
 
 

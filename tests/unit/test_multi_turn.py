@@ -428,7 +428,8 @@ def test_grpo_tools_prepares_and_puts_the_tools_in_every_prompt(tok):
     from flowrl.data import PromptSource
     from flowrl.train import prepare
 
-    cfg, plan = prepare(_compose("graph=grpo_tools", "model=tiny"))  # no model loaded
+    spec = prepare(_compose("graph=grpo_tools", "model=tiny"))
+    cfg, plan = spec.config, spec.plan  # no model loaded
     assert [c.stage.op for c in plan.stages][:2] == ["data.sample", "rollout.multi_turn"]
     assert cfg.data.tools == [t.schema for t in resolve_tools(["calculator"])]
     cfg.data.limit = 2

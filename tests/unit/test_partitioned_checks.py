@@ -27,11 +27,13 @@ def test_pool_shapes_the_runtime_cannot_run():
     with pytest.raises(ConfigError, match="larger pool's size must be a multiple"):
         prepare(compose(BASE + ["launcher.nproc=5", "placement.pools.train=[0,1]",
                                 "placement.pools.rollout=[2,3,4]"]))
-    cfg, plan = prepare(compose(BASE + ["launcher.nproc=3", "placement.pools.train=[0]",
+    spec = prepare(compose(BASE + ["launcher.nproc=3", "placement.pools.train=[0]",
                                         "placement.pools.rollout=[1,2]"]))
+    cfg, plan = spec.config, spec.plan
     check_partitioned(prepare_placement(cfg, plan, 3))  # two rollout ranks feed one trainer
-    cfg, plan = prepare(compose(BASE + ["launcher.nproc=3", "placement.pools.train=[0,1]",
+    spec = prepare(compose(BASE + ["launcher.nproc=3", "placement.pools.train=[0,1]",
                                         "placement.pools.rollout=[2]"]))
+    cfg, plan = spec.config, spec.plan
     check_partitioned(prepare_placement(cfg, plan, 3))  # one rollout rank feeds 2 FSDP ranks
 
 

@@ -64,7 +64,7 @@ def test_pool_too_small_for_tensor_parallel_rollout():
 
 
 def test_rollout_pool_stage_reading_train_output():
-    _, ppo = prepare(compose(["graph=ppo", "trainer.output_dir=/tmp/x", "algorithm.kl_coef=0.01"]))
+    ppo = prepare(compose(["graph=ppo", "trainer.output_dir=/tmp/x", "algorithm.kl_coef=0.01"])).plan
     with pytest.raises(PlacementError) as e:
         place(ppo, part(roles={"critic": "rollout"}), 2)
     assert str(e.value) == ("placement.roles: stage 'update_critic' (pool rollout) reads "
@@ -103,16 +103,18 @@ def test_train_rejects_bad_placement_before_loading(tmp_path, capsys):
 @pytest.mark.parametrize("nproc,train,rollout", [(2, [0], [1]), (3, [0, 1], [2]), (4, [0, 1], [2, 3])])
 def test_partitioned_without_pools_takes_the_default_split(nproc, train, rollout, tmp_path):
     """conf/placement/partitioned.yaml leaves both pools empty: any launcher.nproc splits."""
-    cfg, plan = prepare(compose(["placement=partitioned", f"launcher.nproc={nproc}", "model=tiny",
+    spec = prepare(compose(["placement=partitioned", f"launcher.nproc={nproc}", "model=tiny",
                                  "trainer=smoke", f"trainer.output_dir={tmp_path}"]))
+    cfg, plan = spec.config, spec.plan
     assert cfg.placement.pools == {"train": [], "rollout": []}
     pp = prepare_placement(cfg, plan, nproc)
     assert (pp.pools["train"].ranks, pp.pools["rollout"].ranks) == (train, rollout)
     assert pp.notes == [f"placement.pools not set: default split {{'train': {train}, 'rollout': {rollout}}}"]
     # one pool given: the other keeps its ranks of the default split
-    cfg, plan = prepare(compose(["placement=partitioned", "launcher.nproc=4", "model=tiny",
+    spec = prepare(compose(["placement=partitioned", "launcher.nproc=4", "model=tiny",
                                  "trainer=smoke", "placement.pools.rollout=[3]",
                                  "placement.pools.train=[0,1,2]", f"trainer.output_dir={tmp_path}"]))
+    cfg, plan = spec.config, spec.plan
     pp = prepare_placement(cfg, plan, 4)
     assert (pp.pools["train"].ranks, pp.pools["rollout"].ranks, pp.notes) == ([0, 1, 2], [3], [])
     with pytest.raises(PlacementError, match="rank 2 is in both 'train' and 'rollout'"):

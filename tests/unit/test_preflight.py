@@ -1,5 +1,5 @@
 """Pre-flight in one place, run once, before any model loads, and fast: a rejected config answers
-before torch is imported, and the Hydra callback's check is the job's (not repeated)."""
+before torch is imported, and the check before Hydra's job starts is the job's (not repeated)."""
 import os
 import subprocess
 import sys
@@ -30,8 +30,8 @@ def test_a_config_typo_is_rejected_before_torch_is_imported(tmp_path):
     assert not list(tmp_path.iterdir())  # Hydra wrote no run directory
 
 
-def test_the_callbacks_preflight_is_the_jobs(tmp_path, monkeypatch, capsys):
-    """``flowrl train``: the Hydra callback checks the run (graph loaded once), then the job
+def test_the_preflight_is_the_jobs(tmp_path, monkeypatch, capsys):
+    """``flowrl train``: ``prepare`` checks the run (graph loaded once), then the job
     starts (stopped here where it would create the process group) without checking it again."""
     from flowrl.cli import main
     from flowrl.graph import validate

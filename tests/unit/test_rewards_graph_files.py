@@ -28,7 +28,8 @@ def test_genrm_plan_swaps_the_judge_in_and_out(capsys):
     out = capsys.readouterr().out
     assert "roles with a model: rollout, genrm, actor" in out
     assert "onload  genrm          (for judge)" in out and "offload genrm" in out
-    cfg, plan = prepare(compose(["graph=genrm_grpo", "trainer.output_dir=/tmp/x"]))
+    spec = prepare(compose(["graph=genrm_grpo", "trainer.output_dir=/tmp/x"]))
+    cfg, plan = spec.config, spec.plan
     judge = next(c for c in plan.stages if c.stage.name == "judge")
     assert (judge.config.k, judge.config.max_new_tokens, judge.config.response_prefix) == \
         (2, 16, "Score (0-10): ")
@@ -41,8 +42,8 @@ def test_dapo_plan_has_overlong_mix_and_refill(capsys):
     out = capsys.readouterr().out
     assert ("refill  re-run sample -> rollout -> reward -> overlong -> mix -> filter until one "
             "attempt's number of groups are kept (at most 16 attempts)") in out
-    _, plan = prepare(compose(["graph=dapo", "trainer.output_dir=/tmp/x",
-                               "rollout.sampling.max_new_tokens=100"]))
+    plan = prepare(compose(["graph=dapo", "trainer.output_dir=/tmp/x",
+                               "rollout.sampling.max_new_tokens=100"])).plan
     overlong = next(c for c in plan.stages if c.stage.name == "overlong").config
     assert (overlong.max_length, overlong.buffer_length) == (100, 20)  # L_cache = 0.2 L_max
     later = ("old_logprobs", "advantage", "update")

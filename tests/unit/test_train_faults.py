@@ -61,7 +61,7 @@ def test_the_collective_timeout_is_a_launcher_setting_passed_to_the_process_grou
     class Stop(Exception):
         pass
 
-    def init(device, timeout_s=None):
+    def init(device, *, timeout_s):
         seen["timeout_s"] = timeout_s
         raise Stop
     monkeypatch.setattr(fdist, "init_distributed", init)
@@ -84,7 +84,9 @@ def test_init_distributed_uses_the_timeout(monkeypatch):
     monkeypatch.setattr(fdist, "dist_info", lambda: fdist.DistInfo())
     fdist.init_distributed("cpu", timeout_s=42.0)
     assert captured["timeout"] == datetime.timedelta(seconds=42)
-    fdist.init_distributed("cpu")
+    from flowrl.config import LauncherConfig
+
+    fdist.init_distributed("cpu", timeout_s=LauncherConfig().collective_timeout_s)
     assert captured["timeout"] == datetime.timedelta(seconds=600)  # LauncherConfig's default
 
 

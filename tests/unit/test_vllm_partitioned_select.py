@@ -40,7 +40,8 @@ def built(monkeypatch):
 
 
 def test_partitioned_vllm_composes_and_places(tmp_path):
-    cfg, plan = prepare(compose(PARTITIONED_VLLM + [f"trainer.output_dir={tmp_path}"]))
+    spec = prepare(compose(PARTITIONED_VLLM + [f"trainer.output_dir={tmp_path}"]))
+    cfg, plan = spec.config, spec.plan
     assert cfg.rollout.backend == "vllm" and cfg.placement.mode == "partitioned"
     placement = prepare_placement(cfg, plan, 2)
     assert {k: list(v.ranks) for k, v in placement.pools.items()} == {"rollout": [1], "train": [0]}
@@ -92,7 +93,8 @@ def test_build_engines_gives_a_pool_rank_its_own_process(tmp_path, monkeypatch):
                         lambda *a, **kw: calls.append(kw) or "engine")
     from flowrl.models.loading import load_tokenizer
 
-    cfg, plan = prepare(compose(PARTITIONED_VLLM + [f"trainer.output_dir={tmp_path}"]))
+    spec = prepare(compose(PARTITIONED_VLLM + [f"trainer.output_dir={tmp_path}"]))
+    cfg, plan = spec.config, spec.plan
     tok = load_tokenizer(cfg.model)
     pools = prepare_placement(cfg, plan, 2).pools
     engines = build_engines(cfg, pools["rollout"].plan, tok, world_size=1, group=object())
@@ -101,9 +103,10 @@ def test_build_engines_gives_a_pool_rank_its_own_process(tmp_path, monkeypatch):
         {"shared": False, "own_process": True}]
     assert calls[0]["job"].ranks == 1  # the pool rank's own engine
     calls.clear()
-    colo_cfg, colo_plan = prepare(compose(["rollout=vllm", "model=tiny", "trainer=smoke",
+    spec = prepare(compose(["rollout=vllm", "model=tiny", "trainer=smoke",
                                            "model.tiny.num_attention_heads=2",
                                            f"trainer.output_dir={tmp_path}"]))
+    colo_cfg, colo_plan = spec.config, spec.plan
     build_engines(colo_cfg, colo_plan, tok)  # colocated, one process: in-process vLLM
     assert [{k: v for k, v in kw.items() if k != "job"} for kw in calls] == [
         {"shared": True, "own_process": False}]

@@ -1,0 +1,91 @@
+"""``flowrl train`` sets a run up once (issue 26): the config is composed once, the placement is
+computed once, and that one ``RunSpec`` (``flowrl.train.prepare``) is what ``run_job`` runs; a
+multi-rank launch prepares once in the parent before torchrun starts the ranks."""
+import sys
+
+import pytest
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+from flowrl.runtime import preflight
+
+SMOKE = ["model=tiny", "trainer=smoke", "data.limit=8", "trainer.eval.limit=0"]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Every composition (flowrl's compose and Hydra's app both load through Hydra's config
+    loader) and every placement (``runtime/preflight.prepare_placement``), counted."""
+    counts = {"compose": 0, "place": 0}
+    load, place = ConfigLoaderImpl.load_configuration, preflight.prepare_placement
+
+    def counted_load(self, *a, **k):
+        counts["compose"] += 1
+        return load(self, *a, **k)
+
+    def counted_place(*a, **k):
+        counts["place"] += 1
+        return place(*a, **k)
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", counted_load)
+    monkeypatch.setattr(preflight, "prepare_placement", counted_place)
+    monkeypatch.setattr(sys, "argv", ["flowrl"])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    return counts
+
+
+def test_flowrl_train_composes_and_places_once(counted, monkeypatch, tmp_path):
+    """The job is stopped where it would build its engines: ``run_placement`` gets the
+    placement pre-flight computed, nothing computed it again."""
+    from flowrl.cli import main
+
+    seen = {}
+
+    def run_placement(cfg, plan, pp, dinfo, out_dir):
+        seen.update(pp=pp, plan=plan, out_dir=out_dir, mode=pp.mode, world=pp.world_size)
+        return {}
+
+    monkeypatch.setattr("flowrl.runtime.job.run_placement", run_placement)
+    assert main(["train", *SMOKE, f"hydra.run.dir={tmp_path / 'run'}"]) == 0
+    assert counted == {"compose": 1, "place": 1}
+    assert (seen["mode"], seen["world"], seen["out_dir"]) == ("colocated", 1, tmp_path / "run")
+    assert seen["pp"].full is seen["plan"]  # the spec's placement of the spec's plan
+    assert (tmp_path / "run" / ".hydra" / "overrides.yaml").is_file()  # Hydra's job record
+
+
+def test_a_multi_rank_launch_prepares_once_then_execs_torchrun(counted, monkeypatch, tmp_path):
+    from flowrl import launch
+    from flowrl.train import main
+
+    seen = {}
+
+    def fake_execv(path, argv):
+        seen["argv"] = argv
+        raise SystemExit(0)
+
+    monkeypatch.setattr(launch.os, "execv", fake_execv)
+    with pytest.raises(SystemExit) as e:
+        main(["launcher.nproc=2", *SMOKE, f"trainer.output_dir={tmp_path}"])
+    assert e.value.code == 0
+    assert counted == {"compose": 1, "place": 1}  # placed on the 2 ranks the job will have
+    argv = seen["argv"]
+    assert "--nproc_per_node=2" in argv
+    assert argv[argv.index("-m", 2):] == ["-m", "flowrl.train", "launcher.nproc=2", *SMOKE,
+                                          f"trainer.output_dir={tmp_path}"]
+    assert not list(tmp_path.iterdir())  # the ranks' Hydra jobs write the run directory
+
+
+def test_prepare_from_overrides_is_the_run_spec(counted, tmp_path):
+    """``prepare(overrides)``: composed once with Hydra's section (what the Hydra job reads),
+    ``trainer.output_dir`` pinned to the run directory, the machine's resolutions kept."""
+    from flowrl.train import RunSpec, prepare
+
+    spec = prepare([*SMOKE, f"hydra.run.dir={tmp_path / 'r'}"])
+    assert isinstance(spec, RunSpec) and counted == {"compose": 1, "place": 1}
+    assert spec.config.trainer.output_dir == str(tmp_path / "r")
+    assert spec.raw.hydra.run.dir == str(tmp_path / "r")
+    assert spec.overrides == (*SMOKE, f"hydra.run.dir={tmp_path / 'r'}")
+    assert spec.placement.full is spec.plan and spec.placement.world_size == 1
+    assert [r.field for r in spec.resolved][:2] == ["trainer.device", "model.dtype"]
+    with pytest.raises(AttributeError):
+        spec.plan = None  # frozen: what was checked is what runs
