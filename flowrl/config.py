@@ -386,13 +386,12 @@ def unknown_keys(base: DictConfig, cfg: Any, prefix: str = "") -> list[tuple[str
                 close = difflib.get_close_matches(key, [str(k) for k in base.keys()], n=1)
                 out.append((prefix + key, f" (did you mean {prefix}{close[0]}?)" if close else ""))
             continue
-        node = base._get_node(key)
-        if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
-            child = cfg._get_node(key) if isinstance(cfg, DictConfig) else cfg[key]
-            if isinstance(child, DictConfig) and (child._is_none() or child._is_missing()):
-                continue
-            out += unknown_keys(node, child if isinstance(child, DictConfig) else cfg[key],
-                                f"{prefix}{key}.")
+        if OmegaConf.is_missing(base, key) or (isinstance(cfg, DictConfig) and
+                                               OmegaConf.is_missing(cfg, key)):
+            continue
+        node = base[key]  # a section (None when unset: nothing to check) or a value
+        if isinstance(node, DictConfig):
+            out += unknown_keys(node, cfg[key], f"{prefix}{key}.")
     return out
 
 

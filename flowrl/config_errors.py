@@ -46,7 +46,7 @@ def key_hint(full_key: str) -> str:
     for p in parts[:-1]:
         if not isinstance(node, DictConfig) or p not in node:
             return ""
-        node = node._get_node(p)
+        node = node[p]
     if not isinstance(node, DictConfig):
         return ""
     close = difflib.get_close_matches(parts[-1], [str(k) for k in node.keys()], n=1)
