@@ -6,6 +6,7 @@ settings resolved, graph compiled, every pre-flight check, the placement) and
 Under torchrun every rank builds its own from the same command line (the same pure function of
 the same overrides; a multi-node job has no parent process common to its ranks).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,6 +1,7 @@
 """``flowrl train`` sets a run up once (issue 26): the config is composed once, the placement is
 computed once, and that one ``RunSpec`` (``flowrl.train.prepare``) is what ``run_job`` runs; a
 multi-rank launch prepares once in the parent before torchrun starts the ranks."""
+
 import sys
 
 import pytest
@@ -70,8 +71,13 @@ def test_a_multi_rank_launch_prepares_once_then_execs_torchrun(counted, monkeypa
     assert counted == {"compose": 1, "place": 1}  # placed on the 2 ranks the job will have
     argv = seen["argv"]
     assert "--nproc_per_node=2" in argv
-    assert argv[argv.index("-m", 2):] == ["-m", "flowrl.train", "launcher.nproc=2", *SMOKE,
-                                          f"trainer.output_dir={tmp_path}"]
+    assert argv[argv.index("-m", 2) :] == [
+        "-m",
+        "flowrl.train",
+        "launcher.nproc=2",
+        *SMOKE,
+        f"trainer.output_dir={tmp_path}",
+    ]
     assert not list(tmp_path.iterdir())  # the ranks' Hydra jobs write the run directory
 
 
