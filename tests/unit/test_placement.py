@@ -143,7 +143,7 @@ def test_plan_colocated_keeps_text_and_adds_memory(capsys):
     out = plan_output(capsys)
     assert out.startswith("ExecutionPlan  graph=grpo  placement=colocated  pool=[rank 0]\n")
     # tiny llama: 6,365,504 fp32 params; actor alone: weights + grads + 2 AdamW moments = 97.1 MiB
-    assert "Predicted peak memory per device: pool all 97.1 MiB (actor)\n" in out
+    assert "Predicted peak memory per device: pool all 97.1 MiB (set by the actor role)\n" in out
 
 
 def test_plan_mermaid_and_dot(capsys):
