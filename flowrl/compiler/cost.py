@@ -134,14 +134,18 @@ class StageCosts:
 
     @classmethod
     def from_config(cls, plan: Any, cfg: Any, world_size: int, device: Optional[str] = None,
-                    parallelism: Optional[dict[str, int]] = None) -> "StageCosts":
+                    parallelism: Optional[dict[str, int]] = None,
+                    prompt_tokens: Optional[int] = None) -> "StageCosts":
         """Model sizes read without loading weights (each role's ``ModelConfig.size()``); device kind from
-        ``placement.auto.device`` unless given."""
+        ``placement.auto.device`` unless given; ``prompt_tokens``: P measured from the data
+        (default: the ``data.max_prompt_tokens`` bound)."""
         kind = device or resolve_device(cfg.placement.auto.device, cfg.trainer.device)
         models = role_model_configs(cfg)
         sizes = {r: models[r].size() for r in plan.roles}
-        return cls.from_plan(plan, sizes, Workload.from_config(cfg, world_size), DEVICES[kind],
-                             parallelism)
+        w = Workload.from_config(cfg, world_size)
+        if prompt_tokens is not None:
+            w = replace(w, prompt_tokens=prompt_tokens)
+        return cls.from_plan(plan, sizes, w, DEVICES[kind], parallelism)
 
     def modelled(self, stage: str, p: int) -> float:
         role, kind = self.stages[stage]
