@@ -137,11 +137,11 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
     if m and _group_files(m.group(1)):  # an optional group (launcher): it is added, not replaced
         group = m.group(1)
         given = next((o.split("=", 1)[1] for o in overrides if o.startswith(f"{group}=")), "")
-        options = _group_files(group)
-        pick = given if given in options else closest(given, options)
+        files = _group_files(group)
+        pick = given if given in files else closest(given, files)
         fix = f"+{group}={pick}" if pick else f"+{group}=<option>"
         return (f"{group}={given}: the {group} group has no default to replace; add it with "
-                f"{fix} (options: {', '.join(options)})")
+                f"{fix} (options: {', '.join(files)})")
     if isinstance(e, OverrideParseException):
         bad, reason = _first_unparsable(overrides)
         if bad and "=" not in bad:

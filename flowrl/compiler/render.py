@@ -20,7 +20,7 @@ def format_plan(plan: "ExecutionPlan") -> str:
     lines.append("Timeline of one step (colocated: one model role resident at a time):")
     # column widths from the content, so a long stage, op or role name keeps the columns aligned
     runs = [a for a in plan.actions if a.kind == "run"]
-    ws = max([len(a.stage) for a in runs] + [len(a.role or "") for a in plan.actions
+    ws = max([len(a.stage_name) for a in runs] + [len(a.role or "") for a in plan.actions
                                               if a.kind not in ("run", "sync")] + [14])
     wo = max([len(g[a.stage_name].op) for a in runs] + [18])
     wr = max([len(a.role or "-") for a in runs] + [8])
