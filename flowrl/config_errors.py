@@ -5,7 +5,9 @@ Hydra reports a bad override over 6-15 lines (the exception, its cause's ``full_
 the fix: ``Key 'kl_coeff' not in 'AlgorithmConfig'`` suggests appending with ``+``, which flowrl
 then refuses as an unknown key. :func:`explain` turns each kind into one line:
 
-- an unknown group option: ``graph=nope: no such option; choose one of dapo, ...``;
+- an unknown group option: ``graph=grpoo: no such option (did you mean graph=grpo?); choose one
+  of dapo, ...`` (every group: model, trainer, rollout, placement, cluster, teacher, data, ...);
+- an optional group given without ``+``: ``launcher=multinode: ... add it with +launcher=...``;
 - an unknown key: ``unknown key algorithm.kl_coeff (did you mean algorithm.kl_coef?)``;
 - a value of the wrong type: ``algorithm.n=2.5: algorithm.n takes an integer, got 2.5``;
 - an override that does not parse: ``override 'trainer.total_steps' has no '='``;
@@ -29,6 +31,29 @@ _OWN = {"graph": " (or graph.path=FILE for your own graph file)",
         "data": " (or data.path=FILE for your own prompts)"}
 
 
+def closest(word: str, options: Sequence[str]) -> Optional[str]:
+    """The option ``word`` most likely misspells, or None. difflib's 0.6 similarity first; below
+    it, an option sharing the first 3+ letters at 0.5 (``tiniest`` -> ``tiny`` scores 0.55: the
+    longer misspelling of a short name). Case is ignored (``SmolLM2`` -> ``smollm2``)."""
+    low = {o.lower(): o for o in options}
+    close = difflib.get_close_matches(word.lower(), list(low), n=1)
+    if close:
+        return low[close[0]]
+    w = word.lower()
+    prefixed = [o for o in low if len(w) >= 3 and o[:3] == w[:3]]
+    ratio = {o: difflib.SequenceMatcher(None, w, o).ratio() for o in prefixed}
+    best = max(prefixed, key=lambda o: ratio[o], default=None)
+    return low[best] if best is not None and ratio[best] >= 0.5 else None
+
+
+def _group_files(group: str) -> list[str]:
+    """The options of a config group that is not in the defaults list (conf/<group>/*.yaml, e.g.
+    ``launcher``), sorted; [] for a name that is no folder of conf/."""
+    from flowrl.config import REPO_ROOT
+
+    return sorted(f.stem for f in (REPO_ROOT / "conf" / group).glob("*.yaml"))
+
+
 def _schema():
     from omegaconf import OmegaConf
 
@@ -49,9 +74,9 @@ def key_hint(full_key: str) -> str:
         node = node[p]
     if not isinstance(node, DictConfig):
         return ""
-    close = difflib.get_close_matches(parts[-1], [str(k) for k in node.keys()], n=1)
+    close = closest(parts[-1], [str(k) for k in node.keys()])
     prefix = ".".join(parts[:-1])
-    return f" (did you mean {prefix + '.' if prefix else ''}{close[0]}?)" if close else ""
+    return f" (did you mean {prefix + '.' if prefix else ''}{close}?)" if close else ""
 
 
 def _default(full_key: str) -> Optional[Any]:
@@ -102,10 +127,20 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
     if isinstance(e, MissingConfigException) and e.missing_cfg_file and "/" in e.missing_cfg_file:
         group, name = e.missing_cfg_file.rsplit("/", 1)
         options = ", ".join(e.options or []) or "(none)"
-        close = difflib.get_close_matches(name, list(e.options or []), n=1)
-        hint = f" (did you mean {group}={close[0]}?)" if close else ""
-        return (f"{group}={name}: no such option{hint}; choose one of {options}"
+        close = closest(name, list(e.options or []))
+        plus = "+" if f"+{group}={name}" in overrides else ""  # an added group (+launcher=...)
+        hint = f" (did you mean {plus}{group}={close}?)" if close else ""
+        return (f"{plus}{group}={name}: no such option{hint}; choose one of {options}"
                 f"{_OWN.get(group, '')}")
+    m = re.match(r"Could not override '([\w/]+)'\. No match in the defaults list", str(e))
+    if m and _group_files(m.group(1)):  # an optional group (launcher): it is added, not replaced
+        group = m.group(1)
+        given = next((o.split("=", 1)[1] for o in overrides if o.startswith(f"{group}=")), "")
+        files = _group_files(group)
+        pick = given if given in files else closest(given, files)
+        fix = f"+{group}={pick}" if pick else f"+{group}=<option>"
+        return (f"{group}={given}: the {group} group has no default to replace; add it with "
+                f"{fix} (options: {', '.join(files)})")
     if isinstance(e, OverrideParseException):
         bad, reason = _first_unparsable(overrides)
         if bad and "=" not in bad:

@@ -13,8 +13,10 @@ tokenizer). Works for checkpoints of any world size (DCP re-shards on load) in o
 """
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 
 def _check_exists(ckpt: Path) -> None:
@@ -23,6 +25,38 @@ def _check_exists(ckpt: Path) -> None:
         near = sorted(p.name for p in ckpt.parent.glob("step_*")) if ckpt.parent.is_dir() else []
         raise FileNotFoundError(f"export: no checkpoint at {ckpt} (not found" + (
             f"; {ckpt.parent} has {', '.join(near)})" if near else ")"))
+
+
+@contextmanager
+def progress_bars_off(off: bool = True) -> Iterator[None]:
+    """transformers' (and huggingface_hub's) tqdm bars off inside the block, restored after.
+
+    ``save_pretrained`` draws "Writing model shards" with carriage returns: in a log file (stderr
+    not a terminal) that is one garbled line per redraw. The CLI turns them off there and prints
+    one summary line instead (:func:`export_main`)."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    if off and was_on:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if off and was_on:
+            hf_logging.enable_progress_bar()
+
+
+def written_tensors(out: Path) -> tuple[int, int]:
+    """(tensors, bytes) of the ``*.safetensors`` files in ``out`` (the weights an export wrote;
+    a tied weight counts once, as stored)."""
+    from safetensors import safe_open
+
+    n = size = 0
+    for f in sorted(out.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            n += len(list(st.keys()))
+        size += f.stat().st_size
+    return n, size
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=None, *,
@@ -131,7 +165,13 @@ def export_main(argv: list[str]) -> int:
         cfg = compose(overrides)
         cfg.trainer.output_dir = str(args.out_dir)  # no Hydra run dir when composing
         model_cfg = to_train_config(cfg).model
-    out = export_checkpoint(args.checkpoint, args.out_dir, model_cfg, role=args.role,
-                            adapter_only=args.adapter_only)
-    print(f"exported {args.checkpoint} ({args.role}) -> {out}")
+    import time
+
+    t0 = time.perf_counter()
+    with progress_bars_off(not sys.stderr.isatty()):  # a bar garbles a log file: one line instead
+        out = export_checkpoint(args.checkpoint, args.out_dir, model_cfg, role=args.role,
+                                adapter_only=args.adapter_only)
+    n, size = written_tensors(out)
+    print(f"exported {args.checkpoint} ({args.role}) to {out} ({n} tensors, "
+          f"{size / 2**30:.3g} GiB) in {time.perf_counter() - t0:.1f} s")
     return 0

@@ -19,7 +19,9 @@ Conventions (rl_math cases): a sample is *scorable* when its reward is finite an
 one valid token; only scorable samples enter group/batch statistics and the others get advantage
 0. Groups come from an explicit ``group_id`` (case C11), never from position or prompt text. Std
 is the Bessel-corrected sample std computed two-pass (never E[x²]−E[x]²); a set whose values are
-all equal has std exactly 0 (case C01). Statistics are computed in float64, results are float32.
+all equal has std exactly 0 (case C01). Statistics are computed in float64, results are float32;
+a result float32 cannot hold (|x| > 3.4e38: RLOO or Dr.GRPO of rewards near float32's limit) is a
+ValueError (:func:`to_float32`), never a silent inf.
 """
 from __future__ import annotations
 
@@ -127,9 +129,34 @@ def _set_stats(x: Tensor, valid: Tensor, dim: int = -1) -> tuple[Tensor, Tensor,
     return cnt, mean, std
 
 
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def to_float32(x: Tensor, what: str = "advantages") -> Tensor:
+    """A float64 result as float32, refusing what float32 cannot hold.
+
+    The statistics are float64, so nothing overflows while computing (rewards up to float32's
+    3.4e38 give r − mean up to 6.8e38, far inside float64). A *result* above 3.4e38 in magnitude
+    would become ±inf in float32 (then NaN in the loss): an unnormalised estimator (RLOO,
+    Dr.GRPO, a return-to-go) of rewards above ~1.7e38. Such rewards are a reward-function bug;
+    say so instead of training on inf.
+
+    Raises:
+        ValueError: a finite float64 value of ``x`` lies outside float32's range.
+    """
+    big = torch.isfinite(x) & (x.abs() > _F32_MAX)
+    if big.any():
+        worst = float(x[big].abs().max())
+        raise ValueError(f"{what} reach {worst:.3g}, beyond float32's {_F32_MAX:.3g} (they would "
+                         "be inf): the rewards are too large for this estimator; scale them down "
+                         "(reward scores of this size are usually a reward-function bug)")
+    return x.to(torch.float32)
+
+
 def _broadcast(adv: Tensor, response_mask: Tensor) -> Tensor:
-    """(B,) → (B, R) float32, 0 at masked positions."""
-    return torch.where(response_mask, adv.to(torch.float32).unsqueeze(1), 0.0)
+    """(B,) float64 → (B, R) float32, 0 at masked positions; ValueError (:func:`to_float32`) for
+    a value beyond float32's range."""
+    return torch.where(response_mask, to_float32(adv).unsqueeze(1), 0.0)
 
 
 def group_center(rewards: Tensor, group_id: Tensor, response_mask: Tensor, *, eps: float = 1e-6,
@@ -157,26 +184,33 @@ def whiten(x: Tensor, mask: Tensor, *, eps: float = 1e-6, shift_mean: bool = Tru
     mask = mask.bool()
     if not mask.any():
         return torch.zeros(mask.shape, dtype=torch.float32, device=x.device)
-    xd = x.double()
+    xd = torch.where(mask, x.double(), 0.0)
     _, mean, std = _set_stats(xd.flatten(), mask.flatten())
     out = (xd - mean) / (std + eps) if std > 0 else xd - mean
     if not shift_mean:
         out = out + mean
-    return torch.where(mask, out, 0.0).float()
+    return to_float32(torch.where(mask, out, 0.0))
 
 
-def place_on_last_token(rewards: Tensor, response_mask: Tensor) -> Tensor:
-    """(B,) sequence rewards → (B, R) float32 token rewards on the last valid token (NaN → 0)."""
+def place_on_last_token(rewards: Tensor, response_mask: Tensor,
+                        dtype: torch.dtype = torch.float32) -> Tensor:
+    """(B,) sequence rewards → (B, R) token rewards of ``dtype`` on the last valid token (NaN → 0)."""
     B, R = response_mask.shape
     pos = torch.arange(R, device=response_mask.device).expand(B, R)
     last = torch.where(response_mask, pos, -1).amax(dim=1, keepdim=True)
-    r = torch.nan_to_num(rewards.float(), nan=0.0).unsqueeze(1)
+    r = torch.nan_to_num(rewards.to(dtype), nan=0.0).unsqueeze(1)
     return torch.where((pos == last) & response_mask, r, 0.0)
 
 
 def discounted_returns(token_rewards: Tensor, response_mask: Tensor, gamma: float = 1.0) -> Tensor:
     """Return-to-go G_t = Σ_{k≥t, valid} γ^(#valid steps between) r_k; masked positions are skipped
-    (they neither receive nor pass on return) and are 0. (B, R) → (B, R) float32."""
+    (they neither receive nor pass on return) and are 0. (B, R) → (B, R) float32; ValueError
+    (:func:`to_float32`) for a return beyond float32's range."""
+    return to_float32(_returns64(token_rewards, response_mask, gamma), "returns")
+
+
+def _returns64(token_rewards: Tensor, response_mask: Tensor, gamma: float) -> Tensor:
+    """:func:`discounted_returns` in float64 (what whitening reads: no float32 round trip)."""
     mask = response_mask.bool()
     r = torch.where(mask, token_rewards.double(), 0.0)
     out = torch.zeros_like(r)
@@ -184,7 +218,7 @@ def discounted_returns(token_rewards: Tensor, response_mask: Tensor, gamma: floa
     for t in range(r.shape[1] - 1, -1, -1):  # loop over time, vectorised over the batch
         carry = torch.where(mask[:, t], r[:, t] + gamma * carry, carry)
         out[:, t] = carry
-    return torch.where(mask, out, 0.0).float()
+    return torch.where(mask, out, 0.0)
 
 
 # ----------------------------------------------------------------------------- estimators
@@ -253,8 +287,8 @@ def reinforce_pp_advantages(token_rewards: Tensor, response_mask: Tensor, *, rew
         (advantages, returns), (B, R) float32, 0 at masked positions and for unscorable rows.
     """
     mask = response_mask.bool() & scorable(rewards, response_mask).unsqueeze(1)
-    returns = discounted_returns(token_rewards, mask, gamma)
-    return whiten(returns, mask, eps=eps), returns
+    returns = _returns64(token_rewards, mask, gamma)  # whitened in float64, then float32
+    return whiten(returns, mask, eps=eps), to_float32(returns, "returns")
 
 
 def reinforce_pp_baseline_advantages(rewards: Tensor, group_id: Tensor, response_mask: Tensor, *,
@@ -268,9 +302,12 @@ def reinforce_pp_baseline_advantages(rewards: Tensor, group_id: Tensor, response
     """
     _check(rewards, group_id, response_mask)
     mask = response_mask.bool()
-    tr = place_on_last_token(rewards, mask) if token_rewards is None else token_rewards
+    # float64 throughout: r − mean of rewards near float32's limit overflows float32 (inf, then NaN
+    # from whitening) although the whitened advantages are small
+    f64 = torch.float64
+    tr = place_on_last_token(rewards, mask, f64) if token_rewards is None else token_rewards.double()
     centred_shift = group_center(rewards, group_id, mask, norm_by_std=False) - torch.nan_to_num(rewards.double())
-    tr = tr + place_on_last_token(centred_shift.float(), mask)  # r − mean on the last token
+    tr = tr + place_on_last_token(centred_shift, mask, f64)  # r − mean on the last token
     return reinforce_pp_advantages(tr, mask, rewards=rewards, gamma=gamma, eps=eps)
 
 
@@ -284,6 +321,7 @@ def gae(token_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: flo
 
     Args: token_rewards, values: (B, R) float; response_mask: (B, R) bool.
     Returns: (advantages, returns = advantages + values), (B, R) float32, 0 at masked positions.
+    Raises: ValueError (:func:`to_float32`) for a result beyond float32's range.
     """
     mask = response_mask.bool()
     r = torch.where(mask, token_rewards.double(), 0.0)
@@ -297,7 +335,7 @@ def gae(token_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: flo
         adv[:, t] = torch.where(m, a, 0.0)
         next_a = torch.where(m, a, next_a)
         next_v = torch.where(m, v[:, t], next_v)
-    return adv.float(), torch.where(mask, adv + v, 0.0).float()
+    return to_float32(adv), to_float32(torch.where(mask, adv + v, 0.0), "returns")
 
 
 def reverse_kl_advantages(student_logprobs: Tensor, teacher_logprobs: Tensor, response_mask: Tensor,

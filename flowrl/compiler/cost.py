@@ -134,14 +134,18 @@ class StageCosts:
 
     @classmethod
     def from_config(cls, plan: Any, cfg: Any, world_size: int, device: Optional[str] = None,
-                    parallelism: Optional[dict[str, int]] = None) -> "StageCosts":
+                    parallelism: Optional[dict[str, int]] = None,
+                    prompt_tokens: Optional[int] = None) -> "StageCosts":
         """Model sizes read without loading weights (each role's ``ModelConfig.size()``); device kind from
-        ``placement.auto.device`` unless given."""
+        ``placement.auto.device`` unless given; ``prompt_tokens``: P measured from the data
+        (default: the ``data.max_prompt_tokens`` bound)."""
         kind = device or resolve_device(cfg.placement.auto.device, cfg.trainer.device)
         models = role_model_configs(cfg)
         sizes = {r: models[r].size() for r in plan.roles}
-        return cls.from_plan(plan, sizes, Workload.from_config(cfg, world_size), DEVICES[kind],
-                             parallelism)
+        w = Workload.from_config(cfg, world_size)
+        if prompt_tokens is not None:
+            w = replace(w, prompt_tokens=prompt_tokens)
+        return cls.from_plan(plan, sizes, w, DEVICES[kind], parallelism)
 
     def modelled(self, stage: str, p: int) -> float:
         role, kind = self.stages[stage]
@@ -235,7 +239,8 @@ class PlacementEstimate:
         step_s: predicted step time.
         sides: pool → predicted seconds of its stages and swaps per step.
         sync_s / transfer_s: weight broadcast and rollout → train transfer seconds per step.
-        memory: pool → (peak bytes per device, the role that sets it).
+        memory: pool → (peak bytes per device, the role whose turn on the device sets it;
+            None: unknown).
         transfers: key → bytes per step.
         sync_bytes: weight bytes broadcast per step.
         candidates: auto only: candidate label → predicted step seconds.
@@ -751,6 +756,11 @@ class PoolMemory:
     def peak(self) -> float:
         return max((sum(p.values()) for p in self.phases.values()), default=0.0)
 
+    @property
+    def peak_phase(self) -> Optional[str]:
+        """The phase that sets :attr:`peak` (``"training"``, ``"rollout"``); None without phases."""
+        return max(self.phases, key=lambda k: sum(self.phases[k].values()), default=None)
+
 
 @dataclass
 class ClusterEstimate:
@@ -994,17 +1004,21 @@ def cluster_report(cp: ClusterPlan) -> list[str]:
                                        else "none (one GPU)")),
             f"Chose {cp.chosen.label}: {cp.reason}", "",
             f"Terms of {cp.chosen.label} (seconds per step):"]
-    out += [f"  {t.name:<52} {_g(t.seconds):>8}  = {t.formula}" for t in cp.chosen.terms]
+    wt = max([len(t.name) for t in cp.chosen.terms] + [52])  # columns stay aligned for any name
+    out += [f"  {t.name:<{wt}} {_g(t.seconds):>8}  = {t.formula}" for t in cp.chosen.terms]
     if cp.chosen.pp.mode == "partitioned":
         how = "rollout + train" if cp.chosen.pp.staleness == 0 else "max(rollout, train)"
         out.append(f"  step = {how} + sync + transfers = " + " + ".join(
             f"{k} {_g(v)}" for k, v in cp.chosen.sides.items()) +
             f" ({how}) + {_g(cp.chosen.sync_s)} + {_g(cp.chosen.transfer_s)}")
     out += ["", f"Memory per GPU ({cp.chosen.label}; budget {fmt_bytes(cp.costs.budget)}):"]
+    rows = [(f"pool {pool}, {phase} phase: {k}", v) for pool, pm in cp.chosen.memory.items()
+            for phase, comps in pm.phases.items() for k, v in comps.items()]
+    wm = max([len(r) for r, _ in rows] + [0])
     for pool, pm in cp.chosen.memory.items():
         for phase, comps in pm.phases.items():
             for k, v in comps.items():
-                out.append(f"  pool {pool}, {phase} phase: {k:<44} {fmt_bytes(v)}")
+                out.append(f"  {f'pool {pool}, {phase} phase: {k}':<{wm}} {fmt_bytes(v)}")
         out += [f"  pool {pool}: offloaded to host: {x}" for x in pm.offloaded]
         out += [f"  pool {pool}: DOES NOT FIT: {x}" for x in pm.does_not_fit]
         if not pm.does_not_fit:
@@ -1019,7 +1033,9 @@ def cluster_placement(cp: ClusterPlan) -> PlacementPlan:
     """The chosen candidate's PlacementPlan with its ``estimate`` (PlacementEstimate: what the
     text/Mermaid/DOT renderers read) and the cluster report as its ``notes``."""
     e, w = cp.chosen, cp.costs.workload
-    mem: dict[str, tuple[int, Optional[str]]] = {k: (int(v.peak), None) for k, v in e.memory.items()}
+    role_of = {"training": "actor", "rollout": "rollout"}  # the role whose phase it is
+    mem: dict[str, tuple[int, Optional[str]]] = {
+        k: (int(v.peak), role_of.get(v.peak_phase or "", v.peak_phase)) for k, v in e.memory.items()}
     est = PlacementEstimate(e.step_s, e.sides, e.sync_s, e.transfer_s, mem,
                             transfer_bytes(e.pp, w), 2 * cp.costs.shape.n_params
                             if e.pp.mode == "partitioned" else 0, cp.costs.cluster.name,

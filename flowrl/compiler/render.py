@@ -18,14 +18,20 @@ def format_plan(plan: "ExecutionPlan") -> str:
         lines.append(f"pruned (when=false): {', '.join(plan.pruned)}")
     lines.append("")
     lines.append("Timeline of one step (colocated: one model role resident at a time):")
+    # column widths from the content, so a long stage, op or role name keeps the columns aligned
+    runs = [a for a in plan.actions if a.kind == "run"]
+    ws = max([len(a.stage_name) for a in runs] + [len(a.role or "") for a in plan.actions
+                                              if a.kind not in ("run", "sync")] + [14])
+    wo = max([len(g[a.stage_name].op) for a in runs] + [18])
+    wr = max([len(a.role or "-") for a in runs] + [8])
     i = 0
     for a in plan.actions:
         if a.kind == "run":
             i += 1
             st = g[a.stage_name]
             frees = plan.release_after.get(a.stage_name, [])
-            lines.append(f"  {i:>2}. run     {a.stage:<14} op={st.op:<18} role={a.role or '-':<8}"
-                         + (f" then free {', '.join(frees)}" if frees else ""))
+            row = f"  {i:>2}. run     {a.stage:<{ws}} op={st.op:<{wo}} role={a.role or '-':<{wr}}"
+            lines.append((row + f" then free {', '.join(frees)}") if frees else row.rstrip())
             if a.stage in plan.refill:
                 r = plan.refill[a.stage]
                 target = r.target_groups or "one attempt's number of"
@@ -34,16 +40,19 @@ def format_plan(plan: "ExecutionPlan") -> str:
         elif a.kind == "sync":
             lines.append(f"      sync    {a.detail}")
         else:
-            lines.append(f"      {a.kind:<7} {a.role:<14} ({a.detail})")
+            lines.append(f"      {a.kind:<7} {a.role:<{ws}} ({a.detail})")
     if plan.resident_at_end:
         lines.append(f"  resident going into the next step: {', '.join(plan.resident_at_end)}")
     lines.append(f"  model switches per step: {plan.num_swaps}")
     lines.append("")
     lines.append("Lifecycle of intermediates (freed right after the last consumer runs):")
+    none = "(none: freed at once)"
     w = max([len(k) for k in plan.lifetimes] + [12])
-    lines.append(f"  {'tensor':<{w}}  {'producer':<14} {'last consumer':<14} consumers")
+    wp = max([len(t.producer) for t in plan.lifetimes.values()] + [14])
+    wl = max([len(t.last_consumer or none) for t in plan.lifetimes.values()] + [14])
+    lines.append(f"  {'tensor':<{w}}  {'producer':<{wp}} {'last consumer':<{wl}} consumers")
     for k, t in plan.lifetimes.items():
-        lines.append(f"  {k:<{w}}  {t.producer:<14} {t.last_consumer or '(none: freed at once)':<14} "
+        lines.append(f"  {k:<{w}}  {t.producer:<{wp}} {t.last_consumer or none:<{wl}} "
                      f"{', '.join(t.consumers) or '-'}")
     if plan.warnings:
         lines.append("")
@@ -115,13 +124,13 @@ def _text(pp: "PlacementPlan") -> str:
         route = (f"rollout rank i -> train rank i mod {t}" if r >= t
                  else f"rollout rank i -> train ranks j with j mod {r} = i")
         lines += ["", f"Transfers rollout -> train per step ({route}):"]
-        total = 0
+        total, wk = 0, max([len(k) for k in pp.transfers] + [28])
         for k in pp.transfers:
             b = est.transfers.get(k) if est is not None else None
             total += b or 0
-            lines.append(f"  {k:<28} {_fmt_bytes(b) if b is not None else '?'}")
+            lines.append(f"  {k:<{wk}} {_fmt_bytes(b) if b is not None else '?'}")
         if est is not None:
-            lines.append(f"  {'total':<28} {_fmt_bytes(total)}")
+            lines.append(f"  {'total':<{wk}} {_fmt_bytes(total)}")
     if pp.weight_sync and pp.mode == "partitioned":
         wb = f", {_fmt_bytes(est.sync_bytes)} per update" if est is not None else ""
         lines.append("")
@@ -143,7 +152,8 @@ def _estimate_lines(pp: "PlacementPlan") -> list[str]:
         how = "sum" if pp.staleness == 0 else "max"
         out.append(f"  = {how}({sides}) + weight sync {est.sync_s:.3g}s + transfers {est.transfer_s:.3g}s")
     out.append("Predicted peak memory per device: " + "; ".join(
-        f"pool {k} {_fmt_bytes(b)} ({role or '-'})" for k, (b, role) in est.memory.items()))
+        f"pool {k} {_fmt_bytes(b)}" + (f" (set by the {who} role)" if who else "")
+        for k, (b, who) in est.memory.items()))
     return out
 
 

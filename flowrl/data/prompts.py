@@ -215,6 +215,25 @@ def load_records(cfg: DataConfig, split: Optional[str] = None, limit: Optional[i
     return records if limit is None else records[:limit]
 
 
+def longest_prompt_tokens(cfg: DataConfig, tokenizer: Any, limit: int = 256) -> tuple[Optional[int], int]:
+    """(P, rows read): the longest of the first ``limit`` training prompts as ``tokenizer``
+    renders them (:func:`render_prompts`), among those within ``cfg.max_prompt_tokens`` (longer
+    ones are skipped in training). A step's batch is left-padded to its longest prompt
+    (:func:`collate_prompts`), so this is the prompt length a step pays for, where
+    ``max_prompt_tokens`` is only the skip limit (arith with SmolLM2's template: 56 vs 256).
+    P is None for image prompts (their length is the processor's) or when every prompt is longer.
+
+    Raises:
+        DataError / ValueError: as :func:`load_records`.
+    """
+    records = load_records(cfg, limit=limit)
+    if not records or any("images" in r for r in records):
+        return None, len(records)
+    _, tokens = render_prompts([r["prompt"] for r in records], tokenizer, cfg)
+    fits = [len(t) for t in tokens if len(t) <= cfg.max_prompt_tokens]
+    return (max(fits) if fits else None), len(records)
+
+
 def record_messages(record: dict, cfg: DataConfig) -> list[dict[str, str]]:
     """Chat messages of a record: its own when its prompt is a list, else :func:`build_messages`."""
     prompt = record["prompt"]

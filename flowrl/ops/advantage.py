@@ -75,7 +75,7 @@ def make_advantage_op(est: AdvantageEstimator) -> Callable[..., dict]:
         algo = ctx.resource("algorithm")
         try:
             adv, ret = est(response_mask=response_mask, cfg=algo, **inputs)
-        except ValueError as e:  # bad shapes: say which stage got them
+        except ValueError as e:  # bad shapes, results beyond float32: say which stage got them
             raise ValueError(f"stage '{ctx.stage}' ({op_name}): {e}") from e
         log_advantage_metrics(ctx, adv, response_mask, ret if est.produces_returns else None)
         if est.needs_logprobs:

@@ -211,3 +211,55 @@ def test_empty_batch_and_all_masked(name):
                   teacher_logprobs=torch.zeros(B, 4), cfg=cfg)
         adv, ret = ADVANTAGE_ESTIMATORS[name](**kw)
         assert adv.shape == ret.shape == (B, 4) and torch.equal(adv, torch.zeros(B, 4))
+
+
+def test_rewards_near_float32_max_give_exact_advantages_or_one_clear_error():
+    """Rewards of ±3e38 (float32 holds up to 3.4e38): the statistics are float64, so a bounded
+    estimator is exact; an unbounded one whose true value float32 cannot hold says so instead of
+    returning inf (then NaN in the loss)."""
+    r = torch.tensor([3e38, -3e38, 3e38, -3e38])
+    gid, mask = torch.zeros(4, dtype=torch.long), torch.ones(4, 2, dtype=torch.bool)
+    # r3: float32(3e38), the rewards' magnitude
+    # GRPO: mean 0, Bessel std sqrt(4 r3² / 3) → A = ±sqrt(3)/2 (eps 1e-6 is nothing beside 3.5e38)
+    adv = grpo_advantages(r, gid, mask)
+    assert adv[:, 0].tolist() == [torch.tensor(x).float().item() for x in
+                                  (math.sqrt(3) / 2, -math.sqrt(3) / 2) * 2]
+    # Dr.GRPO: A = r − 0 = r, exactly representable
+    assert torch.equal(dr_grpo_advantages(r, gid, mask), r[:, None].expand(4, 2))
+    # RLOO with the leave-one-out std: A_0 = (r3 − (−r3/3)) / std(−r3, r3, −r3) = (4/3 r3) /
+    # (r3 · sqrt(4/3)) = 2/sqrt(3)
+    adv = rloo_advantages(r, gid, mask, norm_by_std=True)
+    assert adv[:, 0].tolist() == [torch.tensor(x).float().item() for x in
+                                  (2 / math.sqrt(3), -2 / math.sqrt(3)) * 2]
+    # plain RLOO: A_0 = r3 + r3/3 = 4e38 > 3.4e38: refused (the old code returned inf)
+    with pytest.raises(ValueError, match=r"advantages reach 4e\+38, beyond float32's 3.4e\+38"):
+        rloo_advantages(r, gid, mask)
+    # ... and exact where the value fits: [3, 3, 3, 1]e38 → A = 3 − 7/3 = 2/3 e38, A_3 = −2e38
+    r2 = torch.tensor([3e38, 3e38, 3e38, 1e38])
+    x = r2.double()
+    want = torch.stack([x[i] - (x.sum() - x[i]) / 3 for i in range(4)]).float()
+    assert torch.equal(rloo_advantages(r2, gid, mask)[:, 0], want)
+    assert want.tolist() == pytest.approx([2e38 / 3] * 3 + [-2e38], rel=1e-6)  # float32 inputs
+    # REINFORCE++-baseline: r − mean = ±r3 on every token (γ = 1), whitened over 8 tokens: mean 0,
+    # std sqrt(8 r3² / 7) → ±sqrt(7/8)
+    adv, ret = reinforce_pp_baseline_advantages(r, gid, mask, eps=0.0)
+    assert adv[:, 0].tolist() == [torch.tensor(x).float().item() for x in
+                                  (math.sqrt(7 / 8), -math.sqrt(7 / 8)) * 2]
+    assert torch.equal(ret, r[:, None].expand(4, 2))
+    # [3, 3, 3, −3]e38: the return −3e38 − 1.5e38 = −4.5e38 float32 cannot hold (old: inf, NaN)
+    with pytest.raises(ValueError, match=r"returns reach 4.5e\+38"):
+        reinforce_pp_baseline_advantages(torch.tensor([3e38, 3e38, 3e38, -3e38]), gid, mask)
+
+
+def test_advantage_stage_names_itself_when_rewards_overflow_float32():
+    from types import SimpleNamespace
+
+    from flowrl.ops.advantage import make_advantage_op
+
+    op = make_advantage_op(ADVANTAGE_ESTIMATORS["rloo"])
+    ctx = SimpleNamespace(stage="advantage", resource=lambda name: AlgorithmConfig(),
+                          log=lambda **kw: None)
+    with pytest.raises(ValueError, match=r"^stage 'advantage' \(advantage.rloo\): advantages "
+                                         r"reach 4e\+38"):
+        op(ctx, None, rewards=torch.tensor([3e38, -3e38, 3e38, -3e38]),
+           group_id=torch.zeros(4, dtype=torch.long), response_mask=torch.ones(4, 2, dtype=torch.bool))

@@ -53,3 +53,44 @@ def test_valid_multi_rank_job_reaches_torchrun(monkeypatch, tmp_path):
         main(["launcher.nproc=2", "model=tiny", "trainer=smoke", f"trainer.output_dir={tmp_path}"])
     assert e.value.code == 0
     assert "--nproc_per_node=2" in seen["argv"] and "launcher.nproc=2" in seen["argv"]
+
+
+@pytest.mark.parametrize("override,expected", [
+    # difflib's 0.6 cutoff alone missed this one (tiniest/tiny scores 0.55): the shared first
+    # three letters take it down to 0.5
+    ("model=tiniest", "model=tiniest: no such option (did you mean model=tiny?); choose one of "
+     "smollm2, tiny, tiny_vl (or model.path=DIR for a local model folder)"),
+    ("model=SmolLM2", "model=SmolLM2: no such option (did you mean model=smollm2?); choose one of "
+     "smollm2, tiny, tiny_vl (or model.path=DIR for a local model folder)"),
+    ("model=qwen", "model=qwen: no such option; choose one of smollm2, tiny, tiny_vl (or "
+     "model.path=DIR for a local model folder)"),  # nothing close: no guess
+    ("graph=grpoo", "graph=grpoo: no such option (did you mean graph=grpo?); choose one of dapo, "
+     "distill, dr_grpo, genrm_grpo, grpo, grpo_distill, grpo_tools, grpo_vl, gspo, ppo, "
+     "reinforce_pp, rloo (or graph.path=FILE for your own graph file)"),
+    ("trainer=smok", "trainer=smok: no such option (did you mean trainer=smoke?); choose one of "
+     "arith_gpu, default, gsm8k, gsm8k_gpu, long, smoke"),
+    ("rollout=vlm", "rollout=vlm: no such option (did you mean rollout=vllm?); choose one of "
+     "auto, hf, vllm"),
+    ("placement=colocate", "placement=colocate: no such option (did you mean "
+     "placement=colocated?); choose one of auto, colocated, partitioned"),
+    ("cluster=h200x9", "cluster=h200x9: no such option (did you mean cluster=h200x8?); choose "
+     "one of a100x128_hybridflow, a100x8, h100x16, h100x8, h200x64, h200x8"),
+    ("teacher=tinny", "teacher=tinny: no such option (did you mean teacher=tiny?); choose one of "
+     "tiny"),
+    ("data=arit", "data=arit: no such option (did you mean data=arith?); choose one of arith, "
+     "gsm8k, visual (or data.path=FILE for your own prompts)"),
+    # launcher is not in the defaults list: it is added with '+', misspelt or not
+    ("+launcher=multinod", "+launcher=multinod: no such option (did you mean "
+     "+launcher=multinode?); choose one of multinode"),
+    ("launcher=multinod", "launcher=multinod: the launcher group has no default to replace; add "
+     "it with +launcher=multinode (options: multinode)"),
+    ("launcher=multinode", "launcher=multinode: the launcher group has no default to replace; "
+     "add it with +launcher=multinode (options: multinode)"),
+])
+def test_every_config_group_suggests_the_option_meant(override, expected, capsys):
+    from flowrl.config_errors import refuse_bad_overrides
+
+    with pytest.raises(SystemExit) as e:
+        refuse_bad_overrides([override], prog="flowrl plan")
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"flowrl plan: error: {expected}"]

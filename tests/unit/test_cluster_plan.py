@@ -278,3 +278,26 @@ def test_a_run_refuses_a_cluster_it_would_not_use():
     raw.trainer.output_dir = "(test)"
     with pytest.raises(ConfigError, match=r"cluster=h200x8: a cluster is planned, not run here"):
         prepare(raw, [])
+
+
+def test_plan_text_names_the_role_setting_each_pool_peak_and_aligns_columns(round_cal):
+    from flowrl.compiler.cost import cluster_placement
+    from flowrl.compiler.render import format_placement
+
+    # toy 8 GPUs, chosen rollout=7 train=1 k=1. train GPU: 16 · 1e9 fp32 state + activations
+    # 5,570,560,000 + logits 1,092,266,666.67 = 22,662,826,666.67 B = 21.1 GiB (training phase:
+    # the actor's); rollout GPU: the whole budget 0.9 · 100e9 = 90e9 B = 83.8 GiB (weights + the KV
+    # cache vLLM takes: the rollout role's). The old text printed "(-)" for both.
+    out = format_placement(cluster_placement(plan_cluster(_grpo_plan(), toy_costs())))
+    assert ("Predicted peak memory per device: pool train 21.1 GiB (set by the actor role); "
+            "pool rollout 83.8 GiB (set by the rollout role)\n") in out
+    assert "(-)" not in out
+    # the terms' seconds end in one column though "update: FSDP collectives (overlapped: max with
+    # compute)" is longer than the old fixed 52-character name column
+    terms = out[out.index("Terms of "):out.index("  step = max(")].splitlines()[1:-1]
+    assert len(terms) == 8 and len({line.index("  = ") for line in terms}) == 1
+    mem = [line for line in out.splitlines() if " phase: " in line]
+    assert [" ".join(line.split()[-2:]) for line in mem] == ["14.9 GiB", "6.2 GiB", "1.9 GiB",
+                                                              "82.0 GiB"]
+    # each size starts in one column though the labels differ in length by pool name
+    assert len({len(line) - len(" ".join(line.split()[-2:])) for line in mem}) == 1

@@ -102,3 +102,27 @@ def test_recipe_notes_name_each_algorithm_setting_the_run_overrides(wrap):
            "dataclass": lambda: {"algorithm": make_dataclass("A", ["kl_coef", "n"])(**algo)}}[wrap]()
     notes = recipe_notes(g, run)
     assert len(notes) == 1 and "algorithm.kl_coef: 0.1, this run uses 0.0" in notes[0]
+
+
+def test_plan_text_columns_fit_a_long_stage_name():
+    from flowrl.compiler.render import format_plan
+
+    # graphs/grpo.yaml with its advantage stage renamed to a 35-character name: the old fixed
+    # 14-character stage column pushed that row's op= and role= right of every other row's
+    long = "group_normalised_advantage_estimate"
+    text = GRPO.read_text().replace("- name: advantage\n", f"- name: {long}\n").replace(
+        "advantage.advantages", f"{long}.advantages")
+    g = Graph.from_yaml(text)
+    out = format_plan(compile_plan(g, {"algorithm": {"kl_coef": 0.0,
+                                                     "recompute_old_logprobs": True}}))
+    runs = [line for line in out.splitlines() if ". run " in line]
+    assert len(runs) == 6 and len({line.index(" op=") for line in runs}) == 1
+    assert len({line.index(" role=") for line in runs}) == 1
+    assert runs[1] == f"   2. run     {'rollout':<{len(long)}} op=rollout.generate   role=rollout"
+    swaps = [line for line in out.splitlines() if line.startswith("      o")]  # offload / onload
+    assert {line.index(" (") for line in swaps} == {runs[0].index(" op=")}
+    rows = out[out.index("  tensor "):].splitlines()
+    assert rows[3].split() == ["sample.group_id", "sample", long, long]
+    last = rows[0].index("last consumer")
+    assert rows[3].index(long) == last
+    assert {r.index(" update ") + 1 for r in rows if r.split()[2:3] == ["update"]} == {last}

@@ -183,8 +183,9 @@ def test_plan_prints_the_teacher_without_one_set(capsys, no_model):
     assert "roles with a model: rollout, teacher, actor" in out
     assert ("teacher served by no model yet: flowrl train needs teacher.path=<HF dir or flowrl "
             "export> (teacher=tiny: a tiny random one)") in out
-    assert "onload  teacher        (for teacher_logprobs)" in out
-    assert "offload teacher        (before old_logprobs)" in out
+    # the role column is as wide as the longest stage name (teacher_logprobs: 16)
+    assert f"onload  {'teacher':<16} (for teacher_logprobs)" in out
+    assert f"offload {'teacher':<16} (before old_logprobs)" in out
     assert no_model == []
 
 

@@ -217,8 +217,9 @@ CONFIG_CASES = {
                              "graph=grpo?); choose one of dapo, distill, dr_grpo, genrm_grpo, grpo, "
                              "grpo_distill, grpo_tools, grpo_vl, gspo, ppo, reinforce_pp, rloo (or "
                              "graph.path=FILE for your own graph file)"),
-    "unknown_model_option": (["model=tiniest"], "model=tiniest: no such option; choose one of "
-                             "smollm2, tiny, tiny_vl (or model.path=DIR for a local model folder)"),
+    "unknown_model_option": (["model=tiniest"], "model=tiniest: no such option (did you mean "
+                             "model=tiny?); choose one of smollm2, tiny, tiny_vl (or "
+                             "model.path=DIR for a local model folder)"),
     "unknown_rollout_option": (["rollout=vlm"], "rollout=vlm: no such option (did you mean "
                                "rollout=vllm?); choose one of auto, hf, vllm"),
     "unknown_key": (["algorithm.kl_coeff=0.5"], "unknown key algorithm.kl_coeff (did you mean "

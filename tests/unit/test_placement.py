@@ -145,7 +145,22 @@ def test_plan_colocated_keeps_text_and_adds_memory(capsys):
     out = plan_output(capsys)
     assert out.startswith("ExecutionPlan  graph=grpo  placement=colocated  pool=[rank 0]\n")
     # tiny llama: 6,365,504 fp32 params; actor alone: weights + grads + 2 AdamW moments = 97.1 MiB
-    assert "Predicted peak memory per device: pool all 97.1 MiB (actor)\n" in out
+    assert "Predicted peak memory per device: pool all 97.1 MiB (set by the actor role)\n" in out
+
+
+def test_plan_predicts_with_the_prompt_length_a_step_pays_for(capsys):
+    out = plan_output(capsys)
+    # arith prompts rendered by the tiny model's (SmolLM2) chat template are 56 tokens; the old
+    # P was data.max_prompt_tokens = 256, a skip limit (batches pad to their longest prompt)
+    assert ("  workload: P = 56 prompt tokens, the longest of the first 256 training prompts as "
+            "the tokenizer renders them (data.max_prompt_tokens = 256 only skips longer ones); "
+            "R = 16 response tokens (rollout.sampling.max_new_tokens: an upper bound, responses "
+            "may stop earlier)\n") in out
+    # cpu profile (1.5e11 FLOP/s, 3.4e9 B/s), N = 6,365,504, B = 2 x 4 = 8 rows, S = 56 + 16:
+    # update 6·N·8·72 / 1.5e11 = 0.14667; old_logprobs 2·N·8·72 / 1.5e11 = 0.04889; rollout
+    # prefill 2·N·8·56 / 1.5e11 = 0.03802 + 16 steps x max(4·N B / 3.4e9, 2·N·8 / 1.5e11) =
+    # 16 x 0.0074888 = 0.11982; swaps free on CPU -> 0.3534 s (P = 256 gave 1.03 s)
+    assert "Predicted (cost model, device profile cpu): step 0.353 s\n" in out
 
 
 def test_plan_mermaid_and_dot(capsys):

@@ -284,3 +284,26 @@ def test_an_export_is_readable_like_every_other_file(two_steps, tmp_path):
         os.umask(old)
     modes = {f.name: oct(f.stat().st_mode & 0o777) for f in out.iterdir()}
     assert modes["model.safetensors"] == "0o644" and set(modes.values()) == {"0o644"}, modes
+
+
+def test_export_to_a_log_file_is_one_line_without_progress_bars(two_steps, tmp_path, capsys):
+    """stderr not a terminal (a log file; here pytest's capture): transformers' "Writing model
+    shards" bar used to redraw itself into it; now one summary line on stdout and nothing else."""
+    import re
+
+    from safetensors import safe_open
+    from transformers.utils import logging as hf_logging
+
+    from flowrl.export import export_main
+
+    ckpt = two_steps / "checkpoints" / "step_000002"
+    assert export_main([str(ckpt), str(tmp_path / "hf")]) == 0
+    out, err = capsys.readouterr()
+    assert "Writing model shards" not in err and "\r" not in err + out, err
+    # tiny llama: embed, 2 layers x (4 attention + 3 MLP + 2 norms), final norm, untied lm_head
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as st:
+        assert len(list(st.keys())) == 21
+    size = (tmp_path / "hf" / "model.safetensors").stat().st_size
+    assert re.fullmatch(rf"exported {re.escape(str(ckpt))} \(actor\) to {re.escape(str(tmp_path))}"
+                        rf"/hf \(21 tensors, {size / 2**30:.3g} GiB\) in \d+\.\d s\n", out), out
+    assert hf_logging.is_progress_bar_enabled()  # restored for whatever runs next
