@@ -3,8 +3,9 @@ random model, with flowrl's HF and vLLM rollout engines (the images of ``data=vi
 through ``multi_modal_data``), the train engine's logprobs and update, the vLLM weight sync, plus
 raw vLLM generation from text prompts on the same checkpoint.
 
-    HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 timeout 1200 python benchmarks/vlm.py \
-        --md-out benchmarks/results/vlm_h200.md        # one H200: ~5-10 min (estimate, not run)
+    HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 timeout 580 python benchmarks/vlm.py \
+        --md-out benchmarks/results/vlm_h200.md        # one H200: ~5-7 min (estimate, not run)
+    python benchmarks/vlm.py --with-raw ...             # + raw vLLM from text prompts (~2 min)
     python benchmarks/vlm.py --skip-vllm ...            # the HF rows only
     python benchmarks/vlm.py --smoke                    # CPU, a 2-layer model: numbers mean nothing
 
@@ -24,10 +25,12 @@ FSDP2 mixed-precision path is not used here; note: the HF rollout's mismatch aga
 ``--micro-batch``); in a child process each (a clean device; a failure is reported in the table,
 not raised): ``vllm-rollout`` (flowrl's in-process VLLMRolloutEngine.generate with the images,
 bf16, CUDA graphs; note: its mismatch against the bf16 trainer), ``vllm-weight-sync`` (one
-``load_weights`` of the whole VLM from the trainer's parameters, GiB in the note) and
-``vllm-raw`` (``vllm.LLM.generate`` of chat-template text prompts + ``multi_modal_data``).
+``load_weights`` of the whole VLM from the trainer's parameters, GiB in the note) and, with
+``--with-raw``, ``vllm-raw`` (``vllm.LLM.generate`` of chat-template text prompts +
+``multi_modal_data``: vLLM without flowrl).
 ``step (hf)`` / ``step (vllm)`` add up one GRPO step's parts (rollout + logprobs + train step
-[+ weight sync]): sums of the rows above, not one measured run.
+[+ weight sync]): sums of the rows above, not one measured run (the trainer's two rows are
+measured once, on the HF rollout's batch).
 """
 from __future__ import annotations
 
@@ -343,7 +346,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--train-dtype", default="bfloat16")
     ap.add_argument("--skip-vllm", action="store_true")
-    ap.add_argument("--child-timeout", type=int, default=300)
+    ap.add_argument("--with-raw", action="store_true", help="also raw vLLM from text prompts")
+    ap.add_argument("--child-timeout", type=int, default=360)
     ap.add_argument("--smoke", action="store_true", help="CPU, a 2-layer model")
     ap.add_argument("--md-out", default=None)
     args = ap.parse_args(argv)
@@ -357,7 +361,8 @@ def main(argv: list[str]) -> int:
     vllm_rows: list[dict] = []
     if not args.skip_vllm:  # first, each in a child: the whole device is free for vLLM
         vllm_rows += run_child(_flowrl_vllm_child, "vllm-rollout", args, model_dir)
-        vllm_rows += run_child(_vllm_child, "vllm-raw", args, model_dir)
+        if args.with_raw:
+            vllm_rows += run_child(_vllm_child, "vllm-raw", args, model_dir)
     rows = run_flowrl(args, model_dir) + vllm_rows
     rows += step_rows(rows)
     md = report(rows, args, argv)

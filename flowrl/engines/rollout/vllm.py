@@ -414,12 +414,13 @@ class VLLMRolloutEngine:
             if gc_was_enabled:
                 gc.enable()
         if vis is not None:
-            for (p, _), o in zip(groups, outs):
-                if list(o.prompt_token_ids or []) != p:
+            for g, ((p, _), o) in enumerate(zip(groups, outs)):
+                ran = list(o.prompt_token_ids or [])
+                if ran != p:
                     raise RuntimeError(
-                        f"vLLM ran a vision prompt of {len(o.prompt_token_ids or [])} tokens for "
-                        f"flowrl's {len(p)}: its processor expanded the image tokens otherwise "
-                        "(another image size or processor config than the trainer's?)")
+                        f"vLLM ran vision prompt {g} as {len(ran)} tokens, not the trainer's "
+                        f"{len(p)} (or other ones): its processor expanded the image tokens "
+                        "otherwise (another image size or processor config than the trainer's?)")
         samples = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
         # prompt tokens served from the prefix cache (a multi-turn context's earlier turns)
         self.last_prefix_cache = {"prompt_tokens": sum(len(p) for p, _ in groups),
