@@ -1,11 +1,12 @@
 """Vision-language RL on one GPU: rollout tokens/s and training step time of a Qwen2.5-VL-3B-shaped
-random model (flowrl's HF rollout engine and train engine, the images of ``data=visual``), plus
-raw vLLM generation with ``multi_modal_data`` on the same checkpoint (flowrl's vLLM engine does
-not take images yet).
+random model, with flowrl's HF and vLLM rollout engines (the images of ``data=visual``; vLLM's
+through ``multi_modal_data``), the train engine's logprobs and update, the vLLM weight sync, plus
+raw vLLM generation from text prompts on the same checkpoint.
 
-    HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 timeout 900 python benchmarks/vlm.py \
-        --md-out benchmarks/results/vlm_h200.md        # one H200: ~5-10 min (estimate, not run)
-    python benchmarks/vlm.py --skip-vllm ...            # the flowrl (HF) rows only
+    HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 timeout 580 python benchmarks/vlm.py \
+        --md-out benchmarks/results/vlm_h200.md        # one H200: ~5-7 min (estimate, not run)
+    python benchmarks/vlm.py --with-raw ...             # + raw vLLM from text prompts (~2 min)
+    python benchmarks/vlm.py --skip-vllm ...            # the HF rows only
     python benchmarks/vlm.py --smoke                    # CPU, a 2-layer model: numbers mean nothing
 
 Model: transformers ``Qwen2_5_VLConfig`` with Qwen2.5-VL-3B's shapes (text: hidden 2048, 36
@@ -19,10 +20,17 @@ EOS, so responses run the full length).
 
 Rows: ``hf-rollout`` (HFRolloutEngine.generate with the images, bf16 copy of the weights),
 ``logprobs`` (LocalTrainEngine.logprobs in ``--train-dtype``, default bf16 weights: the one-GPU
-FSDP2 mixed-precision path is not used here), ``train-step`` (one AdamW step of the GRPO loss over the
-batch in micro-batches of ``--micro-batch``), the rollout-vs-trainer logprob mismatch, and
-``vllm-raw`` (``vllm.LLM.generate`` with ``multi_modal_data``, in a child process; a failure is
-reported in the table, not raised).
+FSDP2 mixed-precision path is not used here; note: the HF rollout's mismatch against it),
+``train-step`` (one AdamW step of the GRPO loss over the batch in micro-batches of
+``--micro-batch``); in a child process each (a clean device; a failure is reported in the table,
+not raised): ``vllm-rollout`` (flowrl's in-process VLLMRolloutEngine.generate with the images,
+bf16, CUDA graphs; note: its mismatch against the bf16 trainer), ``vllm-weight-sync`` (one
+``load_weights`` of the whole VLM from the trainer's parameters, GiB in the note) and, with
+``--with-raw``, ``vllm-raw`` (``vllm.LLM.generate`` of chat-template text prompts +
+``multi_modal_data``: vLLM without flowrl).
+``step (hf)`` / ``step (vllm)`` add up one GRPO step's parts (rollout + logprobs + train step
+[+ weight sync]): sums of the rows above, not one measured run (the trainer's two rows are
+measured once, on the HF rollout's batch).
 """
 from __future__ import annotations
 
@@ -168,6 +176,63 @@ def run_flowrl(args, model_dir: Path) -> list[dict]:
     return rows
 
 
+def _flowrl_vllm_child(args_dict: dict, model_dir: str, q) -> None:
+    """flowrl's vLLM engine with the images: generate, the trainer's mismatch, one weight sync."""
+    rows: list[dict] = []
+    try:
+        import torch
+
+        from flowrl.engines.base import SamplingConfig
+        from flowrl.engines.rollout.vllm import VLLMRolloutConfig, VLLMRolloutEngine
+        from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+        from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
+        from flowrl.models.vision import image_processor
+        from flowrl.ops.vision import cut_at_vision_tokens
+
+        args = argparse.Namespace(**args_dict)
+        cfg = ModelConfig(path=model_dir, dtype=args.train_dtype, attn_implementation="sdpa")
+        tok = load_tokenizer(cfg)
+        batch = prompts(args, tok, cfg).sample(args.prompts, args.n)
+        images = {k: v.cuda() for k, v in batch.images().items()}
+        p_ids, p_mask = batch.prompt_ids.cuda(), batch.prompt_mask.cuda()
+        model = load_model(cfg, "cuda")
+        seqs = args.prompts * args.n
+        eng = VLLMRolloutEngine(model, tok, VLLMRolloutConfig(
+            dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=4096,
+            max_num_seqs=max(8, seqs), max_cudagraph_capture_size=max(8, seqs)),
+            image_processor=image_processor(cfg))
+        eng.generate(p_ids[:2], p_mask[:2], SamplingConfig(temperature=1.0, max_new_tokens=4),
+                     images={k: v[:2] for k, v in images.items()})  # warm-up
+        params = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens)
+        t0 = time.perf_counter()
+        out = eng.generate(p_ids, p_mask, params, generator=torch.Generator().manual_seed(0),
+                           images=images)
+        dt = time.perf_counter() - t0
+        out = cut_at_vision_tokens(out, tok)
+        trainer = LocalTrainEngine(model, TrainEngineConfig(micro_batch_size=args.micro_batch),
+                                   trainable=False)
+        mask = out.response_mask.cuda()
+        lp = trainer.logprobs({"prompt_ids": p_ids, "prompt_mask": p_mask,
+                               "response_ids": out.response_ids.cuda(), "response_mask": mask,
+                               **images}, temperature=1.0).logprobs
+        ntok = int(mask.sum())
+        rows.append({"variant": "vllm-rollout", "seconds": dt, "tokens": ntok,
+                     "tokens_per_s": ntok / dt, "mismatch_mean": float(
+                         (lp - out.rollout_logprobs.cuda()).abs()[mask].mean())})
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.load_weights(trainer.named_weights())
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        rows.append({"variant": "vllm-weight-sync", "seconds": dt, "tokens": 0, "tokens_per_s": 0.0,
+                     "gib": eng.last_load_counts["bytes"] / 2**30})
+        eng.close()
+    except Exception as e:  # reported in the table
+        rows.append({"variant": "vllm-rollout" if not rows else "vllm-weight-sync",
+                     "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
+    q.put(rows)
+
+
 def _vllm_child(args_dict: dict, model_dir: str, q) -> None:
     try:
         from vllm import LLM, SamplingParams
@@ -193,21 +258,54 @@ def _vllm_child(args_dict: dict, model_dir: str, q) -> None:
         outs = llm.generate(reqs, sp)
         dt = time.perf_counter() - t0
         ntok = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        q.put({"variant": "vllm-raw", "seconds": dt, "tokens": ntok, "tokens_per_s": ntok / dt})
+        q.put([{"variant": "vllm-raw", "seconds": dt, "tokens": ntok, "tokens_per_s": ntok / dt}])
     except Exception as e:  # reported in the table: vLLM may not run this architecture here
-        q.put({"variant": "vllm-raw", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
+        q.put([{"variant": "vllm-raw",
+                "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}])
 
 
-def run_vllm(args, model_dir: Path) -> dict:
+def run_child(target, variant: str, args, model_dir: Path) -> list[dict]:
+    """``target``'s rows, run in a spawned process (its own CUDA context and vLLM)."""
+    import queue
+
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_vllm_child, args=(vars(args), str(model_dir), q))
+    p = ctx.Process(target=target, args=(vars(args), str(model_dir), q))
     p.start()
-    p.join(args.child_timeout)
+    try:  # read before join: a child blocks on a full queue until it is read
+        rows = q.get(timeout=args.child_timeout)
+    except queue.Empty:
+        rows = [{"variant": variant, "error": f"no result in {args.child_timeout} s "
+                 f"(child {'running' if p.is_alive() else f'exit {p.exitcode}'})"}]
+    p.join(30)
     if p.is_alive():
         p.kill()
-        return {"variant": "vllm-raw", "error": f"timed out after {args.child_timeout} s"}
-    return q.get() if not q.empty() else {"variant": "vllm-raw", "error": f"child exit {p.exitcode}"}
+    return rows
+
+
+def free_device() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def step_rows(rows: list[dict]) -> list[dict]:
+    """One GRPO step's time per backend: the sum of its parts' rows (absent when one failed)."""
+    t = {r["variant"]: r["seconds"] for r in rows if "seconds" in r}
+    out = []
+    for name, parts in (("step (hf)", ("hf-rollout", "logprobs", "train-step")),
+                        ("step (vllm)", ("vllm-rollout", "logprobs", "train-step",
+                                         "vllm-weight-sync"))):
+        if all(p in t for p in parts):
+            rollout = next(r for r in rows if r["variant"] == parts[0])
+            secs = sum(t[p] for p in parts)
+            out.append({"variant": name, "seconds": secs, "tokens": rollout["tokens"],
+                        "tokens_per_s": rollout["tokens"] / secs, "sum_of": " + ".join(parts)})
+    return out
 
 
 def report(rows: list[dict], args, argv: list[str]) -> str:
@@ -229,7 +327,9 @@ def report(rows: list[dict], args, argv: list[str]) -> str:
         if "error" in r:
             lines.append(f"| {r['variant']} | - | - | - | {r['error']} |")
             continue
-        note = ", ".join(f"{k}={r[k]:.3g}" for k in ("mismatch_mean", "grad_norm") if k in r)
+        note = ", ".join(f"{k}={r[k]:.3g}" for k in ("mismatch_mean", "grad_norm", "gib") if k in r)
+        if "sum_of" in r:
+            note = f"sum of {r['sum_of']}"
         lines.append(f"| {r['variant']} | {r['seconds']:.2f} | {r['tokens']} | "
                      f"{r['tokens_per_s']:.0f} | {note} |")
     return "\n".join(lines) + "\n"
@@ -246,7 +346,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--train-dtype", default="bfloat16")
     ap.add_argument("--skip-vllm", action="store_true")
-    ap.add_argument("--child-timeout", type=int, default=300)
+    ap.add_argument("--with-raw", action="store_true", help="also raw vLLM from text prompts")
+    ap.add_argument("--child-timeout", type=int, default=360)
     ap.add_argument("--smoke", action="store_true", help="CPU, a 2-layer model")
     ap.add_argument("--md-out", default=None)
     args = ap.parse_args(argv)
@@ -256,9 +357,14 @@ def main(argv: list[str]) -> int:
         args.image_size, args.train_dtype, args.skip_vllm = 56, "float32", True
         args.model_dir = args.model_dir + "_smoke"
     model_dir = build_model_dir(tiny, Path(args.model_dir), args.image_size)
-    rows = run_flowrl(args, model_dir)
-    if not args.skip_vllm:
-        rows.append(run_vllm(args, model_dir))
+    free_device()
+    vllm_rows: list[dict] = []
+    if not args.skip_vllm:  # first, each in a child: the whole device is free for vLLM
+        vllm_rows += run_child(_flowrl_vllm_child, "vllm-rollout", args, model_dir)
+        if args.with_raw:
+            vllm_rows += run_child(_vllm_child, "vllm-raw", args, model_dir)
+    rows = run_flowrl(args, model_dir) + vllm_rows
+    rows += step_rows(rows)
     md = report(rows, args, argv)
     print(md)
     print(json.dumps(rows))

@@ -104,11 +104,13 @@ def resolve_machine_defaults(cfg, *, cuda: bool | None = None, vllm: bool | None
         out.append(Resolved("trainer.engine.max_tokens_per_micro_batch", GPU_TOKENS_PER_MICRO_BATCH,
                             "token-budget micro-batches on GPU"))
     if r.backend == "auto":
-        images = cfg.data.has_images  # flowrl's vLLM engine takes no images yet
+        # vLLM takes images (multi_modal_data) but has not been measured on them on the GPU
+        # yet (tests/gpu/test_vlm_vllm_gpu.py): ask for it with rollout=vllm
+        images = cfg.data.has_images
         r.backend = "vllm" if on_gpu and vllm and not images else "hf"
         out.append(Resolved("rollout.backend", r.backend,
                             "CUDA and vLLM installed" if r.backend == "vllm" else
-                            "prompts with images: the HF engine takes them" if images and on_gpu else
+                            "prompts with images (rollout=vllm takes them too)" if images and on_gpu else
                             ("vLLM is not installed" if on_gpu else "CPU run: transformers generate")))
         if r.backend == "vllm":
             r.vllm.check_sampling(r.sampling)

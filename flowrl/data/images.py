@@ -19,6 +19,7 @@ them like any other tensor; DESIGN.md "Data that flows"):
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -208,3 +209,132 @@ def flatten_images(pixel_values: Tensor, image_grid_thw: Tensor) -> tuple[Tensor
     per_row = (image_grid_thw.prod(-1)).sum(-1).tolist()
     patches = [pixel_values[i, :int(n)] for i, n in enumerate(per_row)]
     return torch.cat(patches, dim=0), grids[valid]
+
+
+@dataclass(frozen=True)
+class PatchLayout:
+    """How a Qwen2-VL-family image processor turned an image into rows of ``pixel_values``: what
+    :func:`images_of_patches` needs to undo it (a picklable copy of the processor's settings, which
+    a vLLM engine process receives).
+
+    Attributes:
+        patch_size, merge_size, temporal_patch_size: the processor's patching (14, 2, 2 for
+            Qwen2-VL / Qwen2.5-VL).
+        image_mean, image_std: per-channel normalisation (None: ``do_normalize`` off).
+        rescale_factor: the uint8-to-float factor (None: ``do_rescale`` off), 1/255.
+    """
+
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    image_mean: Optional[tuple[float, ...]]
+    image_std: Optional[tuple[float, ...]]
+    rescale_factor: Optional[float]
+
+    @classmethod
+    def of(cls, image_processor: Any) -> "PatchLayout":
+        """The layout of a transformers Qwen2-VL-family image processor."""
+        p = image_processor
+        norm = bool(getattr(p, "do_normalize", True))
+        as_tuple = lambda v: tuple(float(x) for x in (v if isinstance(v, (list, tuple)) else [v] * 3))  # noqa: E731
+        return cls(patch_size=int(p.patch_size), merge_size=int(p.merge_size),
+                   temporal_patch_size=int(p.temporal_patch_size),
+                   image_mean=as_tuple(p.image_mean) if norm else None,
+                   image_std=as_tuple(p.image_std) if norm else None,
+                   rescale_factor=float(p.rescale_factor) if getattr(p, "do_rescale", True) else None)
+
+
+def images_of_patches(pixel_values: Tensor, grids: Tensor, layout: PatchLayout,
+                      at: str = "prompt") -> list[Any]:
+    """The RGB PIL images whose processing gave ``pixel_values``: the inverse of a Qwen2-VL-family
+    processor's rescale, normalisation and patching (its resize already happened: each image
+    comes back at its processed size, which the processor's resize leaves as it is).
+
+    A vLLM engine takes a prompt's images as pictures and runs the model's processor itself
+    (``multi_modal_data``); undoing the patching here keeps the batch's vision inputs tensors (the
+    store, micro-batches and the partitioned transport carry them like any other), and the engine
+    re-derives the very ``pixel_values`` the trainer reads: uint8 pixels survive the float round
+    trip exactly.
+
+    Args:
+        pixel_values: (N, D) float, one row's patches (``flatten_images`` of one row, or the row
+            itself with its zero padding: only the first sum(t*h*w) rows are read).
+        grids: (k, 3) int64 (t, h, w) per image; zero rows (padding) are skipped.
+        layout: the processor's :class:`PatchLayout`.
+
+    Returns:
+        one ``PIL.Image`` (mode RGB, width w*patch, height h*patch) per image, in order.
+
+    Raises:
+        ImageError: a grid with t != 1 (a video), or a width D that is not C x T x patch².
+    """
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    p, m, T = layout.patch_size, layout.merge_size, layout.temporal_patch_size
+    if pixel_values.shape[-1] % (T * p * p):
+        raise ImageError(f"{at}: pixel_values rows of width {pixel_values.shape[-1]} are not "
+                         f"channels x {T} x {p}x{p} patches")
+    C = pixel_values.shape[-1] // (T * p * p)
+    out, start = [], 0
+    for t, h, w in grids.tolist():
+        if t * h * w == 0:
+            continue
+        if t != 1:
+            raise ImageError(f"{at}: an image grid has t={t}: only still images (t=1) are images")
+        x = pixel_values[start:start + h * w].double().reshape(h // m, w // m, m, m, C, T, p, p)
+        start += h * w
+        # rows are (block row, block col, row in block, col in block), columns (C, T, py, px);
+        # every temporal copy of a still image is the same picture: take the first
+        x = x[:, :, :, :, :, 0].permute(4, 0, 2, 5, 1, 3, 6).reshape(C, h * p, w * p)
+        if layout.image_std is not None and layout.image_mean is not None:
+            x = x * torch.tensor(layout.image_std, dtype=x.dtype)[:, None, None] \
+                + torch.tensor(layout.image_mean, dtype=x.dtype)[:, None, None]
+        if layout.rescale_factor is not None:
+            x = x / layout.rescale_factor
+        pixels = x.round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
+        out.append(Image.fromarray(np.ascontiguousarray(pixels)))  # (H, W, 3) uint8: RGB
+    return out
+
+
+def collapse_image_tokens(token_ids: Sequence[int], grids: Tensor, image_token_id: int,
+                          merge_size: int, at: str = "prompt") -> list[int]:
+    """The inverse of :meth:`ImageEncoder.expand`: each image's run of ``t*h*w / merge_size²``
+    image tokens back to one.
+
+    vLLM's Qwen2-VL processor expands every ``<|image_pad|>`` of a token prompt itself (its
+    prompt update replaces each one with the image's feature count); handed the expanded prompt
+    it would expand the first token of the run again and leave the rest as text tokens.
+
+    Args:
+        token_ids: one prompt's real tokens (no padding), images already expanded.
+        grids: (k, 3) the row's image grids; zero rows (padding) are skipped.
+
+    Raises:
+        ImageError: the prompt's image-token runs do not match the images' feature counts.
+    """
+    counts = [t * h * w // merge_size ** 2 for t, h, w in grids.tolist() if t * h * w > 0]
+    out: list[int] = []
+    k = i = 0
+    ids = list(token_ids)
+    while i < len(ids):
+        if ids[i] != image_token_id:
+            out.append(ids[i])
+            i += 1
+            continue
+        # the run at i: longer than image k's count only when image k+1 follows at once
+        found = next((j for j in range(i, len(ids)) if ids[j] != image_token_id), len(ids)) - i
+        if k >= len(counts):
+            raise ImageError(f"{at}: {len(counts)} image(s) but the prompt has more image-token "
+                             f"runs (another at position {i})")
+        run = counts[k]
+        if found < run:
+            raise ImageError(f"{at}: image {k} needs {run} image tokens, the prompt's run at "
+                             f"position {i} has {found}")
+        out.append(image_token_id)
+        i += run
+        k += 1
+    if k != len(counts):
+        raise ImageError(f"{at}: {len(counts)} image(s) but the prompt holds {k} image-token run(s)")
+    return out

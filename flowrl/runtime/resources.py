@@ -282,9 +282,12 @@ def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
         # a pool's rank (group set) must keep vLLM off the job's torch world: child processes
         t1 = time.perf_counter()
         log.info("start-up: building the %s rollout engine", cfg.rollout.backend)
+        from flowrl.models.vision import image_processor, is_vision_config
+
         engines.rollout = rollout_engines.build_rollout_engine(
             cfg.rollout, model, tokenizer, shared=shared, own_process=group is not None,
-            job=rollout_job(cfg, world_size))
+            job=rollout_job(cfg, world_size),
+            image_processor=image_processor(cfg.model) if is_vision_config(cfg.model) else None)
         log.info("start-up: %s rollout engine built in %.1f s", cfg.rollout.backend,
                  time.perf_counter() - t1)
     return engines

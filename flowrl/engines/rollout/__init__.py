@@ -20,15 +20,16 @@ if TYPE_CHECKING:  # ROLLOUT_BACKENDS is read by the run config, before torch lo
 
 
 def _build_hf(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_process: bool,
-              job: RolloutJob | None = None):
-    # transformers generate makes no process groups: own_process does not apply
+              job: RolloutJob | None = None, image_processor: Any = None):
+    # transformers generate makes no process groups: own_process does not apply; the batch's
+    # pixel_values go to the module as they are (no image processor)
     from flowrl.engines.rollout.hf import HFRolloutEngine
 
     return HFRolloutEngine(model, tokenizer, rollout_cfg.hf, shared=shared)
 
 
 def _build_vllm(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_process: bool,
-                job: RolloutJob | None = None):
+                job: RolloutJob | None = None, image_processor: Any = None):
     # vLLM always holds its own copy of the weights (``shared`` does not apply): the plan's weight
     # syncs feed it through load_weights.
     from flowrl.engines.rollout.vllm import weights_and_device_memory
@@ -44,17 +45,18 @@ def _build_vllm(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_p
     if procs >= 1:
         from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
 
-        return VLLMProcessEngine(model, tokenizer, cfg, procs=procs)
+        return VLLMProcessEngine(model, tokenizer, cfg, procs=procs, image_processor=image_processor)
     from flowrl.engines.rollout.vllm import VLLMRolloutEngine
 
-    return VLLMRolloutEngine(model, tokenizer, cfg)
+    return VLLMRolloutEngine(model, tokenizer, cfg, image_processor=image_processor)
 
 
 ROLLOUT_BACKENDS: dict[str, Callable[..., Any]] = {"hf": _build_hf, "vllm": _build_vllm}
 
 
 def build_rollout_engine(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool = False,
-                         own_process: bool = False, job: RolloutJob | None = None):
+                         own_process: bool = False, job: RolloutJob | None = None,
+                         image_processor: Any = None):
     """Build the rollout engine ``rollout_cfg.backend`` names.
 
     Args:
@@ -68,13 +70,17 @@ def build_rollout_engine(rollout_cfg, model: nn.Module, tokenizer, *, shared: bo
         job: the run's rollout demand on this rank; ``vllm`` sizes its ``None`` settings to it
             (``VLLMRolloutConfig.sized_for``: engine processes, eager or CUDA graphs and their
             sizes, a fixed KV cache for side-by-side start). None = the rules without it.
+        image_processor: a vision-language policy's image processor (``vllm`` exports it with
+            the model and hands the prompts' images to vLLM); None for a text model.
 
     Raises:
-        ValueError: unknown backend. ImportError: ``vllm`` requested but not installed.
+        ValueError: unknown backend; ``vllm`` with a vision-language model and no
+            ``image_processor``. ImportError: ``vllm`` requested but not installed.
     """
     try:
         build = ROLLOUT_BACKENDS[rollout_cfg.backend]
     except KeyError:
         raise ValueError(f"rollout.backend must be one of {sorted(ROLLOUT_BACKENDS)}, "
                          f"got {rollout_cfg.backend!r}") from None
-    return build(rollout_cfg, model, tokenizer, shared=shared, own_process=own_process, job=job)
+    return build(rollout_cfg, model, tokenizer, shared=shared, own_process=own_process, job=job,
+                 image_processor=image_processor)

@@ -17,6 +17,7 @@ cache, and after a level-2 sleep ``generate`` refuses to run until weights were 
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import os
 import shutil
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 from flowrl.algorithms.masks import response_mask
+from flowrl.data.images import PatchLayout, collapse_image_tokens, images_of_patches
 from flowrl.engines.base import RolloutBatch, SamplingConfig
 from flowrl.engines.rollout.vllm_config import (  # noqa: F401 (re-exported)
     CPU_HEAD_SIZES,
@@ -108,6 +110,15 @@ def export_hf_dir(model: nn.Module, tokenizer, path: Path) -> list[str]:
 
 
 @dataclass(frozen=True)
+class VisionExport:
+    """What a vLLM engine needs to hand a vision-language prompt's images to vLLM: the image
+    token (``<|image_pad|>``) and how the model's image processor patched the images."""
+
+    image_token_id: int
+    layout: PatchLayout
+
+
+@dataclass(frozen=True)
 class PolicyExport:
     """A policy written as an HF directory that vLLM engines start from (picklable: it is what an
     engine process of ``vllm_proc.py`` receives)."""
@@ -117,18 +128,35 @@ class PolicyExport:
     eos_token_id: int
     pad_token_id: int        # the tokenizer's pad id, else EOS
     dtype: str               # the module's parameter dtype, e.g. "float32", "bfloat16"
+    vision: VisionExport | None = None  # a vision-language policy's image inputs, else None
 
 
-def export_policy(model: nn.Module, tokenizer, model_dir: str | None = None) -> PolicyExport:
+def export_policy(model: nn.Module, tokenizer, model_dir: str | None = None,
+                  image_processor: Any = None) -> PolicyExport:
     """Export ``model`` + ``tokenizer`` (:func:`export_hf_dir`) to ``model_dir`` or a new
-    temporary directory (the caller removes it)."""
+    temporary directory (the caller removes it). A vision-language model (its config has an
+    ``image_token_id``: Qwen2-VL / Qwen2.5-VL) also gets its ``image_processor`` written there
+    (``preprocessor_config.json``: vLLM runs it on the prompts' images).
+
+    Raises:
+        ValueError: a vision-language model without ``image_processor``.
+    """
+    image_token_id = getattr(model.config, "image_token_id", None)
+    if image_token_id is not None and image_processor is None:
+        raise ValueError(f"export_policy: {type(model).__name__} is a vision-language model; vLLM "
+                         "needs its image processor (pass image_processor=)")
     path = Path(model_dir or tempfile.mkdtemp(prefix="flowrl_vllm_"))
     names = export_hf_dir(model, tokenizer, path)
+    vision = None
+    if image_token_id is not None:
+        image_processor.save_pretrained(str(path))
+        vision = VisionExport(int(image_token_id), PatchLayout.of(image_processor))
     pad = tokenizer.pad_token_id
     eos = int(tokenizer.eos_token_id)
     return PolicyExport(model_dir=str(path), weight_names=frozenset(names), eos_token_id=eos,
                         pad_token_id=int(pad) if pad is not None else eos,
-                        dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
+                        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+                        vision=vision)
 
 
 def _prompt_rows(prompt_ids: Tensor, prompt_mask: Tensor) -> list[list[int]]:
@@ -144,15 +172,48 @@ def _prompt_rows(prompt_ids: Tensor, prompt_mask: Tensor) -> list[list[int]]:
     return [ids[i][mask[i]].tolist() for i in range(ids.shape[0])]
 
 
-def _groups(rows: list[list[int]]) -> list[tuple[list[int], int]]:
-    """Runs of identical consecutive prompts → (prompt, count): one vLLM request with n=count."""
+def _groups(rows: list[list[int]], images: Mapping[str, Tensor] | None = None
+            ) -> list[tuple[list[int], int]]:
+    """Runs of identical consecutive prompts → (prompt, count): one vLLM request with n=count.
+    With ``images`` (batch-first vision inputs) two rows are one prompt only when their images
+    are equal too."""
     out: list[tuple[list[int], int]] = []
-    for r in rows:
-        if out and out[-1][0] == r:
+    for i, r in enumerate(rows):
+        if out and out[-1][0] == r and (images is None or all(
+                torch.equal(v[i], v[i - 1]) for v in images.values())):
             out[-1] = (r, out[-1][1] + 1)
         else:
             out.append((r, 1))
     return out
+
+
+def vision_prompt(token_ids: list[int], pixel_values: Tensor, image_grid_thw: Tensor,
+                  vision: VisionExport) -> dict[str, Any]:
+    """One vLLM prompt (a ``TokensPrompt`` dict) of a vision-language row.
+
+    The prompt's image tokens are collapsed to one per image (``collapse_image_tokens``): vLLM's
+    Qwen2-VL processor expands each itself, to the count the images' grids give, so the prompt it
+    runs is ``token_ids`` again (:meth:`VLLMRolloutEngine.generate` checks). The images go as the
+    pictures their patches came from (``images_of_patches``): vLLM's processor re-derives the same
+    ``pixel_values``.
+
+    Args:
+        token_ids: the row's real prompt tokens, images expanded (``ImageEncoder.expand``).
+        pixel_values: (N, D) the row's patches (zero padding after its images is ignored).
+        image_grid_thw: (K, 3) the row's image grids (zero rows after its last image).
+        vision: the export's image token and patch layout.
+
+    Returns:
+        ``{"prompt_token_ids": [...], "multi_modal_data": {"image": [PIL.Image, ...]}}``.
+
+    Raises:
+        ImageError: the prompt's image tokens do not match the row's images.
+    """
+    ids = collapse_image_tokens(token_ids, image_grid_thw, vision.image_token_id,
+                                vision.layout.merge_size)
+    return {"prompt_token_ids": ids,
+            "multi_modal_data": {"image": images_of_patches(pixel_values, image_grid_thw,
+                                                            vision.layout)}}
 
 
 class VLLMRolloutEngine:
@@ -175,7 +236,8 @@ class VLLMRolloutEngine:
             (``VLLMRolloutConfig.weight_load`` resolved for this model).
 
     Raises:
-        ImportError: vllm is missing. ValueError: a model vLLM's CPU kernel cannot run.
+        ImportError: vllm is missing. ValueError: a model vLLM's CPU kernel cannot run; a
+            vision-language model without ``image_processor``.
     """
 
     # vLLM takes prompts as token lists and returns host tensors: its batch lives on the host
@@ -183,13 +245,15 @@ class VLLMRolloutEngine:
     device = torch.device("cpu")
     shared = False  # vLLM holds its own copy of the weights
 
-    def __init__(self, model: nn.Module, tokenizer, cfg: VLLMRolloutConfig | None = None) -> None:
+    def __init__(self, model: nn.Module, tokenizer, cfg: VLLMRolloutConfig | None = None,
+                 image_processor: Any = None) -> None:
         cfg = cfg or VLLMRolloutConfig()
         import_vllm()
         from vllm.platforms import current_platform
 
         check_model_for_vllm(model.config, on_cpu=current_platform.is_cpu())
-        self._start(export_policy(model, tokenizer, cfg.model_dir), cfg, owns_dir=cfg.model_dir is None)
+        self._start(export_policy(model, tokenizer, cfg.model_dir, image_processor), cfg,
+                    owns_dir=cfg.model_dir is None)
 
     @classmethod
     def from_export(cls, exported: "PolicyExport", cfg: VLLMRolloutConfig) -> "VLLMRolloutEngine":
@@ -209,6 +273,7 @@ class VLLMRolloutEngine:
         self._tmp = owns_dir
         self.model_dir = Path(exported.model_dir)
         self.weight_names = exported.weight_names
+        self.vision = exported.vision
         dtype = self.cfg.dtype
         if dtype == "auto":  # the module's real dtype, not whatever its config claims
             dtype = exported.dtype
@@ -224,6 +289,8 @@ class VLLMRolloutEngine:
         )
         if self.cfg.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.cfg.max_num_batched_tokens
+        if self.vision is not None:  # images only: no video profiling, no video inputs
+            kwargs["limit_mm_per_prompt"] = {"image": self.cfg.max_images_per_prompt, "video": 0}
         if self.on_cuda and not self.cfg.enforce_eager:
             kwargs["max_cudagraph_capture_size"] = (self.cfg.max_cudagraph_capture_size
                                                     or self.cfg.max_num_seqs)
@@ -277,6 +344,10 @@ class VLLMRolloutEngine:
             generator: draws one seed per request (vLLM seeds child i with seed + i), so the same
                 generator state and inputs give the same samples, whatever else is batched.
                 None = vLLM's engine RNG.
+            images: a vision-language batch's ``pixel_values`` (B, N, D) and ``image_grid_thw``
+                (B, K, 3) (``flowrl.data.images``; the prompts hold the expanded image tokens).
+                Each row goes to vLLM as a :func:`vision_prompt` (``multi_modal_data``); rows
+                with equal tokens and images are one request with ``n`` children.
 
         Returns:
             :class:`RolloutBatch` on ``prompt_ids.device``; R = the longest response. Rows are
@@ -290,12 +361,15 @@ class VLLMRolloutEngine:
             ValueError: bad shapes / padding, or sampling settings ``cfg.check_sampling`` rejects.
             RuntimeError: a level-2 sleep discarded the weights (or a load was incomplete) and no
                 complete load came since, or
-                vLLM finished a request for another reason than stop/length.
-            NotImplementedError: ``images`` (vision inputs are HF-only for now).
+                vLLM finished a request for another reason than stop/length, or vLLM's
+                expansion of a prompt's image tokens is not the prompt's own.
+            ValueError: ``images`` for a text model. ImageError: a row's image tokens do not
+                match its images.
         """
-        if images is not None:  # preflight refuses rollout=vllm with images before loading
-            raise NotImplementedError("rollout=vllm does not take images yet (multi_modal_data); "
-                                      "use rollout=hf for a vision-language policy")
+        vision = self.vision
+        if images is not None and vision is None:
+            raise ValueError("VLLMRolloutEngine.generate: images given, but the exported policy is "
+                             "a text model (no image_token_id in its config)")
         self.cfg.check_sampling(params)
         rows = _prompt_rows(prompt_ids, prompt_mask)
         if not self._weights_valid:
@@ -310,12 +384,18 @@ class VLLMRolloutEngine:
         stops = [self.eos_token_id] + [int(s) for s in params.stop_token_ids if s != self.eos_token_id]
         greedy = params.temperature == 0
         # vLLM refuses n > 1 when greedy; identical greedy requests still share the prefix cache
-        groups = [(r, 1) for r in rows] if greedy else _groups(rows)
+        vis = None if images is None else {k: v.cpu() for k, v in images.items()}
+        groups = [(r, 1) for r in rows] if greedy else _groups(rows, vis)
         seeds = [None] * len(groups)
         if generator is not None:
             seeds = torch.randint(0, 2**62, (len(groups),), generator=generator).tolist()
         SamplingParams = self._vllm.SamplingParams  # noqa: N806
-        requests = [{"prompt_token_ids": p} for p, _ in groups]
+        if vis is None or vision is None:
+            requests: list[dict[str, Any]] = [{"prompt_token_ids": p} for p, _ in groups]
+        else:  # each group's first row carries its images
+            starts = itertools.accumulate((k for _, k in groups[:-1]), initial=0)
+            requests = [vision_prompt(p, vis["pixel_values"][s], vis["image_grid_thw"][s],
+                                      vision) for (p, _), s in zip(groups, starts)]
         sps = [SamplingParams(
             n=k, temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
             top_k=0 if greedy else params.top_k, max_tokens=params.max_new_tokens,
@@ -333,6 +413,14 @@ class VLLMRolloutEngine:
             gc.unfreeze()
             if gc_was_enabled:
                 gc.enable()
+        if vis is not None:
+            for g, ((p, _), o) in enumerate(zip(groups, outs)):
+                ran = list(o.prompt_token_ids or [])
+                if ran != p:
+                    raise RuntimeError(
+                        f"vLLM ran vision prompt {g} as {len(ran)} tokens, not the trainer's "
+                        f"{len(p)} (or other ones): its processor expanded the image tokens "
+                        "otherwise (another image size or processor config than the trainer's?)")
         samples = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
         # prompt tokens served from the prefix cache (a multi-turn context's earlier turns)
         self.last_prefix_cache = {"prompt_tokens": sum(len(p) for p, _ in groups),

@@ -115,6 +115,9 @@ class VLLMRolloutConfig:
             or repacked layers), "auto" = direct when every parameter of vLLM's model kept its
             loader after loading (unquantized CUDA layers), else reload (vLLM-CPU repacks its
             GEMM weights after loading and drops them).
+        max_images_per_prompt: a vision-language policy's most images in one prompt (vLLM's
+            ``limit_mm_per_prompt``: it sizes the vision encoder's start-up profiling by it, and
+            refuses a request with more). Ignored for a text model.
     """
 
     gpu_memory_utilization: float = 0.5
@@ -133,6 +136,7 @@ class VLLMRolloutConfig:
     model_dir: Optional[str] = None
     engine_procs: Optional[int] = None
     weight_load: str = "auto"  # "auto" | "direct" | "reload" (OmegaConf has no Literal)
+    max_images_per_prompt: int = 1
 
     def __post_init__(self) -> None:
         if self.engine_procs is not None and self.engine_procs < 0:
@@ -155,6 +159,9 @@ class VLLMRolloutConfig:
                              f"{self.tensor_parallel_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"rollout.vllm.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_images_per_prompt < 1:
+            raise ValueError(f"rollout.vllm.max_images_per_prompt must be >= 1, got "
+                             f"{self.max_images_per_prompt}")
         for name in ("max_num_batched_tokens", "max_model_len", "max_cudagraph_capture_size"):
             v = getattr(self, name)
             if v is not None and v < 1:
@@ -273,6 +280,8 @@ def check_model_for_vllm(hf_config, on_cpu: bool) -> None:
     """
     if not on_cpu:
         return
+    # a vision-language config keeps the language model's shape in its text config
+    hf_config = hf_config.get_text_config()
     heads = getattr(hf_config, "num_attention_heads", None)
     head = getattr(hf_config, "head_dim", None) or (hf_config.hidden_size // heads if heads else None)
     if head is not None and head not in CPU_HEAD_SIZES:

@@ -71,15 +71,17 @@ def engine_share(cfg: VLLMRolloutConfig, procs: int, index: int) -> VLLMRolloutC
         seed=cfg.seed + index)
 
 
-def split_groups(rows: list[list[int]], greedy: bool, parts: int) -> list[tuple[int, int]]:
+def split_groups(rows: list[list[int]], greedy: bool, parts: int,
+                 images: Mapping[str, Tensor] | None = None) -> list[tuple[int, int]]:
     """Contiguous row ranges, one per engine, never splitting a group of identical prompts (its
     ``n`` samples are one vLLM request sharing the prefix cache); sizes as equal as groups allow.
     Fewer ranges than ``parts`` when there are fewer groups. Greedy rows are each their own group.
+    With ``images``, a group's rows also have equal images.
 
     Returns:
         ``[(start, end), ...]`` covering ``range(len(rows))`` in order, each non-empty.
     """
-    sizes = [1] * len(rows) if greedy else [k for _, k in _groups(rows)]
+    sizes = [1] * len(rows) if greedy else [k for _, k in _groups(rows, images)]
     bounds: list[tuple[int, int]] = []
     start = done = 0
     for k in sizes:
@@ -142,9 +144,9 @@ def _serve(conn, exported: PolicyExport, cfg: VLLMRolloutConfig, env: dict[str, 
             break
         try:
             if op == "generate":
-                _, ids, mask, params, seed = msg
+                _, ids, mask, params, seed, images = msg
                 gen = None if seed is None else torch.Generator().manual_seed(seed)
-                out = engine.generate(ids, mask, params, generator=gen)
+                out = engine.generate(ids, mask, params, generator=gen, images=images)
                 reply: Any = (out.response_ids, out.response_mask, out.rollout_logprobs,
                               out.truncated, engine.last_prefix_cache)
             elif op == "load":
@@ -183,6 +185,7 @@ class VLLMProcessEngine:
         cfg: ``rollout.vllm``; memory and concurrency settings are this rank's totals
             (:func:`engine_share`).
         procs: engine processes (>= 1); None = ``cfg.engine_procs_for(..., own_process=True)``.
+        image_processor: a vision-language model's image processor (``export_policy``).
 
     Attributes:
         sleep_supported: vLLM really frees memory on sleep (CUDA); False on CPU.
@@ -204,7 +207,7 @@ class VLLMProcessEngine:
     shared = False  # the engines hold their own copy of the weights
 
     def __init__(self, model: nn.Module, tokenizer, cfg: VLLMRolloutConfig | None = None,
-                 procs: int | None = None) -> None:
+                 procs: int | None = None, image_processor: Any = None) -> None:
         self.cfg = cfg = cfg or VLLMRolloutConfig()
         if procs is None:
             procs = cfg.engine_procs_for(*weights_and_device_memory(model), own_process=True)
@@ -216,7 +219,7 @@ class VLLMProcessEngine:
         # the rank's cache total, split by engine_share (on CPU a fixed size: see the config)
         self.cfg = cfg = dataclasses.replace(cfg, kv_cache_memory_gb=cfg.kv_cache_gb_on(
             device.type != "cuda"))
-        self.exported = export_policy(model, tokenizer, cfg.model_dir)
+        self.exported = export_policy(model, tokenizer, cfg.model_dir, image_processor)
         tmp_dir = self.exported.model_dir if cfg.model_dir is None else None
         self.weight_names = self.exported.weight_names
         self.eos_token_id, self.pad_token_id = self.exported.eos_token_id, self.exported.pad_token_id
@@ -319,21 +322,21 @@ class VLLMProcessEngine:
 
         Args/Returns/Raises: as ``VLLMRolloutEngine.generate``. With a ``generator``, one seed per
         engine slice is drawn from it: the same generator state, inputs and ``procs`` give the same
-        samples (a different ``procs`` splits differently, hence other samples).
+        samples (a different ``procs`` splits differently, hence other samples). ``images``: each
+        engine gets its rows' slice of them.
         """
-        if images is not None:  # preflight refuses rollout=vllm with images before loading
-            raise NotImplementedError("rollout=vllm does not take images yet (multi_modal_data); "
-                                      "use rollout=hf for a vision-language policy")
         self.cfg.check_sampling(params)
         t0 = time.perf_counter()
         rows = _prompt_rows(prompt_ids, prompt_mask)
-        ranges = split_groups(rows, params.temperature == 0, self.procs_n)
+        vis = None if images is None else {k: v.cpu() for k, v in images.items()}
+        ranges = split_groups(rows, params.temperature == 0, self.procs_n, vis)
         seeds: list[int | None] = [None] * len(ranges)
         if generator is not None:
             seeds = torch.randint(0, 2**62, (len(ranges),), generator=generator).tolist()
         ids, mask = prompt_ids.cpu(), prompt_mask.cpu()
         for i, ((a, b), seed) in enumerate(zip(ranges, seeds)):
-            self._send(i, ("generate", ids[a:b].clone(), mask[a:b].clone(), params, seed))
+            part = None if vis is None else {k: v[a:b].clone() for k, v in vis.items()}
+            self._send(i, ("generate", ids[a:b].clone(), mask[a:b].clone(), params, seed, part))
         replies = self._collect(range(len(ranges)))
         parts = [r for r, _ in replies]
         R = max(p[0].shape[1] for p in parts)
