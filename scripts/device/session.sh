@@ -14,7 +14,7 @@
 #   carry [".model/b"]:           bash scripts/device/session.sh model b
 #   carry [".vllm/p5"]:           bash scripts/device/session.sh install first_step
 #   (no carry):                   bash scripts/device/session.sh <phase> [<phase> ...]
-# Phases: first_step, learning, e2e, tier, vlm, nan, distill_teacher, distill_arms (see each below);
+# Phases: first_step, learning, e2e, tier, vlm, nan, hfgen, distill_teacher, distill_arms (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
 set -uo pipefail
@@ -24,8 +24,8 @@ export PYTHONPATH=$PWD:/tmp/vsite:/tmp/site:/tmp/smollm2_site${PYTHONPATH:+:$PYT
 COMMIT=$(cat .flowrl_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo "?")
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 
-phase_first_step() {  # ~3 min: the default job, job-sized engine vs graphs in process
-  python3 benchmarks/first_step.py --variants ${FIRST_STEP_VARIANTS:-default,graphs10} --timeout-s 200 \
+phase_first_step() {  # ~3 min: the default job twice: cold (fresh machine), then warm (GGUF + vLLM compile caches)
+  python3 benchmarks/first_step.py --variants ${FIRST_STEP_VARIANTS:-default} --rounds ${FIRST_STEP_ROUNDS:-2} --timeout-s 200 \
     --md-out "$OUT/first_step_h200.md" --log-dir "$OUT/first_step_logs" -- ${X:-}
 }
 phase_learning() {  # ~9 min: the arith task, full fine-tuning and LoRA side by side (and the tier)
@@ -49,6 +49,9 @@ phase_learning() {  # ~9 min: the arith task, full fine-tuning and LoRA side by 
 phase_e2e() {  # ~8 min: flowrl vs TRL, interleaved rounds
   python3 benchmarks/e2e_vs_trl.py --suite gpu ${E2E_ARGS:-} --out "$OUT/e2e_vs_trl_h200.md" \
     --json-out "$OUT/e2e_vs_trl_h200.json" ${X:-}
+}
+phase_hfgen() {  # ~3 min: flowrl's HF generate vs TRL's call (issue 24's 7.51 vs 6.88 s)
+  timeout -k 10 400 python3 benchmarks/hf_generate_check.py --out "$OUT/hf_generate_h200.md"
 }
 phase_nan() {  # ~1 min: issue 25's NaN hypothesis, empty attention rows vs left-aligned rows
   timeout -k 10 300 python3 benchmarks/nan_layout_check.py --md-out "$OUT/nan_layout_h200.md"
@@ -99,7 +102,7 @@ for p in "$@"; do
     log "phases $p done in $((SECONDS - t0)) s"
     continue
   fi
-  case "$p" in first_step|learning|e2e|tier|vlm|nan|distill_teacher|distill_arms) ;; *) continue ;; esac
+  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms) ;; *) continue ;; esac
   log "phase $p"
   t0=$SECONDS
   "phase_$p" || { rc=$?; log "phase $p exit $rc"; }
