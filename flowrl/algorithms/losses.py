@@ -22,6 +22,7 @@ from torch import Tensor
 
 from flowrl.algorithms.variants import POLICY_LOSSES as POLICY_LOSS_NAMES
 from flowrl.algorithms.variants import ROLLOUT_IS as ROLLOUT_IS_NAMES
+from flowrl.algorithms.variants import SFT_LOSSES as SFT_LOSS_NAMES
 
 LOG_RATIO_CLAMP = 20.0  # |log r| beyond 20 (r > 4.8e8) only happens on garbage; keeps exp finite
 
@@ -149,6 +150,41 @@ def vanilla_pg_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
     zero = torch.zeros_like(adv)
     return torch.where(mask, -adv * ratio, 0.0), {"ratio": torch.where(mask, ratio.detach(), 0.0),
                                                  "clipfrac": zero, "dual_clipfrac": zero}
+
+
+# ----------------------------------------------------------------------------- SFT losses
+SFTLossFn = Callable[[Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]]
+SFT_LOSSES: dict[str, SFTLossFn] = {}
+
+
+def register_sft_loss(name: str):
+    """Decorator: register ``fn(logprobs, response_mask) -> (per_token_loss, stats)`` in
+    :data:`SFT_LOSSES` (``update.sft``'s ``loss`` param). Same conventions as a policy loss:
+    (B, R) float32, exactly 0 at masked positions, aggregated by ``aggregate_loss``.
+
+    Raises:
+        ValueError: ``name`` is not declared in ``algorithms/variants.py`` (SFT_LOSSES).
+    """
+    if name not in SFT_LOSS_NAMES:
+        raise ValueError(f"SFT loss {name!r} is not declared in flowrl/algorithms/variants.py")
+    return _register(SFT_LOSSES, name)
+
+
+@register_sft_loss("nll")
+def nll_loss(logprobs: Tensor, response_mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """Negative log-likelihood of the given tokens (supervised fine-tuning; here on a teacher's
+    samples, ``graphs/sft_teacher.yaml``): L_t = −log π_θ(y_t) at valid positions. Aggregated
+    with ``algorithm.loss_agg_mode`` like every loss (``token-mean``: the mean NLL per token).
+
+    Args:
+        logprobs: (B, R) float, log π_θ of the tokens (requires grad); response_mask: (B, R) bool.
+            Masked positions may hold NaN/inf: they reach neither the loss nor the gradient.
+    Returns:
+        (per_token_loss (B, R) float32, 0 at masked; stats {"nll"}: the loss, detached).
+    """
+    mask = response_mask.bool()
+    loss = torch.where(mask, -logprobs.float(), 0.0)
+    return loss, {"nll": loss.detach()}
 
 
 # ----------------------------------------------------------------------------- aggregation

@@ -49,6 +49,9 @@ ESTIMATORS: dict[str, EstimatorSpec] = {s.name: s for s in (
 # update.policy's ``policy_loss`` param: token-level PPO clip, GSPO's sequence-level ratio
 # (Zheng et al. 2025), plain policy gradient
 POLICY_LOSSES = ("ppo_clip", "gspo", "vanilla")
+# update.sft's ``loss`` param: the negative log-likelihood of the given tokens (SFT on teacher
+# samples, graphs/sft_teacher.yaml)
+SFT_LOSSES = ("nll",)
 # algorithm.rollout_is: no correction, or truncated importance sampling (Yao et al. 2025)
 ROLLOUT_IS = ("none", "tis")
 

@@ -29,6 +29,7 @@ from flowrl.compiler.footprint import (
     ModelSize,
     fmt_bytes,
     pool_peak_memory,
+    role_memory,
     role_model_configs,
     tensor_bytes,
 )
@@ -91,9 +92,9 @@ def free_seconds(m: Optional[ModelSize], w: Workload, p: int, tp: int, d: Device
 
 KIND_SECONDS: dict[str, Callable[..., float]] = {
     "forward": forward_seconds, "train": train_seconds, "decode": decode_seconds, "free": free_seconds}
-OP_KIND = {"rollout.generate": "decode", "rollout.multi_turn": "decode", "reward.genrm": "decode", "logprobs": "forward",
+OP_KIND = {"rollout.generate": "decode", "teacher.generate": "decode", "rollout.multi_turn": "decode", "reward.genrm": "decode", "logprobs": "forward",
            "values": "forward", "reward.model": "forward", "update.policy": "train",
-           "update.critic": "train"}
+           "update.critic": "train", "update.sft": "train"}
 
 
 def stage_kind(op: str, role: Optional[str]) -> str:
@@ -241,6 +242,10 @@ class PlacementEstimate:
         sync_s / transfer_s: weight broadcast and rollout → train transfer seconds per step.
         memory: pool → (peak bytes per device, the role whose turn on the device sets it;
             None: unknown).
+        role_memory: pool → role → predicted bytes per device of that role's model alone
+            (:func:`~flowrl.compiler.footprint.role_memory`: every model role of the pool, a
+            teacher or reference included); their sum is the pool's need with every model
+            resident (no swaps: ``trainer.offload=never``, or ``auto`` when it fits).
         transfers: key → bytes per step.
         sync_bytes: weight bytes broadcast per step.
         candidates: auto only: candidate label → predicted step seconds.
@@ -256,12 +261,14 @@ class PlacementEstimate:
     sync_bytes: int
     device: str
     candidates: dict[str, float] = field(default_factory=dict)
+    role_memory: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def estimate(pp: PlacementPlan, costs: StageCosts) -> PlacementEstimate:
     """Predicted step time, per-pool peak memory and traffic of a colocated or partitioned plan."""
     w = costs.workload
     sides, memory = {}, {}
+    by_role: dict[str, dict[str, int]] = {}
     for name, pool in pp.pools.items():
         p = len(pool.ranks)
         side = sum(costs.stage_seconds(s, p) for s in pool.plan.order)
@@ -272,18 +279,20 @@ def estimate(pp: PlacementPlan, costs: StageCosts) -> PlacementEstimate:
         tp = max((costs.parallelism.get(r, 1) for r in pool.roles), default=1)
         kv_tokens = math.ceil(w.batch / max(p // tp, 1)) * (w.prompt_tokens + w.response_tokens)
         memory[name] = pool_peak_memory(pool.roles, costs.sizes, p, kv_tokens)
+        by_role[name] = {r: role_memory(r, costs.sizes[r], p, kv_tokens) for r in pool.roles}
     xfer = transfer_bytes(pp, w)
     sb = sync_bytes(pp, costs)
     link = costs.device.link_bw
     if pp.mode == "colocated":
-        return PlacementEstimate(sides["all"], sides, 0.0, 0.0, memory, xfer, sb, costs.device.name)
+        return PlacementEstimate(sides["all"], sides, 0.0, 0.0, memory, xfer, sb, costs.device.name,
+                                 role_memory=by_role)
     r, t = len(pp.pools[ROLLOUT_POOL].ranks), len(pp.pools[TRAIN_POOL].ranks)
     sync_s = sb / link  # pipelined bucket broadcast: ~bytes / bandwidth for any receiver count
     xfer_s = sum(xfer.values()) / (link * min(r, t))  # min(r, t) point-to-point links at once
     rs, ts = sides[ROLLOUT_POOL], sides[TRAIN_POOL]
     body = rs + ts if pp.staleness == 0 else max(rs, ts)
     return PlacementEstimate(body + sync_s + xfer_s, sides, sync_s, xfer_s, memory, xfer, sb,
-                             costs.device.name)
+                             costs.device.name, role_memory=by_role)
 
 
 def ternary_search(f: Callable[[int], float], xs: Sequence[int]) -> int:

@@ -43,9 +43,10 @@ def role_model_configs(cfg: Any) -> dict[str, Any]:
     """role → ModelConfig of a TrainConfig: the actor's model serves actor, rollout, ref and
     critic (value head on the same backbone; its one-output head is ignored); ``reward.model``
     the reward model; ``reward.genrm.model`` (or the actor's) the judge; ``teacher`` the teacher
-    (unset — only ``flowrl plan`` gets that far — it is sized as the policy)."""
+    and its sampler ``teacher_rollout`` (unset — only ``flowrl plan`` gets that far — it is
+    sized as the policy)."""
     out = {r: cfg.model for r in ("actor", "rollout", "ref", "critic")}
-    out["teacher"] = cfg.teacher if cfg.teacher.is_set else cfg.model
+    out["teacher"] = out["teacher_rollout"] = cfg.teacher if cfg.teacher.is_set else cfg.model
     if cfg.reward.model.model is not None:
         out["reward_model"] = cfg.reward.model.model
     out["genrm"] = cfg.reward.genrm.model or cfg.model
@@ -67,7 +68,7 @@ def role_memory(role: str, size: ModelSize, pool_size: int, kv_tokens: int = 0) 
       params × bytes), FSDP-sharded over the pool, plus one gathered copy of the weights while a
       layer group computes when the pool has more than one device (upper bound: the whole model).
     * frozen roles (ref, teacher, reward_model): the weights, unsharded.
-    * generate roles (rollout, genrm): the weights + the KV cache of ``kv_tokens`` positions held by
+    * generate roles (rollout, genrm, teacher_rollout): the weights + the KV cache of ``kv_tokens`` positions held by
       one device (rows per device × (P + R)).
     Activations and logits are not counted (micro-batching bounds them; see trainer.engine).
     """

@@ -25,7 +25,7 @@ MODES = ("colocated", "partitioned", "auto")
 TRAIN_POOL, ROLLOUT_POOL = "train", "rollout"
 # where each role lives unless placement.roles says otherwise
 DEFAULT_ROLE_POOL = {"actor": TRAIN_POOL, "ref": TRAIN_POOL, "critic": TRAIN_POOL,
-                     "teacher": TRAIN_POOL, "rollout": ROLLOUT_POOL, "reward_model": ROLLOUT_POOL, "genrm": ROLLOUT_POOL}
+                     "teacher": TRAIN_POOL, "teacher_rollout": ROLLOUT_POOL, "rollout": ROLLOUT_POOL, "reward_model": ROLLOUT_POOL, "genrm": ROLLOUT_POOL}
 
 
 class PlacementError(ValueError):

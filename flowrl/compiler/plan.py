@@ -159,7 +159,8 @@ def resolve(graph: Graph, run_cfg: Mapping | DictConfig | None) -> Graph:
                 problems.append((s.name, fld, msg))
                 resolved[fld] = val
         out.stages.append(Stage(name=s.name, op=s.op, role=s.role, inputs=dict(s.inputs),
-                                params=resolved["params"] or {}, when=resolved["when"]))
+                                params=resolved["params"] or {}, when=resolved["when"],
+                                outputs=s.outputs))
     if problems:
         raise GraphError(problems)
     return out
@@ -189,7 +190,7 @@ def _rewrite_interpolations(graph: Graph) -> Graph:
     g = Graph(name=graph.name, weight_sync=list(graph.weight_sync), description=graph.description)
     for s in graph.stages:
         g.stages.append(Stage(name=s.name, op=s.op, role=s.role, inputs=dict(s.inputs),
-                              params=fix(s.params), when=fix(s.when)))
+                              params=fix(s.params), when=fix(s.when), outputs=s.outputs))
     return g
 
 
@@ -217,7 +218,7 @@ def prune(graph: Graph, shown_when: Optional[Mapping[str, Any]] = None) -> tuple
             continue
         inputs = {arg: ref for arg, ref in s.inputs.items() if ref.split(".")[0] not in dropped}
         g.stages.append(Stage(name=s.name, op=s.op, role=s.role, inputs=inputs, params=s.params,
-                              when=None))
+                              when=None, outputs=s.outputs))
     return g, dropped
 
 

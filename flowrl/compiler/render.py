@@ -154,6 +154,13 @@ def _estimate_lines(pp: "PlacementPlan") -> list[str]:
     out.append("Predicted peak memory per device: " + "; ".join(
         f"pool {k} {_fmt_bytes(b)}" + (f" (set by the {who} role)" if who else "")
         for k, (b, who) in est.memory.items()))
+    # every model role with its pool and size (a teacher or reference holds weights of its own):
+    # the peak above assumes the roles swap; with all of them resident the pool needs the sum
+    for k, roles in est.role_memory.items():
+        if roles:
+            each = ", ".join(f"{r} {_fmt_bytes(b)}" for r, b in roles.items())
+            out.append(f"  pool {k} by role: {each}; every model resident (no swaps) "
+                       f"{_fmt_bytes(sum(roles.values()))}")
     return out
 
 

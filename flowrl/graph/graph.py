@@ -136,8 +136,10 @@ class Stage:
         when: optional condition (usually an interpolation such as ``${algorithm.kl_coef}``); a
             falsy value prunes the stage from the plan.
         outputs: optional list of the op outputs the stage is meant to produce: the op names
-            its outputs, so this only documents them, and the validator checks each name (a
-            misspelt one gets a "did you mean").
+            its outputs, so this documents them, and the validator checks each name (a
+            misspelt one gets a "did you mean"). An op output the list leaves out is dropped on
+            purpose: no UnusedOutputWarning when no stage reads it (``[]``: a stage run for its
+            metrics, e.g. distillation's reward, which only the eval and the logs read).
     """
 
     name: str

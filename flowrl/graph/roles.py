@@ -20,6 +20,9 @@ ROLES: dict[str, RoleSpec] = {
     "ref": RoleSpec("frozen"),
     # on-policy distillation: its own frozen model (teacher.path), never synced
     "teacher": RoleSpec("frozen"),
+    # SFT on teacher samples: a generation engine on the teacher's model (teacher.path), frozen,
+    # never synced (no weights_from: no training role serves it)
+    "teacher_rollout": RoleSpec("generate"),
     "rollout": RoleSpec("generate", weights_from="actor"),
     "reward_model": RoleSpec("frozen"),
     "genrm": RoleSpec("generate"),

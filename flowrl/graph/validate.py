@@ -199,7 +199,10 @@ def graph_problems(graph: Graph, *, check_params: bool = True, require_update: b
     if not problems:
         consumed = {(src, out) for s in graph.stages for _, src, out in s.input_refs()}
         for s in graph.stages:
-            for out in OPS[s.op].outputs:
+            # a stage's ``outputs`` list names what it is meant to produce: an output it leaves
+            # out is dropped on purpose (distillation's rewards: logged and scored, never trained on)
+            meant = OPS[s.op].outputs if s.outputs is None else s.outputs
+            for out in meant:
                 if (s.name, out) not in consumed and out not in OPS[s.op].info_outputs:
                     found.append(f"stage '{s.name}': output '{out}' is consumed by no stage")
         found += conditional_input_warnings(graph, OPS)

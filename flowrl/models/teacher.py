@@ -140,11 +140,15 @@ def check_teacher(student: ModelConfig, teacher: TeacherConfig) -> None:
             "on-policy distillation needs one tokenizer for both")
 
 
-def teacher_summary(teacher: Any) -> str:
-    """What ``flowrl plan`` says serves the teacher role."""
+def teacher_summary(teacher: Any, sampler: str | None = None) -> str:
+    """What ``flowrl plan`` says serves the teacher role (``sampler``: the rollout backend of
+    the ``teacher_rollout`` role, the teacher as a generation engine)."""
     if not teacher.is_set:
         return ("no model yet: flowrl train needs teacher.path=<HF dir or flowrl export> "
                 "(teacher=tiny: a tiny random one); the predictions size it as the policy")
+    if sampler is not None:
+        return (f"a {sampler} generation engine on its own frozen copy of {teacher.describe()} "
+                "(samples the SFT targets; never synced)")
     return f"its own frozen copy of {teacher.describe()} (no optimizer, never synced)"
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from flowrl.algorithms.variants import ESTIMATORS, POLICY_LOSSES
+from flowrl.algorithms.variants import ESTIMATORS, POLICY_LOSSES, SFT_LOSSES
 from flowrl.envs.config import MultiTurnConfig
 from flowrl.ops.spec import LIST, NoConfig, OpSpec
 from flowrl.rewards import REWARD_FUNCTIONS
@@ -51,6 +51,24 @@ class PolicyUpdateConfig:
         if self.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"policy_loss must be one of {list(POLICY_LOSSES)}, "
                              f"got {self.policy_loss!r}")
+
+
+@dataclass
+class SFTUpdateConfig:
+    """loss: the supervised objective, a name of ``algorithms/variants.py`` SFT_LOSSES: ``nll``
+    (the negative log-likelihood of the given response tokens, aggregated by
+    ``algorithm.loss_agg_mode``). temperature: the student's softmax temperature in that NLL
+    (1: the model's own distribution, what SFT fits; the samples themselves came at
+    ``rollout.sampling.temperature``)."""
+
+    loss: str = "nll"
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.loss not in SFT_LOSSES:
+            raise ValueError(f"loss must be one of {list(SFT_LOSSES)}, got {self.loss!r}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
 
 
 @dataclass
@@ -252,6 +270,9 @@ BUILTIN_OPS: list[OpSpec] = [
     _op("rollout.generate", "rollout", "One response per prompt row with rollout.sampling",
         inputs=PROMPT, optional_inputs=VISION,
         outputs=RESPONSE + ("rollout_logprobs", "truncated"), roles=("rollout",)),
+    _op("teacher.generate", "rollout",
+        "The teacher samples one response per prompt row with rollout.sampling (never synced)",
+        inputs=PROMPT, outputs=RESPONSE + ("truncated",), roles=("teacher_rollout",)),
     _op("rollout.multi_turn", "multi_turn",
         "Policy and environment alternate per prompt (tools, max_turns); standard outputs",
         inputs=PROMPT, optional_inputs=("ground_truth", "group_id"),
@@ -295,6 +316,9 @@ BUILTIN_OPS: list[OpSpec] = [
         inputs=PROMPT + RESPONSE + ("advantages",),
         optional_inputs=("old_logprobs", "ref_logprobs", "truncated", "rollout_logprobs") + VISION,
         config=PolicyUpdateConfig, roles=("actor",), trains=True),
+    _op("update.sft", "update", "Supervised update: epochs x mini-batches of the NLL of the given tokens",
+        inputs=PROMPT + RESPONSE, optional_inputs=("truncated",), config=SFTUpdateConfig,
+        roles=("actor",), trains=True),
     _op("update.critic", "critic", "Critic update: clipped value regression towards returns",
         inputs=PROMPT + RESPONSE + ("values", "returns"), optional_inputs=("truncated",),
         roles=("critic",), trains=True),

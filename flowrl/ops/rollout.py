@@ -1,4 +1,5 @@
-"""Generation through the rollout role's engine (HF now, vLLM later: same seam)."""
+"""Generation through a generate role's engine (HF or vLLM: one seam): the student's ``rollout``
+and, for SFT on teacher samples, the teacher's ``teacher_rollout``."""
 from __future__ import annotations
 
 import time
@@ -8,8 +9,7 @@ from flowrl.ops.context import StageContext
 from flowrl.ops.registry import NoConfig, implements
 
 if TYPE_CHECKING:
-    from flowrl.engines.base import RolloutEngine
-
+    from flowrl.engines.base import RolloutBatch, RolloutEngine
 
 
 @implements("rollout.generate")
@@ -33,14 +33,39 @@ def generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_ids, pro
         from flowrl.ops.vision import cut_at_vision_tokens
 
         out = cut_at_vision_tokens(out, ctx.resource("tokenizer"))
-    dt = time.perf_counter() - t0
-    lengths = out.response_mask.sum(-1).float()
-    ctx.log(**{
-        "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
-        "response/truncated_frac": out.truncated.float().mean(),
-        # no token at all: a generation that failed (the reward ops mark it unscorable)
-        "rollout/empty_response_frac": (lengths == 0).float().mean(),
-        "perf/rollout_tokens_per_s": lengths.sum() / max(dt, 1e-9),
-    })
+    # rollout/empty_response_frac: no token at all, a generation that failed (the reward ops
+    # mark it unscorable)
+    log_samples(ctx, out, time.perf_counter() - t0)
     return {"response_ids": out.response_ids, "response_mask": out.response_mask,
             "rollout_logprobs": out.rollout_logprobs, "truncated": out.truncated}
+
+
+def log_samples(ctx: StageContext, out: "RolloutBatch", seconds: float, prefix: str = "") -> None:
+    """Length, truncation, empty-response and throughput metrics of a generate call, each key
+    under ``prefix`` (``teacher/`` for the teacher's samples, so they never overwrite the
+    student's ``response/*`` in a graph that has both)."""
+    lengths = out.response_mask.sum(-1).float()
+    ctx.log(**{f"{prefix}{k}": v for k, v in {
+        "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
+        "response/truncated_frac": out.truncated.float().mean(),
+        "rollout/empty_response_frac": (lengths == 0).float().mean(),
+        "perf/rollout_tokens_per_s": lengths.sum() / max(seconds, 1e-9)}.items()})
+
+
+@implements("teacher.generate")
+def teacher_generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_ids,
+                     prompt_mask) -> dict:
+    """The teacher samples one response per prompt row (SFT on teacher samples,
+    ``graphs/sft_teacher.yaml``) with the run's ``rollout.sampling`` settings, on the
+    ``teacher_rollout`` role's engine: its own frozen copy of ``teacher.path``, never synced.
+
+    Outputs: response_ids (B, R) int64 right-padded; response_mask (B, R) bool (the first stop
+    token kept); truncated (B,) bool. Logged: ``teacher/response/length_mean`` and the rest of
+    :func:`log_samples` under ``teacher/``.
+    """
+    t0 = time.perf_counter()
+    out = ctx.engine.generate(prompt_ids, prompt_mask, ctx.resource("sampling"),
+                              generator=ctx.generator)
+    log_samples(ctx, out, time.perf_counter() - t0, prefix="teacher/")
+    return {"response_ids": out.response_ids, "response_mask": out.response_mask,
+            "truncated": out.truncated}

@@ -1,11 +1,12 @@
-"""Policy update: PPO-style epochs × mini-batches over one rollout batch on the actor engine."""
+"""Policy update: PPO-style epochs × mini-batches over one rollout batch on the actor engine; the
+supervised update (``update.sft``) on the same schedule."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
 
-from flowrl.ops.builtin import PolicyUpdateConfig
+from flowrl.ops.builtin import PolicyUpdateConfig, SFTUpdateConfig
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import implements
 
@@ -199,5 +200,52 @@ def update_policy(ctx: StageContext[TrainEngine], cfg: PolicyUpdateConfig, **inp
         prefix="actor", temperature=temp, with_entropy=True,
         # entropy is a metric unless it is in the loss: then only it needs a backward graph
         entropy_grad=bool(algo.entropy_coef))
+    ctx.log(**out)
+    return {}
+
+
+def make_sft_loss_fn(algo, loss: str, *, num_tokens: float, num_seqs: float,
+                     max_response_len: int):
+    """The engine's LossFn of one ``update.sft`` mini-batch: ``SFT_LOSSES[loss]`` (the NLL of
+    the given tokens) aggregated by ``algorithm.loss_agg_mode`` with the mini-batch's global
+    denominators (as :func:`make_policy_loss_fn`: micro-batch losses sum to the mini-batch's).
+    Metrics: ``actor/sft_loss`` (the aggregated loss) and ``actor/nll`` (mean NLL per token)."""
+    from flowrl.algorithms.losses import SFT_LOSSES, aggregate_loss
+
+    loss_impl = SFT_LOSSES[loss]
+
+    def loss_fn(mb, logprobs, entropy):
+        mask = mb["response_mask"]
+        per_tok, stats = loss_impl(logprobs, mask)
+        total = aggregate_loss(per_tok, mask, algo.loss_agg_mode, num_tokens=num_tokens,
+                               num_seqs=num_seqs, max_response_len=max_response_len)
+        return total, {"actor/sft_loss": total.detach(),
+                       "actor/nll_sum": torch.where(mask, stats["nll"], 0.0).sum()}
+
+    return loss_fn
+
+
+@implements("update.sft")
+def update_sft(ctx: StageContext[TrainEngine], cfg: SFTUpdateConfig, *, prompt_ids, prompt_mask,
+               response_ids, response_mask, truncated=None) -> dict:
+    """Supervised fine-tuning of the actor on the given responses (``graphs/sft_teacher.yaml``:
+    the teacher's samples): ``algorithm.ppo_epochs`` passes in mini-batches of
+    ``algorithm.mini_batch_size`` sequences (:func:`run_minibatches`), each step minimising the
+    stage's ``loss`` (``SFTUpdateConfig``: ``nll``) of the response tokens at
+    ``cfg.temperature``, aggregated by ``algorithm.loss_agg_mode``. With
+    ``algorithm.mask_truncated`` and ``truncated`` bound, truncated responses are left out.
+
+    Args: prompt_ids, prompt_mask (B, P); response_ids (B, R) int64, response_mask (B, R) bool;
+        truncated (B,) bool or None. On the actor engine's device (DESIGN "Where tensors live").
+    Logs ``actor/sft_loss``, ``actor/nll`` (nats per token), grad norm, lr, optimizer steps.
+    """
+    algo = ctx.resource("algorithm")
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+             "response_mask": response_mask}
+    if getattr(algo, "mask_truncated", False) and truncated is not None:
+        batch["response_mask"] = response_mask & ~truncated.unsqueeze(-1)
+    out = run_minibatches(
+        ctx, batch, lambda **den: make_sft_loss_fn(algo, cfg.loss, **den), prefix="actor",
+        temperature=cfg.temperature, with_entropy=False)
     ctx.log(**out)
     return {}

@@ -65,7 +65,7 @@ def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = Non
     if "reward_model" in plan.roles and cfg.reward.model.model is None:
         raise ValueError("the graph has a reward_model stage: set reward.model.model "
                          "(a local sequence-classification checkpoint, or tiny for tests)")
-    if "teacher" in plan.roles:
+    if {"teacher", "teacher_rollout"} & set(plan.roles):
         check_teacher_role(cfg, plan, plan_only)
     from flowrl.ops.token_rewards import check_kl_in_reward
 
@@ -189,9 +189,9 @@ def check_partitioned_run(placement: "PlacementPlan", cfg: "TrainConfig") -> Non
 
 
 def check_teacher_role(cfg: "TrainConfig", plan: "ExecutionPlan", plan_only: bool = False) -> None:
-    """A graph with a ``teacher`` stage needs a teacher model with the student's vocabulary
-    (``flowrl/models/teacher.check_teacher``: config.json / GGUF metadata and tokenizer files
-    only); the plan names what serves the role.
+    """A graph with a ``teacher`` or ``teacher_rollout`` stage needs a teacher model with the
+    student's vocabulary (``flowrl/models/teacher.check_teacher``: config.json / GGUF metadata
+    and tokenizer files only); the plan names what serves each of the two roles.
 
     Raises:
         ValueError: no teacher set (unless ``plan_only``), or a vocabulary that differs, one
@@ -202,11 +202,15 @@ def check_teacher_role(cfg: "TrainConfig", plan: "ExecutionPlan", plan_only: boo
     if cfg.teacher.is_set:
         check_teacher(cfg.model, cfg.teacher)
     elif not plan_only:
-        stage = next(c.stage.name for c in plan.stages if c.stage.role == "teacher")
-        raise ValueError(f"stage '{stage}' runs role teacher, but no teacher is set: give "
+        stage, role = next((c.stage.name, c.stage.role) for c in plan.stages
+                           if c.stage.role in ("teacher", "teacher_rollout"))
+        raise ValueError(f"stage '{stage}' runs role {role}, but no teacher is set: give "
                          "teacher.path=<HF model dir or flowrl export> (it must share the "
                          "student's tokenizer), or teacher=tiny for a tiny random one")
-    plan.served_by["teacher"] = teacher_summary(cfg.teacher)
+    if "teacher" in plan.roles:
+        plan.served_by["teacher"] = teacher_summary(cfg.teacher)
+    if "teacher_rollout" in plan.roles:
+        plan.served_by["teacher_rollout"] = teacher_summary(cfg.teacher, sampler=cfg.rollout.backend)
 
 
 def _check_estimators(plan: "ExecutionPlan", cfg: "TrainConfig") -> None:

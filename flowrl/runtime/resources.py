@@ -4,7 +4,7 @@ config, and what the ops are handed beside them (``RunResources``).
 The factory loads the model once, straight onto the run's device, and derives every role's
 engine from it: the actor (FSDP2 over the pool's process group when the pool trains on several
 ranks, or when asked), the frozen reference, the frozen teacher (distillation: the one role
-loaded from a model of its own, ``teacher``), the critic (value head on the initial weights), a
+loaded from a model of its own, ``teacher``, and its sampler ``teacher_rollout``), the critic (value head on the initial weights), a
 reward model, a generative judge, and the rollout engine last (an HF engine with its own copy
 casts ``model`` to its dtype, so every other role copies the initial weights before that).
 """
@@ -47,6 +47,8 @@ class Engines:
         actor: the trained policy (a LoRA actor: adapters over frozen base weights).
         ref: frozen reference (a copy of the initial policy; LoRA: the actor, adapters disabled).
         teacher: frozen teacher of on-policy distillation (its own model, ``teacher``; never synced).
+        teacher_rollout: the teacher as a generation engine (SFT on teacher samples: its own
+            frozen copy of ``teacher``, ``rollout.backend``'s engine; never synced).
         critic: value model (PPO).
         rollout: generation engine (HF or vLLM); colocated on one process it shares the actor's module.
         reward_model: sequence-classification RM.
@@ -56,6 +58,7 @@ class Engines:
     actor: Optional["TrainEngine"] = None
     ref: Optional["LogprobEngine"] = None
     teacher: Optional["LogprobEngine"] = None
+    teacher_rollout: Optional["RolloutEngine"] = None
     critic: Optional["ValueEngine"] = None
     rollout: Optional["RolloutEngine"] = None
     reward_model: Optional["RewardScorer"] = None
@@ -65,7 +68,8 @@ class Engines:
         """The engines that exist, keyed by role (what the ops' contexts are handed)."""
         roles: dict[str, Optional[Engine]] = {
             "actor": self.actor, "ref": self.ref, "teacher": self.teacher, "critic": self.critic,
-            "rollout": self.rollout, "reward_model": self.reward_model, "genrm": self.genrm}
+            "rollout": self.rollout, "reward_model": self.reward_model, "genrm": self.genrm,
+            "teacher_rollout": self.teacher_rollout}
         return {r: e for r, e in roles.items() if e is not None}
 
     def get(self, role: Optional[str]) -> Optional["Engine"]:
@@ -124,7 +128,7 @@ class Engines:
         processes an engine left behind)."""
         engines = list(self.by_role().values())
         self.actor = self.ref = self.teacher = self.critic = self.rollout = None
-        self.reward_model = self.genrm = None
+        self.reward_model = self.genrm = self.teacher_rollout = None
         for eng in engines:
             eng.close()
 
@@ -278,6 +282,13 @@ def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
         engines.critic = value_cls(value_model_from_causal_lm(model), critic_cfg, **kw)
     log.info("start-up: %s built in %.1f s", ", ".join(sorted(roles - {"rollout"})) or "no roles",
              time.perf_counter() - t0)
+    if "teacher_rollout" in roles:  # SFT on teacher samples: the teacher generates, frozen
+        t1 = time.perf_counter()
+        engines.teacher_rollout = rollout_engines.build_rollout_engine(
+            teacher_rollout_config(cfg.rollout), load_model(cfg.teacher, device), tokenizer,
+            shared=False, own_process=group is not None, job=rollout_job(cfg, world_size))
+        log.info("start-up: %s teacher rollout engine built in %.1f s", cfg.rollout.backend,
+                 time.perf_counter() - t1)
     if "rollout" in roles:  # partitioned rollout pool: its own copy, no actor
         # a pool's rank (group set) must keep vLLM off the job's torch world: child processes
         t1 = time.perf_counter()
@@ -294,6 +305,15 @@ def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
 
 
 EVAL_PASSES = 2  # the greedy eval before training and after it
+
+
+def teacher_rollout_config(rollout_cfg: Any) -> Any:
+    """``rollout`` for the teacher's generation engine: the same backend and settings, except
+    that a vLLM swap point never drops its weights (``sleep_level`` at most 1): no weight sync
+    ever refills them (level 2 relies on the next load)."""
+    if rollout_cfg.vllm.sleep_level <= 1:
+        return rollout_cfg
+    return dataclasses.replace(rollout_cfg, vllm=dataclasses.replace(rollout_cfg.vllm, sleep_level=1))
 
 
 def rollout_job(cfg: "TrainConfig", world_size: int | None = None) -> "RolloutJob":
@@ -346,11 +366,12 @@ def resolve_offload(cfg: "TrainConfig", engines: Engines) -> tuple[bool, str]:
     from flowrl.engines.rollout.hf import HFRolloutEngine
 
     rollout = 0
-    if isinstance(engines.rollout, HFRolloutEngine):  # its weights (shared or a copy)
-        rollout = sum(p.numel() * p.element_size() for p in engines.rollout.model.parameters())
-    elif engines.rollout is not None:  # vLLM: its share of the device
-        total = torch.cuda.get_device_properties(device).total_memory
-        rollout = int(cfg.rollout.vllm.gpu_memory_utilization * total)
+    for gen in (engines.rollout, engines.teacher_rollout):  # the student's and the teacher's
+        if isinstance(gen, HFRolloutEngine):  # its weights (shared or a copy)
+            rollout += sum(p.numel() * p.element_size() for p in gen.model.parameters())
+        elif gen is not None:  # vLLM: its share of the device
+            total = torch.cuda.get_device_properties(device).total_memory
+            rollout += int(cfg.rollout.vllm.gpu_memory_utilization * total)
     keep = keep_resident(state, rollout, device)
     return not keep, (f"auto: training state {state / 2**30:.1f} GiB + rollout "
                       f"{rollout / 2**30:.1f} GiB {'fit' if keep else 'do not fit'} in 80% of the device")
