@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -186,6 +187,40 @@ def test_plan_prints_the_teacher_without_one_set(capsys, no_model):
     # the role column is as wide as the longest stage name (teacher_logprobs: 16)
     assert f"onload  {'teacher':<16} (for teacher_logprobs)" in out
     assert f"offload {'teacher':<16} (before old_logprobs)" in out
+    assert no_model == []
+
+
+def test_plan_counts_the_teacher_and_warns_of_no_unused_output(capsys, no_model):
+    """``flowrl plan graph=distill``: no UnusedOutputWarning (the graph's ``outputs`` lists drop
+    sample.group_id and reward.rewards on purpose), and the predicted memory lists the teacher
+    in its pool with its own size (tiny teacher: 4 layers x hidden 128 + the 49,152 x 128
+    embedding and head, fp32) beside the student's."""
+    from flowrl.graph import UnusedOutputWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnusedOutputWarning)
+        assert main(["plan", "graph=distill", "model=tiny", "teacher=tiny",
+                     "trainer.output_dir=/tmp/x"]) == 0
+    assert [w for w in caught if issubclass(w.category, UnusedOutputWarning)] == []
+    out = capsys.readouterr().out
+    assert "warning:" not in out and "consumed by no stage" not in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("  pool all by role: "))
+    from flowrl.compiler.footprint import fmt_bytes
+    from flowrl.train import prepare
+
+    cfg, _ = prepare(cfg_for("model=tiny", "graph=distill", "teacher=tiny"))
+    teacher_bytes = cfg.teacher.size().weight_bytes
+    # 4 x (attention 2 x 128^2 + 2 x 128 x 64, MLP 3 x 128 x 256, 2 norms) + embedding + head
+    # + final norm, 4 bytes each (ModelConfig.size() counts the embedding and the LM head apart)
+    per_layer = 2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256 + 2 * 128
+    assert teacher_bytes == 4 * (4 * per_layer + 2 * 49152 * 128 + 128)
+    assert f"teacher {fmt_bytes(teacher_bytes)}" in line and "actor " in line
+    # partitioned: the teacher sits in the train pool, counted there
+    assert main(["plan", "graph=distill", "model=tiny", "teacher=tiny", "launcher.nproc=2",
+                 "placement=partitioned", "trainer.output_dir=/tmp/x"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("  pool train by role: "))
+    assert line.startswith(f"  pool train by role: teacher {fmt_bytes(teacher_bytes)}, actor ")
     assert no_model == []
 
 
