@@ -215,8 +215,8 @@ CONFIG_CASES = {
                           "trainer.total_steps=2.5: trainer.total_steps takes an integer, got 2.5"),
     "unknown_graph_option": (["graph=grpoo"], "graph=grpoo: no such option (did you mean "
                              "graph=grpo?); choose one of dapo, distill, dr_grpo, genrm_grpo, grpo, "
-                             "grpo_distill, grpo_tools, grpo_vl, gspo, ppo, reinforce_pp, rloo (or "
-                             "graph.path=FILE for your own graph file)"),
+                             "grpo_distill, grpo_tools, grpo_vl, gspo, ppo, reinforce_pp, rloo, "
+                             "sft_teacher (or graph.path=FILE for your own graph file)"),
     "unknown_model_option": (["model=tiniest"], "model=tiniest: no such option (did you mean "
                              "model=tiny?); choose one of smollm2, tiny, tiny_vl (or "
                              "model.path=DIR for a local model folder)"),
