@@ -310,12 +310,16 @@ EVAL_PASSES = 2  # the greedy eval before training and after it
 def teacher_rollout_config(rollout_cfg: Any) -> Any:
     """``rollout`` for the teacher's generation engine: the same backend and settings, except
     that a vLLM swap point never drops its weights (``sleep_level`` at most 1: no weight sync
-    ever refills them, level 2 relies on the next load), and a ``model_dir`` of its own
-    (``<model_dir>_teacher``: the student's engine writes its export to ``model_dir``)."""
+    ever refills them, level 2 relies on the next load), at least one engine process of its
+    own (``engine_procs`` 0 would put a second vLLM engine into the process that may already
+    hold the student's), and a ``model_dir`` of its own (``<model_dir>_teacher``: the student's
+    engine writes its export to ``model_dir``)."""
     v = rollout_cfg.vllm
     fixes: dict[str, Any] = {}
     if v.sleep_level > 1:
         fixes["sleep_level"] = 1
+    if rollout_cfg.backend == "vllm" and v.engine_procs == 0:
+        fixes["engine_procs"] = 1
     if v.model_dir:
         fixes["model_dir"] = f"{v.model_dir.rstrip('/')}_teacher"
     return dataclasses.replace(rollout_cfg, vllm=dataclasses.replace(v, **fixes)) if fixes else rollout_cfg

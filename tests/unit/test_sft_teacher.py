@@ -217,3 +217,22 @@ def test_train_refuses_sft_teacher_without_a_teacher(no_model):
                             "set: give teacher.path=<HF model dir or flowrl export> (it must share "
                             "the student's tokenizer), or teacher=tiny for a tiny random one")
     assert no_model == []
+
+
+def test_teacher_sampler_settings_keep_its_weights_and_its_own_process():
+    """The teacher's generation engine takes ``rollout`` as it is, except what would lose or mix
+    its weights: a level-2 vLLM sleep (nothing ever reloads them), an in-process engine beside
+    the student's, the student's export folder."""
+    import dataclasses
+
+    from flowrl.config import RolloutConfig
+    from flowrl.runtime.resources import teacher_rollout_config
+
+    plain = RolloutConfig()
+    assert teacher_rollout_config(plain) is plain
+    student = dataclasses.replace(plain, backend="vllm", vllm=dataclasses.replace(
+        plain.vllm, sleep_level=2, engine_procs=0, model_dir="/tmp/export/"))
+    t = teacher_rollout_config(student)
+    assert (t.vllm.sleep_level, t.vllm.engine_procs, t.vllm.model_dir) == (1, 1, "/tmp/export_teacher")
+    assert (student.vllm.sleep_level, student.vllm.engine_procs) == (2, 0)  # the student's unchanged
+    assert dataclasses.replace(t, vllm=student.vllm) == student  # nothing else differs
