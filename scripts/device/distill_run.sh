@@ -17,8 +17,9 @@
 #       on the one GPU (each rollout.vllm.gpu_memory_utilization=0.25, 2 engine processes per
 #       vLLM engine; (c) has two: the student's and the teacher's), then the report, ~8 min
 # STEPS (default 60) sets trainer.total_steps of every arm; extra arguments are flowrl train
-# overrides for every arm. TRAIN_TIMEOUT_S (default: teacher 420, distill 400) cuts a run so that
-# the call returns within its 8 minutes; a cut run still reports the evals it reached.
+# overrides for every arm. TRAIN_TIMEOUT_S (default 420; arm (c) starts 20 s after (a)) cuts a run
+# so that the call returns within its 8 minutes; a cut run still reports the evals it reached
+# (the teacher run checkpoints every 20 steps, so a cut one still exports).
 # An existing teacher export instead of (b): TEACHER=/path/to/hf STAGE=distill ... (the report
 # then needs RL=<its run dir> for the teacher's level and curve).
 #
@@ -93,7 +94,8 @@ train() {  # train RUN_DIR TIMEOUT_S overrides...: one flowrl train, cut at TIME
 mkdir -p "$RUNS" "$OUT"
 case "$STAGE" in
 teacher)
-  train "$RL" "${TRAIN_TIMEOUT_S:-420}" "$@"
+  # a checkpoint every 20 steps (keep_last 1): a run cut by the timeout still leaves a teacher
+  train "$RL" "${TRAIN_TIMEOUT_S:-420}" trainer.save_every=20 "$@"
   rc=$?
   ckpt=$(ls -d "$RL"/checkpoints/step_* 2>/dev/null | sort | tail -n 1)
   [ -n "$ckpt" ] || { echo "no checkpoint in $RL"; exit 4; }
@@ -106,7 +108,7 @@ teacher)
   ;;
 distill)
   [ -f "$TEACHER/config.json" ] || { echo "no teacher export at $TEACHER: run STAGE=teacher first"; exit 4; }
-  limit=${TRAIN_TIMEOUT_S:-400}
+  limit=${TRAIN_TIMEOUT_S:-420}
   # (a) and (c) side by side from the same base; the second starts once the first's engines
   # have profiled the device (as session.sh's learning phase)
   train "$DST" "$limit" graph=distill "teacher.path=$TEACHER" "${side[@]}" "$@" > "$RUNS/a_distill.log" 2>&1 &

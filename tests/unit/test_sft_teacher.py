@@ -236,3 +236,24 @@ def test_teacher_sampler_settings_keep_its_weights_and_its_own_process():
     assert (t.vllm.sleep_level, t.vllm.engine_procs, t.vllm.model_dir) == (1, 1, "/tmp/export_teacher")
     assert (student.vllm.sleep_level, student.vllm.engine_procs) == (2, 0)  # the student's unchanged
     assert dataclasses.replace(t, vllm=student.vllm) == student  # nothing else differs
+
+
+def test_the_teacher_sampler_is_no_weight_sink_and_is_closed():
+    """A weight sync can never load into the teacher's sampler (only ``rollout``/``genrm`` take
+    weights); the engine set hands it to its stage by role and closes it on the way out."""
+    from flowrl.runtime.resources import Engines
+
+    closed = []
+
+    class Fake:
+        def close(self):
+            closed.append(self)
+
+    teacher, student = Fake(), Fake()
+    eng = Engines(teacher_rollout=teacher, rollout=student)  # type: ignore[arg-type]
+    assert eng.get("teacher_rollout") is teacher and "teacher_rollout" in eng
+    with pytest.raises(KeyError, match="no generation engine takes weights as role 'teacher_rollout'"):
+        eng.weight_sink("teacher_rollout")
+    assert eng.weight_sink("rollout") is student
+    eng.close()
+    assert closed == [student, teacher] and eng.teacher_rollout is None and eng.by_role() == {}
