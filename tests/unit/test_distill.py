@@ -208,8 +208,8 @@ def test_plan_counts_the_teacher_and_warns_of_no_unused_output(capsys, no_model)
     from flowrl.compiler.footprint import fmt_bytes
     from flowrl.train import prepare
 
-    cfg, _ = prepare(cfg_for("model=tiny", "graph=distill", "teacher=tiny"))
-    teacher_bytes = cfg.teacher.size().weight_bytes
+    spec = prepare(cfg_for("model=tiny", "graph=distill", "teacher=tiny"))
+    teacher_bytes = spec.config.teacher.size().weight_bytes
     # 4 x (attention 2 x 128^2 + 2 x 128 x 64, MLP 3 x 128 x 256, 2 norms) + embedding + head
     # + final norm, 4 bytes each (ModelConfig.size() counts the embedding and the LM head apart)
     per_layer = 2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256 + 2 * 128

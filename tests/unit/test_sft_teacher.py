@@ -163,7 +163,7 @@ def test_graph_file_opens_with_command_round_trips_and_validates_silently():
 def test_plan_the_teacher_samples_and_is_never_synced(no_model):
     from flowrl.train import prepare
 
-    cfg, plan = prepare(cfg_for("model=tiny", "graph=sft_teacher", "teacher=tiny"))
+    plan = prepare(cfg_for("model=tiny", "graph=sft_teacher", "teacher=tiny")).plan
     assert plan.roles == ["teacher_rollout", "rollout", "actor"]
     assert [(a.stage, a.role) for a in plan.actions if a.kind == "sync"] == [("update", "rollout")]
     upd = plan.graph["update"]
@@ -178,9 +178,9 @@ def test_plan_the_teacher_samples_and_is_never_synced(no_model):
 def test_partitioned_the_teacher_samples_on_the_rollout_pool(no_model):
     from flowrl.train import prepare, prepare_placement
 
-    cfg, plan = prepare(cfg_for("model=tiny", "graph=sft_teacher", "teacher=tiny",
-                                "launcher.nproc=2", "placement=partitioned"))
-    pp = prepare_placement(cfg, plan, 2)
+    spec = prepare(cfg_for("model=tiny", "graph=sft_teacher", "teacher=tiny",
+                           "launcher.nproc=2", "placement=partitioned"))
+    pp = prepare_placement(spec.config, spec.plan, 2)
     assert pp.pools["rollout"].roles == ["teacher_rollout", "rollout"]
     assert pp.pools["train"].roles == ["actor"]
     assert "teacher_rollout.response_ids" in pp.transfers
