@@ -21,6 +21,7 @@ Run (what ``scripts/device/distill_run.sh`` does on the GPU):
     python benchmarks/distill_report.py --teacher RUN_RL --run a_distill=RUN_A --run c_sft=RUN_C \
         --run b_rl=RUN_RL --out-stem benchmarks/results/distill --command "..." --commit abc1234
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,11 @@ from flowrl.runtime.metrics import read_metrics  # noqa: E402
 HELD_OUT = "eval/accuracy"
 TRAIN_ACC = "reward/accuracy"
 TARGET_FRACTION = 0.9
-ARMS = {"a_distill": "(a) on-policy distillation", "b_rl": "(b) RL from the same start",
-        "c_sft": "(c) SFT on teacher samples"}
+ARMS = {
+    "a_distill": "(a) on-policy distillation",
+    "b_rl": "(b) RL from the same start",
+    "c_sft": "(c) SFT on teacher samples",
+}
 
 
 def held_out(run: Path) -> list[tuple[int, float, float, float]]:
@@ -57,8 +61,9 @@ def held_out(run: Path) -> list[tuple[int, float, float, float]]:
     return out
 
 
-def first_reach(curve: list[tuple[int, float, float, float]], target: float
-                ) -> Optional[tuple[int, float, float, float]]:
+def first_reach(
+    curve: list[tuple[int, float, float, float]], target: float
+) -> Optional[tuple[int, float, float, float]]:
     """The first eval of ``curve`` whose accuracy is >= ``target``; None if none is."""
     return next((e for e in curve if e[1] >= target), None)
 
@@ -71,8 +76,10 @@ def per_step(run: Path, key: str = TRAIN_ACC) -> list[tuple[int, float]]:
 
 def rolling(values: list[float], window: int) -> list[float]:
     """Mean of the last ``window`` values at each position (fewer at the start)."""
-    return [sum(values[max(0, i + 1 - window):i + 1]) / len(values[max(0, i + 1 - window):i + 1])
-            for i in range(len(values))]
+    return [
+        sum(values[max(0, i + 1 - window) : i + 1]) / len(values[max(0, i + 1 - window) : i + 1])
+        for i in range(len(values))
+    ]
 
 
 def gpu_name() -> str:
@@ -93,8 +100,12 @@ def _wall(run: Path) -> str:
     return p.read_text().strip() if p.is_file() else "-"
 
 
-def plot(curves: dict[str, list[tuple[int, float, float, float]]], target: float,
-         teacher_level: float, png: Path) -> Optional[str]:
+def plot(
+    curves: dict[str, list[tuple[int, float, float, float]]],
+    target: float,
+    teacher_level: float,
+    png: Path,
+) -> Optional[str]:
     """The held-out curves as a PNG; None, or why there is none."""
     try:
         import matplotlib
@@ -118,8 +129,9 @@ def plot(curves: dict[str, list[tuple[int, float, float, float]]], target: float
     return None
 
 
-def report(teacher: Path, runs: dict[str, Path], stem: Path, window: int, command: str,
-           commit: str) -> str:
+def report(
+    teacher: Path, runs: dict[str, Path], stem: Path, window: int, command: str, commit: str
+) -> str:
     """Write ``<stem>.md`` (+ ``.png``, the kept runs) and return the markdown.
 
     Raises:
@@ -131,31 +143,63 @@ def report(teacher: Path, runs: dict[str, Path], stem: Path, window: int, comman
     teacher_level = t_curve[-1][1]
     target = TARGET_FRACTION * teacher_level
     m = machine_info()
-    lines = ["# On-policy distillation vs RL vs SFT on teacher samples (held-out accuracy)", "",
-             f"- Command: `{command}`", f"- Date: {utc_now()} · commit {commit}",
-             f"- Machine: {gpu_name()} {m.get('cpu', '')}".strip(),
-             f"- Teacher: the RL run `{teacher}` (arm b) at its step {t_curve[-1][0]}: held-out "
-             f"greedy accuracy {teacher_level:.3f}; target = {TARGET_FRACTION:.0%} of it = "
-             f"{target:.3f}",
-             "- Held-out: greedy accuracy on the task's test split (`eval/accuracy`), before the "
-             "first step, every `trainer.eval.every` steps and after the last. Training s = Σ "
-             "`perf/step_s` up to that step; elapsed s = that + the evals on the way.", ""]
+    lines = [
+        "# On-policy distillation vs RL vs SFT on teacher samples (held-out accuracy)",
+        "",
+        f"- Command: `{command}`",
+        f"- Date: {utc_now()} · commit {commit}",
+        f"- Machine: {gpu_name()} {m.get('cpu', '')}".strip(),
+        f"- Teacher: the RL run `{teacher}` (arm b) at its step {t_curve[-1][0]}: held-out "
+        f"greedy accuracy {teacher_level:.3f}; target = {TARGET_FRACTION:.0%} of it = "
+        f"{target:.3f}",
+        "- Held-out: greedy accuracy on the task's test split (`eval/accuracy`), before the "
+        "first step, every `trainer.eval.every` steps and after the last. Training s = Σ "
+        "`perf/step_s` up to that step; elapsed s = that + the evals on the way.",
+        "",
+    ]
     curves = {name: held_out(run) for name, run in runs.items()}
     rows = []
     for name, c in curves.items():
         hit = first_reach(c, target)
-        rows.append([ARMS.get(name, name), _f(c[0][1] if c else None),
-                     f"{_f(c[-1][1] if c else None)} (step {c[-1][0] if c else '-'})",
-                     hit[0] if hit else "not reached", _f(hit[2] if hit else None, "{:.0f}"),
-                     _f(hit[3] if hit else None, "{:.0f}"), _wall(runs[name])])
-    lines += [f"## Steps and time to {TARGET_FRACTION:.0%} of the teacher ({target:.3f} held out)", "",
-              markdown_table(["arm", "before", "last", "first eval step >= target",
-                              "training s", "elapsed s", "run wall s (exit)"], rows), ""]
+        rows.append(
+            [
+                ARMS.get(name, name),
+                _f(c[0][1] if c else None),
+                f"{_f(c[-1][1] if c else None)} (step {c[-1][0] if c else '-'})",
+                hit[0] if hit else "not reached",
+                _f(hit[2] if hit else None, "{:.0f}"),
+                _f(hit[3] if hit else None, "{:.0f}"),
+                _wall(runs[name]),
+            ]
+        )
+    lines += [
+        f"## Steps and time to {TARGET_FRACTION:.0%} of the teacher ({target:.3f} held out)",
+        "",
+        markdown_table(
+            [
+                "arm",
+                "before",
+                "last",
+                "first eval step >= target",
+                "training s",
+                "elapsed s",
+                "run wall s (exit)",
+            ],
+            rows,
+        ),
+        "",
+    ]
     steps = sorted({e[0] for c in curves.values() for e in c})
     by_step = {n: {e[0]: e[1] for e in c} for n, c in curves.items()}
-    lines += ["## Held-out greedy accuracy per eval step", "",
-              markdown_table(["step", *(ARMS.get(n, n) for n in curves)],
-                             [[s, *(_f(by_step[n].get(s)) for n in curves)] for s in steps]), ""]
+    lines += [
+        "## Held-out greedy accuracy per eval step",
+        "",
+        markdown_table(
+            ["step", *(ARMS.get(n, n) for n in curves)],
+            [[s, *(_f(by_step[n].get(s)) for n in curves)] for s in steps],
+        ),
+        "",
+    ]
     t_train = per_step(teacher)
     if t_train:
         t_final = sum(a for _, a in t_train[-window:]) / len(t_train[-window:])
@@ -164,14 +208,26 @@ def report(teacher: Path, runs: dict[str, Path], stem: Path, window: int, comman
             c = per_step(run)
             smooth = rolling([a for _, a in c], window)
             hit = next((s for (s, _), r in zip(c, smooth) if r >= TARGET_FRACTION * t_final), None)
-            rows.append([ARMS.get(name, name), len(c), _f(smooth[-1] if smooth else None),
-                         hit if hit is not None else "not reached"])
-        lines += [f"## Second view: `{TRAIN_ACC}` on each step's training prompts", "",
-                  f"The student's own samples at the rollout temperature (arm c too: its rollout "
-                  f"stage trains nothing), rolling mean over {window} steps; teacher's last "
-                  f"{window} steps {t_final:.3f}, target {TARGET_FRACTION * t_final:.3f}.", "",
-                  markdown_table(["arm", "steps", f"last rolling {window}", "first step >= target"],
-                                 rows), ""]
+            rows.append(
+                [
+                    ARMS.get(name, name),
+                    len(c),
+                    _f(smooth[-1] if smooth else None),
+                    hit if hit is not None else "not reached",
+                ]
+            )
+        lines += [
+            f"## Second view: `{TRAIN_ACC}` on each step's training prompts",
+            "",
+            f"The student's own samples at the rollout temperature (arm c too: its rollout "
+            f"stage trains nothing), rolling mean over {window} steps; teacher's last "
+            f"{window} steps {t_final:.3f}, target {TARGET_FRACTION * t_final:.3f}.",
+            "",
+            markdown_table(
+                ["arm", "steps", f"last rolling {window}", "first step >= target"], rows
+            ),
+            "",
+        ]
     png = stem.with_suffix(".png")
     why = plot(curves, target, teacher_level, png)
     lines.append(f"({why})" if why else f"![held-out accuracy per step]({png.name})")
@@ -183,9 +239,19 @@ def report(teacher: Path, runs: dict[str, Path], stem: Path, window: int, comman
         for f in ("metrics.jsonl", "summary.json", "plan.txt", "command.txt", "wall_s.txt"):
             if (run / f).is_file():
                 (keep / f).write_bytes((run / f).read_bytes())
-    (stem.parent / f"{stem.name}_meta.json").write_text(json.dumps(
-        {"command": command, "commit": commit, "date": utc_now(), "machine": m,
-         "teacher_level": teacher_level, "target": target}, indent=1))
+    (stem.parent / f"{stem.name}_meta.json").write_text(
+        json.dumps(
+            {
+                "command": command,
+                "commit": commit,
+                "date": utc_now(),
+                "machine": m,
+                "teacher_level": teacher_level,
+                "target": target,
+            },
+            indent=1,
+        )
+    )
     return text
 
 
@@ -202,8 +268,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if str(a.teacher) not in runs.values():
         runs.setdefault("b_rl", str(a.teacher))
     a.out_stem.parent.mkdir(parents=True, exist_ok=True)
-    print(report(a.teacher, {k: Path(v) for k, v in runs.items()}, a.out_stem, a.window,
-                 a.command, a.commit or git_revision()))
+    print(
+        report(
+            a.teacher,
+            {k: Path(v) for k, v in runs.items()},
+            a.out_stem,
+            a.window,
+            a.command,
+            a.commit or git_revision(),
+        )
+    )
     return 0
 
 

@@ -1,6 +1,7 @@
 """SFT on teacher samples end to end on CPU: ``flowrl train graph=sft_teacher model=tiny
 teacher=tiny trainer=smoke``: the student trains on exactly the tokens the teacher sampled that
 step (by NLL), and the teacher is never trained, never given gradients and never synced."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,19 @@ from flowrl.cli import compose
 from flowrl.runtime.metrics import read_metrics
 from flowrl.train import train
 
-BASE = ["model=tiny", "trainer=smoke", "teacher=tiny", "graph=sft_teacher", "data.limit=64",
-        "logger.progress=false", "logger.console=false", "logger.tensorboard=false",
-        "trainer.eval.limit=2", "rollout.sampling.max_new_tokens=8", "trainer.eval.max_new_tokens=8"]
+BASE = [
+    "model=tiny",
+    "trainer=smoke",
+    "teacher=tiny",
+    "graph=sft_teacher",
+    "data.limit=64",
+    "logger.progress=false",
+    "logger.console=false",
+    "logger.tensorboard=false",
+    "trainer.eval.limit=2",
+    "rollout.sampling.max_new_tokens=8",
+    "trainer.eval.max_new_tokens=8",
+]
 
 
 @pytest.fixture
@@ -66,7 +77,9 @@ def test_sft_trains_the_student_on_the_teachers_tokens(tmp_path, spied):
     summary = train(compose(BASE + [f"trainer.output_dir={tmp_path}"]))
     m = read_metrics(tmp_path)
     assert sorted(m) == [0, 1, 2]  # eval before, two steps
-    assert len(spied["sampled"]) == 2 and len(spied["trained"]) == 2  # one sample, one update a step
+    assert (
+        len(spied["sampled"]) == 2 and len(spied["trained"]) == 2
+    )  # one sample, one update a step
     for (s_ids, s_mask), (t_ids, t_mask) in zip(spied["sampled"], spied["trained"]):
         assert _rows(t_ids, t_mask) == _rows(s_ids, s_mask)  # the teacher's tokens, all of them
         assert int(t_mask.sum()) == int(s_mask.sum()) > 0
@@ -74,17 +87,24 @@ def test_sft_trains_the_student_on_the_teachers_tokens(tmp_path, spied):
         row = m[step]
         assert row["actor/optimizer_steps"] >= 1 and row["actor/grad_norm"] > 0
         # a random 49,152-token model's NLL is near ln 49152 = 10.8 nats per token
-        assert 9.0 < row["actor/nll"] < 12.0 and row["actor/sft_loss"] == pytest.approx(row["actor/nll"])
+        assert 9.0 < row["actor/nll"] < 12.0 and row["actor/sft_loss"] == pytest.approx(
+            row["actor/nll"]
+        )
         assert "teacher/response/length_mean" in row and "response/length_mean" in row
     teacher, actor = spied["teacher"], spied["actor"]
     for n, p in teacher.model.named_parameters():
         assert p.grad is None, n  # no backward ever reached the teacher
         assert torch.equal(p.detach(), spied["teacher0"][n]), n
-    assert [n for n, p in actor.model.named_parameters()
-            if not torch.equal(p.detach(), spied["actor0"][n])]  # the student did train
+    assert [
+        n
+        for n, p in actor.model.named_parameters()
+        if not torch.equal(p.detach(), spied["actor0"][n])
+    ]  # the student did train
     assert spied["synced"] == ["rollout", "rollout"]  # into the student's sampler only
     assert summary["history"][-1]["step"] == 2
     plan = (tmp_path / "plan.txt").read_text()
     assert "teacher_rollout served by a hf generation engine on its own frozen copy" in plan
-    state = json.loads((tmp_path / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    state = json.loads(
+        (tmp_path / "checkpoints" / "step_000002" / "trainer_state.json").read_text()
+    )
     assert state["trained_roles"] == ["actor"]  # the teacher is never checkpointed
