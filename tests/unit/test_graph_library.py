@@ -111,6 +111,7 @@ def test_group_estimator_with_n1_is_a_cli_error_before_any_model(capsys, monkeyp
     monkeypatch.setattr("flowrl.models.loading.load_tokenizer", boom)
     with pytest.raises(ValueError, match="algorithm.n must be >= 2"):
         train_mod.train(cfg_for("graph=dr_grpo", "algorithm.n=1", "model=tiny"))
+    monkeypatch.undo()  # `flowrl plan` reads the tokenizer (the prompts' length), never a model
     # estimators without groups accept n = 1
     assert main(["plan", "graph=reinforce_pp", "algorithm.n=1", "trainer.output_dir=/tmp/x"]) == 0
     assert main(["plan", "graph=ppo", "algorithm.n=1", "trainer.output_dir=/tmp/x"]) == 0
