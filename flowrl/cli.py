@@ -38,7 +38,8 @@ def one_line(e: BaseException) -> str:
 def plan_main(argv: list[str]) -> int:
     """``flowrl plan [--format text|mermaid|dot] [overrides]``: the placement plan (per-pool
     timelines, transfers, predicted step time and memory; ``placement=auto``: the choice and why)."""
-    from flowrl.compiler.render import FORMATS, format_placement
+    from flowrl.compiler.modes import format_placement
+    from flowrl.compiler.render import FORMATS
     from flowrl.config import task_section
     from flowrl.train import prepare, role_parallelism, world_size
 
@@ -60,7 +61,8 @@ def plan_main(argv: list[str]) -> int:
     spec = prepare(raw, rest, plan_only=True)  # a teacher may be left unset
     cfg, plan, pp = spec.config, spec.plan, spec.placement
     if pp.estimate is None:  # auto attached its own; a missing model file only loses predictions
-        from flowrl.compiler.cost import StageCosts, estimate
+        from flowrl.compiler.cost import StageCosts
+        from flowrl.compiler.modes import estimate
 
         w = world_size(cfg)
         try:
@@ -157,7 +159,7 @@ def cluster_plan(raw, fmt: str) -> str:
     """What ``flowrl plan cluster=<name>`` prints: the chosen placement rendered in ``fmt`` (text:
     its timelines, then the candidate table, every term with its formula, the memory check)."""
     from flowrl.compiler.cost import cluster_placement
-    from flowrl.compiler.render import format_placement
+    from flowrl.compiler.modes import format_placement
 
     return format_placement(cluster_placement(build_cluster_plan(raw)), fmt)
 

@@ -39,7 +39,8 @@ from flowrl.compiler.placement import (
     PlacementConfig,
     PlacementError,
     PlacementPlan,
-    place,
+    colocated,
+    partitioned,
     split_candidates,
 )
 from flowrl.graph.roles import ROLES
@@ -226,9 +227,9 @@ def transfer_bytes(pp: PlacementPlan, w: Workload) -> dict[str, int]:
 
 
 def sync_bytes(pp: PlacementPlan, costs: StageCosts) -> int:
-    """Weight bytes broadcast per step (partitioned: each synced source role's weights)."""
-    if pp.mode != "partitioned":
-        return 0
+    """Weight bytes broadcast per step from the train pool to the rollout pool of a partitioned
+    plan: each synced source role's weights (a colocated plan broadcasts nothing: 0, in
+    :func:`estimate_colocated`)."""
     return sum(costs.sizes[src].weight_bytes for src, _ in pp.weight_sync if src in costs.sizes)
 
 
@@ -264,8 +265,12 @@ class PlacementEstimate:
     role_memory: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-def estimate(pp: PlacementPlan, costs: StageCosts) -> PlacementEstimate:
-    """Predicted step time, per-pool peak memory and traffic of a colocated or partitioned plan."""
+def _pool_sides(pp: PlacementPlan, costs: StageCosts, measured_swaps: bool
+                ) -> tuple[dict[str, float], dict[str, tuple[int, Optional[str]]],
+                           dict[str, dict[str, int]]]:
+    """pool → predicted seconds of its stages and swaps per step (``measured_swaps``: the
+    profile's measured swap seconds replace the modelled ones when there are any), pool →
+    (peak bytes per device, the role that sets it), and pool → role → bytes per device."""
     w = costs.workload
     sides, memory = {}, {}
     by_role: dict[str, dict[str, int]] = {}
@@ -273,19 +278,33 @@ def estimate(pp: PlacementPlan, costs: StageCosts) -> PlacementEstimate:
         p = len(pool.ranks)
         side = sum(costs.stage_seconds(s, p) for s in pool.plan.order)
         swaps = costs.swap_seconds(pool.plan.actions, p)
-        if pp.mode == "colocated" and costs.swap_measured is not None:
+        if measured_swaps and costs.swap_measured is not None:
             swaps = costs.swap_measured
         sides[name] = side + swaps
         tp = max((costs.parallelism.get(r, 1) for r in pool.roles), default=1)
         kv_tokens = math.ceil(w.batch / max(p // tp, 1)) * (w.prompt_tokens + w.response_tokens)
         memory[name] = pool_peak_memory(pool.roles, costs.sizes, p, kv_tokens)
         by_role[name] = {r: role_memory(r, costs.sizes[r], p, kv_tokens) for r in pool.roles}
-    xfer = transfer_bytes(pp, w)
+    return sides, memory, by_role
+
+
+def estimate_colocated(pp: PlacementPlan, costs: StageCosts) -> PlacementEstimate:
+    """A colocated plan's predicted step: its one pool's stages and swaps (the measured swap
+    seconds once profiled); nothing is broadcast or transferred."""
+    sides, memory, by_role = _pool_sides(pp, costs, measured_swaps=True)
+    return PlacementEstimate(sides["all"], sides, 0.0, 0.0, memory,
+                             transfer_bytes(pp, costs.workload), 0, costs.device.name,
+                             role_memory=by_role)
+
+
+def estimate_partitioned(pp: PlacementPlan, costs: StageCosts) -> PlacementEstimate:
+    """A partitioned plan's predicted step: k = 0 the rollout and train sides in turn, k >= 1 the
+    longer of the two (they overlap); plus the weight broadcast and the rollout → train
+    transfers."""
+    sides, memory, by_role = _pool_sides(pp, costs, measured_swaps=False)
+    xfer = transfer_bytes(pp, costs.workload)
     sb = sync_bytes(pp, costs)
     link = costs.device.link_bw
-    if pp.mode == "colocated":
-        return PlacementEstimate(sides["all"], sides, 0.0, 0.0, memory, xfer, sb, costs.device.name,
-                                 role_memory=by_role)
     r, t = len(pp.pools[ROLLOUT_POOL].ranks), len(pp.pools[TRAIN_POOL].ranks)
     sync_s = sb / link  # pipelined bucket broadcast: ~bytes / bandwidth for any receiver count
     xfer_s = sum(xfer.values()) / (link * min(r, t))  # min(r, t) point-to-point links at once
@@ -322,8 +341,8 @@ def choose_placement(full_plan: Any, cfg: Any, world_size: int, costs: StageCost
     """
     pc: PlacementConfig = cfg.placement
     rp = dict(role_parallelism or {})
-    colo = place(full_plan, PlacementConfig(mode="colocated"), world_size, rp)
-    colo_est = estimate(colo, costs)
+    colo = colocated(full_plan, world_size, rp)
+    colo_est = estimate_colocated(colo, costs)
     cands = {f"colocated W={world_size}": colo_est.step_s}
     notes = [f"auto: device profile {costs.device.name}; workload B={costs.workload.batch} rows, "
              f"P={costs.workload.prompt_tokens}, R={costs.workload.response_tokens} tokens"]
@@ -332,10 +351,10 @@ def choose_placement(full_plan: Any, cfg: Any, world_size: int, costs: StageCost
     def part(r: int) -> float:
         if r not in splits:
             c = copy.copy(pc)
-            c.mode, c.pools = "partitioned", {TRAIN_POOL: list(range(world_size - r)),
-                                              ROLLOUT_POOL: list(range(world_size - r, world_size))}
-            pp = place(full_plan, c, world_size, rp)
-            splits[r] = (pp, estimate(pp, costs))
+            c.pools = {TRAIN_POOL: list(range(world_size - r)),
+                       ROLLOUT_POOL: list(range(world_size - r, world_size))}
+            pp = partitioned(full_plan, c, world_size, rp)
+            splits[r] = (pp, estimate_partitioned(pp, costs))
         return splits[r][1].step_s
 
     xs = split_candidates(world_size, rp.get("rollout", 1)) if world_size >= 2 else []
@@ -403,7 +422,8 @@ def predicted_vs_measured(pp: PlacementPlan, step_metrics: Sequence[Mapping[str,
 __all__ = ["CALIBRATION", "ClusterCosts", "ClusterEstimate", "ClusterPlan", "DEVICES",
            "DeviceProfile", "Fit", "KIND_SECONDS", "ModelShape", "OP_KIND", "PlacementEstimate",
            "PoolMemory", "StageCosts", "Term", "Workload", "choose_placement", "cluster_placement",
-           "cluster_report", "decode_seconds", "estimate", "estimate_cluster", "kv_token_bytes",
+           "cluster_report", "decode_seconds", "estimate_cluster", "estimate_colocated",
+           "estimate_partitioned", "kv_token_bytes",
            "matmul_efficiency", "matmul_params", "plan_cluster",
            "forward_seconds", "predicted_vs_measured", "refine_and_choose", "resolve_device", "stage_kind", "sync_bytes", "ternary_search",
            "train_seconds", "transfer_bytes"]
@@ -827,10 +847,10 @@ def estimate_cluster(pp: PlacementPlan, costs: ClusterCosts) -> ClusterEstimate:
     memory: dict[str, PoolMemory] = {}
     terms: list[Term] = []
     sides: dict[str, float] = {}
-    colocated = pp.mode == "colocated"
+    one_pool = len(pp.pools) == 1  # a colocated plan is one pool of every rank
     tp = costs.rollout_tp
     wshard = costs.bf16_weights / tp
-    if colocated:
+    if one_pool:
         p = len(pp.pools["all"].ranks)
         procs = costs.engine_procs(True)
         state, act = costs.resident_train_bytes(p), costs.activation_bytes()
@@ -941,16 +961,16 @@ def plan_cluster(full_plan: Any, costs: ClusterCosts, placement_cfg: Optional[Pl
     world = costs.cluster.world
     rp = {"rollout": costs.rollout_tp}
     base = placement_cfg or PlacementConfig()
-    colo = estimate_cluster(place(full_plan, PlacementConfig(mode="colocated"), world, rp), costs)
+    colo = estimate_cluster(colocated(full_plan, world, rp), costs)
     cands = [colo]
     why_not = ""
     for r in split_candidates(world, costs.rollout_tp) if world >= 2 else []:
         for k in staleness:
             pc = copy.copy(base)
-            pc.mode, pc.staleness = "partitioned", k
+            pc.staleness = k
             pc.pools = {TRAIN_POOL: list(range(world - r)), ROLLOUT_POOL: list(range(world - r, world))}
             try:
-                pp = place(full_plan, pc, world, rp)
+                pp = partitioned(full_plan, pc, world, rp)
             except PlacementError as e:
                 why_not = str(e)
                 break
@@ -1015,7 +1035,7 @@ def cluster_report(cp: ClusterPlan) -> list[str]:
             f"Terms of {cp.chosen.label} (seconds per step):"]
     wt = max([len(t.name) for t in cp.chosen.terms] + [52])  # columns stay aligned for any name
     out += [f"  {t.name:<{wt}} {_g(t.seconds):>8}  = {t.formula}" for t in cp.chosen.terms]
-    if cp.chosen.pp.mode == "partitioned":
+    if cp.chosen is not cp.colocated:  # a partitioned split
         how = "rollout + train" if cp.chosen.pp.staleness == 0 else "max(rollout, train)"
         out.append(f"  step = {how} + sync + transfers = " + " + ".join(
             f"{k} {_g(v)}" for k, v in cp.chosen.sides.items()) +
@@ -1046,7 +1066,7 @@ def cluster_placement(cp: ClusterPlan) -> PlacementPlan:
     mem: dict[str, tuple[int, Optional[str]]] = {
         k: (int(v.peak), role_of.get(v.peak_phase or "", v.peak_phase)) for k, v in e.memory.items()}
     est = PlacementEstimate(e.step_s, e.sides, e.sync_s, e.transfer_s, mem,
-                            transfer_bytes(e.pp, w), 2 * cp.costs.shape.n_params
-                            if e.pp.mode == "partitioned" else 0, cp.costs.cluster.name,
+                            transfer_bytes(e.pp, w), 0 if e is cp.colocated
+                            else 2 * cp.costs.shape.n_params, cp.costs.cluster.name,
                             {x.label: x.step_s for x in cp.candidates})
     return replace(e.pp, notes=list(e.pp.notes) + cluster_report(cp), estimate=est)

@@ -10,18 +10,48 @@
   most ``staleness`` weight versions behind.
 * ``auto``: a cost model picks one of the above (``flowrl/compiler/cost.py``).
 
-No engine is imported here: ``flowrl plan placement=partitioned`` works on a laptop.
+Here: the data (:class:`Mode`, the config, the plans) and the two cuts (:func:`colocated`,
+:func:`partitioned`); each mode's behaviour as one class (place, cost, render) is in
+``flowrl/compiler/modes.py``. No engine is imported here: ``flowrl plan placement=partitioned``
+works on a laptop.
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Optional
 
 from flowrl.compiler.devices import DEVICES
 from flowrl.compiler.plan import Action, CompiledStage, ExecutionPlan, TensorLife, _swap_actions
 from flowrl.graph.graph import Graph
 
-MODES = ("colocated", "partitioned", "auto")
+
+class Mode(StrEnum):
+    """``placement.mode``. A ``str``: it prints, formats and serialises as its value."""
+
+    COLOCATED = "colocated"
+    PARTITIONED = "partitioned"
+    AUTO = "auto"
+
+
+MODES = tuple(m.value for m in Mode)
+
+
+def parse_mode(value: str) -> Mode:
+    """``placement.mode`` as a :class:`Mode`.
+
+    Raises:
+        ValueError: an unknown mode, in one line with the closest mode, e.g. ``placement.mode
+            must be one of ('colocated', 'partitioned', 'auto'), got 'colo' (did you mean
+            colocated?)``.
+    """
+    try:
+        return Mode(value)
+    except ValueError:
+        close = difflib.get_close_matches(str(value), MODES, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ValueError(f"placement.mode must be one of {MODES}, got {value!r}{hint}") from None
 TRAIN_POOL, ROLLOUT_POOL = "train", "rollout"
 # where each role lives unless placement.roles says otherwise
 DEFAULT_ROLE_POOL = {"actor": TRAIN_POOL, "ref": TRAIN_POOL, "critic": TRAIN_POOL,
@@ -71,7 +101,7 @@ class PlacementConfig:
         auto: settings of ``mode=auto``.
     """
 
-    mode: str = "colocated"
+    mode: str = Mode.COLOCATED  # a Mode after __post_init__ (OmegaConf types the field as str)
     pools: dict[str, list[int]] = field(default_factory=dict)
     roles: dict[str, str] = field(default_factory=dict)
     staleness: Optional[int] = None
@@ -79,17 +109,16 @@ class PlacementConfig:
     auto: AutoConfig = field(default_factory=AutoConfig)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"placement.mode must be one of {MODES}, got {self.mode!r}")
+        self.mode = parse_mode(self.mode)
         if self.staleness is not None and self.staleness < 0:
             raise ValueError(f"placement.staleness must be >= 0 or null, got {self.staleness}")
         if self.bucket_mb < 1:
             raise ValueError(f"placement.bucket_mb must be >= 1, got {self.bucket_mb}")
-        if any(self.pools.values()) and self.mode != "partitioned":  # ignored without a word
+        if any(self.pools.values()) and self.mode is not Mode.PARTITIONED:  # ignored without a word
             raise ValueError(f"placement.pools is read only by placement=partitioned, and this run "
                              f"is placement={self.mode}: put placement=partitioned before the "
                              f"pools, or drop placement.pools")
-        if self.roles and self.mode == "colocated":
+        if self.roles and self.mode is Mode.COLOCATED:
             raise ValueError("placement.roles is read only by placement=partitioned or auto, and "
                              "this run is placement=colocated: choose one of those, or drop "
                              "placement.roles")
@@ -144,7 +173,7 @@ class PlacementPlan:
             pool, bytes moved) when a cost model was run (``placement=auto``, ``flowrl plan``).
     """
 
-    mode: str
+    mode: Mode
     world_size: int
     pools: dict[str, PoolPlan]
     full: ExecutionPlan
@@ -225,9 +254,20 @@ def _sync_roles(graph: Graph) -> list[tuple[str, str]]:
     return out
 
 
-def colocated(plan: ExecutionPlan, world_size: int) -> PlacementPlan:
+def colocated(plan: ExecutionPlan, world_size: int,
+              role_parallelism: Optional[dict[str, int]] = None) -> PlacementPlan:
+    """One pool ``all`` of every rank running ``plan`` as compiled (its swap points included).
+
+    Raises:
+        PlacementError: a world size < 1, or not a multiple of a role's tensor-parallel size
+            (``role_parallelism``), naming ``launcher.nproc``.
+    """
+    if world_size < 1:
+        raise PlacementError(f"launcher.nproc: world size must be >= 1, got {world_size}")
+    check_parallelism({"all": world_size}, {r: "all" for r in plan.roles}, plan.roles,
+                      role_parallelism or {})
     pool = PoolPlan("all", list(range(world_size)), plan)
-    return PlacementPlan("colocated", world_size, {"all": pool}, full=plan,
+    return PlacementPlan(Mode.COLOCATED, world_size, {"all": pool}, full=plan,
                          weight_sync=_sync_roles(plan.graph))
 
 
@@ -352,38 +392,11 @@ def partitioned(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int,
     }
     graph_k = max([w.staleness for w in g.weight_sync], default=0)
     k = graph_k if cfg.staleness is None else cfg.staleness
-    return PlacementPlan("partitioned", world_size, pp, full=plan, transfers=transfers,
+    return PlacementPlan(Mode.PARTITIONED, world_size, pp, full=plan, transfers=transfers,
                          staleness=k, weight_sync=_sync_roles(g), notes=notes)
 
 
-def place(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int,
-          role_parallelism: Optional[dict[str, int]] = None) -> PlacementPlan:
-    """colocated/partitioned by ``cfg.mode``. ``auto`` needs measured or modelled stage costs:
-    see ``flowrl.compiler.cost.choose_placement``.
-
-    Args:
-        role_parallelism: role → tensor-parallel size of its engine (e.g. ``{"rollout": 2}``);
-            a pool must hold a multiple of it. Missing roles: 1.
-
-    Raises:
-        PlacementError: see :func:`partitioned`; pools/roles set under ``colocated``; a world
-            size < 1 or not a multiple of a role's tensor-parallel size under ``colocated``.
-    """
-    if world_size < 1:
-        raise PlacementError(f"launcher.nproc: world size must be >= 1, got {world_size}")
-    if cfg.mode == "colocated":
-        if any(cfg.pools.values()) or cfg.roles:
-            raise PlacementError("placement.pools/roles are for placement.mode=partitioned; "
-                                 "colocated uses every rank for every role")
-        check_parallelism({"all": world_size}, {r: "all" for r in plan.roles}, plan.roles,
-                          role_parallelism or {})
-        return colocated(plan, world_size)
-    if cfg.mode == "partitioned":
-        return partitioned(plan, cfg, world_size, role_parallelism)
-    raise PlacementError("placement.mode=auto is resolved by flowrl.compiler.cost.choose_placement")
-
-
-__all__ = ["Action", "AutoConfig", "DEFAULT_ROLE_POOL", "PlacementConfig", "PlacementError",
-           "PlacementPlan", "PoolPlan", "assign_stages", "colocated", "default_pools",
-           "partitioned", "place", "split_candidates", "check_parallelism",
+__all__ = ["Action", "AutoConfig", "DEFAULT_ROLE_POOL", "MODES", "Mode", "PlacementConfig",
+           "PlacementError", "PlacementPlan", "PoolPlan", "assign_stages", "colocated",
+           "default_pools", "parse_mode", "partitioned", "split_candidates", "check_parallelism",
            "check_pool_sizes"]

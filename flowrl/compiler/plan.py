@@ -132,11 +132,6 @@ class ExecutionPlan:
     def num_swaps(self) -> int:
         return sum(a.kind == "onload" for a in self.actions)
 
-    def format_text(self) -> str:
-        from flowrl.compiler.render import format_plan
-
-        return format_plan(self)
-
 
 def resolve(graph: Graph, run_cfg: Mapping | DictConfig | None) -> Graph:
     """Resolve ``${...}`` in ``when`` and ``params`` against the run config.

@@ -2,14 +2,12 @@
 text, Mermaid or Graphviz DOT (written directly: it is output formatting, no extra dependency)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from flowrl.compiler.placement import PlacementPlan
-    from flowrl.compiler.plan import ExecutionPlan
+from flowrl.compiler.footprint import fmt_bytes as _fmt_bytes
+from flowrl.compiler.placement import PlacementPlan
+from flowrl.compiler.plan import ExecutionPlan
 
 
-def format_plan(plan: "ExecutionPlan") -> str:
+def format_plan(plan: ExecutionPlan) -> str:
     g = plan.graph
     lines = [f"ExecutionPlan  graph={g.name}  placement={plan.placement}  pool=[rank 0]",
              f"roles with a model: {', '.join(plan.roles) or '-'}"]
@@ -64,16 +62,12 @@ def format_plan(plan: "ExecutionPlan") -> str:
 FORMATS = ("text", "mermaid", "dot")
 
 
-def _fmt_bytes(n: float) -> str:
-    from flowrl.compiler.footprint import fmt_bytes
-
-    return fmt_bytes(n)
-
-
-def pool_timeline(pp: "PlacementPlan", name: str) -> list[tuple[str, str]]:
+def pool_timeline(pp: PlacementPlan, name: str, weights_cross: bool = False) -> list[tuple[str, str]]:
     """One pool's step as (kind, text) entries in order. kinds: wait (weights, before the rollout
     stage), recv (before the first stage reading the key), run, onload, offload, sync, send (after
-    the pool's stages; the key is freed once sent), broadcast (weights after the update)."""
+    the pool's stages; the key is freed once sent), broadcast (weights after the update).
+    ``weights_cross``: the weights go from the train pool to the other one (partitioned: the
+    wait and broadcast entries); else a sync is a local step of the timeline."""
     pool, est = pp.pools[name], pp.estimate
     plan, g = pool.plan, pool.plan.graph
     xfer = est.transfers if est is not None else {}
@@ -84,7 +78,7 @@ def pool_timeline(pp: "PlacementPlan", name: str) -> list[tuple[str, str]]:
     for a in plan.actions:
         if a.kind == "run":
             stage = g[a.stage_name]
-            if pp.mode == "partitioned" and any(d == stage.role for _, d in pp.weight_sync):
+            if weights_cross and any(d == stage.role for _, d in pp.weight_sync):
                 src = ", ".join(s for s, d in pp.weight_sync if d == stage.role)
                 out.append(("wait", f"weights {src} -> {stage.role} from pool {other}: at most "
                                     f"{pp.staleness} version(s) behind (staleness {pp.staleness})"))
@@ -95,7 +89,7 @@ def pool_timeline(pp: "PlacementPlan", name: str) -> list[tuple[str, str]]:
             frees = plan.release_after.get(a.stage_name, [])
             out.append(("run", f"{a.stage} op={stage.op} role={a.role or '-'}"
                                + (f" then free {', '.join(frees)}" if frees else "")))
-            if pp.mode == "partitioned" and name == "train":
+            if weights_cross and name == "train":
                 for s, d in pp.weight_sync:
                     if s == a.role and a.stage in {w.src for w in pp.full.graph.weight_sync}:
                         out.append(("broadcast", f"weights {s} -> {d} to pool {other} "
@@ -108,16 +102,25 @@ def pool_timeline(pp: "PlacementPlan", name: str) -> list[tuple[str, str]]:
     return out
 
 
-def _text(pp: "PlacementPlan") -> str:
+def colocated_text(pp: PlacementPlan) -> str:
+    """A colocated plan as text: its one pool's ExecutionPlan (:func:`format_plan`), then the
+    cost model's predictions and the notes."""
+    extra = _estimate_lines(pp) + ((["", "Notes:"] + [f"  {n}" for n in pp.notes]) if pp.notes else [])
+    return format_plan(pp.pools["all"].plan) + "\n" + "\n".join(extra)
+
+
+def partitioned_text(pp: PlacementPlan) -> str:
+    """A partitioned plan as text: one timeline per pool, the transfers, the weight broadcast,
+    the predictions (with the rollout/train sides) and the notes."""
     g, est = pp.full.graph, pp.estimate
     lines = [f"PlacementPlan  graph={g.name}  mode={pp.mode}  world={pp.world_size}"
-             + (f"  staleness={pp.staleness}" if pp.mode == "partitioned" else "")]
+             f"  staleness={pp.staleness}"]
     for name, pool in pp.pools.items():
         lines.append("")
         lines.append(f"Pool {name}  ranks {_ranks(pool.ranks)}  roles: {', '.join(pool.roles) or '-'}")
         lines += [f"  {role} served by {how}" for role, how in pp.full.served_by.items()
                   if role in pool.roles]
-        for i, (kind, text) in enumerate(pool_timeline(pp, name), 1):
+        for i, (kind, text) in enumerate(pool_timeline(pp, name, weights_cross=True), 1):
             lines.append(f"  {i:>2}. {kind:<9} {text}")
     if pp.transfers:
         r, t = len(pp.pools["rollout"].ranks), len(pp.pools["train"].ranks)
@@ -131,23 +134,24 @@ def _text(pp: "PlacementPlan") -> str:
             lines.append(f"  {k:<{wk}} {_fmt_bytes(b) if b is not None else '?'}")
         if est is not None:
             lines.append(f"  {'total':<{wk}} {_fmt_bytes(total)}")
-    if pp.weight_sync and pp.mode == "partitioned":
+    if pp.weight_sync:
         wb = f", {_fmt_bytes(est.sync_bytes)} per update" if est is not None else ""
         lines.append("")
         lines.append("Weight sync: " + ", ".join(f"{s} -> {d}" for s, d in pp.weight_sync)
                      + f" broadcast train -> rollout after each update{wb}")
-    lines += _estimate_lines(pp)
+    lines += _estimate_lines(pp, sides=True)
     if pp.notes:
         lines += ["", "Notes:"] + [f"  {n}" for n in pp.notes]
     return "\n".join(lines)
 
 
-def _estimate_lines(pp: "PlacementPlan") -> list[str]:
+def _estimate_lines(pp: PlacementPlan, sides: bool = False) -> list[str]:
+    """The predictions' lines; ``sides``: how the pools' seconds add up (partitioned)."""
     est = pp.estimate
     if est is None:
         return []
     out = ["", f"Predicted (cost model, device profile {est.device}): step {est.step_s:.3g} s"]
-    if pp.mode == "partitioned":
+    if sides:
         sides = " ".join(f"{k}={v:.3g}s" for k, v in est.sides.items())
         how = "sum" if pp.staleness == 0 else "max"
         out.append(f"  = {how}({sides}) + weight sync {est.sync_s:.3g}s + transfers {est.transfer_s:.3g}s")
@@ -176,12 +180,13 @@ def _ident(s: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in s)
 
 
-def _edges(pp: "PlacementPlan") -> tuple[dict[str, list[tuple[str, str, str]]], list[tuple[str, str, str, bool]]]:
+def _edges(pp: PlacementPlan, weights_cross: bool
+           ) -> tuple[dict[str, list[tuple[str, str, str]]], list[tuple[str, str, str, bool]]]:
     """Nodes per pool (id, kind, label) and edges (src, dst, label, dashed): each pool's timeline
     is a chain; sends feed the other pool's recvs; the broadcast feeds the weight wait."""
     nodes, edges = {}, []
     for name in pp.pools:
-        tl = pool_timeline(pp, name)
+        tl = pool_timeline(pp, name, weights_cross)
         nodes[name] = [(f"{_ident(name)}_{i}", k, t) for i, (k, t) in enumerate(tl)]
         edges += [(a[0], b[0], "", False) for a, b in zip(nodes[name], nodes[name][1:])]
     by_kind = lambda pool, kind: [n for n in nodes.get(pool, []) if n[1] == kind]  # noqa: E731
@@ -198,9 +203,11 @@ def _edges(pp: "PlacementPlan") -> tuple[dict[str, list[tuple[str, str, str]]], 
     return nodes, edges
 
 
-def _mermaid(pp: "PlacementPlan") -> str:
+def mermaid(pp: PlacementPlan, weights_cross: bool = False) -> str:
+    """The pools as Mermaid subgraphs, each timeline a chain (``weights_cross``: see
+    :func:`pool_timeline`); the cost model's prediction as a note."""
     q = lambda s: s.replace('"', "'")  # noqa: E731
-    nodes, edges = _edges(pp)
+    nodes, edges = _edges(pp, weights_cross)
     lines = ["flowchart TB"]
     for name, ns in nodes.items():
         pool = pp.pools[name]
@@ -218,9 +225,11 @@ def _mermaid(pp: "PlacementPlan") -> str:
     return "\n".join(lines)
 
 
-def _dot(pp: "PlacementPlan") -> str:
+def dot(pp: PlacementPlan, weights_cross: bool = False) -> str:
+    """The pools as Graphviz DOT clusters, each timeline a chain (``weights_cross``: see
+    :func:`pool_timeline`)."""
     q = lambda s: s.replace("\\", "\\\\").replace('"', '\\"')  # noqa: E731
-    nodes, edges = _edges(pp)
+    nodes, edges = _edges(pp, weights_cross)
     lines = [f'digraph "{q(pp.full.graph.name)}" {{', "  rankdir=TB;", "  node [shape=box];"]
     for name, ns in nodes.items():
         lines.append(f"  subgraph cluster_{_ident(name)} {{")
@@ -232,24 +241,3 @@ def _dot(pp: "PlacementPlan") -> str:
         lines.append(f"  {a} -> {b}" + (f" [{', '.join(attrs)}]" if attrs else "") + ";")
     lines.append("}")
     return "\n".join(lines)
-
-
-def format_placement(pp: "PlacementPlan", fmt: str = "text") -> str:
-    """What ``flowrl plan`` prints. text: colocated = :func:`format_plan` (unchanged) + the cost
-    model's predictions; partitioned = one timeline per pool, transfers, weight sync, predictions
-    and notes. mermaid / dot: each pool a subgraph holding its timeline as a chain; solid edges
-    for transfers, dashed for the weight broadcast.
-
-    Raises:
-        ValueError: unknown ``fmt``.
-    """
-    if fmt not in FORMATS:
-        raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}")
-    if fmt == "mermaid":
-        return _mermaid(pp)
-    if fmt == "dot":
-        return _dot(pp)
-    if pp.mode == "colocated":
-        extra = _estimate_lines(pp) + ((["", "Notes:"] + [f"  {n}" for n in pp.notes]) if pp.notes else [])
-        return format_plan(pp.pools["all"].plan) + "\n" + "\n".join(extra)
-    return _text(pp)

@@ -165,11 +165,13 @@ def module_names(model_cfg: Any) -> set[str]:
     return {n for n, _ in model.named_modules() if n}
 
 
-def check_lora(cfg: Any, roles: set[str]) -> None:
+def check_lora(cfg: Any, roles: set[str], single_pool: bool = True) -> None:
     """Reject a ``model.lora`` run that could not train as asked, before any model loads.
 
     Args:
         cfg: the run's ``TrainConfig``. roles: the plan's roles.
+        single_pool: the placement keeps every role on every rank
+            (``flowrl.compiler.modes.PlacementMode.single_pool``: colocated).
 
     Raises:
         ValueError: one line naming the field: a critic graph (the value head shares nothing with
@@ -182,7 +184,7 @@ def check_lora(cfg: Any, roles: set[str]) -> None:
     if "critic" in roles:
         raise ValueError("model.lora: the graph has a critic (PPO); a LoRA actor leaves the "
                          "critic's value head untrained; use a critic-free graph (grpo, rloo, ...)")
-    if cfg.placement.mode != "colocated":
+    if not single_pool:
         raise ValueError(f"model.lora: placement.mode={cfg.placement.mode} is not supported with "
                          "LoRA yet (colocated only)")
     names = module_names(cfg.model)

@@ -24,6 +24,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from flowrl.compiler.modes import mode_of
+from flowrl.compiler.placement import Mode
+
 if TYPE_CHECKING:
     from flowrl.compiler.placement import PlacementPlan
     from flowrl.compiler.plan import ExecutionPlan
@@ -79,12 +82,12 @@ def decide(cfg, plan, world_size: int, profile: list[dict[str, float]]) -> dict[
                            "predicted_step_s": pp.estimate.step_s if pp.estimate else None,
                            "prompts_per_step": cfg.trainer.prompts_per_step,
                            "profile_steps": len(profile)}
-    if pp.mode == "partitioned":
+    if mode_of(pp.mode).concurrent_pools:
         pools = {k: list(v.ranks) for k, v in pp.pools.items()}
         n_roll = len(pools["rollout"])
         global_prompts = cfg.trainer.prompts_per_step * world_size
         if global_prompts % n_roll:
-            out.update(mode="colocated", notes=out["notes"] + [
+            out.update(mode=Mode.COLOCATED, notes=out["notes"] + [
                 f"kept colocated: {global_prompts} prompts per step do not split over "
                 f"{n_roll} rollout ranks"])
         else:
@@ -118,7 +121,7 @@ def run_auto(cfg: "TrainConfig", plan: "ExecutionPlan", dinfo: "DistInfo", out_d
             procs = cfg.rollout.vllm.engine_procs
             if procs == 0 or (procs is None and run_device(cfg).type != "cuda"):
                 vllm["engine_procs"] = 1  # (null on CUDA: >= 1 already)
-        profile = phase_config(cfg, mode="colocated", trainer={"total_steps": min(P, T)},
+        profile = phase_config(cfg, mode=Mode.COLOCATED, trainer={"total_steps": min(P, T)},
                                eval_={"after": False}, vllm=vllm)
         run(profile, plan, prepare_placement(profile, plan, dinfo.world_size), dinfo, out_dir)
         _free_memory()
@@ -131,7 +134,7 @@ def run_auto(cfg: "TrainConfig", plan: "ExecutionPlan", dinfo: "DistInfo", out_d
             print("\n".join(decision["notes"]), flush=True)
         decision = broadcast_object(decision)
     # re-plan: the chosen placement continues from the profile's checkpoint
-    partitioned = decision["mode"] == "partitioned"
+    partitioned = mode_of(decision["mode"]).concurrent_pools
     chosen = phase_config(
         cfg, mode=decision["mode"], pools=decision["pools"] if partitioned else None,
         trainer={"resume": True, **({"prompts_per_step": decision["prompts_per_step"]}
@@ -145,7 +148,7 @@ def run_auto(cfg: "TrainConfig", plan: "ExecutionPlan", dinfo: "DistInfo", out_d
         measured = sum(r["perf/step_s"] for r in after) / len(after) if after else None
         pred = decision["predicted_step_s"]
         line = f"placement=auto chose {decision['mode']}"
-        if decision["mode"] == "partitioned":
+        if partitioned:
             line += f" {decision['pools']}"
         line += f": predicted step {pred:.3g} s" if pred else ": no prediction"
         if measured is not None:

@@ -40,6 +40,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
+from flowrl.compiler.modes import mode_of
+from flowrl.compiler.placement import Mode
+from flowrl.compiler.render import format_plan
 from flowrl.runtime.health import RunHealth
 from flowrl.runtime.preflight import ConfigError
 
@@ -178,7 +181,7 @@ class Colocated:
 
 def rank_placement(cfg: "TrainConfig", pp: "PlacementPlan", dinfo: "DistInfo") -> RankPlacement:
     """This rank's part of ``pp`` (partitioned: creates the pool groups, a collective)."""
-    if pp.mode == "partitioned":
+    if mode_of(pp.mode).concurrent_pools:
         from flowrl.runtime.partitioned import partitioned_rank
 
         return partitioned_rank(cfg, pp, dinfo)
@@ -215,7 +218,7 @@ def run_job(spec: "RunSpec") -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = rundir.claim_run_dir(out_dir, cfg.trainer, rank0=rank0)  # one run per directory
     try:
-        if cfg.placement.mode == "auto" and dinfo.world_size > 1:
+        if cfg.placement.mode is Mode.AUTO and dinfo.world_size > 1:
             done = finished_run(cfg, out_dir, rank0)
             if done is not None:
                 return done
@@ -330,7 +333,7 @@ class _Job:
         place = self.place = rank_placement(cfg, self.pp, dinfo)
         torch.manual_seed(cfg.trainer.seed)
         if dinfo.rank == 0:
-            (out_dir / "plan.txt").write_text(self.full.format_text() + "\n")
+            (out_dir / "plan.txt").write_text(format_plan(self.full) + "\n")
 
         # ---- setup: this rank's engines, resources, executor; a console line for each phase
         # as it ends, from the first second (a file gets them as a terminal does)

@@ -73,9 +73,10 @@ def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = Non
     from flowrl.ops.multi_turn import check_multi_turn
 
     check_multi_turn(plan, cfg)  # a multi-turn stage's tools go into every prompt (data.tools)
+    from flowrl.compiler.modes import mode_of
     from flowrl.models.lora import check_lora
 
-    check_lora(cfg, set(plan.roles))  # model.lora: module names from a meta-device model
+    check_lora(cfg, set(plan.roles), mode_of(cfg.placement.mode).single_pool)  # model.lora: module names from a meta-device model
     if cfg.model.lora is not None and "ref" in plan.roles:
         plan.served_by["ref"] = "the actor engine with its LoRA adapters disabled (no weight copy)"
     placement = prepare_placement(cfg, plan, world_size(cfg))  # an impossible one fails here
@@ -155,16 +156,10 @@ def prepare_placement(cfg: "TrainConfig", plan: "ExecutionPlan", world_size: int
     Raises:
         PlacementError (a ValueError): an impossible placement, naming the ``placement.*`` field.
     """
-    from flowrl.compiler.placement import place
+    from flowrl.compiler.modes import choose, mode_of
 
-    if cfg.placement.mode == "auto":
-        from flowrl.compiler.cost import StageCosts, choose_placement
-
-        costs = StageCosts.from_config(plan, cfg, world_size, parallelism=role_parallelism(cfg))
-        placement = choose_placement(plan, cfg, world_size, costs, role_parallelism(cfg))
-    else:
-        placement = place(plan, cfg.placement, world_size, role_parallelism(cfg))
-    if placement.mode == "partitioned":
+    placement = choose(plan, cfg, world_size, role_parallelism(cfg))
+    if mode_of(placement.mode).concurrent_pools:
         check_partitioned_run(placement, cfg)
     return placement
 
