@@ -40,6 +40,7 @@ from flowrl.ops.context import DistInfo, StageContext
 from flowrl.ops.registry import OPS
 from flowrl.ops.state import OpState, init_op_states
 from flowrl.runtime.devices import home_device, stage_device, to_device
+from flowrl.runtime.refill import run_refill
 from flowrl.runtime.store import TensorStore
 
 if TYPE_CHECKING:
@@ -166,6 +167,11 @@ class Executor:
             raise KeyError(f"plan action for role {role!r}, which this rank has no engine for")
         return eng
 
+    @property
+    def resident(self) -> set[str]:
+        """The roles whose engines are on the device now (a copy)."""
+        return set(self._resident)
+
     def ensure_resident(self, role: str) -> None:
         """Make ``role`` the resident model (offloading the others), as the plan's swap points
         would; used when a refill stage re-runs its upstream stages."""
@@ -227,12 +233,10 @@ class Executor:
                 metrics.update(self._sync(src.role, a.role_name))
                 sync_s += time.perf_counter() - t0
             elif (stage := a.stage_name) in self.plan.refill:
-                from flowrl.runtime.refill import run_refill  # re-runs its upstream stages
-
                 metrics.update(run_refill(self, self.plan.refill[stage], step))
                 metrics[f"time/{stage}"] = time.perf_counter() - t0  # its re-runs included
             else:
-                metrics.update(self._run_stage(stage, step))
+                metrics.update(self.run_stage(stage, step))
                 metrics[f"time/{stage}"] = time.perf_counter() - t0
             if a.role == "rollout" and a.kind in ROLLOUT_TIMERS:  # sleep / wake / weight load
                 key = ROLLOUT_TIMERS[a.kind]
@@ -261,9 +265,11 @@ class Executor:
         })
         return metrics
 
-    def _run_stage(self, name: str, step: int, attempt: int = 1) -> dict[str, float]:
+    def run_stage(self, name: str, step: int, attempt: int = 1) -> dict[str, float]:
+        """Run stage ``name`` (:meth:`call_op`), put its outputs in the store and release what
+        it was the last consumer of; returns the op's metrics."""
         t0 = time.perf_counter()
-        outputs, metrics = self._call_op(name, step, attempt)
+        outputs, metrics = self.call_op(name, step, attempt)
         self.store.put(name, outputs)
         self.store.release_after(name)
         self.stage_metrics[name] = {**metrics, f"time/{name}": time.perf_counter() - t0}
@@ -280,7 +286,7 @@ class Executor:
             inputs.setdefault(arg, None)
         return inputs
 
-    def _call_op(self, name: str, step: int, attempt: int = 1
+    def call_op(self, name: str, step: int, attempt: int = 1
                  ) -> tuple[dict[str, Any], dict[str, float]]:
         """Run one stage's op on its inputs from the store; returns (outputs, metrics). A refill
         attempt > 1 draws from its own seed, so it samples new responses."""

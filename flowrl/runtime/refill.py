@@ -18,16 +18,34 @@ upstream stages' averaged (``time/*`` summed); ``refill/attempts``, ``refill/gro
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor
 
-from flowrl.compiler.plan import RefillSpec
+from flowrl.compiler.plan import ExecutionPlan, RefillSpec
 from flowrl.errors import RunStopped
+from flowrl.runtime.store import TensorStore
 
-if TYPE_CHECKING:
-    from flowrl.runtime.executor import Executor
+
+class StageRunner(Protocol):
+    """What the refill loop needs of the executor that runs it (``runtime/executor.Executor``
+    implements it): the plan, the store, this step's stage metrics, the resident roles, and
+    running one stage (:meth:`run_stage`: into the store) or only its op (:meth:`call_op`)."""
+
+    plan: ExecutionPlan
+    store: TensorStore
+    stage_metrics: dict[str, dict[str, float]]
+
+    @property
+    def resident(self) -> set[str]: ...
+
+    def ensure_resident(self, role: str) -> None: ...
+
+    def run_stage(self, name: str, step: int, attempt: int = 1) -> dict[str, float]: ...
+
+    def call_op(self, name: str, step: int, attempt: int = 1
+                ) -> tuple[dict[str, Any], dict[str, float]]: ...
 
 
 def _pad_cat(name: str, values: list[Tensor]) -> Tensor:
@@ -79,7 +97,7 @@ def _average(rows: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def run_refill(ex: "Executor", spec: RefillSpec, step: int) -> dict[str, float]:
+def run_refill(ex: StageRunner, spec: RefillSpec, step: int) -> dict[str, float]:
     """Run refill stage ``spec.stage`` (its upstream already ran once); returns the metrics that
     replace the upstream stages' and the stage's own.
 
@@ -89,7 +107,7 @@ def run_refill(ex: "Executor", spec: RefillSpec, step: int) -> dict[str, float]:
             traceback, from ``flowrl train``).
     """
     name = spec.stage
-    resident_at_stage = set(ex._resident)
+    resident_at_stage = ex.resident
     upstream_rows = [dict(ex.stage_metrics.get(s, {})) for s in spec.upstream]
     upstream_runs: list[dict[str, float]] = [{k: v for r in upstream_rows for k, v in r.items()}]
     own: dict[str, float] = {}
@@ -104,7 +122,7 @@ def run_refill(ex: "Executor", spec: RefillSpec, step: int) -> dict[str, float]:
                 if role:
                     ex.ensure_resident(role)
                 t0 = time.perf_counter()
-                m.update(ex._run_stage(s, step, attempt=attempt))
+                m.update(ex.run_stage(s, step, attempt=attempt))
                 m[f"time/{s}"] = time.perf_counter() - t0
             upstream_runs.append(m)
             for role in resident_at_stage:
@@ -112,7 +130,7 @@ def run_refill(ex: "Executor", spec: RefillSpec, step: int) -> dict[str, float]:
         if target is None:
             target = len(torch.unique(ex.store.get(_group_ref(ex, name))))
         sampled += len(torch.unique(ex.store.get(_group_ref(ex, name))))
-        outputs, m = ex._call_op(name, step, attempt=attempt)
+        outputs, m = ex.call_op(name, step, attempt=attempt)
         ex.store.release_after(name)
         for k, v in m.items():
             own[k] = own.get(k, 0.0) + v
@@ -132,5 +150,5 @@ def run_refill(ex: "Executor", spec: RefillSpec, step: int) -> dict[str, float]:
             "refill/groups": target, "refill/surplus_groups": have - target}
 
 
-def _group_ref(ex: "Executor", name: str) -> str:
+def _group_ref(ex: StageRunner, name: str) -> str:
     return ex.plan.graph[name].inputs["group_id"]

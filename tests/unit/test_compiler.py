@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 from flowrl.compiler.plan import compile_plan
+from flowrl.compiler.render import format_plan
 from flowrl.graph import Graph, GraphError
 
 GRPO = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
@@ -60,7 +61,7 @@ def test_old_logprobs_stage_pruned_for_a_single_on_policy_update():
 
 
 def test_plan_text_lists_everything():
-    text = plan(0.01).format_text()
+    text = format_plan(plan(0.01))
     for needle in ("old_logprobs", "role=actor", "onload  ref", "sync    weights actor -> rollout",
                    "rollout.rollout_logprobs", "model switches per step: 3"):
         assert needle in text, needle

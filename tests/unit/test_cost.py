@@ -11,13 +11,13 @@ from flowrl.compiler.cost import (
     Workload,
     choose_placement,
     decode_seconds,
-    estimate,
     forward_seconds,
     ternary_search,
     train_seconds,
 )
 from flowrl.compiler.footprint import role_memory, tensor_bytes
-from flowrl.compiler.placement import PlacementConfig, place, split_candidates
+from flowrl.compiler.modes import estimate, place
+from flowrl.compiler.placement import PlacementConfig, split_candidates
 from flowrl.compiler.plan import compile_plan
 from flowrl.graph.graph import Graph
 from flowrl.models.loading import ModelConfig, tiny_model_config

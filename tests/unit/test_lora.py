@@ -9,6 +9,7 @@ import torch
 from test_engines import PROMPT_MASK, PROMPTS, _train_batch, tiny_llama, token_mean_loss
 
 from flowrl.cli import compose
+from flowrl.compiler.render import format_plan
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.rollout.hf import HFRolloutConfig, HFRolloutEngine
 from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
@@ -51,9 +52,9 @@ def test_plan_shows_the_reference_served_by_the_actor():
     spec = _prepare("+model.lora.rank=4", "algorithm.kl_coef=0.1")
     cfg, plan = spec.config, spec.plan
     assert cfg.model.lora == LoraConfig(rank=4)
-    assert "ref served by the actor engine with its LoRA adapters disabled" in plan.format_text()
+    assert "ref served by the actor engine with its LoRA adapters disabled" in format_plan(plan)
     plain = _prepare("algorithm.kl_coef=0.1").plan
-    assert "ref" in plain.roles and "served by" not in plain.format_text()
+    assert "ref" in plain.roles and "served by" not in format_plan(plain)
 
 
 def test_gpt2_module_names_are_checked_against_its_own_modules():

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from flowrl.cli import compose, main
-from flowrl.compiler.placement import PlacementConfig, PlacementError, place, split_candidates
+from flowrl.compiler.modes import place
+from flowrl.compiler.placement import PlacementConfig, PlacementError, split_candidates
 from flowrl.compiler.plan import compile_plan
 from flowrl.graph.graph import Graph
 from flowrl.train import ConfigError, prepare, prepare_placement

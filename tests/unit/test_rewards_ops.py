@@ -8,6 +8,7 @@ import torch
 
 from flowrl.algorithms.config import AlgorithmConfig
 from flowrl.compiler.plan import compile_plan
+from flowrl.compiler.render import format_plan
 from flowrl.graph import Graph
 from flowrl.graph.graph import GraphError
 from flowrl.ops.context import StageContext
@@ -224,7 +225,7 @@ def test_plan_rejects_a_later_stage_reading_the_refilled_subgraph():
 
 
 def test_plan_text_shows_the_refill():
-    text = compile_plan(refill_graph(max_attempts=5), require_update=False).format_text()
+    text = format_plan(compile_plan(refill_graph(max_attempts=5), require_update=False))
     assert "refill  re-run src -> filter until one attempt's number of groups are kept " \
            "(at most 5 attempts)" in text
 
