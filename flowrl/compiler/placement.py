@@ -19,20 +19,28 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum
 from typing import Any, Optional
 
 from flowrl.compiler.devices import DEVICES
 from flowrl.compiler.plan import Action, CompiledStage, ExecutionPlan, TensorLife, _swap_actions
 from flowrl.graph.graph import Graph
+from flowrl.graph.roles import ROLES
 
 
-class Mode(StrEnum):
-    """``placement.mode``. A ``str``: it prints, formats and serialises as its value."""
+class Mode(str, Enum):
+    """``placement.mode``. A ``str``: it prints, formats and serialises as its value (Python
+    3.10 has no ``enum.StrEnum``; this is what it would be)."""
 
     COLOCATED = "colocated"
     PARTITIONED = "partitioned"
     AUTO = "auto"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
 
 
 MODES = tuple(m.value for m in Mode)
@@ -53,9 +61,8 @@ def parse_mode(value: str) -> Mode:
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise ValueError(f"placement.mode must be one of {MODES}, got {value!r}{hint}") from None
 TRAIN_POOL, ROLLOUT_POOL = "train", "rollout"
-# where each role lives unless placement.roles says otherwise
-DEFAULT_ROLE_POOL = {"actor": TRAIN_POOL, "ref": TRAIN_POOL, "critic": TRAIN_POOL,
-                     "teacher": TRAIN_POOL, "teacher_rollout": ROLLOUT_POOL, "rollout": ROLLOUT_POOL, "reward_model": ROLLOUT_POOL, "genrm": ROLLOUT_POOL}
+# where each role lives unless placement.roles says otherwise (the role table's ``pool``)
+DEFAULT_ROLE_POOL: dict[str, str] = {role: spec.pool for role, spec in ROLES.items()}
 
 
 class PlacementError(ValueError):

@@ -152,9 +152,9 @@ def _estimate_lines(pp: PlacementPlan, sides: bool = False) -> list[str]:
         return []
     out = ["", f"Predicted (cost model, device profile {est.device}): step {est.step_s:.3g} s"]
     if sides:
-        sides = " ".join(f"{k}={v:.3g}s" for k, v in est.sides.items())
+        terms = " ".join(f"{k}={v:.3g}s" for k, v in est.sides.items())
         how = "sum" if pp.staleness == 0 else "max"
-        out.append(f"  = {how}({sides}) + weight sync {est.sync_s:.3g}s + transfers {est.transfer_s:.3g}s")
+        out.append(f"  = {how}({terms}) + weight sync {est.sync_s:.3g}s + transfers {est.transfer_s:.3g}s")
     out.append("Predicted peak memory per device: " + "; ".join(
         f"pool {k} {_fmt_bytes(b)}" + (f" (set by the {who} role)" if who else "")
         for k, (b, who) in est.memory.items()))

@@ -23,12 +23,12 @@ import math
 from typing import Any, Mapping, Sequence
 
 from flowrl.errors import RunStopped
+from flowrl.graph.roles import TRAINED_ROLES
 
 log = logging.getLogger(__name__)
 
 SKIPPED_KEY = "train/skipped_steps"
 CONSTANT_KEY = "reward/constant_steps"
-_TRAINED_ROLES = ("actor", "critic")
 FRAC_FROM_STEP = 4  # the skipped-fraction budget is not judged on the first 3 steps
 
 
@@ -61,7 +61,7 @@ class RunHealth:
             RunStopped: the skipped-step budget is exceeded.
         """
         self.steps += 1
-        for role in _TRAINED_ROLES:
+        for role in TRAINED_ROLES:
             n = m.get(f"{role}/optimizer_steps")
             if n is None:
                 continue

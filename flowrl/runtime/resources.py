@@ -14,8 +14,10 @@ import copy
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
+
+from flowrl.graph.roles import ROLES, TRAINED_ROLES
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flowrl")
 
-TRAINABLE_ROLES = ("actor", "critic")  # their state (weights, optimizer, scheduler) is checkpointed
+TRAINABLE_ROLES = TRAINED_ROLES  # their state (weights, optimizer, scheduler) is checkpointed
 
 
 @dataclass
@@ -65,12 +67,9 @@ class Engines:
     genrm: Optional["RolloutEngine"] = None
 
     def by_role(self) -> dict[str, "Engine"]:
-        """The engines that exist, keyed by role (what the ops' contexts are handed)."""
-        roles: dict[str, Optional[Engine]] = {
-            "actor": self.actor, "ref": self.ref, "teacher": self.teacher, "critic": self.critic,
-            "rollout": self.rollout, "reward_model": self.reward_model, "genrm": self.genrm,
-            "teacher_rollout": self.teacher_rollout}
-        return {r: e for r, e in roles.items() if e is not None}
+        """The engines that exist, keyed by role (what the ops' contexts are handed), in the
+        role table's order (``flowrl/graph/roles.ROLES``: one field here per role)."""
+        return {r: e for r in ROLES if (e := getattr(self, r)) is not None}
 
     def get(self, role: Optional[str]) -> Optional["Engine"]:
         """The engine of ``role`` (None: no role, or a role this rank does not hold)."""
@@ -80,25 +79,31 @@ class Engines:
         return role in self.by_role()
 
     def weight_source(self, role: str) -> "TrainEngine":
-        """The engine whose weights a sync reads (``RoleSpec.weights_from``: the actor).
+        """The engine whose weights a sync reads: a role some role's ``weights_from`` names
+        (the actor), whose table Protocol is ``TrainEngine``.
 
         Raises:
             KeyError: this rank holds no trained engine for ``role``.
         """
-        if role != "actor" or self.actor is None:
+        spec = ROLES.get(role)
+        eng = getattr(self, role) if spec is not None else None
+        if eng is None or spec is None or spec.protocol != "TrainEngine" or \
+                not any(s.weights_from == role for s in ROLES.values()):
             raise KeyError(f"no trained engine serves weights as role {role!r} on this rank")
-        return self.actor
+        return cast("TrainEngine", eng)
 
     def weight_sink(self, role: str) -> "RolloutEngine":
-        """The generation engine a sync loads weights into (``rollout``).
+        """The generation engine a sync loads weights into (a role of kind ``generate``:
+        ``rollout``, which the table syncs from the actor).
 
         Raises:
             KeyError: this rank holds no generation engine for ``role``.
         """
-        eng = {"rollout": self.rollout, "genrm": self.genrm}.get(role)
+        spec = ROLES.get(role)
+        eng = getattr(self, role) if spec is not None and spec.kind == "generate" else None
         if eng is None:
             raise KeyError(f"no generation engine takes weights as role {role!r} on this rank")
-        return eng
+        return cast("RolloutEngine", eng)
 
     def train_state(self) -> dict[str, Any]:
         """What a checkpoint holds as tensors: the trainable engines' state and the torch RNG."""
@@ -118,8 +123,7 @@ class Engines:
 
     def trainable(self) -> dict[str, "Trainable"]:
         """The engines of :data:`TRAINABLE_ROLES` this rank holds (their state is checkpointed)."""
-        roles: dict[str, Optional[Trainable]] = {"actor": self.actor, "critic": self.critic}
-        return {r: e for r, e in roles.items() if e is not None}
+        return {r: cast("Trainable", e) for r in TRAINED_ROLES if (e := getattr(self, r)) is not None}
 
     def close(self) -> None:
         """Close every engine that holds processes or devices (vLLM: in-process engine shutdown,
@@ -127,8 +131,8 @@ class Engines:
         nothing. Run on the way out of every job, error or not (torchrun waits for child
         processes an engine left behind)."""
         engines = list(self.by_role().values())
-        self.actor = self.ref = self.teacher = self.critic = self.rollout = None
-        self.reward_model = self.genrm = self.teacher_rollout = None
+        for role in ROLES:
+            setattr(self, role, None)
         for eng in engines:
             eng.close()
 
@@ -201,19 +205,167 @@ def use_fsdp(cfg: "TrainConfig", world: int | None = None) -> bool:
     return strategy == "fsdp" or (strategy == "auto" and world > 1)
 
 
+@dataclass
+class BuildContext:
+    """What every role's builder reads (``build_engines`` fills it once per rank).
+
+    Attributes:
+        cfg: the run's TrainConfig. model: the policy model, loaded once on ``device`` (the
+            builders that read it after the actor: ``EngineBuilder.reads_model``).
+        tokenizer: the policy's tokenizer. roles: the roles of this (pool's) plan.
+        fsdp: FSDP2 engines (``train_cls`` is the FSDP variant; ``kw`` holds the pool's mesh).
+        shared: one process, HF rollout: the rollout engine runs the actor's own module.
+        ref_copy: a deep copy of the initial weights for a (non-LoRA) reference, taken before
+            any engine is built. world_size / group: the pool's ranks and process group.
+        engines: the engines built so far (a builder may read an earlier role's engine).
+    """
+
+    cfg: "TrainConfig"
+    model: Any
+    device: "torch.device"
+    tokenizer: Any
+    roles: set[str]
+    fsdp: bool
+    train_cls: Any
+    shared: bool
+    ref_copy: Any
+    world_size: Optional[int]
+    group: Any
+    engines: Engines
+    kw: dict[str, Any] = field(default_factory=dict)
+
+
+def _build_actor(b: BuildContext) -> "TrainEngine":
+    # FSDP shards the actor's own copy; `model` stays whole as the rollout engine's module and
+    # gets the gathered weights at every sync. One process: rollout shares the module (no copy).
+    # A partitioned train pool with no later reader of `model` shards it in place (no copy).
+    later = any(ENGINE_BUILDERS[r].reads_model for r in b.roles if r in ENGINE_BUILDERS)
+    actor_model = copy.deepcopy(b.model) if later and (b.fsdp or not b.shared) else b.model
+    lora = b.cfg.model.lora
+    if lora is None:
+        return cast("TrainEngine", b.train_cls(actor_model, b.cfg.trainer.engine, trainable=True, **b.kw))
+    from flowrl.models.lora import build_lora_actor
+
+    sync = "shared" if b.shared else "full" if b.cfg.rollout.backend == "vllm" else "changed"
+    return cast("TrainEngine", build_lora_actor(b.train_cls, actor_model, lora, b.cfg.trainer.engine,
+                                                sync=sync, **b.kw))
+
+
+def _build_ref(b: BuildContext) -> "LogprobEngine":
+    if b.cfg.model.lora is not None:  # the actor with its adapters disabled (flowrl/models/lora.py)
+        from flowrl.models.lora import AdapterDisabledReference
+
+        if b.engines.actor is None:
+            raise ValueError("model.lora: the ref role is the actor's engine; the plan has no actor")
+        return AdapterDisabledReference(b.engines.actor)
+    return cast("LogprobEngine", b.train_cls(b.ref_copy, b.cfg.trainer.engine, trainable=False, **b.kw))
+
+
+def _build_teacher(b: BuildContext) -> "LogprobEngine":
+    from flowrl.models.loading import load_model
+
+    return cast("LogprobEngine", b.train_cls(load_model(b.cfg.teacher, b.device), b.cfg.trainer.engine,
+                                             trainable=False, **b.kw))
+
+
+def _build_reward_model(b: BuildContext) -> "RewardScorer":
+    from flowrl.engines.reward_model import RewardModelEngine, load_reward_model
+
+    rm = load_reward_model(b.cfg.reward.model.model)
+    rm.to(b.device)  # type: ignore[arg-type]  # transformers' decorated `to` hides nn.Module's signature
+    return RewardModelEngine(rm, pad_token_id=b.tokenizer.pad_token_id,
+                             batch_size=b.cfg.reward.model.batch_size)
+
+
+def _build_genrm(b: BuildContext) -> "RolloutEngine":
+    from flowrl.engines.rollout.hf import HFRolloutEngine
+    from flowrl.models.loading import load_model, load_tokenizer
+
+    judge_cfg = b.cfg.reward.genrm.model or b.cfg.model
+    judge = copy.deepcopy(b.model) if judge_cfg == b.cfg.model else load_model(judge_cfg, b.device)
+    return HFRolloutEngine(judge, load_tokenizer(judge_cfg), b.cfg.reward.genrm.hf)
+
+
+def _build_critic(b: BuildContext) -> "ValueEngine":
+    from flowrl.engines.train.value import ValueTrainEngine, value_model_from_causal_lm
+
+    value_cls: Any = ValueTrainEngine
+    if b.fsdp:
+        from flowrl.engines.train.fsdp import fsdp_variant
+
+        value_cls = fsdp_variant(ValueTrainEngine)
+    cfg = b.cfg
+    critic_cfg = cfg.trainer.engine if cfg.trainer.critic_lr is None else \
+        dataclasses.replace(cfg.trainer.engine, lr=cfg.trainer.critic_lr)
+    return cast("ValueEngine", value_cls(value_model_from_causal_lm(b.model), critic_cfg, **b.kw))
+
+
+def _build_rollout(b: BuildContext) -> "RolloutEngine":
+    from flowrl.engines import rollout as rollout_engines
+
+    # a pool's rank (group set) must keep vLLM off the job's torch world: child processes
+    log.info("start-up: building the %s rollout engine", b.cfg.rollout.backend)
+    from flowrl.models.vision import image_processor, is_vision_config
+
+    return rollout_engines.build_rollout_engine(
+        b.cfg.rollout, b.model, b.tokenizer, shared=b.shared, own_process=b.group is not None,
+        job=rollout_job(b.cfg, b.world_size),
+        image_processor=image_processor(b.cfg.model) if is_vision_config(b.cfg.model) else None)
+
+
+def _build_teacher_rollout(b: BuildContext) -> "RolloutEngine":
+    # SFT on teacher samples: the teacher generates, frozen, on a model of its own
+    from flowrl.engines import rollout as rollout_engines
+    from flowrl.models.loading import load_model
+
+    return rollout_engines.build_rollout_engine(
+        teacher_rollout_config(b.cfg.rollout), load_model(b.cfg.teacher, b.device), b.tokenizer,
+        shared=False, own_process=b.group is not None, job=rollout_job(b.cfg, b.world_size))
+
+
+@dataclass(frozen=True)
+class EngineBuilder:
+    """The runtime half of a role-table entry (``flowrl/graph/roles.ROLES`` holds the rest:
+    kind, Protocol, pool, weight source).
+
+    Attributes:
+        build: makes the role's engine from the :class:`BuildContext`.
+        reads_model: reads the loaded ``model`` after the actor is built (the actor then
+            takes a copy of its own when it would change ``model``: FSDP shards, LoRA wraps).
+    """
+
+    build: Callable[[BuildContext], Any]
+    reads_model: bool = False
+
+
+# role -> builder, in build order: the actor first (the LoRA reference is the actor's engine),
+# the frozen models, the critic (a value head on the initial weights), the rollout engine last
+# (an HF engine with its own copy casts `model` to its dtype, so every other role copies the
+# initial weights before that)
+ENGINE_BUILDERS: dict[str, EngineBuilder] = {
+    "actor": EngineBuilder(_build_actor),
+    "ref": EngineBuilder(_build_ref),
+    "teacher": EngineBuilder(_build_teacher),
+    "reward_model": EngineBuilder(_build_reward_model),
+    "genrm": EngineBuilder(_build_genrm, reads_model=True),
+    "critic": EngineBuilder(_build_critic, reads_model=True),
+    "teacher_rollout": EngineBuilder(_build_teacher_rollout),
+    "rollout": EngineBuilder(_build_rollout, reads_model=True),
+}
+
+
 def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
                   world_size: int | None = None, group: Any = None) -> Engines:
     """Load the model once and build the engine of every role the plan uses (a partitioned
     pool's plan: only that pool's roles; ``world_size`` = the pool's ranks, ``group`` = the pool's
-    process group: FSDP engines shard over it and run their collectives on it, never the world).
+    process group: FSDP engines shard over it and run their collectives on it, never the world),
+    each by its :data:`ENGINE_BUILDERS` entry, in that table's order.
 
     The model is loaded straight onto the run's device (no host copy on a GPU run). The rollout
     engine is built last: an HF engine with its own copy casts ``model`` to its dtype (bf16 on
     CUDA), and every other role must copy the initial weights before that."""
-    from flowrl.engines import rollout as rollout_engines
-    from flowrl.engines.rollout.hf import HFRolloutEngine
     from flowrl.engines.train.local import LocalTrainEngine
-    from flowrl.models.loading import load_model, load_tokenizer
+    from flowrl.models.loading import load_model
 
     device = run_device(cfg)
     t0 = time.perf_counter()
@@ -221,7 +373,7 @@ def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
     log.info("start-up: model loaded on %s in %.1f s", device, time.perf_counter() - t0)
     roles = set(plan.roles)
     # a partitioned rollout pool trains nothing: no FSDP, no world collectives
-    fsdp = bool({"actor", "critic"} & roles) and use_fsdp(cfg, world_size)
+    fsdp = bool(set(TRAINED_ROLES) & roles) and use_fsdp(cfg, world_size)
     kw: dict[str, Any] = {}
     train_cls: Any = LocalTrainEngine
     if fsdp:
@@ -231,76 +383,23 @@ def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
         train_cls = fsdp_variant(LocalTrainEngine)
         if group is not None:
             kw["mesh"] = pool_mesh(group, device)
-    engines = Engines()
-    later = {"rollout", "critic", "genrm"} & roles
     lora = cfg.model.lora
     # a LoRA actor's module shares only with an HF rollout engine on one process; vLLM and an
     # FSDP run's HF engine start from a plain copy of the base weights
     shared = not fsdp and "actor" in roles and (lora is None or cfg.rollout.backend == "hf")
-    # before any update (and before the rollout engine casts `model`): the frozen copies;
-    # LoRA: the reference is the actor with its adapters disabled (flowrl/models/lora.py)
+    # before any engine is built (the actor may shard or wrap `model` in place): the frozen
+    # reference's copy; LoRA: the reference is the actor with its adapters disabled
     ref_copy = copy.deepcopy(model) if "ref" in roles and lora is None else None
-    # FSDP shards the actor's own copy; `model` stays whole as the rollout engine's module and
-    # gets the gathered weights at every sync. One process: rollout shares the module (no copy).
-    # A partitioned train pool with no later reader of `model` shards it in place (no copy).
-    if "actor" in roles:
-        actor_model = copy.deepcopy(model) if later and (fsdp or not shared) else model
-        if lora is None:
-            engines.actor = train_cls(actor_model, cfg.trainer.engine, trainable=True, **kw)
-        else:
-            from flowrl.models.lora import AdapterDisabledReference, build_lora_actor
-
-            sync = "shared" if shared else "full" if cfg.rollout.backend == "vllm" else "changed"
-            engines.actor = build_lora_actor(train_cls, actor_model, lora, cfg.trainer.engine,
-                                             sync=sync, **kw)
-            if "ref" in roles:
-                engines.ref = AdapterDisabledReference(engines.actor)
-    if ref_copy is not None:
-        engines.ref = train_cls(ref_copy, cfg.trainer.engine, trainable=False, **kw)
-    if "teacher" in roles:  # distillation: its own model, frozen like the reference, never synced
-        engines.teacher = train_cls(load_model(cfg.teacher, device), cfg.trainer.engine,
-                                    trainable=False, **kw)
-    if "reward_model" in roles:  # classifier RM, frozen
-        from flowrl.engines.reward_model import RewardModelEngine, load_reward_model
-
-        rm = load_reward_model(cfg.reward.model.model)
-        rm.to(device)  # type: ignore[arg-type]  # transformers' decorated `to` hides nn.Module's signature
-        engines.reward_model = RewardModelEngine(rm, pad_token_id=tokenizer.pad_token_id,
-                                                 batch_size=cfg.reward.model.batch_size)
-    if "genrm" in roles:  # generative judge: its own model copy, never updated
-        judge_cfg = cfg.reward.genrm.model or cfg.model
-        judge = copy.deepcopy(model) if judge_cfg == cfg.model else load_model(judge_cfg, device)
-        engines.genrm = HFRolloutEngine(judge, load_tokenizer(judge_cfg), cfg.reward.genrm.hf)
-    if "critic" in roles:  # PPO: value head on the actor's (initial) base weights
-        from flowrl.engines.train.value import ValueTrainEngine, value_model_from_causal_lm
-
-        value_cls: Any = ValueTrainEngine
-        if fsdp:
-            value_cls = fsdp_variant(ValueTrainEngine)
-        critic_cfg = cfg.trainer.engine if cfg.trainer.critic_lr is None else \
-            dataclasses.replace(cfg.trainer.engine, lr=cfg.trainer.critic_lr)
-        engines.critic = value_cls(value_model_from_causal_lm(model), critic_cfg, **kw)
-    log.info("start-up: %s built in %.1f s", ", ".join(sorted(roles - {"rollout"})) or "no roles",
+    engines = Engines()
+    ctx = BuildContext(cfg, model, device, tokenizer, roles, fsdp, train_cls, shared, ref_copy,
+                       world_size, group, engines, kw)
+    for role, builder in ENGINE_BUILDERS.items():
+        if role in roles:
+            t1 = time.perf_counter()
+            setattr(engines, role, builder.build(ctx))
+            log.info("start-up: %s engine built in %.1f s", role, time.perf_counter() - t1)
+    log.info("start-up: engines of %s built in %.1f s", ", ".join(sorted(roles)) or "no roles",
              time.perf_counter() - t0)
-    if "teacher_rollout" in roles:  # SFT on teacher samples: the teacher generates, frozen
-        t1 = time.perf_counter()
-        engines.teacher_rollout = rollout_engines.build_rollout_engine(
-            teacher_rollout_config(cfg.rollout), load_model(cfg.teacher, device), tokenizer,
-            shared=False, own_process=group is not None, job=rollout_job(cfg, world_size))
-        log.info("start-up: %s teacher rollout engine built in %.1f s", cfg.rollout.backend,
-                 time.perf_counter() - t1)
-    if "rollout" in roles:  # partitioned rollout pool: its own copy, no actor
-        # a pool's rank (group set) must keep vLLM off the job's torch world: child processes
-        t1 = time.perf_counter()
-        log.info("start-up: building the %s rollout engine", cfg.rollout.backend)
-        from flowrl.models.vision import image_processor, is_vision_config
-
-        engines.rollout = rollout_engines.build_rollout_engine(
-            cfg.rollout, model, tokenizer, shared=shared, own_process=group is not None,
-            job=rollout_job(cfg, world_size),
-            image_processor=image_processor(cfg.model) if is_vision_config(cfg.model) else None)
-        log.info("start-up: %s rollout engine built in %.1f s", cfg.rollout.backend,
-                 time.perf_counter() - t1)
     return engines
 
 
@@ -416,5 +515,6 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-__all__ = ["Engines", "RunResources", "TRAINABLE_ROLES", "build_engines", "keep_resident", "peak_rss_gib",
+__all__ = ["BuildContext", "ENGINE_BUILDERS", "EngineBuilder", "Engines", "RunResources",
+           "TRAINABLE_ROLES", "build_engines", "keep_resident", "peak_rss_gib",
            "resolve_offload", "rollout_job", "run_device", "since_launch_s", "use_fsdp"]
