@@ -463,13 +463,15 @@ def resolve_offload(cfg: "TrainConfig", engines: Engines) -> tuple[bool, str]:
     from flowrl.models.lora import AdapterDisabledReference
 
     state = 0
+    # the roles whose engine holds a module in training memory (the role table's Protocols)
     models: list[tuple[str, Optional[LogprobEngine | Trainable]]] = [
-        ("actor", engines.actor), ("critic", engines.critic), ("ref", engines.ref),
-        ("teacher", engines.teacher)]
+        (r, getattr(engines, r)) for r, s in ROLES.items()
+        if s.protocol in ("TrainEngine", "ValueEngine", "LogprobEngine")]
     for role, eng in models:
         if eng is not None and not isinstance(eng, AdapterDisabledReference):
             # frozen tensors (a reference, a LoRA actor's base) hold no grads or AdamW moments
-            state += sum(p.numel() * (16 if p.requires_grad and role not in ("ref", "teacher") else 4)
+            trained = ROLES[role].kind == "train"
+            state += sum(p.numel() * (16 if p.requires_grad and trained else 4)
                          for p in eng.model.parameters())
     from flowrl.engines.rollout.hf import HFRolloutEngine
 
