@@ -282,7 +282,7 @@ def test_a_run_refuses_a_cluster_it_would_not_use():
 
 def test_plan_text_names_the_role_setting_each_pool_peak_and_aligns_columns(round_cal):
     from flowrl.compiler.cost import cluster_placement
-    from flowrl.compiler.render import format_placement
+    from flowrl.compiler.modes import format_placement
 
     # toy 8 GPUs, chosen rollout=7 train=1 k=1. train GPU: 16 · 1e9 fp32 state + activations
     # 5,570,560,000 + logits 1,092,266,666.67 = 22,662,826,666.67 B = 21.1 GiB (training phase:

@@ -1,7 +1,7 @@
 """Placement modes as objects (``flowrl/compiler/modes.py``): one registered class per
 ``placement.mode`` owns place / estimate / render; what ``flowrl plan`` prints is byte for byte
 what it printed when the modes were strings (snapshots taken from the string-mode code, commit
-8b9dec6, before the change), and an unknown mode is one line with did-you-mean."""
+8e5ecbb, before the change), and an unknown mode is one line with did-you-mean."""
 from pathlib import Path
 
 import pytest
@@ -91,7 +91,7 @@ def test_each_class_places_its_own_plan():
         place(_grpo(), PlacementConfig(mode="partitioned"), 0)
 
 
-def test_estimate_dispatches_on_the_plans_mode():
+def test_estimate_dispatches_on_the_plans_mode(monkeypatch):
     """A colocated plan is estimated by Colocated (no broadcast, no transfer), a partitioned one
     by Partitioned; a plan resolved by auto is never estimated as ``auto``."""
     from flowrl.compiler.cost import PlacementEstimate
@@ -99,7 +99,7 @@ def test_estimate_dispatches_on_the_plans_mode():
     class Costs:  # stage seconds 1 each, swaps 0.5, weights 100 B over 10 B/s links
         workload = type("W", (), {"batch": 4, "prompt_tokens": 2, "response_tokens": 3})()
         device = type("D", (), {"link_bw": 10.0, "name": "toy"})()
-        sizes = {"actor": type("S", (), {"weight_bytes": 100})()}
+        sizes = {r: type("S", (), {"weight_bytes": 100 if r == "actor" else 0})() for r in ("actor", "rollout")}
         parallelism: dict = {}
         swap_measured = None
 
@@ -109,15 +109,11 @@ def test_estimate_dispatches_on_the_plans_mode():
         def swap_seconds(self, actions, p):
             return 0.5 * sum(a.kind == "onload" for a in actions)
 
-    import flowrl.compiler.cost as cost
-
-    orig = cost.pool_peak_memory
-    cost.pool_peak_memory = lambda roles, sizes, p, kv: (0, None)
-    try:
-        colo = estimate(place(_grpo(), PlacementConfig(), 2), Costs())  # type: ignore[arg-type]
-        part = estimate(place(_grpo(), PlacementConfig(mode="partitioned"), 2), Costs())  # type: ignore[arg-type]
-    finally:
-        cost.pool_peak_memory = orig
+    # memory is not what this test is about
+    monkeypatch.setattr("flowrl.compiler.cost.pool_peak_memory", lambda roles, sizes, p, kv: (0, None))
+    monkeypatch.setattr("flowrl.compiler.cost.role_memory", lambda role, size, p, kv: 0)
+    colo = estimate(place(_grpo(), PlacementConfig(), 2), Costs())  # type: ignore[arg-type]
+    part = estimate(place(_grpo(), PlacementConfig(mode="partitioned"), 2), Costs())  # type: ignore[arg-type]
     assert isinstance(colo, PlacementEstimate)
     # grpo colocated: 6 stages (ref_logprobs pruned) + 2 onloads x 0.5
     assert (colo.step_s, colo.sync_bytes, colo.sync_s, colo.transfer_s) == (6 + 1.0, 0, 0.0, 0.0)

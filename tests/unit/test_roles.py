@@ -26,14 +26,14 @@ def _graph_roles() -> set[str]:
 
 def test_every_role_of_the_graph_files_is_in_the_table():
     used = _graph_roles()
-    assert used == {"actor", "critic", "genrm", "ref", "rollout", "teacher"}
+    assert used == {"actor", "critic", "genrm", "ref", "rollout", "teacher", "teacher_rollout"}
     assert used <= set(ROLES) and used <= set(ENGINE_BUILDERS)
 
 
 def test_table_builders_and_engines_fields_name_the_same_roles():
     fields = [f.name for f in dataclasses.fields(Engines)]
     assert sorted(ROLES) == sorted(ENGINE_BUILDERS) == sorted(fields) == [
-        "actor", "critic", "genrm", "ref", "reward_model", "rollout", "teacher"]
+        "actor", "critic", "genrm", "ref", "reward_model", "rollout", "teacher", "teacher_rollout"]
 
 
 def test_each_engines_field_is_typed_by_its_entrys_protocol():
@@ -47,8 +47,8 @@ def test_each_engines_field_is_typed_by_its_entrys_protocol():
 def test_what_the_table_derives():
     assert TRAINED_ROLES == TRAINABLE_ROLES == ("actor", "critic")
     assert DEFAULT_ROLE_POOL == {"actor": "train", "critic": "train", "ref": "train",
-                                 "teacher": "train", "rollout": "rollout",
-                                 "reward_model": "rollout", "genrm": "rollout"}
+                                 "teacher": "train", "teacher_rollout": "rollout",
+                                 "rollout": "rollout", "reward_model": "rollout", "genrm": "rollout"}
     assert [r for r, s in ROLES.items() if s.synced] == ["rollout"]
     assert ROLES["rollout"].weights_from == "actor"
     # the rollout engine is built last; only builders reading `model` after the actor make it copy
