@@ -41,24 +41,25 @@ class RoleSpec:
         return self.weights_from is not None
 
 
+# the order is the engine set's (``Engines.by_role``: what closes first on the way out)
 ROLES: dict[str, RoleSpec] = {
     # the policy: trained, the source of every weight sync
     "actor": RoleSpec("train", "TrainEngine", "train"),
-    # PPO's value model: trained, its own weights (a value head on the initial policy)
-    "critic": RoleSpec("train", "ValueEngine", "train"),
     # the reference policy of the KL term: the initial weights, frozen
     "ref": RoleSpec("frozen", "LogprobEngine", "train"),
     # on-policy distillation: its own frozen model (teacher.path), never synced
     "teacher": RoleSpec("frozen", "LogprobEngine", "train"),
-    # SFT on teacher samples: a generation engine on the teacher's model (teacher.path), frozen,
-    # never synced (no weights_from: no training role serves it)
-    "teacher_rollout": RoleSpec("generate", "RolloutEngine", "rollout"),
+    # PPO's value model: trained, its own weights (a value head on the initial policy)
+    "critic": RoleSpec("train", "ValueEngine", "train"),
     # the sampler: serves the actor's weights, synced after each update
     "rollout": RoleSpec("generate", "RolloutEngine", "rollout", weights_from="actor"),
     # a sequence-classification reward model, frozen
     "reward_model": RoleSpec("frozen", "RewardScorer", "rollout"),
     # a generative judge: its own frozen model copy, never synced
     "genrm": RoleSpec("generate", "RolloutEngine", "rollout"),
+    # SFT on teacher samples: a generation engine on the teacher's model (teacher.path), frozen,
+    # never synced (no weights_from: no training role serves it)
+    "teacher_rollout": RoleSpec("generate", "RolloutEngine", "rollout"),
 }
 
 TRAINED_ROLES = tuple(r for r, s in ROLES.items() if s.kind == "train")  # checkpointed state

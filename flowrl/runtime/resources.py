@@ -93,14 +93,15 @@ class Engines:
         return cast("TrainEngine", eng)
 
     def weight_sink(self, role: str) -> "RolloutEngine":
-        """The generation engine a sync loads weights into (a role of kind ``generate``:
-        ``rollout``, which the table syncs from the actor).
+        """The generation engine a sync loads weights into: a role the table syncs
+        (``RoleSpec.synced``: ``rollout``, from the actor; the graph validator refuses a sync
+        into any other role).
 
         Raises:
-            KeyError: this rank holds no generation engine for ``role``.
+            KeyError: this rank holds no synced generation engine for ``role``.
         """
         spec = ROLES.get(role)
-        eng = getattr(self, role) if spec is not None and spec.kind == "generate" else None
+        eng = getattr(self, role) if spec is not None and spec.synced else None
         if eng is None:
             raise KeyError(f"no generation engine takes weights as role {role!r} on this rank")
         return cast("RolloutEngine", eng)

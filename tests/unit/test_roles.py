@@ -75,11 +75,13 @@ def test_engines_sets_and_syncs_by_the_table():
             raise AssertionError(bad)
         except KeyError as err:
             assert str(err) == f'"no trained engine serves weights as role {bad!r} on this rank"'
-    try:
-        e.weight_sink("actor")
-        raise AssertionError("actor")
-    except KeyError as err:
-        assert str(err) == "\"no generation engine takes weights as role 'actor' on this rank\""
+    for bad in ("actor", "genrm"):  # genrm generates but is never synced
+        try:
+            e.weight_sink(bad)
+            raise AssertionError(bad)
+        except KeyError as err:
+            assert str(err) == f'"no generation engine takes weights as role {bad!r} on this rank"'
+
     e.close()
     assert (actor.closed, rollout.closed, critic.closed, genrm.closed) == (1, 1, 1, 1)
     assert e.by_role() == {}
