@@ -13,10 +13,10 @@ from flowrl.algorithms.advantages import (
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
-    validate_estimator,
     whiten,
 )
 from flowrl.algorithms.config import AlgorithmConfig
+from flowrl.algorithms.variants import validate_estimator
 
 NAN = float("nan")
 

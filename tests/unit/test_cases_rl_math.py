@@ -5,13 +5,7 @@ import math
 import pytest
 import torch
 
-from flowrl.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    gae,
-    grpo_advantages,
-    rloo_advantages,
-    validate_estimator,
-)
+from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, gae, grpo_advantages, rloo_advantages
 from flowrl.algorithms.config import AlgorithmConfig
 from flowrl.algorithms.kl import kl_penalty
 from flowrl.algorithms.logprobs import entropy_from_logits, token_logprobs
@@ -22,6 +16,7 @@ from flowrl.algorithms.losses import (
     ppo_clip_loss,
 )
 from flowrl.algorithms.masks import response_mask
+from flowrl.algorithms.variants import validate_estimator
 
 
 def ones_mask(b, r=3):

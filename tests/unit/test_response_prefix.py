@@ -61,7 +61,8 @@ def test_no_response_token_or_mask_covers_the_prefix(tok):
     """The rollout engine continues after the prefix: it returns only the sampled tokens, so with
     max_new_tokens=2 (fewer than the prefix's 4 ids) response_mask is (B, 2) and the prefix
     stays in prompt_ids, where no loss reads."""
-    from flowrl.engines.rollout.hf import HFRolloutConfig, HFRolloutEngine
+    from flowrl.engines.config import HFRolloutConfig
+    from flowrl.engines.rollout.hf import HFRolloutEngine
     from flowrl.models import load_model, tiny_model_config
 
     batch = PromptSource(DataConfig(limit=2, shuffle=False, response_prefix=PREFIX), tok).sample(2, 1)
