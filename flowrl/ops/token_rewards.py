@@ -119,7 +119,7 @@ def token_rewards(ctx: StageContext, cfg: NoConfig, *, rewards: Tensor, response
         if ctrl is None:  # a direct call, outside an Executor (which creates the op's state)
             ctrl = ctx.resources[RESOURCE] = make_kl_controller(algo)  # = KL_STATE.make
         beta = ctrl.value
-        tr, kl = apply_kl_penalty(tr, old_logprobs, ref_logprobs, mask, beta, kind=algo.kl_type,
+        tr, kl = apply_kl_penalty(tr, old_logprobs, ref_logprobs, mask, beta, algo.kl_type,
                                   clamp=algo.kl_clamp)
         seq_kl = kl.sum(-1)
         mean_kl = float(seq_kl.mean()) if seq_kl.numel() else 0.0

@@ -116,7 +116,7 @@ def make_policy_loss_fn(algo: AlgorithmConfig, policy_loss: str, *, num_tokens: 
         if algo.kl_coef > 0 and not algo.kl_in_reward and mb.get("ref_logprobs") is not None:
             # the mask goes in *before* the estimator: garbage at masked positions must not
             # reach exp() (0 · NaN is still NaN in the backward pass)
-            kl = kl_penalty(logprobs, mb["ref_logprobs"], kind=algo.kl_type, clamp=algo.kl_clamp,
+            kl = kl_penalty(logprobs, mb["ref_logprobs"], algo.kl_type, clamp=algo.kl_clamp,
                             response_mask=mask)
             kl_loss = agg(kl, mask)
             loss = loss + algo.kl_coef * kl_loss

@@ -445,7 +445,7 @@ def test_graph_errors_before_any_model_loads(tmp_path):
 
     text = (Path(__file__).resolve().parents[2] / "graphs/grpo_tools.yaml").read_text()
     bad = tmp_path / "bad.yaml"
-    bad.write_text(text.replace("max_turns: 4", "max_turns: 0"))
+    bad.write_text(text.replace("    tools:\n", "    max_turns: 0\n    tools:\n"))
     with pytest.raises(ConfigError, match=r"stage 'rollout', field 'params': .*params.max_turns must be an int >= 1, got 0"):
         prepare(_compose("graph=grpo_tools", f"graph.path={bad}"))
     bad.write_text(text.replace("- calculator", "- calculater"))

@@ -133,11 +133,12 @@ class _Scripted:
 
 
 def test_the_evaluation_scores_prefix_plus_response(tok, tmp_path):
+    from flowrl.ops.reward import RuleRewardConfig
     from flowrl.runtime.evaluate import evaluate_greedy, rule_eval_scorer
 
     src = PromptSource(DataConfig(response_prefix=PREFIX), tok)
     out = evaluate_greedy(_Scripted(tok, "4 it is</think>\n#### 4"), src, tok,
-                          rule_eval_scorer("format_think"), split="test", limit=3, batch_size=2,
+                          rule_eval_scorer(RuleRewardConfig("format_think", fallback_last_number=False)), split="test", limit=3, batch_size=2,
                           max_new_tokens=8, stop_token_ids=(), samples_path=tmp_path / "s.jsonl")
     assert out["eval/accuracy"] == 1.0 and out["eval/n"] == 3.0
     rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
