@@ -62,11 +62,14 @@ def register_op(
     :class:`OpSpec`; ``doc``: one line (default: the first line of the function's docstring).
 
     Raises:
-        ValueError: a duplicate name, or ``kinds`` naming something the op neither takes nor
-            produces, or a kind other than ``"tensor"`` / ``"list"``. TypeError: see
+        ValueError: a duplicate name, or ``fields`` / ``kinds`` naming something the op neither
+            takes nor produces, or a kind other than ``"tensor"`` / ``"list"``. TypeError: see
             :func:`implements`.
     """
     kinds = dict(kinds or {})
+    unknown = sorted(set(fields or {}) - {*inputs, *optional_inputs, *outputs})
+    if unknown:
+        raise ValueError(f"op '{name}': fields {unknown} are none of its inputs/outputs")
     for key, kind in kinds.items():
         if key not in (*inputs, *optional_inputs, *outputs) or kind not in (TENSOR, LIST):
             raise ValueError(f"op '{name}': kinds[{key!r}] = {kind!r}: the key must be one of its "

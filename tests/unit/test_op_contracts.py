@@ -69,3 +69,22 @@ def test_no_module_re_exports_another_modules_names():
                  for i, line in enumerate(p.read_text().splitlines(), 1)
                  if re.search(r"noqa: F401.*re-export", line)]
     assert offenders == []
+
+
+def test_an_op_of_your_own_declares_a_field_of_its_own():
+    from flowrl.ops.fields import Field
+    from flowrl.ops.registry import register_op
+
+    try:
+        @register_op("test.fields", inputs=("scores",), outputs=("rewards",),
+                     fields={"scores": Field("(B, 3)", "float32")})
+        def fn(ctx, cfg, *, scores):
+            return {"rewards": scores.sum(-1)}
+
+        spec = get_op("test.fields")
+        assert str(spec.field_type("scores")) == "(B, 3) float32"
+        assert str(spec.field_type("rewards")) == "(B,) float32"  # the standard field
+    finally:
+        OPS.pop("test.fields", None)
+    with pytest.raises(ValueError, match=r"op 'test.bad': fields \['score'\] are none of its"):
+        register_op("test.bad", inputs=("scores",), fields={"score": Field()})
