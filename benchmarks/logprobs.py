@@ -47,7 +47,8 @@ from _common import (  # noqa: E402
     versions,
 )
 
-from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig  # noqa: E402
+from flowrl.engines.config import TrainEngineConfig
+from flowrl.engines.train.local import LocalTrainEngine
 
 # name -> (attn_implementation, logprob_chunk_size, padding_free, logprob_compile); "chunked-N"
 # variants come from --chunk-sizes

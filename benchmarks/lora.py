@@ -42,7 +42,8 @@ SHAPES = {  # llama-family shapes (SmolLM2-135M; Qwen2.5-0.5B-like: llama attent
 def run_mode(args) -> dict:
     import transformers
 
-    from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+    from flowrl.engines.config import TrainEngineConfig
+    from flowrl.engines.train.local import LocalTrainEngine
     from flowrl.models.lora import (
         AdapterDisabledReference,
         LoraConfig,

@@ -59,7 +59,7 @@ def build(args):
     import transformers
 
     from flowrl.envs.parsers import TOOL_CALL_FORMATS
-    from flowrl.models.loading import bundled_tokenizer_dir
+    from flowrl.models.bundled import bundled_tokenizer_dir
 
     TOOL_CALL_FORMATS["bench_every_turn"] = bench_every_turn
     tok = transformers.AutoTokenizer.from_pretrained(bundled_tokenizer_dir())
@@ -70,14 +70,16 @@ def build(args):
         pad_token_id=tok.pad_token_id, max_position_embeddings=4096, **shape))
     model = model.to(args.device).eval()
     if args.backend == "vllm":
-        from flowrl.engines.rollout.vllm import VLLMRolloutConfig, VLLMRolloutEngine
+        from flowrl.engines.rollout.vllm import VLLMRolloutEngine
+        from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
 
         on_cpu = args.device == "cpu"
         engine = VLLMRolloutEngine(model, tok, VLLMRolloutConfig(
             kv_cache_memory_gb=1.0 if on_cpu else None, enforce_eager=on_cpu, max_model_len=4096,
             max_num_seqs=max(16, args.trajectories)))
     else:
-        from flowrl.engines.rollout.hf import HFRolloutConfig, HFRolloutEngine
+        from flowrl.engines.config import HFRolloutConfig
+        from flowrl.engines.rollout.hf import HFRolloutEngine
 
         engine = HFRolloutEngine(model, tok, HFRolloutConfig(batch_size=args.trajectories))
     return tok, model, engine
@@ -97,7 +99,8 @@ def prompts(tok, n: int, device: str):
 
 
 def mismatch(model, ids, mask, out) -> tuple[float, float]:
-    from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+    from flowrl.engines.config import TrainEngineConfig
+    from flowrl.engines.train.local import LocalTrainEngine
 
     trainer = LocalTrainEngine(model, TrainEngineConfig(micro_batch_size=8), trainable=False)
     lp = trainer.logprobs({"prompt_ids": ids, "prompt_mask": mask, "response_ids": out.response_ids,
@@ -109,7 +112,8 @@ def mismatch(model, ids, mask, out) -> tuple[float, float]:
 
 def run(args) -> list[dict]:
     from flowrl.engines.base import SamplingConfig
-    from flowrl.envs.rollout import MultiTurnConfig, MultiTurnSession
+    from flowrl.envs.config import MultiTurnConfig
+    from flowrl.envs.rollout import MultiTurnSession
 
     tok, model, engine = build(args)
     ids, mask = prompts(tok, args.trajectories, args.device)

@@ -89,7 +89,8 @@ def model_case(L: int, seed: int, device: str, aligned: bool, layers: int = 4,
     finite."""
     import transformers
 
-    from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+    from flowrl.engines.config import TrainEngineConfig
+    from flowrl.engines.train.local import LocalTrainEngine
 
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,

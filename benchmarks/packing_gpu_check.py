@@ -38,7 +38,8 @@ SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
 
 
 def _engine(model, padding_free: str, compile_logprobs: bool = False):
-    from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+    from flowrl.engines.config import TrainEngineConfig
+    from flowrl.engines.train.local import LocalTrainEngine
 
     return LocalTrainEngine(model, TrainEngineConfig(lr=1e-5, logprob_chunk_size=1024,
                                                      padding_free=padding_free,

@@ -53,12 +53,11 @@ def main() -> None:
 
     from flowrl.algorithms.config import AlgorithmConfig
     from flowrl.engines.base import SamplingConfig
+    from flowrl.engines.config import TrainEngineConfig
     from flowrl.engines.train.fsdp import FSDPTrainEngine
-    from flowrl.engines.train.local import TrainEngineConfig
-    from flowrl.ops.builtin import PolicyUpdateConfig
     from flowrl.ops.context import StageContext
     from flowrl.ops.logprobs import LogprobsConfig, logprobs
-    from flowrl.ops.update import update_policy
+    from flowrl.ops.update import PolicyUpdateConfig, update_policy
     from flowrl.runtime import distributed as fdist
 
     cuda = torch.cuda.is_available()

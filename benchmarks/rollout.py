@@ -136,7 +136,8 @@ def run_hf(args, variant: str) -> list[dict]:
     import transformers
 
     from flowrl.engines.base import SamplingConfig
-    from flowrl.engines.rollout.hf import HFRolloutConfig, HFRolloutEngine
+    from flowrl.engines.config import HFRolloutConfig
+    from flowrl.engines.rollout.hf import HFRolloutEngine
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = transformers.Qwen2ForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16).to(dev)

@@ -68,9 +68,10 @@ def run(args) -> dict:
     import copy
 
     from flowrl.engines.base import SamplingConfig
+    from flowrl.engines.config import TrainEngineConfig
     from flowrl.engines.rollout.hf import HFRolloutEngine
     from flowrl.engines.train.fsdp import FSDPTrainEngine, broadcast_module
-    from flowrl.engines.train.local import TrainEngineConfig
+    from flowrl.ops import collectives as coll
     from flowrl.runtime import distributed as fdist
 
     smoke = not torch.cuda.is_available()
@@ -80,7 +81,7 @@ def run(args) -> dict:
         torch.cuda.get_device_name = lambda *a: "cpu (smoke)"
     from flowrl.config import LauncherConfig
     info = fdist.init_distributed("cpu" if smoke else "cuda", timeout_s=LauncherConfig().collective_timeout_s)
-    if info.world_size == 1 and not fdist.is_initialized():
+    if info.world_size == 1 and not coll.is_initialized():
         raise SystemExit("run under torchrun (FSDP needs a process group), see the docstring")
     rank, world = info.rank, info.world_size
     dev = torch.device("cpu") if smoke else torch.device("cuda", torch.cuda.current_device())
@@ -114,7 +115,7 @@ def run(args) -> dict:
              "response_ids": torch.randint(0, 151000, (B, R), generator=g),
              "response_mask": torch.ones(B, R, dtype=torch.bool),
              "advantages": torch.randn(B, R, generator=g)}
-    n_tok = fdist.all_reduce_sum(float(B * R))
+    n_tok = coll.all_reduce_sum(float(B * R))
 
     def loss_fn(mb, lp, ent):
         adv = mb["advantages"].to(lp.device)
@@ -131,7 +132,7 @@ def run(args) -> dict:
         m = eng.train_step(batch, loss_fn, temperature=1.0)
         sync()
         times.append(time.perf_counter() - t0)
-    step_s = fdist.all_reduce_max(min(times))
+    step_s = coll.all_reduce_max(min(times))
     peak_train = torch.cuda.max_memory_allocated() / 2**30
     global_tokens = B * (P + R) * world
     mfu = flops_per_token(model, P + R) * global_tokens / step_s / (world * PEAK_BF16)
@@ -141,7 +142,7 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     eng.logprobs(batch, temperature=1.0)
     sync()
-    lp_s = fdist.all_reduce_max(time.perf_counter() - t0)
+    lp_s = coll.all_reduce_max(time.perf_counter() - t0)
 
     # ---------------- weight hand-off: gather shards in buckets into the rollout engine (bf16)
     sync()
@@ -163,14 +164,14 @@ def run(args) -> dict:
         "world_size": world, "params": n_params, "batch_per_rank": B, "prompt_len": P,
         "response_len": R, "budget": args.budget, "activation_checkpointing": args.ckpt_act,
         "rollout_batch_per_rank": args.rollout_batch,
-        "rollout_tokens_per_s": fdist.all_reduce_sum(roll_tokens) / fdist.all_reduce_max(roll_s),
-        "rollout_s": fdist.all_reduce_max(roll_s),
+        "rollout_tokens_per_s": coll.all_reduce_sum(roll_tokens) / coll.all_reduce_max(roll_s),
+        "rollout_s": coll.all_reduce_max(roll_s),
         "train_step_s": step_s, "train_tokens_per_s": global_tokens / step_s, "mfu": mfu,
         "logprobs_tokens_per_s": global_tokens / lp_s,
-        "peak_mem_train_gib": fdist.all_reduce_max(peak_train),
+        "peak_mem_train_gib": coll.all_reduce_max(peak_train),
         "mem_before_offload_gib": before, "mem_after_offload_gib": after,
-        "offload_s": fdist.all_reduce_max(off_s), "onload_s": fdist.all_reduce_max(on_s),
-        "gather_s": fdist.all_reduce_max(gather_s), "gather_gb": gather_bytes / 1e9,
+        "offload_s": coll.all_reduce_max(off_s), "onload_s": coll.all_reduce_max(on_s),
+        "gather_s": coll.all_reduce_max(gather_s), "gather_gb": gather_bytes / 1e9,
         "gather_gb_per_s": gather_bytes / 1e9 / max(gather_s, 1e-9),
         "grad_norm": m["grad_norm"], "loss": m["loss"],
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -110,8 +110,9 @@ def run_flowrl(args, model_dir: Path) -> list[dict]:
 
     from flowrl.algorithms.losses import POLICY_LOSSES
     from flowrl.engines.base import SamplingConfig
+    from flowrl.engines.config import TrainEngineConfig
     from flowrl.engines.rollout.hf import HFRolloutEngine
-    from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+    from flowrl.engines.train.local import LocalTrainEngine
     from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
     from flowrl.ops.vision import cut_at_vision_tokens
 
@@ -183,8 +184,10 @@ def _flowrl_vllm_child(args_dict: dict, model_dir: str, q) -> None:
         import torch
 
         from flowrl.engines.base import SamplingConfig
-        from flowrl.engines.rollout.vllm import VLLMRolloutConfig, VLLMRolloutEngine
-        from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+        from flowrl.engines.config import TrainEngineConfig
+        from flowrl.engines.rollout.vllm import VLLMRolloutEngine
+        from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
+        from flowrl.engines.train.local import LocalTrainEngine
         from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
         from flowrl.models.vision import image_processor
         from flowrl.ops.vision import cut_at_vision_tokens

@@ -73,7 +73,7 @@ def run_variant(variant: str, procs: int, loads: int, source: str) -> list[dict[
     import torch
 
     import flowrl.engines.rollout.vllm_proc as vp
-    from flowrl.engines.rollout.vllm import VLLMRolloutConfig
+    from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
     from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
 
     mcfg = ModelConfig(tiny=dict(QWEN05B), dtype="bfloat16")

@@ -21,7 +21,7 @@ def overlong_grpo_graph() -> Graph:
     prompt = {"prompt_ids": sample["prompt_ids"], "prompt_mask": sample["prompt_mask"]}
     rollout = g.stage("rollout", "rollout.generate", role="rollout", inputs=prompt)
     response = {"response_ids": rollout["response_ids"], "response_mask": rollout["response_mask"]}
-    rule = g.stage("reward", "reward.rule", params={"verifier": "gsm8k"},
+    rule = g.stage("reward", "reward.rule",  # RuleRewardConfig's verifier: gsm8k
                    inputs={**response, "ground_truth": sample["ground_truth"]})
     # params may interpolate the run config; they resolve when the plan is compiled
     overlong = g.stage("overlong", "reward.overlong",

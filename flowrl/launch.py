@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from flowrl.config import LauncherConfig  # noqa: F401  (re-exported)
+from flowrl.config import LauncherConfig
 
 
 def torchrun_argv(cfg: LauncherConfig, overrides: list[str]) -> list[str]:

@@ -33,7 +33,6 @@ import importlib.util
 import os
 
 # trainer.offload=auto is decided where the engines are built (runtime/resources.py)
-from flowrl.runtime.resources import keep_resident  # noqa: F401  (re-exported)
 from flowrl.runtime.spec import Resolved
 
 # the token budget of a GPU micro-batch: the scaling benchmark's bins (benchmarks/results/scaling.md)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from flowrl.algorithms.variants import ESTIMATORS, validate_estimator  # noqa: F401 (re-exported)
+from flowrl.algorithms.variants import ESTIMATORS
 
 AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
 

@@ -32,19 +32,19 @@ def register_kl(name: str):
 
 
 @register_kl("k1")
-def k1(delta: Tensor, clamp: Optional[float] = None) -> Tensor:
+def k1(delta: Tensor, clamp: Optional[float]) -> Tensor:
     """k1 = −Δ = logp − ref_logp (Schulman 2020). ``clamp`` is ignored (no overflow possible)."""
     return -delta
 
 
 @register_kl("k2")
-def k2(delta: Tensor, clamp: Optional[float] = None) -> Tensor:
+def k2(delta: Tensor, clamp: Optional[float]) -> Tensor:
     """k2 = ½ Δ² (Schulman 2020). ``clamp`` is ignored."""
     return 0.5 * delta.square()
 
 
 @register_kl("k3")
-def k3(delta: Tensor, clamp: Optional[float] = 10.0) -> Tensor:
+def k3(delta: Tensor, clamp: Optional[float]) -> Tensor:
     """k3 = exp(Δ) − Δ − 1 (Schulman 2020), with Δ ∈ [−clamp, clamp] before exp and value ≤ clamp.
 
     Case C05: Δ = 100 → 10 with gradient 0; Δ = 1 → e − 2 = 0.718282 with the unclamped gradient.
@@ -56,13 +56,15 @@ def k3(delta: Tensor, clamp: Optional[float] = 10.0) -> Tensor:
     return (torch.expm1(d) - d).clamp(max=clamp)
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3", clamp: Optional[float] = 10.0, *,
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kl_type: str, clamp: Optional[float], *,
                response_mask: Optional[Tensor] = None) -> Tensor:
     """Per-token KL estimate of π_θ against π_ref.
 
     Args:
         logprobs: (B, R) float (may require grad); ref_logprobs: (B, R) float.
-        kind: key of :data:`KL_ESTIMATORS` ("k1", "k2", "k3"). clamp: see :func:`k3`.
+        kl_type: key of :data:`KL_ESTIMATORS` ("k1", "k2", "k3"); clamp: see :func:`k3`. No
+            defaults here: both are the run's (``AlgorithmConfig.kl_type`` / ``kl_clamp``), the
+            one home of the estimator's default.
         response_mask: optional (B, R) bool; if given, Δ is set to 0 at masked positions *before* the
             estimator so NaN/inf garbage there yields value 0 and gradient 0 (not NaN).
     Returns:
@@ -70,31 +72,32 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3", clamp: 
     Raises:
         ValueError: unknown ``kind``.
     """
-    if kind not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {kind!r}; known: {sorted(KL_ESTIMATORS)}")
+    if kl_type not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kl_type!r}; known: {sorted(KL_ESTIMATORS)}")
     delta = ref_logprobs.float() - logprobs.float()
     if response_mask is not None:
         delta = torch.where(response_mask.bool(), delta, 0.0)
-    return KL_ESTIMATORS[kind](delta, clamp)
+    return KL_ESTIMATORS[kl_type](delta, clamp)
 
 
 def apply_kl_penalty(token_rewards: Tensor, logprobs: Tensor, ref_logprobs: Tensor, response_mask: Tensor,
-                     kl_coef: float, kind: str = "k1", clamp: Optional[float] = 10.0) -> tuple[Tensor, Tensor]:
+                     kl_coef: float, kl_type: str, clamp: Optional[float]) -> tuple[Tensor, Tensor]:
     """In-reward KL penalty (Ziegler et al. 2019, eq. 2; Ouyang et al. 2022, eq. 2): r_t − β·KL_t.
 
     Args:
         token_rewards: (B, R) float32; logprobs / ref_logprobs: (B, R) float (detached: rewards carry
-            no gradient); response_mask: (B, R) bool; kl_coef: β ≥ 0; kind: KL estimator name.
+            no gradient); response_mask: (B, R) bool; kl_coef: β ≥ 0; kl_type, clamp: as
+            :func:`kl_penalty` (the run's ``algorithm.kl_type`` / ``kl_clamp``).
     Returns:
         (new token_rewards (B, R) float32, kl (B, R) float32), both 0 at masked positions. The mean
         of ``kl`` over valid tokens is what a KL controller is updated with.
     Raises:
-        ValueError: unknown ``kind`` or negative ``kl_coef``.
+        ValueError: unknown ``kl_type`` or negative ``kl_coef``.
     """
     if kl_coef < 0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
     mask = response_mask.bool()
-    kl = kl_penalty(logprobs.detach(), ref_logprobs.detach(), kind, clamp, response_mask=mask)
+    kl = kl_penalty(logprobs.detach(), ref_logprobs.detach(), kl_type, clamp, response_mask=mask)
     out = torch.where(mask, token_rewards.float() - kl_coef * kl, 0.0)
     return out, torch.where(mask, kl, 0.0)
 

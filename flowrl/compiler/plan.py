@@ -16,10 +16,10 @@ from typing import Any, Mapping, Optional
 import networkx as nx
 from omegaconf import DictConfig, OmegaConf
 
-from flowrl.graph.graph import Graph, GraphError, Stage, WeightSync
+from flowrl.graph.graph import Graph, GraphError, Stage, WeightSync, build_dag
 from flowrl.graph.roles import ROLES
 from flowrl.graph.rules import pruning_problems, refill_problems, truthy
-from flowrl.graph.validate import build_dag, validate_graph
+from flowrl.graph.validate import validate_graph
 from flowrl.ops.registry import OPS
 
 

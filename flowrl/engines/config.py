@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from flowrl.models.loading import SMOLLM2, ModelConfig
+from flowrl.models.bundled import SMOLLM2
+from flowrl.models.loading import ModelConfig
 
 _CACHE_IMPLEMENTATIONS = (None, "static", "dynamic")
 

@@ -10,7 +10,6 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
-from flowrl.engines.config import RewardModelConfig  # noqa: F401  (reward.model; re-exported)
 from flowrl.models.loading import ModelConfig, build_tiny
 
 

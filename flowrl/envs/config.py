@@ -1,5 +1,5 @@
 """The params of a ``rollout.multi_turn`` stage (:class:`MultiTurnConfig`), torch-free: the op's
-declaration (``flowrl/ops/builtin.py``) names it, so a graph with a multi-turn stage is validated
+declaration (``flowrl/ops/multi_turn.py``) names it, so a graph with a multi-turn stage is validated
 and planned without importing torch."""
 from __future__ import annotations
 

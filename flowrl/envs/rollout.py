@@ -52,7 +52,7 @@ from flowrl.envs.base import (
     EnvRow,
     ToolResult,
 )
-from flowrl.envs.config import MultiTurnConfig  # noqa: F401 (re-exported)
+from flowrl.envs.config import MultiTurnConfig
 from flowrl.envs.parsers import TOOL_CALL_FORMATS, ParsedCall
 
 

@@ -195,7 +195,12 @@ class WeightSync:
     staleness: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"from": self.src, "to": self.dst, "staleness": self.staleness}
+        """The graph file's form; ``staleness`` only where it differs from the default (0), as
+        a graph file states it (tests/unit/test_config_defaults.py)."""
+        d: dict[str, Any] = {"from": self.src, "to": self.dst}
+        if self.staleness != WeightSync.staleness:
+            d["staleness"] = self.staleness
+        return d
 
 
 @dataclass
@@ -354,7 +359,8 @@ class Graph:
                 problems.append((f"weight_sync[{i}]", "<entry>",
                                  "must be a mapping with keys from, to and optional staleness"))
                 continue
-            syncs.append(WeightSync(str(w["from"]), str(w["to"]), w.get("staleness", 0)))
+            syncs.append(WeightSync(str(w["from"]), str(w["to"]),
+                                    w.get("staleness", WeightSync.staleness)))
         algorithm = d.get("algorithm") or {}
         if not isinstance(algorithm, dict):
             problems.append(("<graph>", "algorithm", "must be a mapping of algorithm settings "

@@ -11,7 +11,7 @@ from typing import Iterable
 
 import networkx as nx
 
-from flowrl.graph.graph import Graph, GraphError, build_dag, damaged_problem, parse_ref  # noqa: F401 (build_dag re-exported)
+from flowrl.graph.graph import Graph, GraphError, build_dag, damaged_problem, parse_ref
 from flowrl.graph.roles import ROLES
 from flowrl.graph.rules import (
     conditional_input_warnings,

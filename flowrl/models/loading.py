@@ -19,10 +19,9 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from flowrl.models.bundled import (  # noqa: F401 (re-exported)
+from flowrl.models.bundled import (
     SMOLLM2,
     SMOLLM2_GGUF,
-    SMOLLM2_PACKAGE,
     bundled_tokenizer_dir,
     smollm2_dir,
 )

@@ -1,5 +1,5 @@
 """Advantage stages: one op ``advantage.<name>`` per estimator of
-``flowrl.algorithms.advantages.ADVANTAGE_ESTIMATORS``, registered by a loop over that registry.
+``flowrl.algorithms.variants.ESTIMATORS``, registered by a loop over that registry.
 
 Every op takes ``rewards`` (B,) float32 (NaN = unscorable), ``group_id`` (B,) int64 and
 ``response_mask`` (B, R) bool, plus the optional ``token_rewards`` (B, R) float32 (from
@@ -18,22 +18,23 @@ float32 (GAE: the critic's regression target A + V; REINFORCE++: the return-to-g
 
 Group estimators reject ``algorithm.n < 2`` in ``flowrl.train.prepare`` (``validate_estimator``),
 before any model loads. The config each estimator reads (``adv_eps``,
-``gamma``, ``lam``, ``whiten_advantages``, ``distill_coef``, ``distill_clip``) is the run's ``algorithm`` resource. The ops'
-declarations (inputs, outputs) are in ``ops/builtin.py``, made from ``algorithms/variants.py``.
+``gamma``, ``lam``, ``whiten_advantages``, ``distill_coef``, ``distill_clip``) is the run's ``algorithm`` (``ctx.run.algorithm``). The ops
+are declared here, one per estimator of ``algorithms/variants.py`` (torch-free), and call the
+estimator functions of ``algorithms/advantages.py`` (imported on the first call).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-import torch
-from torch import Tensor
+from flowrl.algorithms.variants import ESTIMATORS, EstimatorSpec
+from flowrl.ops.registry import register_op
 
-from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
-from flowrl.algorithms.variants import ESTIMATORS
-from flowrl.ops.context import StageContext
-from flowrl.ops.registry import NoConfig, implements
+if TYPE_CHECKING:
+    from torch import Tensor
 
-_BASE_INPUTS = ("rewards", "group_id", "response_mask")
+    from flowrl.ops.context import StageContext
+    from flowrl.ops.spec import NoConfig
+
 _CRITIC_INPUTS = ("token_rewards", "values")
 
 
@@ -43,6 +44,8 @@ def log_advantage_metrics(ctx: StageContext, advantages: Tensor, response_mask: 
     ``advantage/abs_mean``, ``advantage/zero_frac`` (share of samples whose advantage is exactly 0:
     zero-variance groups, unscorable or empty samples); with returns, ``returns/mean`` over valid
     tokens."""
+    import torch
+
     mask = response_mask.bool()
     seq = advantages.sum(-1) / mask.sum(-1).clamp(min=1)
     ctx.log(**{"advantage/mean": seq.mean(), "advantage/abs_mean": seq.abs().mean(),
@@ -58,6 +61,8 @@ def log_distill_metrics(ctx: StageContext, student: Tensor, teacher: Tensor, res
     ``distill/reverse_kl_seq``: its sum per sequence, mean over sequences; with
     ``algorithm.distill_clip``, ``distill/clip_frac``: share of valid tokens whose log-ratio
     was clipped."""
+    import torch
+
     mask = response_mask.bool()
     kl = torch.where(mask, student.float() - teacher.float(), 0.0)
     n = mask.sum().clamp(min=1)
@@ -66,41 +71,68 @@ def log_distill_metrics(ctx: StageContext, student: Tensor, teacher: Tensor, res
         ctx.log(**{"distill/clip_frac": ((kl.abs() > clip) & mask).sum() / n})
 
 
-def make_advantage_op(est: AdvantageEstimator) -> Callable[..., dict]:
-    """The op function of estimator ``est``; it calls ``est`` with the run's AlgorithmConfig."""
+def make_advantage_op(spec: EstimatorSpec) -> Callable[..., dict]:
+    """The op function of estimator ``spec``: it calls the estimator function registered under
+    its name (``algorithms.advantages.ADVANTAGE_ESTIMATORS``) with the run's AlgorithmConfig.
+
+    Raises (on a call): LookupError when ``algorithms/advantages.py`` registers no function for
+    an estimator ``algorithms/variants.py`` declares.
+    """
+    op_name = f"advantage.{spec.name}"
 
     # **inputs: the op's declared inputs besides response_mask (the executor passes each, None
     # for an unbound optional one); a distillation op's differ from a reward estimator's
-    def op(ctx: StageContext, cfg: NoConfig, *, response_mask, **inputs) -> dict:
-        algo = ctx.resource("algorithm")
+    def op(ctx: StageContext, cfg: NoConfig, *, response_mask: Tensor,
+           **inputs: Tensor | None) -> dict[str, Tensor]:
+        from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+
+        if spec.name not in ADVANTAGE_ESTIMATORS:
+            raise LookupError(f"advantage estimator {spec.name!r} is declared in "
+                              "algorithms/variants.py but algorithms/advantages.py registers no "
+                              "function")
+        est = ADVANTAGE_ESTIMATORS[spec.name]
+        algo = ctx.run.algorithm
         try:
             adv, ret = est(response_mask=response_mask, cfg=algo, **inputs)
         except ValueError as e:  # bad shapes, results beyond float32: say which stage got them
             raise ValueError(f"stage '{ctx.stage}' ({op_name}): {e}") from e
-        log_advantage_metrics(ctx, adv, response_mask, ret if est.produces_returns else None)
-        if est.needs_logprobs:
-            log_distill_metrics(ctx, inputs["old_logprobs"], inputs["teacher_logprobs"],
-                                response_mask, algo.distill_clip)
-        return {"advantages": adv, "returns": ret} if est.produces_returns else {"advantages": adv}
+        log_advantage_metrics(ctx, adv, response_mask, ret if spec.produces_returns else None)
+        if spec.needs_logprobs:
+            student, teacher = inputs["old_logprobs"], inputs["teacher_logprobs"]
+            assert student is not None and teacher is not None  # required inputs
+            log_distill_metrics(ctx, student, teacher, response_mask, algo.distill_clip)
+        return {"advantages": adv, "returns": ret} if spec.produces_returns else {"advantages": adv}
 
-    op_name = f"advantage.{est.name}"
-    op.__name__ = f"advantage_{est.name}"
-    doc = (est.fn.__doc__ or "").strip()
-    op.__doc__ = (f"Advantages from estimator {est.name!r} (``algorithms.advantages``): advantages "
-                  f"(B, R) float32{' and returns (B, R) float32' if est.produces_returns else ''}, "
-                  f"0 at masked positions." + (f"\n\n{doc}" if doc else ""))
+    op.__name__ = f"advantage_{spec.name}"
+    op.__doc__ = (f"Advantages from estimator {spec.name!r} (``algorithms.advantages``): "
+                  f"advantages (B, R) float32"
+                  f"{' and returns (B, R) float32' if spec.produces_returns else ''}, 0 at masked "
+                  "positions.")
     return op
 
 
-def _bind_all() -> None:
-    """Bind ``advantage.<name>`` (declared in ``ops/builtin.py`` from ``algorithms/variants.py``)
-    to each registered estimator; every declared estimator must have a function."""
-    for name, est in ADVANTAGE_ESTIMATORS.items():
-        implements(f"advantage.{name}")(make_advantage_op(est))
-    unbound = sorted(set(ESTIMATORS) - set(ADVANTAGE_ESTIMATORS))
-    if unbound:
-        raise LookupError(f"advantage estimator(s) {unbound} are declared in "
-                          "algorithms/variants.py but algorithms/advantages.py registers no function")
+def _register_all() -> None:
+    """One op per estimator of ``algorithms/variants.py``: estimators that read the critic
+    (GAE) require ``token_rewards`` and ``values`` (an unbound one is a validation error before
+    any model loads), the others take them optionally; only estimators whose returns differ from
+    the advantages output ``returns``. A distillation estimator (``needs_logprobs``) reads the
+    student's and the teacher's logprobs of the sampled tokens, and optionally a task
+    estimator's ``advantages`` to add its own to (GRPO + distillation)."""
+    for name, spec in ESTIMATORS.items():
+        doc = f"Advantages from estimator {name!r}"
+        if spec.needs_logprobs:
+            register_op(f"advantage.{name}", inputs=("response_mask", "old_logprobs",
+                                                     "teacher_logprobs"),
+                        optional_inputs=("advantages",), outputs=("advantages",),
+                        doc=doc)(make_advantage_op(spec))
+            continue
+        register_op(
+            f"advantage.{name}",
+            inputs=("rewards", "group_id", "response_mask")
+            + (_CRITIC_INPUTS if spec.needs_values else ()),
+            optional_inputs=() if spec.needs_values else _CRITIC_INPUTS,
+            outputs=("advantages", "returns") if spec.produces_returns else ("advantages",),
+            doc=doc)(make_advantage_op(spec))
 
 
-_bind_all()
+_register_all()

@@ -6,30 +6,35 @@ ValueTrainEngine` (value head on the actor's base model, its own AdamW; ``traine
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from flowrl.ops.context import StageContext
-from flowrl.ops.rebalance import balance_rows
-from flowrl.ops.registry import NoConfig, implements
+from flowrl.ops.fields import PROMPT, RESPONSE
+from flowrl.ops.registry import register_op
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
+    from flowrl.algorithms.config import AlgorithmConfig
     from flowrl.engines.base import ValueEngine
+    from flowrl.ops.context import StageContext
+    from flowrl.ops.spec import NoConfig
 
 
-_PROMPT_RESPONSE = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+@register_op("values", inputs=PROMPT + RESPONSE, outputs=("values",), roles=("critic",))
+def values(ctx: StageContext[ValueEngine], cfg: NoConfig, *, prompt_ids: Tensor,
+           prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor) -> dict[str, Tensor]:
+    """Critic values V(s_t) at the response positions.
 
-
-@implements("values")
-def values(ctx: StageContext[ValueEngine], cfg: NoConfig, *, prompt_ids, prompt_mask, response_ids,
-           response_mask) -> dict:
-    """Critic values V(s_t) at the response positions, without grad.
+    Computed without grad.
 
     Output: values (B, R) float32, 0 where response_mask is False; value t is the one of the state
     before response token t is emitted (same position shift as ``logprobs``).
     Logged: ``critic/values_mean`` over valid tokens.
     """
+    import torch
+
+    from flowrl.ops.rebalance import balance_rows
+
     batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
              "response_mask": response_mask}
     bal = balance_rows(ctx, batch)  # equal rows / tokens per rank; values return in row order
@@ -39,11 +44,14 @@ def values(ctx: StageContext[ValueEngine], cfg: NoConfig, *, prompt_ids, prompt_
     return {"values": v}
 
 
-def make_value_loss_fn(algo, *, num_tokens: float, num_seqs: float, max_response_len: int):
+def make_value_loss_fn(algo: AlgorithmConfig, *, num_tokens: float, num_seqs: float,
+                       max_response_len: int) -> Any:
     """The critic engine's LossFn for one mini-batch:
     loss = vf_coef · agg(½ max((V − G)², (V_old + clip(V − V_old, ±clip_range_value) − G)²))
     (PPO value loss, ``algorithms.losses.value_loss``), aggregated with ``algorithm.loss_agg_mode``
     over the whole mini-batch's denominators (so micro-batching does not change it)."""
+    import torch
+
     from flowrl.algorithms.losses import aggregate_loss, value_loss
 
     def loss_fn(mb, new_values, _entropy):
@@ -62,10 +70,15 @@ def make_value_loss_fn(algo, *, num_tokens: float, num_seqs: float, max_response
     return loss_fn
 
 
-@implements("update.critic")
-def update_critic(ctx: StageContext[ValueEngine], cfg: NoConfig, *, prompt_ids, prompt_mask, response_ids,
-                  response_mask, values, returns, truncated=None) -> dict:
-    """``algorithm.ppo_epochs`` passes of shuffled mini-batches of ``algorithm.mini_batch_size``
+@register_op("update.critic", inputs=PROMPT + RESPONSE + ("values", "returns"),
+             optional_inputs=("truncated",), roles=("critic",), trains=True)
+def update_critic(ctx: StageContext[ValueEngine], cfg: NoConfig, *, prompt_ids: Tensor,
+                  prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
+                  values: Tensor, returns: Tensor,
+                  truncated: Tensor | None = None) -> dict[str, Tensor]:
+    """Critic update: clipped value regression towards returns.
+
+    ``algorithm.ppo_epochs`` passes of shuffled mini-batches of ``algorithm.mini_batch_size``
     sequences (the same schedule as ``update.policy``), one critic optimizer step each.
 
     Inputs: values (B, R) float32 from the ``values`` stage (the old values the clip is centred
@@ -77,13 +90,13 @@ def update_critic(ctx: StageContext[ValueEngine], cfg: NoConfig, *, prompt_ids, 
     """
     from flowrl.ops.update import run_minibatches
 
-    algo = ctx.resource("algorithm")
+    algo = ctx.run.algorithm
     mask = response_mask.bool()
-    if getattr(algo, "mask_truncated", False) and truncated is not None:
+    if algo.mask_truncated and truncated is not None:
         mask = mask & ~truncated.bool().unsqueeze(-1)
     batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
              "response_mask": mask, "values": values, "returns": returns}
     # the temperature is unused by a value forward; the engine seam takes it
     ctx.log(**run_minibatches(ctx, batch, lambda **den: make_value_loss_fn(algo, **den),
-                              prefix="critic", temperature=ctx.resource("sampling").temperature))
+                              prefix="critic", temperature=ctx.run.sampling.temperature))
     return {}

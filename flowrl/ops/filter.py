@@ -9,13 +9,44 @@ stages in the plan (``flowrl plan``).
 """
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from flowrl.errors import RunStopped
-from flowrl.ops.builtin import CARRIED, DynamicSamplingConfig  # noqa: F401 (re-exported)
-from flowrl.ops.context import StageContext
-from flowrl.ops.registry import implements
+from flowrl.ops.fields import PROMPT, RESPONSE
+from flowrl.ops.registry import register_op
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from flowrl.ops.context import StageContext
+
+# (B, ...) batch fields dynamic sampling carries through; any may be left unbound (output None)
+CARRIED = PROMPT + RESPONSE + ("rollout_logprobs", "truncated")
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """Attributes:
+        refill: re-sample until ``target_groups`` informative groups are in (the executor
+            re-runs the upstream sub-graph); False = just drop (error if nothing is left).
+        max_attempts: sample → … → filter passes per step at most (the first one included).
+        target_groups: groups the step trains on; 0 = as many as one attempt samples.
+        min_std: a group with std <= min_std counts as constant (0 = exactly constant).
+    """
+
+    refill: bool = True
+    max_attempts: int = 4
+    target_groups: int = 0
+    min_std: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.target_groups < 0:
+            raise ValueError(f"target_groups must be >= 0, got {self.target_groups}")
+        if self.min_std < 0:
+            raise ValueError(f"min_std must be >= 0, got {self.min_std}")
 
 
 def informative_groups(scores: Tensor, group_id: Tensor, min_std: float = 0.0) -> tuple[Tensor, dict]:
@@ -33,6 +64,8 @@ def informative_groups(scores: Tensor, group_id: Tensor, min_std: float = 0.0) -
     Returns:
         keep: (B,) bool row mask; counts: ``kept``, ``zero_std`` and ``too_few_valid`` groups.
     """
+    import torch
+
     ids, inverse = torch.unique(group_id, return_inverse=True)
     s = scores.double()
     valid = torch.isfinite(s)
@@ -48,10 +81,15 @@ def informative_groups(scores: Tensor, group_id: Tensor, min_std: float = 0.0) -
     return informative[inverse], counts
 
 
-@implements("filter.dynamic_sampling")
-def dynamic_sampling(ctx: StageContext, cfg: DynamicSamplingConfig, *, rewards, group_id,
-                     filter_by=None, **carried) -> dict:
-    """Keep the rows of informative groups (see :func:`informative_groups`).
+@register_op("filter.dynamic_sampling", inputs=("rewards", "group_id"),
+             optional_inputs=("filter_by",) + CARRIED, outputs=("rewards", "group_id") + CARRIED,
+             config=DynamicSamplingConfig)
+def dynamic_sampling(ctx: StageContext, cfg: DynamicSamplingConfig, *, rewards: Tensor,
+                     group_id: Tensor, filter_by: Tensor | None = None,
+                     **carried: Tensor | None) -> dict[str, Tensor | None]:
+    """Keep the rows of groups with reward variance.
+
+    The kept groups are the informative ones (see :func:`informative_groups`).
 
     Inputs: rewards (B,) float32 (passed through); filter_by (B,) optional criterion (DAPO filters
     on accuracy, i.e. the rule reward, while training on the shaped reward; default rewards);
@@ -74,7 +112,7 @@ def dynamic_sampling(ctx: StageContext, cfg: DynamicSamplingConfig, *, rewards, 
         raise RunStopped(f"stage '{ctx.stage}': dynamic sampling dropped all {filtered} groups "
                          "(zero reward variance) and refill is off; set params.refill: true of "
                          f"stage '{ctx.stage}' in the graph file, or raise algorithm.n")
-    out = {"rewards": rewards[keep], "group_id": group_id[keep]}
+    out: dict[str, Tensor | None] = {"rewards": rewards[keep], "group_id": group_id[keep]}
     for name in CARRIED:
         v = carried.get(name)
         out[name] = None if v is None else v[keep]

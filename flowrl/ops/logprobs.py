@@ -1,24 +1,35 @@
 """Log-probabilities of the sampled responses under a model role (old policy or reference)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
-from flowrl.ops.builtin import LogprobsConfig
-from flowrl.ops.context import StageContext
-from flowrl.ops.rebalance import balance_rows
-from flowrl.ops.registry import implements
+from flowrl.ops.fields import PROMPT, RESPONSE, VISION
+from flowrl.ops.registry import register_op
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from flowrl.engines.base import LogprobEngine
+    from flowrl.ops.context import StageContext
 
 
+@dataclass
+class LogprobsConfig:
+    """with_entropy: also log the policy entropy (nats, mean over valid tokens)."""
 
-@implements("logprobs")
-def logprobs(ctx: StageContext[LogprobEngine], cfg: LogprobsConfig, *, prompt_ids, prompt_mask, response_ids,
-             response_mask, rollout_logprobs=None, pixel_values=None, image_grid_thw=None) -> dict:
-    """Recompute log π(response token) at the sampling temperature (case C08).
+    with_entropy: bool = False
+
+
+@register_op("logprobs", inputs=PROMPT + RESPONSE, optional_inputs=("rollout_logprobs",) + VISION,
+             outputs=("logprobs",), config=LogprobsConfig, roles=("actor", "ref", "teacher"))
+def logprobs(ctx: StageContext[LogprobEngine], cfg: LogprobsConfig, *, prompt_ids: Tensor,
+             prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
+             rollout_logprobs: Tensor | None = None, pixel_values: Tensor | None = None,
+             image_grid_thw: Tensor | None = None) -> dict[str, Tensor]:
+    """Log-probabilities of the responses at the sampling temperature.
+
+    Recomputes log π(response token) at the sampling temperature (case C08).
 
     Output: logprobs (B, R) float32, 0 where response_mask is False.
     When ``rollout_logprobs`` is bound, logs ``rollout/logprob_mismatch``: mean |rollout − this|
@@ -30,7 +41,11 @@ def logprobs(ctx: StageContext[LogprobEngine], cfg: LogprobsConfig, *, prompt_id
              "response_ids": response_ids, "response_mask": response_mask}
     if pixel_values is not None and image_grid_thw is not None:
         batch.update(pixel_values=pixel_values, image_grid_thw=image_grid_thw)
-    temp = ctx.resource("sampling").temperature
+    import torch
+
+    from flowrl.ops.rebalance import balance_rows
+
+    temp = ctx.run.sampling.temperature
     # equal rows / tokens per data-parallel rank; outputs come back in this rank's row order
     bal = balance_rows(ctx, batch)
     out = ctx.engine.logprobs(bal.batch, temperature=temp, with_entropy=cfg.with_entropy)

@@ -13,20 +13,22 @@ from __future__ import annotations
 import atexit
 from typing import TYPE_CHECKING, Any
 
-from flowrl.data.prompts import PromptSource
 from flowrl.envs.base import FINISH_REASONS, EnvRow
-from flowrl.envs.rollout import MultiTurnConfig, MultiTurnEngine, MultiTurnSession
-from flowrl.ops.context import StageContext
-from flowrl.ops.registry import implements
+from flowrl.envs.config import MultiTurnConfig
+from flowrl.ops.fields import PROMPT, RESPONSE
+from flowrl.ops.registry import register_op
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from flowrl.engines.base import RolloutEngine
+    from flowrl.envs.rollout import MultiTurnSession
+    from flowrl.ops.context import StageContext
 
 
 OP_NAME = "rollout.multi_turn"
-STANDARD_OUTPUTS = ("response_ids", "response_mask", "rollout_logprobs", "truncated")
+STANDARD_OUTPUTS = RESPONSE + ("rollout_logprobs", "truncated")
+# per-trajectory metadata, which a graph may leave unconsumed
 INFO_OUTPUTS = ("rewards", "num_turns", "num_tool_calls", "num_tool_errors", "finish_reason")
 
 # one session (tool pool, renderer) per compiled stage config, reused across steps
@@ -35,6 +37,8 @@ _SESSIONS: dict[int, tuple[MultiTurnConfig, Any, MultiTurnSession]] = {}
 
 def session_for(cfg: MultiTurnConfig, tokenizer) -> MultiTurnSession:
     """The stage's :class:`MultiTurnSession` (built on first use, closed at exit)."""
+    from flowrl.envs.rollout import MultiTurnSession
+
     entry = _SESSIONS.get(id(cfg))
     if entry is None or entry[0] is not cfg or entry[1] is not tokenizer:
         session = MultiTurnSession(cfg, tokenizer)
@@ -45,14 +49,14 @@ def session_for(cfg: MultiTurnConfig, tokenizer) -> MultiTurnSession:
 
 
 def _rows(ctx: StageContext, prompt_ids, prompt_mask, ground_truth, group_id) -> list[EnvRow]:
-    source = ctx.resources.get("prompts")
+    source = ctx.run.prompts_or_none
     mask = prompt_mask.bool().cpu()
     ids = prompt_ids.cpu()
     gids = group_id.tolist() if group_id is not None else [-1] * ids.shape[0]
     rows = []
     for i in range(ids.shape[0]):
         fields: dict[str, Any] = {}
-        if isinstance(source, PromptSource) and gids[i] >= 0:
+        if source is not None and gids[i] >= 0:
             rec = source.record_for_group(gids[i])
             if rec is not None:
                 fields = {"question": rec.get("question", ""), **rec.get("fields", {})}
@@ -60,59 +64,6 @@ def _rows(ctx: StageContext, prompt_ids, prompt_mask, ground_truth, group_id) ->
                            ground_truth=None if ground_truth is None else ground_truth[i],
                            fields=fields, group_id=int(gids[i])))
     return rows
-
-
-@implements(OP_NAME)
-def multi_turn(ctx: StageContext[RolloutEngine], cfg: MultiTurnConfig, *, prompt_ids, prompt_mask,
-               ground_truth=None, group_id=None) -> dict:
-    """Policy and environment alternate per prompt row (``flowrl/envs/rollout.py``).
-
-    Inputs: prompt_ids/prompt_mask (B, P) left-padded (rendered with the stage's tools: the run
-    puts ``params.tools`` into ``data.tools``); optional ground_truth (B strings) and group_id
-    (B,) for the environments' ``reset``.
-
-    Outputs: response_ids (B, R) int64 right-padded, policy and environment tokens;
-    response_mask (B, R) bool, the policy's tokens only; rollout_logprobs (B, R) float32, 0
-    off the mask; truncated (B,) bool (finish reason ``max_tokens``); rewards (B,) float32, the
-    environment's summed step rewards; num_turns, num_tool_calls, num_tool_errors (B,) int64;
-    finish_reason: B strings (answered | max_turns | max_tokens | tool_failure).
-
-    Logged: ``response/*`` as rollout.generate (policy tokens), ``multi_turn/turns_mean``,
-    ``/tool_calls_mean``, ``/tool_errors_mean``, ``/env_tokens_mean``, ``/finish_<reason>_frac``,
-    ``/env_reward_mean``, ``/rounds`` (generate calls), ``/prefix_cache_hit_frac`` (context
-    tokens vLLM's prefix cache served; 0 for engines that do not report it), ``perf/tool_s``, ``perf/env_s``, ``perf/rollout_generate_s``,
-    ``perf/rollout_tokens_per_s`` (policy tokens per generate second).
-    """
-    session = session_for(cfg, ctx.resource("tokenizer"))
-    out = session.run(ctx.engine, prompt_ids, prompt_mask, ctx.resource("sampling"),
-                      rows=_rows(ctx, prompt_ids, prompt_mask, ground_truth, group_id),
-                      generator=ctx.generator)
-    lengths = out.response_mask.sum(-1).float()
-    total = (out.response_mask.flip(1).cummax(1).values).sum(-1).float()
-    B = float(len(out.finish_reason))
-    metrics: dict[str, float | Tensor] = {
-        "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
-        "response/truncated_frac": out.truncated.float().mean(),
-        "perf/rollout_tokens_per_s": lengths.sum() / max(out.generate_s, 1e-9),
-        "perf/rollout_generate_s": out.generate_s, "perf/tool_s": out.tool_s,
-        "perf/env_s": out.env_s,
-        "multi_turn/turns_mean": out.num_turns.float().mean(),
-        "multi_turn/tool_calls_mean": out.num_tool_calls.float().mean(),
-        "multi_turn/tool_errors_mean": out.num_tool_errors.float().mean(),
-        "multi_turn/env_tokens_mean": (total - lengths).mean(),
-        "multi_turn/env_reward_mean": out.rewards.nanmean(),
-        "multi_turn/rounds": out.rounds,
-        "multi_turn/prefix_cache_hit_frac": out.cached_tokens / max(out.context_tokens, 1),
-        **{f"multi_turn/finish_{r}_frac": sum(f == r for f in out.finish_reason) / B
-           for r in FINISH_REASONS},
-    }
-    ctx.log(**metrics)
-    dev = prompt_ids.device
-    return {"response_ids": out.response_ids.to(dev), "response_mask": out.response_mask.to(dev),
-            "rollout_logprobs": out.rollout_logprobs.to(dev), "truncated": out.truncated.to(dev),
-            "rewards": out.rewards.to(dev), "num_turns": out.num_turns.to(dev),
-            "num_tool_calls": out.num_tool_calls.to(dev),
-            "num_tool_errors": out.num_tool_errors.to(dev), "finish_reason": out.finish_reason}
 
 
 def multi_turn_stages(plan) -> list:
@@ -144,10 +95,71 @@ def check_multi_turn(plan, cfg) -> None:
     cfg.data.tools = schemas[0]
 
 
+@register_op(OP_NAME, inputs=PROMPT, optional_inputs=("ground_truth", "group_id"),
+             outputs=STANDARD_OUTPUTS + INFO_OUTPUTS, config=MultiTurnConfig, roles=("rollout",),
+             multi_turn_outputs=RESPONSE + ("rollout_logprobs",), info_outputs=INFO_OUTPUTS,
+             check=check_multi_turn)
+def multi_turn(ctx: StageContext[RolloutEngine], cfg: MultiTurnConfig, *, prompt_ids: Tensor,
+               prompt_mask: Tensor, ground_truth: list[str] | None = None,
+               group_id: Tensor | None = None) -> dict:
+    """Policy and environment alternate per prompt (tools, max_turns); standard outputs.
+
+    The turn loop is ``flowrl/envs/rollout.py``'s.
+
+    Inputs: prompt_ids/prompt_mask (B, P) left-padded (rendered with the stage's tools: the run
+    puts ``params.tools`` into ``data.tools``); optional ground_truth (B strings) and group_id
+    (B,) for the environments' ``reset``.
+
+    Outputs: response_ids (B, R) int64 right-padded, policy and environment tokens;
+    response_mask (B, R) bool, the policy's tokens only; rollout_logprobs (B, R) float32, 0
+    off the mask; truncated (B,) bool (finish reason ``max_tokens``); rewards (B,) float32, the
+    environment's summed step rewards; num_turns, num_tool_calls, num_tool_errors (B,) int64;
+    finish_reason: B strings (answered | max_turns | max_tokens | tool_failure).
+
+    Logged: ``response/*`` as rollout.generate (policy tokens), ``multi_turn/turns_mean``,
+    ``/tool_calls_mean``, ``/tool_errors_mean``, ``/env_tokens_mean``, ``/finish_<reason>_frac``,
+    ``/env_reward_mean``, ``/rounds`` (generate calls), ``/prefix_cache_hit_frac`` (context
+    tokens vLLM's prefix cache served; 0 for engines that do not report it), ``perf/tool_s``, ``perf/env_s``, ``perf/rollout_generate_s``,
+    ``perf/rollout_tokens_per_s`` (policy tokens per generate second).
+    """
+    session = session_for(cfg, ctx.run.tokenizer)
+    out = session.run(ctx.engine, prompt_ids, prompt_mask, ctx.run.sampling,
+                      rows=_rows(ctx, prompt_ids, prompt_mask, ground_truth, group_id),
+                      generator=ctx.generator)
+    lengths = out.response_mask.sum(-1).float()
+    total = (out.response_mask.flip(1).cummax(1).values).sum(-1).float()
+    B = float(len(out.finish_reason))
+    metrics: dict[str, float | Tensor] = {
+        "response/length_mean": lengths.mean(), "response/length_max": lengths.max(),
+        "response/truncated_frac": out.truncated.float().mean(),
+        "perf/rollout_tokens_per_s": lengths.sum() / max(out.generate_s, 1e-9),
+        "perf/rollout_generate_s": out.generate_s, "perf/tool_s": out.tool_s,
+        "perf/env_s": out.env_s,
+        "multi_turn/turns_mean": out.num_turns.float().mean(),
+        "multi_turn/tool_calls_mean": out.num_tool_calls.float().mean(),
+        "multi_turn/tool_errors_mean": out.num_tool_errors.float().mean(),
+        "multi_turn/env_tokens_mean": (total - lengths).mean(),
+        "multi_turn/env_reward_mean": out.rewards.nanmean(),
+        "multi_turn/rounds": out.rounds,
+        "multi_turn/prefix_cache_hit_frac": out.cached_tokens / max(out.context_tokens, 1),
+        **{f"multi_turn/finish_{r}_frac": sum(f == r for f in out.finish_reason) / B
+           for r in FINISH_REASONS},
+    }
+    ctx.log(**metrics)
+    dev = prompt_ids.device
+    return {"response_ids": out.response_ids.to(dev), "response_mask": out.response_mask.to(dev),
+            "rollout_logprobs": out.rollout_logprobs.to(dev), "truncated": out.truncated.to(dev),
+            "rewards": out.rewards.to(dev), "num_turns": out.num_turns.to(dev),
+            "num_tool_calls": out.num_tool_calls.to(dev),
+            "num_tool_errors": out.num_tool_errors.to(dev), "finish_reason": out.finish_reason}
+
+
 def eval_engine(plan, engine, tokenizer):
     """The engine an evaluation generates with: a graph with a ``rollout.multi_turn`` stage
     evaluates whole trajectories with that stage's environment and tools
     (:class:`MultiTurnEngine`), any other graph ``engine`` itself."""
+    from flowrl.envs.rollout import MultiTurnEngine
+
     stages = multi_turn_stages(plan)
     if not stages:
         return engine

@@ -184,7 +184,7 @@ def _pad_width(t: Tensor, width: int, fill: Any, left: bool) -> Tensor:
     return new
 
 
-_VISION_KEYS = ("pixel_values", "image_grid_thw")  # flowrl.data.images (ops/builtin.py VISION)
+_VISION_KEYS = ("pixel_values", "image_grid_thw")  # flowrl.data.images (ops/fields.py VISION)
 
 
 def check_batch(stage: str, batch: Mapping[str, Any]) -> tuple[int, int, int]:

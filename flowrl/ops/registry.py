@@ -1,25 +1,25 @@
 """Op registry: every graph stage names an op registered here.
 
-``OPS`` starts with the built-in ops' declarations (``ops/builtin.py``: inputs, optional inputs,
-outputs, config dataclass, roles), which is all the graph validator and the compiler read; neither
-ever calls an op, so neither imports torch or op code. A built-in op's function is bound by its
-module's ``@implements(name)`` when ``OpSpec.fn`` first needs it. An op of your own is declared
-and bound at once with ``@register_op(name, inputs=..., outputs=..., config=..., roles=...)``.
+Each op is declared where it is written: its module puts ``@register_op(name, inputs=...,
+outputs=..., config=..., roles=..., check=...)`` on the function (built-in ops and ops of your
+own alike). The built-in op modules (``ops/builtin.py`` ``MODULES``) are imported when this
+module is; they import torch inside their functions only, so the graph validator and the
+compiler read every declaration without torch (``tests/unit/test_import_contract.py``).
 
 An op is a plain function ``fn(ctx, cfg, *, <inputs>) -> dict[str, Any]``.
 """
 from __future__ import annotations
 
-import importlib
 import inspect
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
-from flowrl.ops.builtin import BUILTIN_OPS
-from flowrl.ops.spec import LIST, TENSOR, NoConfig, OpSpec
+from flowrl.ops.fields import LIST, TENSOR, Field
+from flowrl.ops.spec import NoConfig, OpSpec
 
-__all__ = ["LIST", "TENSOR", "NoConfig", "OPS", "OpSpec", "get_op", "implements", "load_builtin_ops", "register_op"]
+__all__ = ["LIST", "TENSOR", "NoConfig", "OPS", "OpSpec", "get_op", "load_builtin_ops",
+           "register_op", "run_op_checks"]
 
-OPS: dict[str, OpSpec] = {s.name: s for s in BUILTIN_OPS}
+OPS: dict[str, OpSpec] = {}
 
 
 def _check_signature(spec: OpSpec, fn: Callable) -> None:
@@ -40,27 +40,6 @@ def _check_signature(spec: OpSpec, fn: Callable) -> None:
                         f"{list(spec.optional_inputs)}): undeclared {extra}, missing {missing}")
 
 
-def implements(name: str) -> Callable[[Callable], Callable]:
-    """Bind ``fn`` to the declared op ``name`` (``ops/builtin.py``).
-
-    Raises:
-        KeyError: ``name`` is not declared. ValueError: already bound to another function.
-        TypeError: the function's keyword arguments disagree with the declared inputs.
-    """
-    def deco(fn: Callable) -> Callable:
-        if name not in OPS:
-            raise KeyError(f"op '{name}' is not declared in flowrl/ops/builtin.py")
-        spec = OPS[name]
-        if spec.bound is not None and spec.bound is not fn:
-            raise ValueError(f"op '{name}' is already implemented by {spec.bound.__module__}")
-        _check_signature(spec, fn)
-        spec.bound = fn
-        return fn
-
-    return deco
-
-
-
 def register_op(
     name: str,
     *,
@@ -74,17 +53,23 @@ def register_op(
     multi_turn_outputs: tuple[str, ...] = (),
     single_turn_inputs: tuple[str, ...] = (),
     info_outputs: tuple[str, ...] = (),
+    fields: Mapping[str, Field] | None = None,
+    check: Callable[[Any, Any], None] | None = None,
+    doc: str = "",
 ) -> Callable[[Callable], Callable]:
-    """Declare op ``name`` and register ``fn`` as its function (ops of your own; built-in ops are
-    declared in ``ops/builtin.py`` and bound with :func:`implements`). ``kinds``, ``trains``,
-    ``multi_turn_outputs``, ``single_turn_inputs``, ``info_outputs``: see :class:`OpSpec`.
+    """Declare op ``name`` and register ``fn`` as its function. ``fields``, ``kinds``,
+    ``trains``, ``multi_turn_outputs``, ``single_turn_inputs``, ``info_outputs``, ``check``: see
+    :class:`OpSpec`; ``doc``: one line (default: the first line of the function's docstring).
 
     Raises:
-        ValueError: a duplicate name, or ``kinds`` naming something the op neither takes nor
-            produces, or a kind other than ``"tensor"`` / ``"list"``. TypeError: see
+        ValueError: a duplicate name, or ``fields`` / ``kinds`` naming something the op neither
+            takes nor produces, or a kind other than ``"tensor"`` / ``"list"``. TypeError: see
             :func:`implements`.
     """
     kinds = dict(kinds or {})
+    unknown = sorted(set(fields or {}) - {*inputs, *optional_inputs, *outputs})
+    if unknown:
+        raise ValueError(f"op '{name}': fields {unknown} are none of its inputs/outputs")
     for key, kind in kinds.items():
         if key not in (*inputs, *optional_inputs, *outputs) or kind not in (TENSOR, LIST):
             raise ValueError(f"op '{name}': kinds[{key!r}] = {kind!r}: the key must be one of its "
@@ -93,13 +78,14 @@ def register_op(
     def deco(fn: Callable) -> Callable:
         if name in OPS:
             raise ValueError(f"op '{name}' is already registered")
+        first = (fn.__doc__ or "").strip().splitlines()
         spec = OpSpec(name=name, inputs=tuple(inputs), outputs=tuple(outputs),
                       optional_inputs=tuple(optional_inputs), config_cls=config,
-                      roles=tuple(roles),
-                      doc=(fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "",
-                      kinds=kinds, trains=trains, multi_turn_outputs=tuple(multi_turn_outputs),
+                      roles=tuple(roles), doc=doc or (first[0] if first else ""),
+                      fields=dict(fields or {}), kinds=kinds, trains=trains,
+                      multi_turn_outputs=tuple(multi_turn_outputs),
                       single_turn_inputs=tuple(single_turn_inputs),
-                      info_outputs=tuple(info_outputs))
+                      info_outputs=tuple(info_outputs), check=check)
         _check_signature(spec, fn)
         spec.bound = fn
         OPS[name] = spec
@@ -116,7 +102,21 @@ def get_op(name: str) -> OpSpec:
 
 
 def load_builtin_ops() -> None:
-    """Import every built-in op's implementing module, binding all functions (idempotent; imports
-    torch). Validation and compilation never need it; a run binds each op on first call."""
-    for module in sorted({s.module for s in BUILTIN_OPS}):
-        importlib.import_module(module)
+    """Import every built-in op module (idempotent; done when this module is imported)."""
+    from flowrl.ops import builtin
+
+    builtin.load()
+
+
+def run_op_checks(plan: Any, cfg: Any) -> None:
+    """Each op's pre-run check (``OpSpec.check``), once per op of the compiled ``plan``, against
+    the run config ``cfg`` (``flowrl.config.TrainConfig``); the pre-flight calls it before any
+    model loads. Raises what a check raises (ValueError naming the stage)."""
+    for name in sorted({c.stage.op for c in plan.stages}):
+        check = get_op(name).check
+        if check is not None:
+            check(plan, cfg)
+
+
+# last: the op modules register through this module's register_op
+load_builtin_ops()

@@ -9,22 +9,24 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-
-from flowrl.ops.builtin import (  # noqa: F401
-    MIX_COMPONENTS,
-    FunctionRewardConfig,
-    MixConfig,
-    OverlongConfig,
-    RuleRewardConfig,
-)
-from flowrl.ops.context import StageContext
-from flowrl.ops.registry import implements
+from flowrl.ops.fields import PROMPT, RESPONSE
+from flowrl.ops.registry import register_op
+from flowrl.rewards import REWARD_FUNCTIONS
+from flowrl.rewards.function import load_reward_function
 
 if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
     from flowrl.engines.base import RewardScorer
+    from flowrl.ops.context import StageContext
+    from flowrl.ops.spec import NoConfig
+
+# the components reward.mix sums, each an optional input
+MIX_COMPONENTS = ("rule", "function", "model", "genrm", "format", "overlong")
 
 
 log = logging.getLogger(__name__)
@@ -41,10 +43,8 @@ def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch
 
 def response_prefix(ctx: StageContext) -> str:
     """The run's ``data.response_prefix`` (from its prompt source; "" without one)."""
-    from flowrl.data.prompts import PromptSource
-
-    source = ctx.resources.get("prompts")
-    return source.response_prefix if isinstance(source, PromptSource) else ""
+    source = ctx.run.prompts_or_none
+    return source.response_prefix if source is not None else ""
 
 
 _QUESTIONS: "weakref.WeakKeyDictionary[Any, dict[tuple, str]]" = weakref.WeakKeyDictionary()
@@ -68,7 +68,7 @@ def prompt_fields(ctx: StageContext, ground_truth, prompt_ids=None, prompt_mask=
     ``group_id``: the record that ``data.sample`` drew for the group; else by prompt tokens,
     the question only)."""
     fields = [{"ground_truth": gt} for gt in ground_truth]
-    source = ctx.resources.get("prompts")
+    source = ctx.run.prompts_or_none
     if group_id is not None and source is not None:
         for f, g in zip(fields, group_id.tolist()):
             record = source.record_for_group(g)
@@ -76,7 +76,7 @@ def prompt_fields(ctx: StageContext, ground_truth, prompt_ids=None, prompt_mask=
                 f.update(question=record["question"], **record["fields"])
     if prompt_ids is None or prompt_mask is None:
         return fields
-    tok = ctx.resource("tokenizer")
+    tok = ctx.run.tokenizer
     index = _question_index(source) if source is not None else {}
     for f, ids, m in zip(fields, prompt_ids, prompt_mask):
         toks = ids[m.bool()].tolist()
@@ -88,6 +88,8 @@ def prompt_fields(ctx: StageContext, ground_truth, prompt_ids=None, prompt_mask=
 
 def log_reward_stats(ctx: StageContext, rewards: torch.Tensor, prefix: str = "reward") -> None:
     """``<prefix>/mean``, ``/std`` over scorable samples and ``/unscorable`` (NaN count)."""
+    import torch
+
     ok = torch.isfinite(rewards)
     valid = rewards[ok].double()
     ctx.log(**{f"{prefix}/mean": valid.mean() if valid.numel() else float("nan"),
@@ -103,6 +105,8 @@ def mark_empty_unscorable(ctx: StageContext, rewards: torch.Tensor,
     (an aborted or errored request) is not an answer the policy gave, so it must not be scored
     as a normal 0 that GRPO would push the policy away from. Logs ``reward/empty`` (count).
     rewards (B,) float32, response_mask (B, R) bool → (B,) float32."""
+    import torch
+
     empty = ~response_mask.bool().any(-1).to(rewards.device)
     ctx.log(**{"reward/empty": empty.sum()})
     if bool(empty.any()):
@@ -113,20 +117,40 @@ def mark_empty_unscorable(ctx: StageContext, rewards: torch.Tensor,
 
 
 # --------------------------------------------------------------------------- reward.rule
-@implements("reward.rule")
-def rule_reward(ctx: StageContext, cfg: RuleRewardConfig, *, response_ids, response_mask,
-                ground_truth) -> dict:
-    """Score each response (``data.response_prefix`` + the sampled text) against its ground
-    truth.
+@dataclass
+class RuleRewardConfig:
+    """verifier: key in ``flowrl.rewards.REWARD_FUNCTIONS``; format_score: reward for a
+    well-formed but wrong answer (0: a policy must not earn reward without the right answer, e.g.
+    by a ``#### <a number copied from the question>`` line, issue 25); fallback_last_number:
+    accept the last number when no ``####`` (on: the answer is what the response ends with, in any
+    format, compared exactly; SmolLM2-135M writes ``63 + 78 = 141``, never ``####``, so a strict
+    verifier gives GRPO groups of zeros; ``benchmarks/results/task_baseline_cpu.md``)."""
+
+    verifier: str = "gsm8k"
+    format_score: float = 0.0
+    fallback_last_number: bool = True
+
+    def __post_init__(self) -> None:
+        if self.verifier not in REWARD_FUNCTIONS:
+            raise ValueError(f"verifier must be one of {sorted(REWARD_FUNCTIONS)}, got {self.verifier!r}")
+
+
+@register_op("reward.rule", inputs=RESPONSE + ("ground_truth",), outputs=("rewards",),
+             config=RuleRewardConfig)
+def rule_reward(ctx: StageContext, cfg: RuleRewardConfig, *, response_ids: Tensor,
+                response_mask: Tensor, ground_truth: list[str]) -> dict[str, Tensor]:
+    """Score each response against its ground truth (a verifier).
+
+    The text scored is ``data.response_prefix`` + the sampled text.
 
     Output: rewards (B,) float32; NaN marks an unscorable sample (the verifier raised or returned a
     non-finite value): it is counted in ``reward/unscorable`` and excluded from group statistics.
     Logged: reward mean/std over scorable samples, accuracy (reward == 1).
     """
-    from flowrl.rewards import REWARD_FUNCTIONS
+    import torch
 
     fn = REWARD_FUNCTIONS[cfg.verifier]
-    texts = decode_responses(ctx.resource("tokenizer"), response_ids, response_mask,
+    texts = decode_responses(ctx.run.tokenizer, response_ids, response_mask,
                              response_prefix(ctx))
     scores = []
     for text, gt in zip(texts, ground_truth):
@@ -145,6 +169,32 @@ def rule_reward(ctx: StageContext, cfg: RuleRewardConfig, *, response_ids, respo
 
 
 # --------------------------------------------------------------------------- reward.function
+@dataclass
+class FunctionRewardConfig:
+    """A user reward function (contract: ``flowrl.rewards.function``).
+
+    Attributes:
+        path: ``"package.module:function"``; imported when the graph is compiled, so a bad path
+            fails before any model loads.
+        num_workers: 0 = call in the trainer process; >= 1 = a process pool of that size.
+        timeout_s: per-call limit in seconds (None or 0 = none); a call over it scores NaN.
+        weights: component name → weight for functions returning a dict (absent names: 1.0).
+    """
+
+    path: str = ""
+    num_workers: int = 0
+    timeout_s: Optional[float] = 30.0
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
+        if self.timeout_s is not None and self.timeout_s < 0:
+            raise ValueError(f"timeout_s must be >= 0 or null, got {self.timeout_s}")
+        load_reward_function(self.path)
+        self.weights = dict(self.weights)
+
+
 _RUNNERS: dict[tuple, Any] = {}
 
 
@@ -161,11 +211,15 @@ def _runner(cfg: FunctionRewardConfig):
     return _RUNNERS[key]
 
 
-@implements("reward.function")
-def function_reward(ctx: StageContext, cfg: FunctionRewardConfig, *, response_ids, response_mask,
-                    ground_truth, group_id, prompt_ids=None, prompt_mask=None) -> dict:
-    """Call the user's reward function on every response (``data.response_prefix`` + the
-    sampled text).
+@register_op("reward.function", inputs=RESPONSE + ("ground_truth", "group_id"),
+             optional_inputs=PROMPT, outputs=("rewards",), config=FunctionRewardConfig)
+def function_reward(ctx: StageContext, cfg: FunctionRewardConfig, *, response_ids: Tensor,
+                    response_mask: Tensor, ground_truth: list[str], group_id: Tensor,
+                    prompt_ids: Tensor | None = None,
+                    prompt_mask: Tensor | None = None) -> dict[str, Tensor]:
+    """Call the user's reward function on every response.
+
+    The text scored is ``data.response_prefix`` + the sampled text.
 
     Output: rewards (B,) float32 (a dict return is combined with ``weights``); NaN where the call
     raised, returned a non-number or a value that is not finite in float32 (weights applied),
@@ -174,9 +228,11 @@ def function_reward(ctx: StageContext, cfg: FunctionRewardConfig, *, response_id
     ``reward/std``, ``reward/unscorable`` (all NaN), ``reward/errors``, ``reward/nonfinite``,
     ``reward/timeouts`` and ``reward/fn/<component>`` means. The run always continues.
     """
+    import torch
+
     from flowrl.rewards.function import NONFINITE, OK, Outcome, combine, fits_float32
 
-    texts = decode_responses(ctx.resource("tokenizer"), response_ids, response_mask,
+    texts = decode_responses(ctx.run.tokenizer, response_ids, response_mask,
                              response_prefix(ctx))
     fields = prompt_fields(ctx, ground_truth, prompt_ids, prompt_mask, group_id)
     metas = [{"group_id": int(g), "index": i, "step": ctx.step} for i, g in enumerate(group_id.tolist())]
@@ -218,14 +274,22 @@ def log_unscorable(ctx: StageContext, path: str, outcomes) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------- reward.model
-@implements("reward.model")
-def model_reward(ctx: StageContext[RewardScorer], cfg, *, prompt_ids, prompt_mask, response_ids,
-                 response_mask) -> dict:
-    """Classifier reward model score of prompt + response (``engines/reward_model.py``).
+@register_op("reward.model", inputs=PROMPT + RESPONSE, outputs=("rewards",),
+             roles=("reward_model",),
+             # the classifier attends to response_mask's tokens only: tool results would be cut
+             single_turn_inputs=RESPONSE)
+def model_reward(ctx: StageContext[RewardScorer], cfg: NoConfig, *, prompt_ids: Tensor,
+                 prompt_mask: Tensor, response_ids: Tensor,
+                 response_mask: Tensor) -> dict[str, Tensor]:
+    """Classifier reward model score of prompt + response.
+
+    The model is ``engines/reward_model.py``'s.
 
     Output: rewards (B,) float32, the head's raw scalar (NaN if the model produced one).
     Logged: ``reward/model/mean``, ``/std``, ``/unscorable``.
     """
+    import torch
+
     rewards = ctx.engine.score(prompt_ids, prompt_mask, response_ids, response_mask).float()
     rewards = torch.where(torch.isfinite(rewards), rewards, torch.full_like(rewards, float("nan")))
     log_reward_stats(ctx, rewards, "reward/model")
@@ -233,9 +297,45 @@ def model_reward(ctx: StageContext[RewardScorer], cfg, *, prompt_ids, prompt_mas
 
 
 # --------------------------------------------------------------------------- reward.overlong
-@implements("reward.overlong")
-def overlong_reward(ctx: StageContext, cfg: OverlongConfig, *, response_mask) -> dict:
-    """Length penalty component: rewards (B,) float32 in [-penalty_factor, 0] from the response
+@dataclass
+class OverlongConfig:
+    """DAPO soft overlong punishment (``flowrl.rewards.shaping.overlong_penalty``).
+
+    Attributes:
+        max_length: L_max in tokens; usually ``${rollout.sampling.max_new_tokens}``.
+        buffer_length: L_cache, the width of the linear penalty ramp before L_max (DAPO: 4096
+            of 20480); 0 = ``buffer_fraction * max_length`` (rounded, at least 1), so one graph
+            fits any generation length.
+        buffer_fraction: used when ``buffer_length`` is 0 (DAPO's ratio is 0.2).
+        penalty_factor: scale of the penalty (1.0 = the paper's).
+    """
+
+    max_length: int = 256
+    buffer_length: int = 0
+    buffer_fraction: float = 0.2
+    penalty_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.buffer_fraction <= 1:
+            raise ValueError(f"buffer_fraction must be in (0, 1], got {self.buffer_fraction}")
+        if self.max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {self.max_length}")
+        if self.buffer_length == 0:
+            self.buffer_length = max(1, round(self.buffer_fraction * self.max_length))
+        if not 1 <= self.buffer_length <= self.max_length:
+            raise ValueError(f"need 1 <= buffer_length <= max_length, got buffer_length="
+                             f"{self.buffer_length}, max_length={self.max_length}")
+        if self.penalty_factor < 0:
+            raise ValueError(f"penalty_factor must be >= 0, got {self.penalty_factor}")
+
+
+@register_op("reward.overlong", inputs=("response_mask",), outputs=("rewards",),
+             config=OverlongConfig)
+def overlong_reward(ctx: StageContext, cfg: OverlongConfig, *,
+                    response_mask: Tensor) -> dict[str, Tensor]:
+    """DAPO soft overlong punishment of the response lengths.
+
+    Length penalty component: rewards (B,) float32 in [-penalty_factor, 0] from the response
     lengths (EOS included). Logged: ``reward/overlong/mean``, ``reward/overlong/penalised_frac``."""
     from flowrl.rewards.shaping import overlong_penalty
 
@@ -245,11 +345,26 @@ def overlong_reward(ctx: StageContext, cfg: OverlongConfig, *, response_mask) ->
 
 
 # --------------------------------------------------------------------------- reward.mix
+@dataclass
+class MixConfig:
+    """weights: component name (an input of ``reward.mix``) → weight. A bound component without
+    an entry weighs 1.0; an entry for an unbound component (e.g. a stage pruned by ``when``) is
+    ignored. Weight 0 leaves a component out of the sum (it is still logged)."""
+
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.weights = {str(k): float(v) for k, v in dict(self.weights).items()}
+        unknown = sorted(set(self.weights) - set(MIX_COMPONENTS))
+        if unknown:
+            raise ValueError(f"weights: unknown component(s) {unknown}; components: {list(MIX_COMPONENTS)}")
 
 
-@implements("reward.mix")
-def mix_reward(ctx: StageContext, cfg: MixConfig, **components) -> dict:
-    """Weighted sum of the bound reward components (``flowrl.rewards.shaping.mix_rewards``).
+@register_op("reward.mix", optional_inputs=MIX_COMPONENTS, outputs=("rewards",), config=MixConfig)
+def mix_reward(ctx: StageContext, cfg: MixConfig, **components: Tensor | None) -> dict[str, Tensor]:
+    """Weighted sum of the bound reward components.
+
+    The sum is ``flowrl.rewards.shaping.mix_rewards``'s.
 
     Output: rewards (B,) float32, NaN where any component with a non-zero weight is NaN.
     Logged: ``reward/<component>/mean`` (over its scorable samples) for every component, and
@@ -258,6 +373,8 @@ def mix_reward(ctx: StageContext, cfg: MixConfig, **components) -> dict:
     Raises:
         ValueError: no component bound, or components of different lengths.
     """
+    import torch
+
     from flowrl.rewards.shaping import mix_rewards
 
     bound = {k: v.float() for k, v in components.items() if v is not None}

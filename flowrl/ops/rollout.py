@@ -5,17 +5,25 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from flowrl.ops.context import StageContext
-from flowrl.ops.registry import NoConfig, implements
+from flowrl.ops.fields import PROMPT, RESPONSE, VISION
+from flowrl.ops.registry import register_op
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from flowrl.engines.base import RolloutBatch, RolloutEngine
+    from flowrl.ops.context import StageContext
+    from flowrl.ops.spec import NoConfig
 
 
-@implements("rollout.generate")
-def generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_ids, prompt_mask,
-             pixel_values=None, image_grid_thw=None) -> dict:
-    """One response per prompt row with the run's ``rollout.sampling`` settings.
+@register_op("rollout.generate", inputs=PROMPT, optional_inputs=VISION,
+             outputs=RESPONSE + ("rollout_logprobs", "truncated"), roles=("rollout",))
+def generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_ids: Tensor,
+             prompt_mask: Tensor, pixel_values: Tensor | None = None,
+             image_grid_thw: Tensor | None = None) -> dict[str, Tensor]:
+    """One response per prompt row with rollout.sampling.
+
+    Generates with the run's ``rollout.sampling`` settings.
 
     Outputs: response_ids (B, R) int64 right-padded; response_mask (B, R) bool;
     rollout_logprobs (B, R) float32 at the sampling temperature; truncated (B,) bool.
@@ -27,12 +35,12 @@ def generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_ids, pro
     images = None
     if pixel_values is not None and image_grid_thw is not None:
         images = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
-    out = ctx.engine.generate(prompt_ids, prompt_mask, ctx.resource("sampling"),
+    out = ctx.engine.generate(prompt_ids, prompt_mask, ctx.run.sampling,
                               generator=ctx.generator, images=images)
     if images is not None:
         from flowrl.ops.vision import cut_at_vision_tokens
 
-        out = cut_at_vision_tokens(out, ctx.resource("tokenizer"))
+        out = cut_at_vision_tokens(out, ctx.run.tokenizer)
     # rollout/empty_response_frac: no token at all, a generation that failed (the reward ops
     # mark it unscorable)
     log_samples(ctx, out, time.perf_counter() - t0)
@@ -52,19 +60,21 @@ def log_samples(ctx: StageContext, out: "RolloutBatch", seconds: float, prefix: 
         "perf/rollout_tokens_per_s": lengths.sum() / max(seconds, 1e-9)}.items()})
 
 
-@implements("teacher.generate")
-def teacher_generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_ids,
-                     prompt_mask) -> dict:
-    """The teacher samples one response per prompt row (SFT on teacher samples,
-    ``graphs/sft_teacher.yaml``) with the run's ``rollout.sampling`` settings, on the
-    ``teacher_rollout`` role's engine: its own frozen copy of ``teacher.path``, never synced.
+@register_op("teacher.generate", inputs=PROMPT, outputs=RESPONSE + ("truncated",),
+             roles=("teacher_rollout",))
+def teacher_generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_ids: Tensor,
+                     prompt_mask: Tensor) -> dict[str, Tensor]:
+    """The teacher samples one response per prompt row with rollout.sampling (never synced).
+
+    SFT on teacher samples (``graphs/sft_teacher.yaml``), with the run's ``rollout.sampling``
+    settings, on the ``teacher_rollout`` role's engine: its own frozen copy of ``teacher.path``, never synced.
 
     Outputs: response_ids (B, R) int64 right-padded; response_mask (B, R) bool (the first stop
     token kept); truncated (B,) bool. Logged: ``teacher/response/length_mean`` and the rest of
     :func:`log_samples` under ``teacher/``.
     """
     t0 = time.perf_counter()
-    out = ctx.engine.generate(prompt_ids, prompt_mask, ctx.resource("sampling"),
+    out = ctx.engine.generate(prompt_ids, prompt_mask, ctx.run.sampling,
                               generator=ctx.generator)
     log_samples(ctx, out, time.perf_counter() - t0, prefix="teacher/")
     return {"response_ids": out.response_ids, "response_mask": out.response_mask,

@@ -1,21 +1,28 @@
 """Prompt sampling: the stage that starts every iteration."""
 from __future__ import annotations
 
-from flowrl.ops.context import StageContext
-from flowrl.ops.registry import NoConfig, implements
+from typing import TYPE_CHECKING
+
+from flowrl.ops.fields import PROMPT
+from flowrl.ops.registry import register_op
+
+if TYPE_CHECKING:
+    from flowrl.ops.context import StageContext
+    from flowrl.ops.spec import NoConfig
 
 
-@implements("data.sample")
+@register_op("data.sample", outputs=PROMPT + ("group_id", "ground_truth"))
 def sample(ctx: StageContext, cfg: NoConfig) -> dict:
-    """Draw ``trainer.prompts_per_step`` prompts and repeat each ``algorithm.n`` times.
+    """Draw prompts_per_step prompts, each repeated algorithm.n times.
 
+    Draws ``trainer.prompts_per_step`` prompts and repeats each ``algorithm.n`` times.
     Outputs: prompt_ids/prompt_mask (B, P) int64/bool left-padded with B = prompts × n;
     group_id (B,) int64 assigned here, unique across steps and ranks (never inferred later from
     prompt text); ground_truth list[str] of length B.
     """
-    source = ctx.resource("prompts")
-    num_prompts = ctx.resource("trainer").prompts_per_step
-    batch = source.sample(num_prompts, ctx.resource("algorithm").n)
+    source = ctx.run.prompts
+    num_prompts = ctx.run.prompts_per_step
+    batch = source.sample(num_prompts, ctx.run.algorithm.n)
     ctx.log(**{"data/prompts": num_prompts, "data/epoch": source.sampler.epoch})
     return {"prompt_ids": batch.prompt_ids, "prompt_mask": batch.prompt_mask,
             "group_id": batch.group_id, "ground_truth": batch.ground_truth}

@@ -1,15 +1,14 @@
 """What an op is, as the graph validator and the compiler see it: :class:`OpSpec`.
 
-No torch and no op code here: a spec names the module that implements the op
-(``OpSpec.module``), imported only when the function is needed (``OpSpec.fn``), so validating a
-graph or printing a plan imports no torch.
+No torch here. Each op module declares its op next to its function (``registry.register_op``)
+and imports torch inside its functions only, so importing every op module to read the
+declarations (validating a graph, printing a plan) imports no torch.
 """
 from __future__ import annotations
 
 import collections.abc
 import dataclasses
 import difflib
-import importlib
 import re
 import sys
 import types
@@ -17,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Optional, Union
 
-TENSOR, LIST = "tensor", "list"  # OpSpec.kinds values
+from flowrl.ops.fields import Field, field_of
 
 
 @dataclass
@@ -38,10 +37,10 @@ class OpSpec:
             override its fields.
         roles: roles the stage may declare (``()`` = the op uses no model and takes no role).
         doc: one line saying what the op does (``flowrl`` listings).
-        module: module whose import binds the function (``registry.implements``); empty for an
-            op registered with its function (``registry.register_op``).
-        kinds: what an input or output holds where it is not a tensor with a leading batch
-            dimension: ``"list"`` = a Python list, one entry per sample (``ground_truth``). The
+        fields: shape/dtype/kind of an input or output where it differs from the standard
+            field of that name (``ops/fields.py`` ``FIELDS``); :meth:`field_type` resolves either.
+        kinds: what an input or output holds, where neither ``fields`` nor the standard field
+            says: ``"list"`` = a Python list, one entry per sample (``ground_truth``). The
             validator refuses a list wired into a tensor input, and the reverse, before any
             model loads.
         trains: the op updates a model's weights (``update.policy``, ``update.critic``); a
@@ -51,6 +50,10 @@ class OpSpec:
         single_turn_inputs: inputs that cannot take such rows (the graph validator refuses a
             multi-turn output bound to one, naming stage and field).
         info_outputs: per-row metadata a graph may leave unconsumed (no unused-output warning).
+        check: ``check(plan, cfg)``, the op's pre-run check of a compiled plan against the run
+            config (``flowrl.config.TrainConfig``), run by the pre-flight before any model
+            loads; raises ValueError naming the stage. None = nothing to check.
+        bound: the op's function (:attr:`fn`), set by ``registry.register_op``.
     """
 
     name: str
@@ -60,35 +63,42 @@ class OpSpec:
     config_cls: type = NoConfig
     roles: tuple[str, ...] = ()
     doc: str = ""
-    module: str = ""
+    fields: Mapping[str, Field] = field(default_factory=dict)
     kinds: Mapping[str, str] = field(default_factory=dict)
     trains: bool = False
     multi_turn_outputs: tuple[str, ...] = ()
     single_turn_inputs: tuple[str, ...] = ()
     info_outputs: tuple[str, ...] = ()
+    check: Callable[[Any, Any], None] | None = field(default=None, repr=False, compare=False)
     bound: Callable[..., Mapping[str, Any]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def all_inputs(self) -> tuple[str, ...]:
         return self.inputs + self.optional_inputs
 
+    def field_type(self, name: str) -> Field:
+        """Shape, dtype and kind of input or output ``name``: the op's own ``fields`` entry,
+        else the standard field (``ops/fields.py``), else a batch-first tensor of any shape."""
+        if name in self.fields:
+            return self.fields[name]
+        std = field_of(name)
+        return Field(std.shape, std.dtype, self.kinds[name]) if name in self.kinds else std
+
     def kind(self, name: str) -> str:
-        """``"tensor"`` or ``"list"``: what input or output ``name`` holds (see ``kinds``)."""
-        return self.kinds.get(name, TENSOR)
+        """``"tensor"`` or ``"list"``: what input or output ``name`` holds (:meth:`field_type`)."""
+        return self.field_type(name).kind
 
     @property
     def fn(self) -> Callable[..., Mapping[str, Any]]:
         """``fn(ctx: StageContext, cfg: config_cls, **inputs) -> dict[str, Any]`` (keys exactly
-        ``outputs``), importing :attr:`module` on first use.
+        ``outputs``).
 
         Raises:
-            LookupError: the module registered no function under this name.
+            LookupError: a declaration without a function.
         """
-        if self.bound is None and self.module:
-            importlib.import_module(self.module)  # its @implements(name) binds the function
         if self.bound is None:
-            raise LookupError(f"op '{self.name}' has no function: {self.module or 'no module'} "
-                              f"registered none with @implements({self.name!r})")
+            raise LookupError(f"op '{self.name}' has no function (declare it with "
+                              f"@register_op({self.name!r}, ...) on the function)")
         return self.bound
 
     def make_config(self, params: Mapping[str, Any] | None, *, stage: str) -> Any:

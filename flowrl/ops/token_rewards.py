@@ -22,27 +22,27 @@ the penalty (no ``reward.token_rewards`` stage, or one without old/ref logprobs 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping
 
-import torch
-
-from flowrl.algorithms.advantages import place_on_last_token
-from flowrl.algorithms.kl import (
-    AdaptiveKLController,
-    FixedKLController,
-    apply_kl_penalty,
-    kl_controller,
-)
-from flowrl.ops.context import StageContext
-from flowrl.ops.registry import NoConfig, implements
+from flowrl.ops.registry import register_op
 from flowrl.ops.state import OpStateSpec, declare_state
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from flowrl.algorithms.config import AlgorithmConfig
+    from flowrl.algorithms.kl import AdaptiveKLController, FixedKLController
+    from flowrl.ops.context import StageContext
+    from flowrl.ops.spec import NoConfig
 
 OP_NAME = "reward.token_rewards"
 RESOURCE = "kl_controller"
 
 
-def make_kl_controller(algo) -> FixedKLController | AdaptiveKLController:
+def make_kl_controller(algo: AlgorithmConfig) -> FixedKLController | AdaptiveKLController:
     """The controller an ``AlgorithmConfig`` asks for (adaptive iff ``kl_target`` is set)."""
+    from flowrl.algorithms.kl import kl_controller
+
     return kl_controller(algo.kl_coef, algo.kl_target, algo.kl_horizon)
 
 
@@ -57,15 +57,18 @@ def load_controller_state(ctrl, state: dict[str, Any]) -> None:
 
 
 # the op's cross-step state: built by the executor, checkpointed and restored by the job
-KL_STATE = declare_state(OP_NAME, OpStateSpec(
-    RESOURCE, lambda resources: make_kl_controller(resources["algorithm"])))
+def _initial_controller(resources: Mapping[str, Any]) -> FixedKLController | AdaptiveKLController:
+    return make_kl_controller(resources["algorithm"])
 
 
-def kl_in_reward_active(algo) -> bool:
+KL_STATE = declare_state(OP_NAME, OpStateSpec(RESOURCE, _initial_controller))
+
+
+def kl_in_reward_active(algo: AlgorithmConfig) -> bool:
     return bool(algo.kl_in_reward) and algo.kl_coef > 0
 
 
-def check_kl_in_reward(plan, algo) -> None:
+def check_kl_in_reward(plan: Any, algo: AlgorithmConfig) -> None:
     """Raise ValueError (naming the graph/stage) when ``algorithm.kl_in_reward`` is set with
     ``kl_coef > 0`` but the compiled plan cannot apply the penalty."""
     if not kl_in_reward_active(algo):
@@ -83,10 +86,12 @@ def check_kl_in_reward(plan, algo) -> None:
                              f"bound (is the ref stage disabled by its 'when'?)")
 
 
-@implements(OP_NAME)
-def token_rewards(ctx: StageContext, cfg: NoConfig, *, rewards, response_mask, old_logprobs=None,
-                  ref_logprobs=None) -> dict:
-    """Sequence rewards → token rewards, minus β·KL when ``algorithm.kl_in_reward``.
+@register_op(OP_NAME, inputs=("rewards", "response_mask"),
+             optional_inputs=("old_logprobs", "ref_logprobs"), outputs=("token_rewards",))
+def token_rewards(ctx: StageContext, cfg: NoConfig, *, rewards: Tensor, response_mask: Tensor,
+                  old_logprobs: Tensor | None = None,
+                  ref_logprobs: Tensor | None = None) -> dict[str, Tensor]:
+    """Sequence rewards on the last token, minus beta*KL when algorithm.kl_in_reward.
 
     Inputs: rewards (B,) float32 (NaN = unscorable → 0 on the last token); response_mask (B, R)
     bool; old_logprobs / ref_logprobs (B, R) float32 (needed only with the penalty).
@@ -98,7 +103,12 @@ def token_rewards(ctx: StageContext, cfg: NoConfig, *, rewards, response_mask, o
     over the pool's global batch (one all-reduce of two floats over ``ctx.dist.group``).
     Raises: ValueError naming the stage when the penalty is on and a logprob input is missing.
     """
-    algo = ctx.resource("algorithm")
+    import torch
+
+    from flowrl.algorithms.advantages import place_on_last_token
+    from flowrl.algorithms.kl import apply_kl_penalty
+
+    algo = ctx.run.algorithm
     mask = response_mask.bool()
     tr = place_on_last_token(rewards, mask)
     if kl_in_reward_active(algo):
@@ -109,7 +119,7 @@ def token_rewards(ctx: StageContext, cfg: NoConfig, *, rewards, response_mask, o
         if ctrl is None:  # a direct call, outside an Executor (which creates the op's state)
             ctrl = ctx.resources[RESOURCE] = make_kl_controller(algo)  # = KL_STATE.make
         beta = ctrl.value
-        tr, kl = apply_kl_penalty(tr, old_logprobs, ref_logprobs, mask, beta, kind=algo.kl_type,
+        tr, kl = apply_kl_penalty(tr, old_logprobs, ref_logprobs, mask, beta, algo.kl_type,
                                   clamp=algo.kl_clamp)
         seq_kl = kl.sum(-1)
         mean_kl = float(seq_kl.mean()) if seq_kl.numel() else 0.0
@@ -119,8 +129,10 @@ def token_rewards(ctx: StageContext, cfg: NoConfig, *, rewards, response_mask, o
         kl_sum, n = all_reduce_floats([mean_kl * seq_kl.numel(), float(seq_kl.numel())], "sum",
                                       ctx.dist.group)
         ctrl.update(kl_sum / n if n else 0.0, n_steps=int(n))
-        ctx.log(**{"kl/coef": beta, "kl/in_reward": mean_kl,
-                   "kl/in_reward_token_mean": kl.sum() / mask.sum().clamp(min=1),
-                   "reward/kl_penalty_mean": beta * mean_kl})
+        metrics: dict[str, float | Tensor] = {
+            "kl/coef": beta, "kl/in_reward": mean_kl,
+            "kl/in_reward_token_mean": kl.sum() / mask.sum().clamp(min=1),
+            "reward/kl_penalty_mean": beta * mean_kl}
+        ctx.log(**metrics)
     ctx.log(**{"reward/token_sum_mean": tr.sum(-1).mean() if tr.numel() else torch.tensor(0.0)})
     return {"token_rewards": tr}

@@ -2,16 +2,52 @@
 supervised update (``update.sft``) on the same schedule."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from flowrl.ops.builtin import PolicyUpdateConfig, SFTUpdateConfig
-from flowrl.ops.context import StageContext
-from flowrl.ops.registry import implements
+from flowrl.algorithms.variants import POLICY_LOSSES, SFT_LOSSES
+from flowrl.ops.fields import PROMPT, RESPONSE, VISION
+from flowrl.ops.registry import register_op
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
+    from flowrl.algorithms.config import AlgorithmConfig
     from flowrl.engines.base import Trainable, TrainEngine
+    from flowrl.ops.context import StageContext
+
+
+@dataclass
+class PolicyUpdateConfig:
+    """policy_loss: the policy-gradient objective, a name of ``algorithms/variants.py``
+    POLICY_LOSSES: ``ppo_clip`` (token-level ratio, PPO clip), ``gspo`` (GSPO's sequence-level
+    ratio: the length-normalised sum of token log-ratios), ``vanilla`` (no ratio, REINFORCE-style).
+    Its clip ranges and aggregation are the run's ``algorithm`` numbers."""
+
+    policy_loss: str = "ppo_clip"
+
+    def __post_init__(self) -> None:
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"policy_loss must be one of {list(POLICY_LOSSES)}, "
+                             f"got {self.policy_loss!r}")
+
+
+@dataclass
+class SFTUpdateConfig:
+    """loss: the supervised objective, a name of ``algorithms/variants.py`` SFT_LOSSES: ``nll``
+    (the negative log-likelihood of the given response tokens, aggregated by
+    ``algorithm.loss_agg_mode``). temperature: the student's softmax temperature in that NLL
+    (1: the model's own distribution, what SFT fits; the samples themselves came at
+    ``rollout.sampling.temperature``)."""
+
+    loss: str = "nll"
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.loss not in SFT_LOSSES:
+            raise ValueError(f"loss must be one of {list(SFT_LOSSES)}, got {self.loss!r}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
 
 
 _RANK_INVARIANT = ("grad_norm", "lr", "skipped")
@@ -19,8 +55,8 @@ _BATCH_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "ol
                "advantages", "ref_logprobs", "rollout_logprobs", "pixel_values", "image_grid_thw")
 
 
-def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: float,
-                        max_response_len: int):
+def make_policy_loss_fn(algo: AlgorithmConfig, policy_loss: str, *, num_tokens: float,
+                        num_seqs: float, max_response_len: int) -> Any:
     """Build the engine's LossFn for one mini-batch.
 
     The aggregation denominators (``num_tokens``, ``num_seqs``) are those of the whole mini-batch,
@@ -28,10 +64,13 @@ def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: 
     loss = agg(policy) + kl_coef · agg(kl) − entropy_coef · agg(entropy); the KL term is off when
     ``algorithm.kl_in_reward`` is set (the penalty is then in the token rewards instead).
     """
-    from flowrl.algorithms.kl import kl_penalty
-    from flowrl.algorithms.losses import POLICY_LOSSES, ROLLOUT_IS, aggregate_loss, rollout_is_ratio
+    import torch
 
-    loss_impl = POLICY_LOSSES[policy_loss]
+    from flowrl.algorithms.kl import kl_penalty
+    from flowrl.algorithms.losses import POLICY_LOSSES as LOSS_FNS
+    from flowrl.algorithms.losses import ROLLOUT_IS, aggregate_loss, rollout_is_ratio
+
+    loss_impl = LOSS_FNS[policy_loss]
 
     def agg(x, mask):
         return aggregate_loss(x, mask, algo.loss_agg_mode, num_tokens=num_tokens,
@@ -77,7 +116,7 @@ def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: 
         if algo.kl_coef > 0 and not algo.kl_in_reward and mb.get("ref_logprobs") is not None:
             # the mask goes in *before* the estimator: garbage at masked positions must not
             # reach exp() (0 · NaN is still NaN in the backward pass)
-            kl = kl_penalty(logprobs, mb["ref_logprobs"], kind=algo.kl_type, clamp=algo.kl_clamp,
+            kl = kl_penalty(logprobs, mb["ref_logprobs"], algo.kl_type, clamp=algo.kl_clamp,
                             response_mask=mask)
             kl_loss = agg(kl, mask)
             loss = loss + algo.kl_coef * kl_loss
@@ -92,7 +131,7 @@ def make_policy_loss_fn(algo, policy_loss: str, *, num_tokens: float, num_seqs: 
     return loss_fn
 
 
-def global_mini_batch(ctx: StageContext, algo, local_batch: int) -> int:
+def global_mini_batch(ctx: StageContext, algo: AlgorithmConfig, local_batch: int) -> int:
     """Rows of this rank per optimizer step. ``algorithm.mini_batch_size`` counts sequences of the
     *global* batch; each rank takes its share. Raises ValueError when it does not divide."""
     if algo.mini_batch_size and algo.mini_batch_size % ctx.dist.world_size:
@@ -113,11 +152,13 @@ def run_minibatches(ctx: StageContext[Trainable], batch: dict, make_loss_fn, *, 
     the rest means over optimizer steps (bare engine keys get ``prefix/``), plus
     ``<prefix>/optimizer_steps``.
     """
+    import torch
+
     from flowrl.algorithms.losses import loss_denominators
     from flowrl.ops.collectives import all_reduce_floats
     from flowrl.ops.rebalance import balance_rows
 
-    algo = ctx.resource("algorithm")
+    algo = ctx.run.algorithm
     # before the shuffle: every rank then has the same B (and nearly the same tokens); the
     # old-logprob stage saw the same rows (same lengths → same assignment), so ratio 1 still holds
     bal = balance_rows(ctx, batch)
@@ -161,9 +202,14 @@ def run_minibatches(ctx: StageContext[Trainable], batch: dict, make_loss_fn, *, 
     return out
 
 
-@implements("update.policy")
-def update_policy(ctx: StageContext[TrainEngine], cfg: PolicyUpdateConfig, **inputs) -> dict:
-    """``algorithm.ppo_epochs`` passes over the rollout batch in shuffled mini-batches of
+@register_op("update.policy", inputs=PROMPT + RESPONSE + ("advantages",),
+             optional_inputs=("old_logprobs", "ref_logprobs", "truncated", "rollout_logprobs")
+             + VISION, config=PolicyUpdateConfig, roles=("actor",), trains=True)
+def update_policy(ctx: StageContext[TrainEngine], cfg: PolicyUpdateConfig,
+                  **inputs: Tensor | None) -> dict[str, Tensor]:
+    """Policy update: epochs x mini-batches of the policy loss.
+
+    ``algorithm.ppo_epochs`` passes over the rollout batch in shuffled mini-batches of
     ``algorithm.mini_batch_size`` sequences, one optimizer step each, with the policy loss the
     stage's ``policy_loss`` param names (``PolicyUpdateConfig``: ppo_clip, gspo, vanilla). old_logprobs are computed
     once per rollout batch (by the upstream stage), not per epoch. Without old_logprobs (the stage
@@ -174,11 +220,11 @@ def update_policy(ctx: StageContext[TrainEngine], cfg: PolicyUpdateConfig, **inp
     Raises:
         ValueError: no old_logprobs but more than one optimizer step per rollout batch.
     """
-    algo = ctx.resource("algorithm")
-    temp = ctx.resource("sampling").temperature
+    algo = ctx.run.algorithm
+    temp = ctx.run.sampling.temperature
     batch = {k: v for k, v in inputs.items() if v is not None and k in _BATCH_KEYS}
     truncated = inputs.get("truncated")
-    if getattr(algo, "mask_truncated", False) and truncated is not None:
+    if algo.mask_truncated and truncated is not None:
         # overlong completions leave both the loss numerator and its denominator
         batch["response_mask"] = batch["response_mask"] & ~truncated.unsqueeze(-1)
     B = batch["response_ids"].shape[0]
@@ -204,15 +250,18 @@ def update_policy(ctx: StageContext[TrainEngine], cfg: PolicyUpdateConfig, **inp
     return {}
 
 
-def make_sft_loss_fn(algo, loss: str, *, num_tokens: float, num_seqs: float,
-                     max_response_len: int):
+def make_sft_loss_fn(algo: AlgorithmConfig, loss: str, *, num_tokens: float, num_seqs: float,
+                     max_response_len: int) -> Any:
     """The engine's LossFn of one ``update.sft`` mini-batch: ``SFT_LOSSES[loss]`` (the NLL of
     the given tokens) aggregated by ``algorithm.loss_agg_mode`` with the mini-batch's global
     denominators (as :func:`make_policy_loss_fn`: micro-batch losses sum to the mini-batch's).
     Metrics: ``actor/sft_loss`` (the aggregated loss) and ``actor/nll`` (mean NLL per token)."""
-    from flowrl.algorithms.losses import SFT_LOSSES, aggregate_loss
+    import torch
 
-    loss_impl = SFT_LOSSES[loss]
+    from flowrl.algorithms.losses import SFT_LOSSES as SFT_LOSS_FNS
+    from flowrl.algorithms.losses import aggregate_loss
+
+    loss_impl = SFT_LOSS_FNS[loss]
 
     def loss_fn(mb, logprobs, entropy):
         mask = mb["response_mask"]
@@ -225,10 +274,14 @@ def make_sft_loss_fn(algo, loss: str, *, num_tokens: float, num_seqs: float,
     return loss_fn
 
 
-@implements("update.sft")
-def update_sft(ctx: StageContext[TrainEngine], cfg: SFTUpdateConfig, *, prompt_ids, prompt_mask,
-               response_ids, response_mask, truncated=None) -> dict:
-    """Supervised fine-tuning of the actor on the given responses (``graphs/sft_teacher.yaml``:
+@register_op("update.sft", inputs=PROMPT + RESPONSE, optional_inputs=("truncated",),
+             config=SFTUpdateConfig, roles=("actor",), trains=True)
+def update_sft(ctx: StageContext[TrainEngine], cfg: SFTUpdateConfig, *, prompt_ids: Tensor,
+               prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
+               truncated: Tensor | None = None) -> dict[str, Tensor]:
+    """Supervised update: epochs x mini-batches of the NLL of the given tokens.
+
+    Supervised fine-tuning of the actor on the given responses (``graphs/sft_teacher.yaml``:
     the teacher's samples): ``algorithm.ppo_epochs`` passes in mini-batches of
     ``algorithm.mini_batch_size`` sequences (:func:`run_minibatches`), each step minimising the
     stage's ``loss`` (``SFTUpdateConfig``: ``nll``) of the response tokens at
@@ -239,10 +292,10 @@ def update_sft(ctx: StageContext[TrainEngine], cfg: SFTUpdateConfig, *, prompt_i
         truncated (B,) bool or None. On the actor engine's device (DESIGN "Where tensors live").
     Logs ``actor/sft_loss``, ``actor/nll`` (nats per token), grad norm, lr, optimizer steps.
     """
-    algo = ctx.resource("algorithm")
+    algo = ctx.run.algorithm
     batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
              "response_mask": response_mask}
-    if getattr(algo, "mask_truncated", False) and truncated is not None:
+    if algo.mask_truncated and truncated is not None:
         batch["response_mask"] = response_mask & ~truncated.unsqueeze(-1)
     out = run_minibatches(
         ctx, batch, lambda **den: make_sft_loss_fn(algo, cfg.loss, **den), prefix="actor",

@@ -2,13 +2,17 @@
 rule that keeps vision tokens out of responses (``graphs/grpo_vl.yaml``)."""
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from flowrl.engines.base import RolloutBatch
-from flowrl.ops.context import StageContext
-from flowrl.ops.registry import NoConfig, implements
+from flowrl.ops.fields import PROMPT, VISION
+from flowrl.ops.registry import register_op
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from flowrl.ops.context import StageContext
+    from flowrl.ops.spec import NoConfig
 
 
 def vision_token_ids(tokenizer: Any) -> list[int]:
@@ -33,6 +37,8 @@ def cut_at_vision_tokens(out: RolloutBatch, tokenizer: Any) -> RolloutBatch:
     Returns:
         the batch with the cut applied (new tensors; ``out`` is unchanged).
     """
+    import torch
+
     ids = torch.tensor(vision_token_ids(tokenizer), dtype=out.response_ids.dtype,
                        device=out.response_ids.device)
     hit = torch.isin(out.response_ids, ids) & out.response_mask.bool()
@@ -48,9 +54,11 @@ def cut_at_vision_tokens(out: RolloutBatch, tokenizer: Any) -> RolloutBatch:
         truncated=out.truncated | hit.any(-1))
 
 
-@implements("data.sample_images")
+@register_op("data.sample_images", outputs=PROMPT + ("group_id", "ground_truth") + VISION)
 def sample_images(ctx: StageContext, cfg: NoConfig) -> dict:
-    """``data.sample`` for prompts with images (``data.image_column``, ``data=visual``).
+    """data.sample for prompts with images: also the rows' pixel_values and image_grid_thw.
+
+    ``data.sample`` for prompts with images (``data.image_column``, ``data=visual``).
 
     Outputs: ``data.sample``'s, plus pixel_values (B, N, D) float32 and image_grid_thw
     (B, K, 3) int64 (``flowrl.data.images``): store entries like any other, freed after their
@@ -59,15 +67,17 @@ def sample_images(ctx: StageContext, cfg: NoConfig) -> dict:
     Raises:
         ValueError: the prompts hold no images (use ``graph=grpo`` for text).
     """
-    source = ctx.resource("prompts")
-    num_prompts = ctx.resource("trainer").prompts_per_step
-    batch = source.sample(num_prompts, ctx.resource("algorithm").n)
-    if batch.pixel_values is None:
+    source = ctx.run.prompts
+    num_prompts = ctx.run.prompts_per_step
+    batch = source.sample(num_prompts, ctx.run.algorithm.n)
+    if batch.pixel_values is None or batch.image_grid_thw is None:
         raise ValueError(f"stage '{ctx.stage}' (data.sample_images): the prompts of "
                          f"{source.cfg.source_name} hold no images; set data.image_column, or "
                          "use a text graph (graph=grpo)")
-    ctx.log(**{"data/prompts": num_prompts, "data/epoch": source.sampler.epoch,
-               "data/image_patches_mean": batch.image_grid_thw.prod(-1).sum(-1).float().mean()})
+    metrics: dict[str, float | Tensor] = {
+        "data/prompts": num_prompts, "data/epoch": source.sampler.epoch,
+        "data/image_patches_mean": batch.image_grid_thw.prod(-1).sum(-1).float().mean()}
+    ctx.log(**metrics)
     return {"prompt_ids": batch.prompt_ids, "prompt_mask": batch.prompt_mask,
             "group_id": batch.group_id, "ground_truth": batch.ground_truth,
             "pixel_values": batch.pixel_values, "image_grid_thw": batch.image_grid_thw}

@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
+from flowrl.ops.collectives import all_reduce
 from flowrl.runtime import distributed as fdist
 
 if TYPE_CHECKING:
@@ -143,10 +144,10 @@ class CheckpointManager:
     def _check_space(self, step: int, tensors: dict[str, Any], extra: int) -> int:
         """Bytes the checkpoint needs (all ranks' shards); raise before writing when the file
         system has less free. Every rank takes the same decision (two scalar all-reduces)."""
-        needed = int(fdist.all_reduce(float(_tensor_bytes(tensors)), "sum") * _SPACE_MARGIN) \
+        needed = int(all_reduce(float(_tensor_bytes(tensors)), "sum") * _SPACE_MARGIN) \
             + extra + _SPACE_SLACK_BYTES
         free = free_bytes(self.root)
-        short = fdist.all_reduce(1.0 if free < needed else 0.0, "max")
+        short = all_reduce(1.0 if free < needed else 0.0, "max")
         if short:
             raise CheckpointWriteError(
                 f"checkpoint step {step} not saved: {describe_fs(self.root)} has {_human(free)} "

@@ -25,13 +25,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from flowrl.ops.collectives import (  # noqa: F401 (re-exported: the runtime's collectives too)
-    all_reduce,
-    all_reduce_floats,
-    all_reduce_max,
-    all_reduce_mean,
-    all_reduce_sum,
-    device_for,
+from flowrl.ops.collectives import (
     is_initialized,
 )
 from flowrl.ops.context import DistInfo

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from flowrl.engines.base import SamplingConfig
-from flowrl.ops.reward import decode_responses
+from flowrl.ops.reward import RuleRewardConfig, decode_responses
 from flowrl.rewards import REWARD_FUNCTIONS, RewardFn, gsm8k_format_reward, math_verify_reward
 
 if TYPE_CHECKING:
@@ -47,18 +47,15 @@ class EvalScorer:
     check_ground_truth: Optional[Callable[[str], object]] = None  # its return value is unused
 
 
-def rule_eval_scorer(verifier: str = "gsm8k", *, format_score: float = 0.0,
-                     fallback_last_number: bool = False, stage: str = "") -> EvalScorer:
-    """An :class:`EvalScorer` of rule verifier ``verifier`` (a key of ``REWARD_FUNCTIONS``) with
-    the ``reward.rule`` stage's settings; ``gsm8k`` adds the math-verify and format views.
-
-    Raises:
-        ValueError: unknown verifier.
-    """
-    if verifier not in REWARD_FUNCTIONS:
-        raise ValueError(f"verifier must be one of {sorted(REWARD_FUNCTIONS)}, got {verifier!r}")
+def rule_eval_scorer(cfg: RuleRewardConfig | None = None, *, stage: str = "") -> EvalScorer:
+    """An :class:`EvalScorer` of a ``reward.rule`` stage's settings (its ``RuleRewardConfig``:
+    verifier, ``format_score``, ``fallback_last_number``; None = that dataclass's defaults, the
+    one home of the defaults of training and evaluation alike); ``gsm8k`` adds the math-verify
+    and format views."""
+    cfg = cfg or RuleRewardConfig()
+    verifier = cfg.verifier
     fn = REWARD_FUNCTIONS[verifier]
-    kw = {"format_score": format_score, "fallback_last_number": fallback_last_number}
+    kw = {"format_score": cfg.format_score, "fallback_last_number": cfg.fallback_last_number}
     gsm8k = verifier == "gsm8k"
     return EvalScorer(
         name=f"reward.rule {verifier}" + (f" (stage '{stage}')" if stage else ""),
@@ -94,9 +91,7 @@ def eval_scorer(plan) -> Optional[EvalScorer]:
         for c in plan.stages:
             if c.stage.op == op:
                 if op == "reward.rule":
-                    return rule_eval_scorer(c.config.verifier, format_score=c.config.format_score,
-                                            fallback_last_number=c.config.fallback_last_number,
-                                            stage=c.stage.name)
+                    return rule_eval_scorer(c.config, stage=c.stage.name)
                 return function_eval_scorer(c.config, stage=c.stage.name)
     return None
 

@@ -67,12 +67,13 @@ def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = Non
                          "(a local sequence-classification checkpoint, or tiny for tests)")
     if {"teacher", "teacher_rollout"} & set(plan.roles):
         check_teacher_role(cfg, plan, plan_only)
+    from flowrl.ops.registry import run_op_checks
     from flowrl.ops.token_rewards import check_kl_in_reward
 
-    check_kl_in_reward(plan, cfg.algorithm)
-    from flowrl.ops.multi_turn import check_multi_turn
-
-    check_multi_turn(plan, cfg)  # a multi-turn stage's tools go into every prompt (data.tools)
+    check_kl_in_reward(plan, cfg.algorithm)  # the run's, with or without the op in the graph
+    # each op's own pre-run check (OpSpec.check): a multi-turn stage's tools go into every
+    # prompt (data.tools)
+    run_op_checks(plan, cfg)
     from flowrl.compiler.modes import mode_of
     from flowrl.models.lora import check_lora
 
@@ -210,7 +211,7 @@ def check_teacher_role(cfg: "TrainConfig", plan: "ExecutionPlan", plan_only: boo
 
 def _check_estimators(plan: "ExecutionPlan", cfg: "TrainConfig") -> None:
     """Group-baseline estimators with n = 1 would train on all-zero advantages (case C01)."""
-    from flowrl.algorithms.advantages import validate_estimator
+    from flowrl.algorithms.variants import validate_estimator
 
     for c in plan.stages:
         if c.stage.op.startswith("advantage."):

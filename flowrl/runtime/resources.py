@@ -156,7 +156,8 @@ class RunResources:
     genrm_tokenizer: Any = None
 
     def for_ops(self) -> dict[str, Any]:
-        """The name → object mapping ops read through ``ctx.resource(name)``."""
+        """The name → object mapping behind ``StageContext.resources``; ops read it typed, through
+        ``ctx.run`` (``ops/context.RunResources``)."""
         out = {"tokenizer": self.tokenizer, "prompts": self.prompts, "algorithm": self.algorithm,
                "sampling": self.sampling, "trainer": self.trainer}
         if self.genrm_tokenizer is not None:

@@ -47,14 +47,13 @@ def ctx_for(stage: str, engine, info, step: int = 1):
 
 def run(balance: bool, batch: dict, info) -> dict:
     """old logprobs (with entropy) → values → one update step, all through the registered ops."""
+    from flowrl.engines.config import TrainEngineConfig
     from flowrl.engines.train.fsdp import FSDPTrainEngine
-    from flowrl.engines.train.local import TrainEngineConfig
     from flowrl.engines.train.value import ValueTrainEngine, value_model_from_causal_lm
-    from flowrl.ops.builtin import PolicyUpdateConfig
     from flowrl.ops.critic import values
     from flowrl.ops.logprobs import LogprobsConfig, logprobs
     from flowrl.ops.rebalance import balance_rows
-    from flowrl.ops.update import update_policy
+    from flowrl.ops.update import PolicyUpdateConfig, update_policy
 
     cfg = TrainEngineConfig(lr=worker.LR, micro_batch_size=2, balance_across_ranks=balance)
     actor = FSDPTrainEngine(worker.make_model(), cfg)

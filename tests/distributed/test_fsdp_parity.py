@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+from flowrl.engines.config import TrainEngineConfig
+from flowrl.engines.train.local import LocalTrainEngine
 from flowrl.ops.context import DistInfo
 from flowrl.runtime.checkpoint import CheckpointManager
 

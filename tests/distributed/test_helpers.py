@@ -4,7 +4,9 @@ import sys
 import pytest
 import torch
 
-from flowrl.launch import LauncherConfig, torchrun_argv
+from flowrl.config import LauncherConfig
+from flowrl.launch import torchrun_argv
+from flowrl.ops import collectives as coll
 from flowrl.runtime import distributed as fdist
 
 
@@ -13,14 +15,14 @@ def test_world_size_1_is_the_plain_path(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     info = fdist.init_distributed("cpu", timeout_s=LauncherConfig().collective_timeout_s)
     assert (info.rank, info.world_size, info.group) == (0, 1, None)
-    assert not fdist.is_initialized()
-    assert fdist.all_reduce_sum(2.5) == 2.5
+    assert not coll.is_initialized()
+    assert coll.all_reduce_sum(2.5) == 2.5
     t = torch.tensor([1.0, 2.0])
-    assert fdist.all_reduce(t, "max") is t
-    assert fdist.all_reduce_floats([1.0, 3.0]) == [1.0, 3.0]
+    assert coll.all_reduce(t, "max") is t
+    assert coll.all_reduce_floats([1.0, 3.0]) == [1.0, 3.0]
     assert fdist.reduce_metrics({"a": 1.0}) == {"a": 1.0}
     with pytest.raises(ValueError, match="op must be"):
-        fdist.all_reduce(1.0, "prod")
+        coll.all_reduce(1.0, "prod")
 
 
 def test_metric_rules():

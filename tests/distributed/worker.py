@@ -16,7 +16,7 @@ import transformers
 
 from flowrl.algorithms.config import AlgorithmConfig
 from flowrl.engines.base import SamplingConfig
-from flowrl.engines.train.local import TrainEngineConfig
+from flowrl.engines.config import TrainEngineConfig
 from flowrl.ops.context import DistInfo, StageContext
 
 B_GLOBAL, P, R, VOCAB = 8, 4, 6, 256
@@ -54,8 +54,7 @@ def shard(batch: dict, rank: int, world: int) -> dict:
 
 def update_once(engine, batch: dict, dist: DistInfo, step: int) -> dict[str, float]:
     """old_logprobs from the engine, then one ``update.policy`` op call (the real op)."""
-    from flowrl.ops.builtin import PolicyUpdateConfig
-    from flowrl.ops.update import update_policy
+    from flowrl.ops.update import PolicyUpdateConfig, update_policy
 
     batch = dict(batch)
     batch["old_logprobs"] = engine.logprobs(batch, temperature=1.0).logprobs

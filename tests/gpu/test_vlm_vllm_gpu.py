@@ -29,7 +29,8 @@ from flowrl.data import DataConfig, PromptSource
 from flowrl.data.images import ImageEncoder
 from flowrl.data.visual import VisualConfig
 from flowrl.engines.base import SamplingConfig
-from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+from flowrl.engines.config import TrainEngineConfig
+from flowrl.engines.train.local import LocalTrainEngine
 from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
 from flowrl.models.vision import image_processor, tiny_vl_config, vision_token_ids
 from flowrl.ops.vision import cut_at_vision_tokens
@@ -64,7 +65,8 @@ def mean_gap(a, b, mask) -> float:
 
 @pytest.mark.parametrize("procs", [0, 2])
 def test_vllm_rollout_with_images_is_the_trainers_and_syncs_the_whole_vlm(procs):
-    from flowrl.engines.rollout.vllm import VLLMRolloutConfig, VLLMRolloutEngine
+    from flowrl.engines.rollout.vllm import VLLMRolloutEngine
+    from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
     from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
 
     cfg = ModelConfig(tiny=peaked(), dtype="float32")

@@ -260,7 +260,7 @@ def test_critic_values_shift_padding_and_base_weights(tiny_lm):
 def test_update_critic_op_regresses_towards_returns(tiny_lm):
     from flowrl.algorithms.config import AlgorithmConfig
     from flowrl.engines.base import SamplingConfig
-    from flowrl.engines.train.local import TrainEngineConfig
+    from flowrl.engines.config import TrainEngineConfig
     from flowrl.engines.train.value import ValueTrainEngine, value_model_from_causal_lm
     from flowrl.ops.context import StageContext
     from flowrl.ops.registry import NoConfig, get_op

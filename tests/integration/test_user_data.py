@@ -45,9 +45,8 @@ def write_jsonl(path: Path, rows_: list[dict]) -> Path:
 def function_graph(tmp: Path) -> Path:
     """graphs/grpo.yaml with the rule reward replaced by the user function above."""
     text = (REPO / "graphs/grpo.yaml").read_text()
-    text = text.replace("  op: reward.rule\n", "  op: reward.function\n").replace(
-        "    verifier: gsm8k\n",
-        "    path: test_user_data:bonus_reward\n    num_workers: 0\n")
+    text = text.replace("  op: reward.rule\n", "  op: reward.function\n  params:\n"
+                        "    path: test_user_data:bonus_reward\n    num_workers: 0\n")
     text = text.replace("    ground_truth: sample.ground_truth\n",
                         "    ground_truth: sample.ground_truth\n    group_id: sample.group_id\n", 1)
     g = tmp / "function_grpo.yaml"

@@ -13,8 +13,9 @@ from flowrl.data import DataConfig, PromptSource
 from flowrl.data.images import ImageEncoder
 from flowrl.data.visual import VisualConfig
 from flowrl.engines.base import SamplingConfig
+from flowrl.engines.config import TrainEngineConfig
 from flowrl.engines.rollout.hf import HFRolloutEngine
-from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+from flowrl.engines.train.local import LocalTrainEngine
 from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
 from flowrl.models.vision import image_processor, tiny_vl_config
 from flowrl.ops.vision import cut_at_vision_tokens

@@ -13,10 +13,10 @@ from flowrl.algorithms.advantages import (
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
-    validate_estimator,
     whiten,
 )
 from flowrl.algorithms.config import AlgorithmConfig
+from flowrl.algorithms.variants import validate_estimator
 
 NAN = float("nan")
 
@@ -252,13 +252,11 @@ def test_rewards_near_float32_max_give_exact_advantages_or_one_clear_error():
 
 
 def test_advantage_stage_names_itself_when_rewards_overflow_float32():
-    from types import SimpleNamespace
+    from flowrl.ops.context import StageContext
+    from flowrl.ops.registry import get_op
 
-    from flowrl.ops.advantage import make_advantage_op
-
-    op = make_advantage_op(ADVANTAGE_ESTIMATORS["rloo"])
-    ctx = SimpleNamespace(stage="advantage", resource=lambda name: AlgorithmConfig(),
-                          log=lambda **kw: None)
+    op = get_op("advantage.rloo").fn
+    ctx = StageContext(stage="advantage", step=1, resources={"algorithm": AlgorithmConfig()})
     with pytest.raises(ValueError, match=r"^stage 'advantage' \(advantage.rloo\): advantages "
                                          r"reach 4e\+38"):
         op(ctx, None, rewards=torch.tensor([3e38, -3e38, 3e38, -3e38]),

@@ -114,7 +114,7 @@ def test_data_option_selects_the_task_on_the_command_line(tmp_path):
     ("1,41", 0.0),                       # not a number with a thousands separator
 ])
 def test_the_default_verifier_scores_arith_answers_exactly(response, reward):
-    from flowrl.ops.builtin import RuleRewardConfig
+    from flowrl.ops.reward import RuleRewardConfig
 
     d = RuleRewardConfig()
     assert gsm8k_reward(response, "141", format_score=d.format_score,

@@ -1,5 +1,6 @@
-"""Defaults live once, in the dataclasses (flowrl/config.py and the sections it imports): a YAML
-file of conf/ (and a graph's ``algorithm`` block) states only what differs from them."""
+"""Defaults live once, in the dataclasses (flowrl/config.py and the sections it imports, each op's
+params dataclass, ``WeightSync``): a YAML file of conf/ and a graph file (its ``algorithm`` and
+``data`` blocks, every stage's ``params``, its ``weight_sync`` edges) state only what differs."""
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,102 @@ def test_graph_algorithm_block_states_only_what_differs(path):
     block = OmegaConf.load(path).get("algorithm") or OmegaConf.create({})
     found = repeats(block, schema_at(["algorithm"]), "algorithm.")
     assert found == [], f"{path.name} repeats the AlgorithmConfig default of {found}"
+
+
+# --------------------------------------------------------------------------- graph stage params
+def dataclass_defaults(cls) -> dict:
+    """Field name → default of dataclass ``cls`` (default_factory called; required fields left out)."""
+    import dataclasses
+
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def param_repeats(graph: dict) -> list[str]:
+    """``stage.params.<name>`` of every literal param equal to its op config's default, and
+    ``weight_sync[i].<key>`` equal to ``WeightSync``'s (interpolations never count)."""
+    from flowrl.graph.graph import WeightSync
+    from flowrl.ops.registry import get_op
+
+    out = []
+    for s in graph.get("stages") or []:
+        defaults = dataclass_defaults(get_op(s["op"]).config_cls)
+        for k, v in (s.get("params") or {}).items():
+            if isinstance(v, str) and "${" in v:
+                continue
+            if k in defaults and v == defaults[k] and type(v) is type(defaults[k]):
+                out.append(f"{s['name']}.params.{k}")
+    ws_defaults = {"staleness": dataclass_defaults(WeightSync)["staleness"]}
+    for i, w in enumerate(graph.get("weight_sync") or []):
+        out += [f"weight_sync[{i}].{k}" for k, d in ws_defaults.items() if w.get(k) == d]
+    return out
+
+
+def test_the_param_check_finds_a_repeated_param_and_staleness():
+    graph = {"stages": [{"name": "reward", "op": "reward.rule",
+                         "params": {"verifier": "gsm8k", "format_score": 0.1}},
+                        {"name": "overlong", "op": "reward.overlong",
+                         "params": {"max_length": "${rollout.sampling.max_new_tokens}"}}],
+             "weight_sync": [{"from": "update", "to": "rollout", "staleness": 0},
+                             {"from": "update", "to": "rollout", "staleness": 1}]}
+    assert param_repeats(graph) == ["reward.params.verifier", "weight_sync[0].staleness"]
+
+
+@pytest.mark.parametrize("path", GRAPH_FILES, ids=lambda p: p.name)
+def test_graph_stage_params_and_weight_sync_state_only_what_differs(path):
+    found = param_repeats(OmegaConf.to_container(OmegaConf.load(path)))
+    assert found == [], f"{path.name} repeats the op config / WeightSync default of {found}"
+
+
+@pytest.mark.parametrize("path", GRAPH_FILES, ids=lambda p: p.name)
+def test_graph_data_block_states_only_what_differs(path):
+    block = OmegaConf.load(path).get("data") or OmegaConf.create({})
+    found = repeats(block, schema_at(["data"]), "data.")
+    assert found == [], f"{path.name} repeats the DataConfig default of {found}"
+
+
+def test_no_graph_pays_for_the_answer_format():
+    """format_score > 0 was farmed (issue 25: a ``#### <number copied from the question>`` line
+    earns it without the answer); RuleRewardConfig's 0.0 is the one value, in every graph and in
+    the evaluation's scorer (which reads the graph's stage)."""
+    from flowrl.ops.reward import RuleRewardConfig
+    from flowrl.runtime.evaluate import rule_eval_scorer
+
+    assert RuleRewardConfig().format_score == 0.0
+    for path in GRAPH_FILES:
+        for s in OmegaConf.to_container(OmegaConf.load(path))["stages"]:
+            assert "format_score" not in (s.get("params") or {}), (path.name, s["name"])
+    # the evaluation's defaults are the stage's: a wrong '####' answer scores 0, a right
+    # last number 1 (fallback_last_number on, as in training)
+    scorer = rule_eval_scorer()
+    assert scorer.score(["#### 5", "so 63 + 78 = 141"], [{"ground_truth": "6"},
+                                                          {"ground_truth": "141"}], [0, 1]) == [0.0, 1.0]
+
+
+def test_kl_functions_take_the_estimator_from_the_run():
+    """One home for the KL estimator and its clamp: AlgorithmConfig.kl_type / kl_clamp; the
+    functions that apply them have no defaults of their own to disagree with."""
+    import inspect
+
+    from flowrl.algorithms.kl import apply_kl_penalty, kl_penalty
+
+    for fn in (kl_penalty, apply_kl_penalty):
+        params = inspect.signature(fn).parameters
+        assert params["kl_type"].default is inspect.Parameter.empty, fn.__name__
+        assert params["clamp"].default is inspect.Parameter.empty, fn.__name__
+
+
+def test_sampling_is_set_by_one_group():
+    """The sampler (rollout.sampling) is the recipe's (conf/trainer/*.yaml), never a model's."""
+    for path in CONF_FILES:
+        if path.parent.name == "trainer":
+            continue
+        node = OmegaConf.load(path)
+        for key in reversed(package(path)):  # where its keys land in the run config
+            node = OmegaConf.create({key: node})
+        assert OmegaConf.select(node, "rollout.sampling") is None, path.relative_to(REPO)

@@ -189,7 +189,8 @@ def test_gpu_without_vllm_and_explicit_settings_win():
 
 
 def test_cpu_machine_keeps_cpu_defaults():
-    from flowrl.machine import keep_resident, resolve_machine_defaults
+    from flowrl.machine import resolve_machine_defaults
+    from flowrl.runtime.resources import keep_resident
 
     cfg = _cfg()
     resolve_machine_defaults(cfg, cuda=False, vllm=True, flash_attn=True)

@@ -317,7 +317,7 @@ def test_teacher_logprobs_of_the_sampled_tokens():
     temp = 0.7
     ctx = StageContext(stage="teacher_logprobs", step=1, engine=eng,
                        resources={"sampling": SamplingConfig(temperature=temp)})
-    from flowrl.ops.builtin import LogprobsConfig
+    from flowrl.ops.logprobs import LogprobsConfig
 
     lp = get_op("logprobs").fn(ctx, LogprobsConfig(), prompt_ids=prompt_ids, prompt_mask=prompt_mask,
                                response_ids=response_ids, response_mask=response_mask)["logprobs"]

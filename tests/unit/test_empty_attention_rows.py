@@ -21,7 +21,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from flowrl.algorithms.masks import left_align, position_ids_from_mask
-from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+from flowrl.engines.config import TrainEngineConfig
+from flowrl.engines.train.local import LocalTrainEngine
 from flowrl.engines.train.value import ValueTrainEngine, value_model_from_causal_lm
 from flowrl.models.loading import ModelConfig, build_tiny, tiny_model_config
 

@@ -12,8 +12,9 @@ import transformers
 from torch import nn
 
 from flowrl.engines.base import SamplingConfig
-from flowrl.engines.rollout.hf import HFRolloutConfig, HFRolloutEngine
-from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+from flowrl.engines.config import HFRolloutConfig, TrainEngineConfig
+from flowrl.engines.rollout.hf import HFRolloutEngine
+from flowrl.engines.train.local import LocalTrainEngine
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "flowrl/models/assets/smollm2-tokenizer"
 EOS = 2  # <|im_end|>: both EOS and pad of the SmolLM2 tokenizer

@@ -9,6 +9,7 @@ from flowrl.config import EvalConfig, to_train_config
 from flowrl.data import DataConfig, PromptSource, load_gsm8k
 from flowrl.engines.base import RolloutBatch
 from flowrl.models import ModelConfig, load_tokenizer
+from flowrl.ops.reward import RuleRewardConfig
 from flowrl.runtime.evaluate import evaluate_greedy, rule_eval_scorer
 
 
@@ -48,7 +49,7 @@ def test_three_scores_and_batches(tok, tmp_path):
              f"{truths[4]} first, then 1, 2 and #### 7"]   # wrong #### answer; math-verify: 7
     engine = ScriptedRollout(tok, texts, cut={"I am not sure"})
     src = PromptSource(DataConfig(), tok)
-    out = evaluate_greedy(engine, src, tok, rule_eval_scorer("gsm8k"), split="test", limit=5, batch_size=2,
+    out = evaluate_greedy(engine, src, tok, rule_eval_scorer(RuleRewardConfig(fallback_last_number=False)), split="test", limit=5, batch_size=2,
                           max_new_tokens=7, stop_token_ids=(5,), samples_path=tmp_path / "s.jsonl")
     assert [b for b, _ in engine.calls] == [2, 2, 1]
     params = engine.calls[0][1]
@@ -74,13 +75,13 @@ def test_three_scores_and_batches(tok, tmp_path):
 def test_limit_none_is_the_whole_split_and_zero_is_none(tok):
     engine = ScriptedRollout(tok, ["#### 0"] * 1319)
     src = PromptSource(DataConfig(), tok)
-    out = evaluate_greedy(engine, src, tok, rule_eval_scorer("gsm8k"), split="test", limit=None,
+    out = evaluate_greedy(engine, src, tok, rule_eval_scorer(RuleRewardConfig(fallback_last_number=False)), split="test", limit=None,
                           batch_size=2048, max_new_tokens=4)
     assert [b for b, _ in engine.calls] == [1319]  # one generate call for the whole split
     zero = sum(r["ground_truth"] == "0" for r in load_gsm8k("test"))
     assert out["eval/n"] == 1319.0 and out["eval/format_frac"] == 1.0
     assert out["eval/accuracy_strict"] == pytest.approx(zero / 1319)
-    assert evaluate_greedy(engine, src, tok, rule_eval_scorer("gsm8k"), split="test", limit=0, batch_size=1,
+    assert evaluate_greedy(engine, src, tok, rule_eval_scorer(RuleRewardConfig(fallback_last_number=False)), split="test", limit=0, batch_size=1,
                            max_new_tokens=4) == {}
 
 

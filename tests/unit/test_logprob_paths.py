@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from flowrl.algorithms.logprobs import entropy_from_logits, linear_logprobs, token_logprobs
 from flowrl.algorithms.packing import pack, packable, unpack
-from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+from flowrl.engines.config import TrainEngineConfig
+from flowrl.engines.train.local import LocalTrainEngine
 from flowrl.models.loading import ModelConfig, build_tiny, tiny_model_config
 
 TOL = dict(atol=1e-5, rtol=1e-5)

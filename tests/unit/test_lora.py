@@ -11,8 +11,9 @@ from test_engines import PROMPT_MASK, PROMPTS, _train_batch, tiny_llama, token_m
 from flowrl.cli import compose
 from flowrl.compiler.render import format_plan
 from flowrl.engines.base import SamplingConfig
-from flowrl.engines.rollout.hf import HFRolloutConfig, HFRolloutEngine
-from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+from flowrl.engines.config import HFRolloutConfig, TrainEngineConfig
+from flowrl.engines.rollout.hf import HFRolloutEngine
+from flowrl.engines.train.local import LocalTrainEngine
 from flowrl.models.lora import (
     AdapterDisabledReference,
     LoraConfig,

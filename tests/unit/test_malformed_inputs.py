@@ -167,17 +167,17 @@ GRAPH_CASES = {
         inputs=["rollout.response_ids"])),
         "stage 'reward', field 'inputs': must be a mapping (op argument: stage.output lines), got "
         "a list"),
-    "param_of_the_wrong_type": (_edit(GRPO, lambda g: _stage(g, "reward")["params"].update(
-        format_score="abc")),
+    "param_of_the_wrong_type": (_edit(GRPO, lambda g: _stage(g, "reward").setdefault(
+        "params", {}).update(format_score="abc")),
         "stage 'reward', field 'params.format_score': expected a float, got 'abc' (str)"),
     "param_of_the_wrong_type_beside_an_interpolation": (_edit(DAPO, lambda g: _stage(
         g, "overlong")["params"].update(buffer_fraction="x")),
         "stage 'overlong', field 'params.buffer_fraction': expected a float, got 'x' (str)"),
     "param_exponent_yaml_reads_as_a_string": ((REPO / "graphs/grpo.yaml").read_text().replace(
-        "verifier: gsm8k", "verifier: gsm8k\n    format_score: 1e-1"),
+        "  op: reward.rule\n", "  op: reward.rule\n  params:\n    format_score: 1e-1\n"),
         "stage 'reward', field 'params.format_score': expected a float, got '1e-1' (str); YAML "
         "reads 1e-1 as a string: write 1.0e-1"),
-    "unknown_param": (_edit(GRPO, lambda g: _stage(g, "reward")["params"].update(
+    "unknown_param": (_edit(GRPO, lambda g: _stage(g, "reward").setdefault("params", {}).update(
         format_scor=0.1)),
         "stage 'reward', field 'params': unknown param(s) ['format_scor'] for op 'reward.rule'; "
         "did you mean 'format_score'?"),

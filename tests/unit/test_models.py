@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import AutoModelForCausalLM
 
 from flowrl.models import ModelConfig, load_model, load_tokenizer, smollm2_dir, tiny_model_config
-from flowrl.models.loading import SMOLLM2_GGUF
+from flowrl.models.bundled import SMOLLM2_GGUF
 
 
 # ---------------------------------------------------------------- config

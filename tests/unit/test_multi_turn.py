@@ -21,9 +21,10 @@ from flowrl.data.chat import (
 from flowrl.engines.base import RolloutBatch, SamplingConfig
 from flowrl.envs.base import EnvRow, StepResult
 from flowrl.envs.calculator import CalculatorError, calculator, evaluate
+from flowrl.envs.config import MultiTurnConfig
 from flowrl.envs.library import GymnasiumEnvironment, ToolEnvironment, env_factory
 from flowrl.envs.parsers import ParsedCall, parse_hermes
-from flowrl.envs.rollout import MultiTurnConfig, MultiTurnSession, run_multi_turn
+from flowrl.envs.rollout import MultiTurnSession, run_multi_turn
 from flowrl.envs.tools import ToolRunner, check_schema, resolve_tools
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "flowrl/models/assets/smollm2-tokenizer"
@@ -444,7 +445,7 @@ def test_graph_errors_before_any_model_loads(tmp_path):
 
     text = (Path(__file__).resolve().parents[2] / "graphs/grpo_tools.yaml").read_text()
     bad = tmp_path / "bad.yaml"
-    bad.write_text(text.replace("max_turns: 4", "max_turns: 0"))
+    bad.write_text(text.replace("    tools:\n", "    max_turns: 0\n    tools:\n"))
     with pytest.raises(ConfigError, match=r"stage 'rollout', field 'params': .*params.max_turns must be an int >= 1, got 0"):
         prepare(_compose("graph=grpo_tools", f"graph.path={bad}"))
     bad.write_text(text.replace("- calculator", "- calculater"))
@@ -498,8 +499,9 @@ def test_hf_engine_token_in_token_out_and_trainer_logprobs_match(tok, padding_fr
     """With the real HF engine (tiny Llama): each round's context is the previous round's
     context + the sampled turn + the observation, id for id; the trainer's recomputed logprobs
     of the policy tokens equal the rollout's (the mismatch metric), packed or padded."""
+    from flowrl.engines.config import TrainEngineConfig
     from flowrl.engines.rollout.hf import HFRolloutEngine
-    from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+    from flowrl.engines.train.local import LocalTrainEngine
     from flowrl.models.loading import ModelConfig, load_model, tiny_model_config
 
     model = load_model(ModelConfig(tiny=tiny_model_config("llama"), seed=3))

@@ -9,8 +9,8 @@ from typing import Any, Literal, Optional
 
 import pytest
 
-from flowrl.ops.builtin import OverlongConfig
 from flowrl.ops.registry import OPS, get_op
+from flowrl.ops.reward import OverlongConfig
 from flowrl.ops.spec import OpSpec, ParamError, field_types, type_mismatch
 
 

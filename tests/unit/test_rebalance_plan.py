@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flowrl.engines.train.local import TrainEngineConfig
+from flowrl.engines.config import TrainEngineConfig
 from flowrl.ops.context import StageContext
 from flowrl.ops.rebalance import (
     RowExchange,

@@ -61,7 +61,8 @@ def test_no_response_token_or_mask_covers_the_prefix(tok):
     """The rollout engine continues after the prefix: it returns only the sampled tokens, so with
     max_new_tokens=2 (fewer than the prefix's 4 ids) response_mask is (B, 2) and the prefix
     stays in prompt_ids, where no loss reads."""
-    from flowrl.engines.rollout.hf import HFRolloutConfig, HFRolloutEngine
+    from flowrl.engines.config import HFRolloutConfig
+    from flowrl.engines.rollout.hf import HFRolloutEngine
     from flowrl.models import load_model, tiny_model_config
 
     batch = PromptSource(DataConfig(limit=2, shuffle=False, response_prefix=PREFIX), tok).sample(2, 1)
@@ -132,11 +133,12 @@ class _Scripted:
 
 
 def test_the_evaluation_scores_prefix_plus_response(tok, tmp_path):
+    from flowrl.ops.reward import RuleRewardConfig
     from flowrl.runtime.evaluate import evaluate_greedy, rule_eval_scorer
 
     src = PromptSource(DataConfig(response_prefix=PREFIX), tok)
     out = evaluate_greedy(_Scripted(tok, "4 it is</think>\n#### 4"), src, tok,
-                          rule_eval_scorer("format_think"), split="test", limit=3, batch_size=2,
+                          rule_eval_scorer(RuleRewardConfig("format_think", fallback_last_number=False)), split="test", limit=3, batch_size=2,
                           max_new_tokens=8, stop_token_ids=(), samples_path=tmp_path / "s.jsonl")
     assert out["eval/accuracy"] == 1.0 and out["eval/n"] == 3.0
     rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]

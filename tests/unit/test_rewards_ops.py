@@ -257,7 +257,7 @@ def test_reward_model_batched_equals_unpadded_and_ignores_pad_equal_eos():
 
 
 def test_reward_model_config_rejects_a_causal_lm_path():
-    from flowrl.engines.reward_model import RewardModelConfig
+    from flowrl.engines.config import RewardModelConfig
 
     with pytest.raises(ValueError, match="no reward head"):
         RewardModelConfig(model={"path": "smollm2"})

@@ -58,9 +58,8 @@ def test_tis_weights_each_token_loss(mode, weights):
 
 def test_update_op_logs_the_ratio_mean_and_max():
     from flowrl.engines.base import SamplingConfig
-    from flowrl.ops.builtin import PolicyUpdateConfig
     from flowrl.ops.context import StageContext
-    from flowrl.ops.update import update_policy
+    from flowrl.ops.update import PolicyUpdateConfig, update_policy
 
     class Engine:  # records nothing; the metric is computed before any train step
         def train_step(self, mb, loss_fn, **kw):

@@ -16,7 +16,8 @@ import torch
 
 from flowrl.algorithms.logprobs import token_logprobs
 from flowrl.algorithms.packing import pack
-from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+from flowrl.engines.config import TrainEngineConfig
+from flowrl.engines.train.local import LocalTrainEngine
 from flowrl.models.attention import SDPA_FLEX, packed_attention
 from flowrl.models.loading import ModelConfig, build_tiny, tiny_model_config
 

@@ -96,7 +96,7 @@ def test_masked_garbage_reaches_neither_loss_nor_gradient():
 
 def test_an_undeclared_sft_loss_is_refused():
     from flowrl.algorithms.losses import register_sft_loss
-    from flowrl.ops.builtin import SFTUpdateConfig
+    from flowrl.ops.update import SFTUpdateConfig
 
     with pytest.raises(
         ValueError, match="SFT loss 'kl' is not declared in flowrl/algorithms/variants.py"
@@ -119,7 +119,7 @@ def test_update_sft_trains_the_nll_of_the_given_tokens():
     from flowrl.engines.config import TrainEngineConfig
     from flowrl.engines.train.local import LocalTrainEngine
     from flowrl.models.loading import ModelConfig, load_model
-    from flowrl.ops.builtin import SFTUpdateConfig
+    from flowrl.ops.update import SFTUpdateConfig
 
     load_builtin_ops()
     spec = get_op("update.sft")

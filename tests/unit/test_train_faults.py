@@ -12,8 +12,9 @@ import pytest
 import torch
 from test_engines import _train_batch, tiny_llama, token_mean_loss
 
+from flowrl.engines.config import TrainEngineConfig
 from flowrl.engines.train.guard import ParameterDivergenceError
-from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+from flowrl.engines.train.local import LocalTrainEngine
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,7 +50,7 @@ def test_a_healthy_step_passes_the_guard():
 def test_the_collective_timeout_is_a_launcher_setting_passed_to_the_process_group(tmp_path,
                                                                                    monkeypatch):
     from flowrl.cli import compose
-    from flowrl.launch import LauncherConfig
+    from flowrl.config import LauncherConfig
     from flowrl.runtime import distributed as fdist
     from flowrl.train import train
 

@@ -152,7 +152,7 @@ def flowrl_loss(logps, old, ref, adv, mask, loss_type, beta, *, rows=slice(None)
     fn = gspo_loss if gspo else ppo_clip_loss
     per_tok, _ = fn(lp, old[rows], adv[rows], m, clip_ratio_low=0.2, clip_ratio_high=0.28)
     if beta:
-        per_tok = per_tok + beta * kl_penalty(lp, ref[rows], "k3", response_mask=m)
+        per_tok = per_tok + beta * kl_penalty(lp, ref[rows], "k3", 10.0, response_mask=m)
     return aggregate_loss(per_tok, m, AGG[loss_type], num_tokens=nt, num_seqs=ns, max_response_len=mask.shape[1])
 
 

@@ -22,12 +22,12 @@ from flowrl.data.visual import VisualConfig, load_visual
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.rollout.vllm import (
     VisionExport,
-    VLLMRolloutConfig,
     VLLMRolloutEngine,
     _groups,
     export_policy,
     vision_prompt,
 )
+from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
 from flowrl.engines.rollout.vllm_proc import split_groups
 from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
 from flowrl.models.vision import image_processor, tiny_vl_config

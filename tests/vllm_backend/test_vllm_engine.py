@@ -13,7 +13,8 @@ from vllm_helpers import PROMPTS, TINY_VLLM, TOL, max_mismatch, trainer_logprobs
 
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.rollout.hf import HFRolloutEngine
-from flowrl.engines.rollout.vllm import VLLMRolloutConfig, VLLMRolloutEngine
+from flowrl.engines.rollout.vllm import VLLMRolloutEngine
+from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
 from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
 
 KV_GB = 0.25  # KV cache vLLM-CPU reserves for the engine (GiB); the tiny model needs ~nothing

@@ -14,7 +14,8 @@ import torch
 from vllm_helpers import mean_mismatch, trainer_logprobs
 
 from flowrl.engines.base import SamplingConfig
-from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+from flowrl.engines.config import TrainEngineConfig
+from flowrl.engines.train.local import LocalTrainEngine
 from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
 
 pytestmark = [pytest.mark.gpu,
@@ -27,7 +28,8 @@ MEAN_TOL = 0.25
 
 @pytest.mark.parametrize("weight_load", ["auto", "reload"])
 def test_bf16_sleep_levels_and_weight_load_on_cuda(weight_load):
-    from flowrl.engines.rollout.vllm import VLLMRolloutConfig, VLLMRolloutEngine
+    from flowrl.engines.rollout.vllm import VLLMRolloutEngine
+    from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
 
     mcfg = ModelConfig(tiny=TINY, dtype="bfloat16")
     tok = load_tokenizer(mcfg)
@@ -79,7 +81,7 @@ def test_engine_processes_load_over_cuda_ipc_and_sleep(index):
     if index >= torch.cuda.device_count():
         pytest.skip(f"needs {index + 1} GPUs")
     torch.cuda.set_device(index)
-    from flowrl.engines.rollout.vllm import VLLMRolloutConfig
+    from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
     from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
 
     mcfg = ModelConfig(tiny=TINY, dtype="bfloat16")

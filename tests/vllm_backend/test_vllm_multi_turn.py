@@ -9,9 +9,11 @@ from vllm_helpers import PROMPTS, TINY_VLLM, TOL, max_mismatch, trainer_logprobs
 from flowrl.cli import compose
 from flowrl.data.chat import apply_chat_template_with_tools
 from flowrl.engines.base import SamplingConfig
-from flowrl.engines.rollout.vllm import VLLMRolloutConfig, VLLMRolloutEngine
+from flowrl.engines.rollout.vllm import VLLMRolloutEngine
+from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
 from flowrl.envs.base import StepResult
-from flowrl.envs.rollout import MultiTurnConfig, MultiTurnSession
+from flowrl.envs.config import MultiTurnConfig
+from flowrl.envs.rollout import MultiTurnSession
 from flowrl.envs.tools import resolve_tools
 from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
 from flowrl.runtime.metrics import read_metrics

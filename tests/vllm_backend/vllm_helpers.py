@@ -1,7 +1,8 @@
 """Shared pieces of the vLLM-tier tests: the tiny model vLLM-CPU can run and logprob comparisons."""
 import torch
 
-from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+from flowrl.engines.config import TrainEngineConfig
+from flowrl.engines.train.local import LocalTrainEngine
 
 TOL = 1e-4  # fp32 rollout vs trainer logprobs (nats, max over tokens), see test_vllm_engine.py
 # head size 32 (hidden 64 / 2 heads): vLLM's CPU attention kernel has no head size 16

@@ -27,7 +27,7 @@ from transformers import (
 
 from flowrl.algorithms.masks import response_mask
 from flowrl.engines.base import RolloutBatch, SamplingConfig
-from flowrl.engines.config import HFRolloutConfig  # noqa: F401  (rollout.hf; re-exported)
+from flowrl.engines.config import HFRolloutConfig
 
 
 class _LogprobRecorder(LogitsProcessor):

@@ -36,10 +36,7 @@ if TYPE_CHECKING:
 from flowrl.algorithms.masks import response_mask
 from flowrl.data.images import PatchLayout, collapse_image_tokens, images_of_patches
 from flowrl.engines.base import RolloutBatch, SamplingConfig
-from flowrl.engines.rollout.vllm_config import (  # noqa: F401 (re-exported)
-    CPU_HEAD_SIZES,
-    LOGPROBS_MODES,
-    VLLM_DTYPES,
+from flowrl.engines.rollout.vllm_config import (
     VLLMRolloutConfig,
     check_model_for_vllm,
 )

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from flowrl.engines.train.local import LocalTrainEngine, TrainEngineConfig
+from flowrl.engines.config import TrainEngineConfig
+from flowrl.engines.train.local import LocalTrainEngine
 
 if TYPE_CHECKING:  # the mixin always sits in front of a LocalTrainEngine (fsdp_variant)
     _EngineBase = LocalTrainEngine

@@ -20,7 +20,7 @@ from flowrl.algorithms.logprobs import entropy_from_logits, linear_logprobs, tok
 from flowrl.algorithms.masks import left_align, position_ids_from_mask, response_attention_mask
 from flowrl.algorithms.packing import pack, packable, unpack
 from flowrl.engines.base import LogprobOutput, LossFn
-from flowrl.engines.config import TrainEngineConfig  # noqa: F401  (trainer.engine; re-exported)
+from flowrl.engines.config import TrainEngineConfig
 from flowrl.engines.train.guard import guarded_step
 from flowrl.models.attention import SDPA_FLEX, packed_attention
 
