@@ -15,8 +15,8 @@ import torch
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import get_op
 from flowrl.rewards.function import (
-    KILL_GRACE_S,
     ERROR,
+    KILL_GRACE_S,
     NONFINITE,
     OK,
     TIMEOUT,
