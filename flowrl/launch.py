@@ -39,6 +39,9 @@ def exec_torchrun(cfg: LauncherConfig, overrides: list[str]) -> None:
     returns). ``flowrl.train.main`` calls it once the run is prepared (a bad config is one line
     from this process, exit status 2, not the same error from every rank plus torchrun's
     report); each rank then prepares the same run from the same overrides."""
+    from flowrl.runtime.supervise import supervise
+
     argv = torchrun_argv(cfg, overrides)
     sys.stdout.flush()
-    os.execv(argv[0], argv)
+    # torchrun's agent in this process: a failed job ends naming the rank and the resume command
+    sys.exit(supervise(argv[3:], overrides))
