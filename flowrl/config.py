@@ -104,12 +104,16 @@ class GraphConfig:
 class RolloutConfig:
     """backend: rollout engine, ``hf`` (transformers generate), ``vllm`` (its section ``vllm``;
     needs the vllm package) or ``auto`` (default: vLLM on CUDA when it is installed, else hf;
-    ``flowrl/machine.py``). ``sampling`` is shared by both."""
+    ``flowrl/machine.py``). ``sampling`` is shared by both. ``verify_sync``: after each weight
+    sync, read sampled values of every synced tensor back from the engine and stop the run,
+    naming the engine and the tensors, when they are not the trainer's
+    (``runtime/weight_check.py``; 64 values per tensor, microseconds)."""
 
     backend: str = "auto"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     hf: HFRolloutConfig = field(default_factory=HFRolloutConfig)
     vllm: VLLMRolloutConfig = field(default_factory=VLLMRolloutConfig)
+    verify_sync: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in ROLLOUT_BACKENDS and self.backend != "auto":
