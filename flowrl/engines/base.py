@@ -6,7 +6,16 @@ Shapes: B = sequences in the batch, P = prompt width (left-padded), R = response
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Protocol,
+    runtime_checkable,
+)
 
 if TYPE_CHECKING:  # the configs here are read before torch loads (flowrl/config.py)
     import torch
