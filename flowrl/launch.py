@@ -13,7 +13,6 @@ all ranks into one folder). On Slurm: ``sbatch scripts/slurm.sbatch`` (one torch
 """
 from __future__ import annotations
 
-import os
 import sys
 
 from flowrl.config import LauncherConfig  # noqa: F401  (re-exported)

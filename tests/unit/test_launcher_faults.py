@@ -22,8 +22,8 @@ HOST = socket.gethostname()
 
 
 def test_the_heartbeat_timeout_is_a_launcher_setting():
-    from flowrl.runtime.distributed import PeerMonitor
     from flowrl.config import LauncherConfig
+    from flowrl.runtime.distributed import PeerMonitor
 
     assert LauncherConfig().heartbeat_timeout_s == 60.0
     with pytest.raises(ValueError, match="launcher.heartbeat_timeout_s must be > 0, got 0"):
