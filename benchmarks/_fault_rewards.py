@@ -36,3 +36,14 @@ def constant(response_text, fields, metadata):
     """The same score for every answer: every group has zero reward variance (DAPO's dynamic
     sampling then keeps nothing)."""
     return 0.5
+
+
+def deaf_hang_on_first(response_text, fields, metadata):
+    """Blocks SIGALRM, then hangs on row 0 (a C extension that masks signals): only a process
+    kill ends it."""
+    if metadata["index"] == 0:
+        import signal
+
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        time.sleep(3600)
+    return length_reward(response_text, fields, metadata)

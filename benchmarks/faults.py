@@ -1,6 +1,6 @@
 """Fault injection on CPU: what an operator's accidents do to a flowrl run, and what resume gives back.
 
-    python benchmarks/faults.py [--kills 3] [--seed 0] [--only kill,rank,disk,reward]
+    python benchmarks/faults.py [--kills 3] [--seed 0] [--only kill,rank,disk,reward,sync,malformed]
 
 Results: benchmarks/results/faults_cpu.md (one table: test, expected, observed, pass).
 
@@ -14,13 +14,16 @@ and every update would be 0 and "bit-identical" would prove nothing). Scenarios:
   job; then ``trainer.resume=true``. Pass: the final checkpoint (weights, AdamW moments,
   scheduler, RNG, sampler position) is bit-identical to an uninterrupted run's.
 - A dead rank (SIGKILL) and a frozen rank (SIGSTOP) of a 2-rank job: the job stops (the frozen
-  one within ``launcher.collective_timeout_s``, here 20 s, naming the silent rank), the resume
-  command is printed, and resume is bit-identical.
+  one within ``launcher.heartbeat_timeout_s``, here 15 s), its last line names the rank, its pid
+  and the signal or the silence, with the resume command, and resume is bit-identical.
 - A full disk (a real tmpfs; needs root to mount, else the rows are skipped): the save is refused
   with a message naming the file system and the bytes, no partial folder is left, and resume
   works once space is back; a stale ``.tmp`` folder that fills the disk is removed at start.
-- Reward functions that kill their worker on one sample, hang on one sample, or return garbage
-  (a string, None, NaN, 1e39): the run completes and only those samples are unscorable.
+- Reward functions that kill their worker on one sample, hang on one sample (also with SIGALRM
+  blocked: the worker is killed at its timeout), or return garbage (a string, None, NaN, 1e39):
+  the run completes and only those samples are unscorable.
+- A weight sync that reaches nothing (LoRA with its own rollout copy, a loader that copies
+  nothing): ``rollout.verify_sync`` stops the run at step 1 naming the engine and the tensors.
 - Malformed graphs and configs (the table of ``tests/unit/test_malformed_inputs.py``) through
   ``flowrl graph validate``, ``flowrl plan`` and ``flowrl train`` (in this process, the model
   loader replaced by a tripwire), and one of them as a real ``flowrl train`` process: each is
@@ -140,6 +143,11 @@ class Job:
     def output(self) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")
+
+
+def last_line(output: str) -> str:
+    """The job's last non-empty line (what the operator reads first)."""
+    return next((ln for ln in reversed(output.splitlines()) if ln.strip()), "")
 
 
 def wait_for(cond: Callable[[], bool], timeout: float, poll: float = 0.005) -> bool:
@@ -280,41 +288,51 @@ class Bench:
         d = self.root / "dead_rank"
         job = Job(d, self.base(), 2)
         wait_for(lambda: ckpt(d, 2).is_dir() or job.proc.poll() is not None, 300)
-        job.worker(1).send_signal(signal.SIGKILL)
+        victim = job.worker(1)
+        victim.send_signal(signal.SIGKILL)
         t = time.monotonic()
         rc = job.wait(300)
         stop_s = time.monotonic() - t
-        hint = "trainer.resume=true" in job.output
+        last = last_line(job.output)
+        named = (last.startswith("flowrl train: stopped: rank 1 (host") and
+                 f"pid {victim.pid}" in last and "died of SIGKILL" in last)
+        hint = "trainer.resume=true" in last
         self.note("dead rank", job.output, "flowrl train: stopped")
         same, how = self.resume_matches(d, 2)
         self.row("a dead rank (SIGKILL of rank 1 of 2)",
-                 "job stops, resume command printed, resume bit-identical",
-                 f"exit {rc} after {stop_s:.0f} s; resume command printed: {hint}; {how}",
-                 rc != 0 and hint and same)
+                 "job stops; its last line names rank 1, its pid and SIGKILL, and the resume "
+                 "command; resume bit-identical",
+                 f"exit {rc} after {stop_s:.0f} s; last line names rank, pid, signal: {named}; "
+                 f"resume command in it: {hint}; {how}", rc != 0 and named and hint and same)
 
     def frozen_rank(self) -> None:
         d = self.root / "frozen_rank"
-        timeout = 20
-        job = Job(d, self.base(f"launcher.collective_timeout_s={timeout}"), 2)
+        beat = 15  # launcher.heartbeat_timeout_s; the collective timeout stays at its 600 s
+        job = Job(d, self.base(f"launcher.heartbeat_timeout_s={beat}"), 2)
         wait_for(lambda: ckpt(d, 2).is_dir() or job.proc.poll() is not None, 300)
         victim = job.worker(1)
         victim.send_signal(signal.SIGSTOP)
         t = time.monotonic()
-        # the survivor fails at the collective timeout; torchrun then stops the group (a
-        # SIGSTOPped process gets SIGKILL after torchrun's grace period)
-        rc = job.wait(timeout + 240)
+        # the survivor's peer monitor stops it once the heartbeat is silent; the launcher
+        # SIGKILLs the frozen rank (torchrun's own SIGTERM would wait 30 s for it)
+        rc = job.wait(beat + 240)
         stop_s = time.monotonic() - t
         out = job.output
-        named = "rank 1 (host" in out and f"pid {victim.pid}" in out and "sent no heartbeat" in out
-        hint = "trainer.resume=true" in out
+        last = last_line(out)
+        named = (last.startswith("flowrl train: stopped: rank 1 (host") and
+                 f"pid {victim.pid}" in last and "sent no heartbeat" in last and
+                 "the launcher killed it (SIGKILL)" in last)
+        hint = "trainer.resume=true" in last
         self.note("frozen rank", out, "flowrl train: stopped")
         job.kill_all()
         same, how = self.resume_matches(d, 2)
-        self.row(f"a frozen rank (SIGSTOP of rank 1 of 2, collective timeout {timeout} s)",
-                 "job stops after the timeout naming rank 1, resume command printed, resume "
-                 "bit-identical",
-                 f"exit {rc} after {stop_s:.0f} s; rank 1 and its pid named: {named}; resume "
-                 f"command printed: {hint}; {how}", rc != 0 and named and hint and same)
+        in_time = stop_s < beat + 15  # one beat interval and the exit, not 30 s or 600 s
+        self.row(f"a frozen rank (SIGSTOP of rank 1 of 2, heartbeat timeout {beat} s)",
+                 f"job stops within ~{beat} s; its last line names rank 1, its pid, the silence "
+                 "and the kill, and the resume command; resume bit-identical",
+                 f"exit {rc} after {stop_s:.0f} s; last line names rank, pid, silence: {named}; "
+                 f"resume command in it: {hint}; {how}",
+                 rc != 0 and in_time and named and hint and same)
 
     # ------------------------------------------------------------------ full disk
     def full_disk(self) -> None:
@@ -383,6 +401,67 @@ class Bench:
                  + ", ".join(f"{k}={v:g}" for k, v in expect.items()),
                  f"exit {rc}; " + "; ".join(f"step {s}: " + ", ".join(
                      f"{k}={v}" for k, v in got[s].items()) for s in (1, 2)), ok)
+
+    def deaf_reward(self) -> None:
+        """A call that blocks SIGALRM and hangs: its worker process is killed at timeout_s + 1 s
+        (before: the batch's backstop, timeout_s * 4 + 5 = 13 s per step here)."""
+        fn, timeout = "deaf_hang_on_first", 2.0
+        d = self.root / f"reward_{fn}"
+        graph = make_graph(self.root, fn, num_workers=2, timeout_s=timeout)
+        job = Job(d, [*self.base(f"graph.path={graph}"), "trainer.total_steps=2"])
+        rc = job.wait()
+        rows: dict[int, dict] = {}
+        if (d / "metrics.jsonl").is_file():
+            for line in (d / "metrics.jsonl").read_text().splitlines():
+                r = json.loads(line)
+                rows.setdefault(r["step"], {}).update(r)
+        got = {s: (rows.get(s, {}).get("reward/timeouts"), rows.get(s, {}).get("reward/unscorable"),
+                   rows.get(s, {}).get("time/reward", float("inf"))) for s in (1, 2)}
+        killed = job.output.count("(it ignores SIGALRM?); killing its worker process")
+        self.note("reward worker deaf to SIGALRM", job.output, "killing its worker process")
+        # the kill at timeout_s + 1 s plus up to two pool spawns (the step's first pool, and
+        # the fresh one for the call the kill took down): under the old backstop alone
+        backstop = timeout * 4 + 5
+        fast = all(t < backstop for _, _, t in got.values())
+        self.row(f"reward function blocks SIGALRM and hangs on one sample (timeout_s={timeout:g})",
+                 "its worker process is killed at timeout_s + 1 s (logged), run completes; per "
+                 "step: timeouts=1, unscorable=1, reward stage under the batch backstop "
+                 f"({timeout * 4 + 5:g} s, what it cost before)",
+                 f"exit {rc}; kills logged: {killed}; " + "; ".join(
+                     f"step {s}: timeouts={a}, unscorable={b}, reward stage {t:.1f} s"
+                     for s, (a, b, t) in got.items()),
+                 rc == 0 and killed == 2 and fast and
+                 all((a, b) == (1, 1) for a, b, _ in got.values()))
+
+    # ------------------------------------------------------------------ weight sync check
+    def broken_sync(self) -> None:
+        """A LoRA run whose rollout engine holds its own copy (FSDP2 at world size 1) with a
+        loader that takes every tensor and copies none (``benchmarks/_fault_sync.py``)."""
+        d = self.root / "broken_sync"
+        graph = make_graph(self.root, "length_reward")
+        import yaml
+
+        g = yaml.safe_load(graph.read_text())
+        next(s for s in g["stages"] if s["name"] == "reward")["params"]["path"] = \
+            "_fault_sync:length_reward"
+        graph = self.root / "graph_broken_sync.yaml"
+        graph.write_text(yaml.safe_dump(g, sort_keys=False))
+        job = Job(d, [*self.base(f"graph.path={graph}"), "trainer.total_steps=2",
+                      "+model.lora.rank=4", "trainer.engine.strategy=fsdp",
+                      "trainer.engine.lr=0.05", "rollout.backend=hf"])
+        rc = job.wait()
+        out = job.output
+        last = last_line(out)
+        self.note("weight sync that copies nothing", out, "flowrl train: stopped")
+        named = last.startswith("flowrl train: stopped: weight sync actor -> rollout "
+                                "(HFRolloutEngine) after step 1: the engine does not serve the "
+                                "weights it was sent: ") and "q_proj.weight (max |difference|" in last
+        self.row("a weight sync that reaches nothing (LoRA, the engine's loader copies nothing)",
+                 "exit 1 at step 1: one line naming the engine and the tensors, the resume "
+                 "command, no traceback",
+                 f"exit {rc}; names engine + tensors at step 1: {named}; resume command: "
+                 f"{'trainer.resume' in last or 'trainer.overwrite' in last}; traceback: "
+                 f"{'Traceback' in out}", rc == 1 and named and "Traceback" not in out)
 
     # ------------------------------------------------------------------ malformed inputs
     def malformed(self) -> None:
@@ -493,7 +572,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kills", type=int, default=3, help="random SIGKILLs per kind")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", default="kill,rank,disk,reward,malformed")
+    p.add_argument("--only", default="kill,rank,disk,reward,sync,malformed")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks/results/faults_cpu.md")
     p.add_argument("--keep", action="store_true", help="keep the run folders")
     args = p.parse_args()
@@ -523,6 +602,9 @@ def main() -> None:
                         {"errors": 0, "timeouts": 1, "nonfinite": 0, "unscorable": 1})
             b.reward_fn("garbage", "reward function returns \"0.5\", None, NaN, 1e39",
                         {"errors": 2, "timeouts": 0, "nonfinite": 2, "unscorable": 4})
+            b.deaf_reward()
+        if "sync" in only:
+            b.broken_sync()
         if "malformed" in only:
             b.refill_cap()
             b.malformed()

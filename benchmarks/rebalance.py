@@ -62,7 +62,8 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     from flowrl.config import LauncherConfig
-    info = fdist.init_distributed("cuda" if cuda else "cpu", timeout_s=LauncherConfig().collective_timeout_s)
+    info = fdist.init_distributed("cuda" if cuda else "cpu", timeout_s=LauncherConfig().collective_timeout_s,
+                                  heartbeat_timeout_s=LauncherConfig().heartbeat_timeout_s)
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     batch = rank_batch(info.rank, args)

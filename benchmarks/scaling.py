@@ -80,7 +80,8 @@ def run(args) -> dict:
         torch.cuda.reset_peak_memory_stats = torch.cuda.empty_cache = lambda *a: None
         torch.cuda.get_device_name = lambda *a: "cpu (smoke)"
     from flowrl.config import LauncherConfig
-    info = fdist.init_distributed("cpu" if smoke else "cuda", timeout_s=LauncherConfig().collective_timeout_s)
+    info = fdist.init_distributed("cpu" if smoke else "cuda", timeout_s=LauncherConfig().collective_timeout_s,
+                                  heartbeat_timeout_s=LauncherConfig().heartbeat_timeout_s)
     if info.world_size == 1 and not coll.is_initialized():
         raise SystemExit("run under torchrun (FSDP needs a process group), see the docstring")
     rank, world = info.rank, info.world_size

@@ -28,8 +28,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 @dataclass
 class LauncherConfig:
-    """How ``flowrl train`` starts its processes (all but ``collective_timeout_s`` are ignored
-    once running under torchrun) and how long its ranks wait for each other.
+    """How ``flowrl train`` starts its processes (all but the two timeouts are ignored once
+    running under torchrun) and how long its ranks wait for each other.
 
     Attributes:
         nproc: processes (GPUs) per node; > 1 (or nnodes > 1) re-executes under torchrun.
@@ -43,11 +43,17 @@ class LauncherConfig:
         collective_timeout_s: seconds a rank waits in a collective (the process group's
             timeout) before the job fails with an error. 600 (10 minutes): ranks legitimately
             wait for the slowest rank's generation and reward calls, rank 0's eval and
-            checkpoint writes, which take minutes at most; a frozen or hung rank then stops
-            the job within 10 minutes instead of torch's default 30 (a rank that stops
-            heartbeating is named in the log after min(60, timeout / 2) s,
-            ``runtime/distributed.PeerMonitor``). Raise it for a long rank-0-only phase, e.g. an
-            eval of the whole test split on the HF backend (``trainer.eval.limit=null``).
+            checkpoint writes, which take minutes at most; a rank hung inside a collective then
+            stops the job within 10 minutes instead of torch's default 30. Raise it for a long
+            rank-0-only phase, e.g. an eval of the whole test split on the HF backend
+            (``trainer.eval.limit=null``).
+        heartbeat_timeout_s: seconds a rank's heartbeat may stay silent before the job stops,
+            naming it (``runtime/distributed.PeerMonitor``: a thread of every rank beats every
+            few seconds whatever the rank does, so only a frozen (SIGSTOP), dead or
+            GIL-holding stuck process goes silent); the launcher kills that rank and prints the
+            resume command (``runtime/supervise.py``). 60: well above any pause of a live
+            process's threads, well below the collective timeout. Capped at half of
+            ``collective_timeout_s``.
     """
 
     nproc: int = 1
@@ -58,10 +64,13 @@ class LauncherConfig:
     max_restarts: int = 0
     node_rank: Optional[int] = None
     collective_timeout_s: float = 600.0
+    heartbeat_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.collective_timeout_s > 0:
             raise ValueError(f"launcher.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if not self.heartbeat_timeout_s > 0:
+            raise ValueError(f"launcher.heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
         if self.nproc < 1:
             raise ValueError(f"launcher.nproc must be >= 1, got {self.nproc}")
         if self.nnodes < 1:
@@ -95,12 +104,16 @@ class GraphConfig:
 class RolloutConfig:
     """backend: rollout engine, ``hf`` (transformers generate), ``vllm`` (its section ``vllm``;
     needs the vllm package) or ``auto`` (default: vLLM on CUDA when it is installed, else hf;
-    ``flowrl/machine.py``). ``sampling`` is shared by both."""
+    ``flowrl/machine.py``). ``sampling`` is shared by both. ``verify_sync``: after each weight
+    sync, read sampled values of every synced tensor back from the engine and stop the run,
+    naming the engine and the tensors, when they are not the trainer's
+    (``runtime/weight_check.py``; 64 values per tensor, microseconds)."""
 
     backend: str = "auto"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     hf: HFRolloutConfig = field(default_factory=HFRolloutConfig)
     vllm: VLLMRolloutConfig = field(default_factory=VLLMRolloutConfig)
+    verify_sync: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in ROLLOUT_BACKENDS and self.backend != "auto":

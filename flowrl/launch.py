@@ -1,4 +1,6 @@
-"""``flowrl train launcher.nproc=N …``: re-execute the job under ``torchrun`` (no home-made launcher).
+"""``flowrl train launcher.nproc=N …``: run the job under ``torchrun`` (no home-made launcher:
+torchrun's agent runs in this process, ``runtime/supervise.py``, so a failed job ends naming the
+rank that died or went silent and the resume command).
 
     flowrl train launcher.nproc=2 model=tiny trainer=smoke
       == torchrun --standalone --nproc_per_node=2 -m flowrl.train launcher.nproc=2 model=tiny trainer=smoke
@@ -13,7 +15,6 @@ all ranks into one folder). On Slurm: ``sbatch scripts/slurm.sbatch`` (one torch
 """
 from __future__ import annotations
 
-import os
 import sys
 
 from flowrl.config import LauncherConfig
@@ -35,10 +36,15 @@ def torchrun_argv(cfg: LauncherConfig, overrides: list[str]) -> list[str]:
 
 
 def exec_torchrun(cfg: LauncherConfig, overrides: list[str]) -> None:
-    """Replace this process with torchrun running ``overrides`` on ``cfg``'s processes (never
-    returns). ``flowrl.train.main`` calls it once the run is prepared (a bad config is one line
+    """Run torchrun's agent in this process on ``cfg``'s processes running ``overrides``, then
+    exit with its status (never returns; a failed group: the last line names the rank and the
+    resume command, ``runtime/supervise.py``). ``flowrl.train.main`` calls it once the run is
+    prepared (a bad config is one line
     from this process, exit status 2, not the same error from every rank plus torchrun's
     report); each rank then prepares the same run from the same overrides."""
+    from flowrl.runtime.supervise import supervise
+
     argv = torchrun_argv(cfg, overrides)
     sys.stdout.flush()
-    os.execv(argv[0], argv)
+    # torchrun's agent in this process: a failed job ends naming the rank and the resume command
+    sys.exit(supervise(argv[3:], overrides))

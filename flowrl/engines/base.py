@@ -6,7 +6,16 @@ Shapes: B = sequences in the batch, P = prompt width (left-padded), R = response
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Protocol,
+    runtime_checkable,
+)
 
 if TYPE_CHECKING:  # the configs here are read before torch loads (flowrl/config.py)
     import torch
@@ -123,6 +132,18 @@ class RolloutEngine(Engine, Protocol):
             KeyError: a name the model does not have. ValueError: a shape mismatch or an
                 incomplete set where the engine needs all of them.
         """
+        ...
+
+
+@runtime_checkable
+class WeightReadback(Protocol):
+    """An engine that can read back what it holds (``runtime/weight_check.py``: after each
+    weight sync, the run checks that the weights really arrived)."""
+
+    def weight_samples(self, index: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """For each name in ``index`` that this engine holds as one tensor under that (HF) name:
+        its values at the flat positions ``index[name]`` (1-D int64, CPU), in the engine's own
+        dtype, on CPU. Names it does not hold so (vLLM's fused ``qkv_proj``) are left out."""
         ...
 
 

@@ -20,7 +20,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,8 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def init_distributed(device: str = "auto", *, timeout_s: float) -> DistInfo:
+def init_distributed(device: str = "auto", *, timeout_s: float,
+                     heartbeat_timeout_s: float) -> DistInfo:
     """Create the default process group from torchrun's environment (idempotent).
 
     Backend: ``cpu:gloo,cuda:nccl`` when CUDA is used (NCCL for FSDP, gloo for CPU-side objects
@@ -50,8 +51,10 @@ def init_distributed(device: str = "auto", *, timeout_s: float) -> DistInfo:
     Args:
         device: ``cpu`` | ``cuda`` | ``auto`` (cuda when available), as ``trainer.device``.
         timeout_s: collective timeout in seconds (``launcher.collective_timeout_s``: its default
-            lives in :class:`flowrl.config.LauncherConfig`). A :class:`PeerMonitor` is
-            started too: it names a rank whose heartbeat stops (frozen, dead) long before that.
+            lives in :class:`flowrl.config.LauncherConfig`, as every launcher default). A
+            :class:`PeerMonitor` is started too: it stops the job, naming the rank, once a
+            rank's heartbeat has been silent for ``heartbeat_timeout_s``
+            (``launcher.heartbeat_timeout_s``), long before a collective would time out.
 
     Returns:
         :class:`DistInfo` of the world (``rank 0 / world 1 / group None`` when not under torchrun).
@@ -76,7 +79,7 @@ def init_distributed(device: str = "auto", *, timeout_s: float) -> DistInfo:
     log.info("process group: rank %d/%d backend=%s collective timeout %.0f s", info.rank,
              info.world_size, backend, timeout_s)
     if info.world_size > 1:
-        PeerMonitor.start_from_env(info.rank, info.world_size, timeout_s)
+        PeerMonitor.start_from_env(info.rank, info.world_size, timeout_s, heartbeat_timeout_s)
     return info
 
 
@@ -104,6 +107,7 @@ def teardown() -> None:
 
 
 _STEP = [0]  # the step this rank is in (read by the peer monitor's thread)
+DONE = "done"  # a finished rank's last heartbeat
 
 
 def mark_step(step: int) -> None:
@@ -114,29 +118,39 @@ def mark_step(step: int) -> None:
 
 
 class PeerMonitor:
-    """Heartbeats of every rank through torchrun's key-value store, and the names of the ranks
-    whose heartbeat stopped.
+    """Heartbeats of every rank through torchrun's key-value store; a rank whose heartbeat
+    stopped stops the job.
 
     A daemon thread per rank writes ``<rank> -> "<count> <step> <host> <pid>"`` every
     ``interval_s`` (and at each new step) and reads the others'. A rank whose value has not
     changed for ``stale_s`` (frozen by SIGSTOP, dead, or stuck in C code that holds the GIL) is
-    logged once as an error, before the collective timeout ends the job (on NCCL the watchdog
-    then aborts the process, so this line is the one that names the rank), and named by
-    :func:`peer_report` in the crash message. A slow rank that still runs Python (a long generation) keeps beating and is
-    never reported. Intervals follow the collective timeout T: a beat every min(5, T/10) s,
-    stale after min(60, T/2) s.
+    logged as an error, reported to the launcher (``runtime/supervisor_dir.py``, which kills it when
+    it is its worker) and this rank then stops at once (:attr:`on_silent`: the crash line with
+    the resume command, exit status 1) instead of waiting in a collective until its timeout. A
+    slow rank that still runs Python (a long generation) keeps beating and is never reported;
+    a rank that finished (:meth:`stop`) writes ``done`` and is never reported either. Stale
+    after S = min(heartbeat_timeout_s, T/2) s (T: the collective timeout), a beat every
+    min(5, S/5) s.
 
     Args:
         store: a ``torch.distributed.Store`` every rank reaches (a TCPStore client).
         rank, world_size: of the default group.
         timeout_s: the collective timeout T.
+        heartbeat_timeout_s: ``launcher.heartbeat_timeout_s`` (its default: in
+            :class:`flowrl.config.LauncherConfig`).
     """
 
     current: "Optional[PeerMonitor]" = None
+    # called once (in the monitor's thread) with the clause naming the silent ranks; must not
+    # return (``runtime/recovery.stop_on_silent_peer``); None: print that clause and exit 1
+    on_silent: "Optional[Callable[[str], None]]" = None
 
-    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
+                 heartbeat_timeout_s: float) -> None:
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
-        self.interval_s, self.stale_s = min(5.0, timeout_s / 10), min(60.0, timeout_s / 2)
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.stale_s = min(heartbeat_timeout_s, timeout_s / 2)
+        self.interval_s = min(5.0, self.stale_s / 5)
         self._count, self._last_check = 0, time.monotonic()
         self._seen: dict[int, tuple[str, float]] = {}  # rank -> (last value, when it changed)
         self.stale: dict[int, tuple[str, float]] = {}  # rank -> (where, silent since)
@@ -144,7 +158,8 @@ class PeerMonitor:
         self._thread = threading.Thread(target=self._run, name="flowrl-peer-monitor", daemon=True)
 
     @classmethod
-    def start_from_env(cls, rank: int, world_size: int, timeout_s: float) -> "Optional[PeerMonitor]":
+    def start_from_env(cls, rank: int, world_size: int, timeout_s: float,
+                       heartbeat_timeout_s: float) -> "Optional[PeerMonitor]":
         """Connect to torchrun's store (``MASTER_ADDR``/``MASTER_PORT``) and start; None (and a
         debug line) when it cannot be reached: monitoring is a diagnostic, never a failure."""
         try:
@@ -153,7 +168,8 @@ class PeerMonitor:
                                    timeout=datetime.timedelta(seconds=max(10.0, timeout_s / 10)))
             run = (f"flowrl/heartbeat/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
                    f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
-            mon = cls(dist.PrefixStore(run, client), rank, world_size, timeout_s)
+            mon = cls(dist.PrefixStore(run, client), rank, world_size, timeout_s,
+                      heartbeat_timeout_s)
         except Exception as e:  # no store to reach: run without the monitor
             log.debug("peer monitor not started: %r", e)
             return None
@@ -167,8 +183,13 @@ class PeerMonitor:
         return self
 
     def stop(self) -> None:
+        """Stop beating and say so: a rank that finished is not a silent one."""
         self._stop.set()
         self._wake.set()
+        try:
+            self.store.set(str(self.rank), DONE)
+        except Exception as e:  # the store went away (the job is ending)
+            log.debug("peer monitor: could not write done: %r", e)
         if PeerMonitor.current is self:
             PeerMonitor.current = None
 
@@ -189,6 +210,10 @@ class PeerMonitor:
             key = str(r)
             value = self.store.get(key).decode() if self.store.check([key]) else ""
             last = self._seen.get(r)
+            if value == DONE:  # it finished: never silent
+                self._seen[r] = (value, now)
+                self.stale.pop(r, None)
+                continue
             if last is None or last[0] != value:
                 self._seen[r] = (value, now)
                 self.stale.pop(r, None)
@@ -200,7 +225,25 @@ class PeerMonitor:
                          if len(parts) == 4 else " (never sent one)")
                 self.stale[r] = (f"rank {r}{where}", last[1])
                 new[r] = self.describe(r, now)
+                from flowrl.runtime.supervisor_dir import report_silent
+
+                report_silent(r, self.last_beats().get(r, {}), quiet, self.stale_s)
         return new
+
+    def last_beats(self) -> dict[int, dict[str, Any]]:
+        """The last heartbeat seen of each peer: rank -> ``host``, ``pid``, ``step``."""
+        out: dict[int, dict[str, Any]] = {}
+        for r, (value, _) in self._seen.items():
+            parts = value.split()
+            if len(parts) == 4:
+                out[r] = {"host": parts[2], "pid": int(parts[3]), "step": int(parts[1])}
+        return out
+
+    def report(self) -> str:
+        """The silent ranks as one clause ("" when none)."""
+        if not self.stale:
+            return ""
+        return "; ".join(self.describe(r) for r in sorted(self.stale)) + " (frozen, dead or stuck)"
 
     def describe(self, r: int, now: Optional[float] = None) -> str:
         where, since = self.stale[r]
@@ -211,23 +254,32 @@ class PeerMonitor:
         while not self._stop.is_set():
             try:
                 self.beat()
-                for text in self.check().values():
-                    log.error("%s: frozen (SIGSTOP), dead, or stuck outside Python; the job stops "
-                              "at the collective timeout (launcher.collective_timeout_s=%.0f s)",
-                              text, self.timeout_s)
+                new = self.check()
             except Exception as e:  # the store went away (the job is ending): stop quietly
                 log.debug("peer monitor stopped: %r", e)
+                return
+            for text in new.values():
+                log.error("%s: frozen (SIGSTOP), dead, or stuck outside Python; stopping the job "
+                          "(launcher.heartbeat_timeout_s=%g)", text, self.heartbeat_timeout_s)
+            if new and not self._stop.is_set():
+                (PeerMonitor.on_silent or _exit_silent)(
+                    f"{self.report()}; launcher.heartbeat_timeout_s={self.heartbeat_timeout_s:g}")
                 return
             self._wake.wait(self.interval_s)  # or sooner: a new step (mark_step) or stop
             self._wake.clear()
 
 
+def _exit_silent(what: str) -> None:  # pragma: no cover - ends the process
+    import sys
+
+    print(f"\nflowrl train: stopped: {what}.", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 def peer_report() -> str:
     """The ranks whose heartbeat stopped, as one clause ("" when none or no monitor)."""
     mon = PeerMonitor.current
-    if mon is None or not mon.stale:
-        return ""
-    return "; ".join(mon.describe(r) for r in sorted(mon.stale)) + " (frozen, dead or stuck)"
+    return "" if mon is None else mon.report()
 
 
 def dist_info() -> DistInfo:

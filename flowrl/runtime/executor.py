@@ -106,7 +106,7 @@ class Executor:
     def __init__(self, plan: ExecutionPlan, engines: "Engines",
                  resources: Mapping[str, Any], *, seed: int = 0, dist: DistInfo | None = None,
                  sends: list[str] | tuple[str, ...] = (), device: torch.device | None = None,
-                 swap: bool = True):
+                 swap: bool = True, verify_sync: bool = False):
         missing = [r for r in plan.roles if r not in engines]
         if missing:
             raise KeyError(f"plan needs engines for roles {missing}; have {sorted(engines.by_role())}")
@@ -121,6 +121,7 @@ class Executor:
         # the pseudo-stage SEND releases what was handed to the other pool
         self.device = device or home_device(self.engines.by_role())
         self.swap = swap
+        self.verify_sync = verify_sync  # rollout.verify_sync: runtime/weight_check.py
         self.store = TensorStore({**plan.release_after, SEND: self.sends}, device=self.device)
         self._cfg = {c.stage.name: c.config for c in plan.stages}
         self._resident: set[str] = set(plan.resident_at_end)
@@ -181,20 +182,40 @@ class Executor:
             self._offload(r, keep_weights=ROLES[role].weights_from == r)
         self._onload(role)
 
-    def _sync(self, src_role: str, dst_role: str) -> dict[str, float]:
+    def _sync(self, src_role: str, dst_role: str, step: int = 0) -> dict[str, float]:
         """Load ``src_role``'s weights into ``dst_role``'s engine; returns its metrics: the bytes
         gathered (``perf/weight_sync_bytes``; an FSDP or LoRA source records them, else 0) and
         the parts of the load its engines timed (``perf/weight_sync/<part>``: e.g. the source's
-        ``gather_s``, vLLM engine processes' ``engine_load_weights_s`` and ``ipc_collect_s``)."""
+        ``gather_s``, vLLM engine processes' ``engine_load_weights_s`` and ``ipc_collect_s``).
+        ``verify_sync``: the engine's weights are read back and checked
+        (``runtime/weight_check.py``; ``perf/weight_sync/verify_s``, and
+        ``perf/weight_sync_checked``: the tensors compared).
+
+        Raises:
+            WeightSyncError: the engine does not serve what it was sent, naming the tensors."""
         src = self.engines.weight_source(src_role)
         sink = self.engines.weight_sink(dst_role)
-        sink.load_weights(src.named_weights())
+        if not self.verify_sync:
+            sink.load_weights(src.named_weights())
+        else:
+            from flowrl.runtime.weight_check import SyncProbe, check_sync
+
+            probe = SyncProbe(src.named_weights())
+            sink.load_weights(probe)
         # the sink's last call is this load; the source's other timings are of earlier calls
         parts = {k: v for k, v in sink.last_timings.items() if k.endswith("_s")}
+        if self.verify_sync:
+            t0 = time.perf_counter()
+            checked = check_sync(sink, probe, f"{src_role} -> {dst_role} "
+                                 f"({type(sink).__name__}) after step {step}", shared=sink.shared)
+            parts["verify_s"] = time.perf_counter() - t0
         if "gather_s" in src.last_timings:
             parts["gather_s"] = src.last_timings["gather_s"]
-        return {"perf/weight_sync_bytes": float(src.last_timings.get("gather_bytes", 0.0)),
-                **{f"perf/weight_sync/{k}": float(v) for k, v in parts.items()}}
+        out = {"perf/weight_sync_bytes": float(src.last_timings.get("gather_bytes", 0.0)),
+               **{f"perf/weight_sync/{k}": float(v) for k, v in parts.items()}}
+        if self.verify_sync:  # tensors whose values were read back and matched
+            out["perf/weight_sync_checked"] = checked["tensors_checked"]
+        return out
 
     # ---- one step ------------------------------------------------------------------------------
     def run_step(self, step: int, received: Mapping[str, Any] | None = None,
@@ -230,7 +251,7 @@ class Executor:
                 src = self.plan.graph[a.stage_name]
                 if src.role is None:  # graph validation refuses a sync from a role-less stage
                     raise ValueError(f"weight sync from role-less stage {src.name!r}")
-                metrics.update(self._sync(src.role, a.role_name))
+                metrics.update(self._sync(src.role, a.role_name, step))
                 sync_s += time.perf_counter() - t0
             elif (stage := a.stage_name) in self.plan.refill:
                 metrics.update(run_refill(self, self.plan.refill[stage], step))

@@ -202,7 +202,8 @@ def run_job(spec: "RunSpec") -> dict[str, Any]:
     from flowrl.runtime import rundir
 
     cfg, plan = spec.config, spec.plan
-    dinfo = fdist.init_distributed(cfg.trainer.device, timeout_s=cfg.launcher.collective_timeout_s)
+    dinfo = fdist.init_distributed(cfg.trainer.device, timeout_s=cfg.launcher.collective_timeout_s,
+                                   heartbeat_timeout_s=cfg.launcher.heartbeat_timeout_s)
     if dinfo.world_size == 1 and cfg.trainer.engine.strategy == "fsdp" and \
             {"actor", "critic"} & set(plan.roles):
         dinfo = fdist.init_single_process(cfg.trainer.device)  # FSDP2 needs a (1-rank) group
@@ -216,6 +217,12 @@ def run_job(spec: "RunSpec") -> dict[str, Any]:
     # ranks' Hydra run dirs can differ by a timestamp second: all use rank 0's (DCP needs one dir)
     out_dir = Path(fdist.broadcast_object(cfg.trainer.output_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
+    if dinfo.world_size > 1:  # a silent peer stops this rank with the resume command
+        from flowrl.runtime import recovery, supervisor_dir
+
+        recovery.stop_on_silent_peer(out_dir)
+        if rank0:
+            supervisor_dir.announce_run_dir(out_dir)
     lock = rundir.claim_run_dir(out_dir, cfg.trainer, rank0=rank0)  # one run per directory
     try:
         if cfg.placement.mode is Mode.AUTO and dinfo.world_size > 1:
@@ -366,7 +373,7 @@ class _Job:
         executor = self.executor = Executor(
             place.plan, self.engines, resources.for_ops(),
             seed=cfg.trainer.seed + 1_000_003 * place.dist.rank, dist=place.dist,
-            sends=place.sends, swap=swap)
+            sends=place.sends, swap=swap, verify_sync=cfg.rollout.verify_sync)
 
         # ---- resume
         start, earlier = 1, dict[str, Any]()

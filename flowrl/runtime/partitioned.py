@@ -219,7 +219,16 @@ class RolloutPool:
             raise RuntimeError(f"rollout pool rank {self.ctx.rank}: received weight version "
                                f"{version} after {self.version}")
         for role in self.sync_roles:
-            self.executor.engines.weight_sink(role).load_weights(named)
+            sink = self.executor.engines.weight_sink(role)
+            if not self.executor.verify_sync:
+                sink.load_weights(named)
+                continue
+            from flowrl.runtime.weight_check import SyncProbe, check_sync
+
+            probe = SyncProbe(named)
+            sink.load_weights(probe)
+            check_sync(sink, probe, f"broadcast version {version} -> {role} "
+                       f"({type(sink).__name__})", shared=sink.shared)
         self.version = version
         return time.perf_counter() - t0
 

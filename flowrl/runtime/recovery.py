@@ -84,15 +84,70 @@ def disk_full(e: BaseException) -> Optional[str]:
     return None
 
 
+# how a collective reports a peer that went away (gloo's TCP pair; NCCL's watchdog / abort)
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Connection refused",
+              "Broken pipe", "remote process exited", "NCCL communicator was aborted")
+
+
+def peer_lost(e: BaseException) -> Optional[str]:
+    """A clause for a collective that failed because another rank went away (the launcher's
+    last line names which: ``runtime/supervise.py``), else None. The backend's text
+    ("[../gloo/transport/tcp/pair.cc:534] Connection reset by peer [127.0.0.1]:41234") and a
+    traceback into the collective name no rank and no cause."""
+    if not isinstance(e, RuntimeError):  # DistBackendError, DistNetworkError are RuntimeErrors
+        return None
+    text = str(e)
+    hit = next((m for m in _PEER_LOST if m in text), None)
+    if hit is None:
+        return None
+    backend = "gloo" if "gloo" in text else "NCCL" if "NCCL" in text else "the process group"
+    return f"lost the connection to another rank ({backend}: {hit}): it died or was stopped"
+
+
+def stop_on_silent_peer(out_dir: str | Path) -> None:
+    """When the peer monitor finds a rank silent (``launcher.heartbeat_timeout_s``), print the
+    crash line with the resume command and end this process at once (exit status 1): its main
+    thread may be blocked in a collective that would wait for ``collective_timeout_s``."""
+    from flowrl.runtime.distributed import PeerMonitor
+
+    def stop(what: str) -> None:  # pragma: no cover - ends the process (the launcher's tests)
+        import os
+
+        print(f"\nflowrl train: stopped: {what}. {resume_hint(out_dir)}", file=sys.stderr,
+              flush=True)
+        os._exit(1)
+
+    PeerMonitor.on_silent = stop
+
+
 def report_crash(e: BaseException, out_dir: str | Path) -> int:
     """Print why the run stopped and how to continue it (stderr); returns the exit status
     (130 Ctrl-C, 143 SIGTERM, 1 anything else). A :class:`RunStopped` is one line (its
     message names what to change), anything else adds the traceback. SystemExit is re-raised
-    unchanged."""
-    from flowrl.runtime.distributed import peer_report
+    unchanged. Also hands the launcher the last heartbeat seen of each peer
+    (``runtime/supervise.report_peers``)."""
+    import threading
 
     if isinstance(e, SystemExit):
         raise e
+
+    if threading.current_thread() is not threading.main_thread():
+        return _report_crash(e, out_dir)
+    # torchrun SIGTERMs the survivors of a dead rank: let this report finish (its SIGKILL
+    # follows after 30 s) instead of a second traceback from inside it
+    old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        return _report_crash(e, out_dir)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _report_crash(e: BaseException, out_dir: str | Path) -> int:
+    from flowrl.runtime.distributed import PeerMonitor, peer_report
+    from flowrl.runtime.supervisor_dir import report_peers
+
+    if PeerMonitor.current is not None:  # for the launcher's line naming a dead peer
+        report_peers(PeerMonitor.current.last_beats())
     if isinstance(e, KeyboardInterrupt):
         what, code = "interrupted", 130
     elif isinstance(e, Terminated):
@@ -101,6 +156,8 @@ def report_crash(e: BaseException, out_dir: str | Path) -> int:
         what, code = f"stopped: {' '.join(str(e).split()).rstrip('.')}", 1
     elif disk_full(e) is not None:  # the file system, not flowrl: no traceback either
         what, code = f"stopped: {disk_full(e)}", 1
+    elif peer_lost(e) is not None:  # another rank's end, not this one's error: no traceback
+        what, code = f"stopped: {peer_lost(e)}", 1
     else:
         traceback.print_exception(e)
         first = (str(e).strip().splitlines() or [""])[0][:500].rstrip(".")

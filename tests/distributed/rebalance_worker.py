@@ -78,7 +78,8 @@ def main(out_dir: Path) -> None:
     from flowrl.config import LauncherConfig
     from flowrl.runtime import distributed as fdist
 
-    info = fdist.init_distributed("cpu", timeout_s=LauncherConfig().collective_timeout_s)
+    info = fdist.init_distributed("cpu", timeout_s=LauncherConfig().collective_timeout_s,
+                                  heartbeat_timeout_s=LauncherConfig().heartbeat_timeout_s)
     batch = rank_batch(info.rank)
     res = {"batch": batch, "on": run(True, batch, info), "off": run(False, batch, info)}
     torch.save(res, out_dir / f"rank{info.rank}.pt")

@@ -13,7 +13,8 @@ from flowrl.runtime import distributed as fdist
 def test_world_size_1_is_the_plain_path(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    info = fdist.init_distributed("cpu", timeout_s=LauncherConfig().collective_timeout_s)
+    info = fdist.init_distributed("cpu", timeout_s=LauncherConfig().collective_timeout_s,
+                                  heartbeat_timeout_s=LauncherConfig().heartbeat_timeout_s)
     assert (info.rank, info.world_size, info.group) == (0, 1, None)
     assert not coll.is_initialized()
     assert coll.all_reduce_sum(2.5) == 2.5

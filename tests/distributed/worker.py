@@ -72,7 +72,8 @@ def main(out: Path) -> None:
     from flowrl.runtime import distributed as fdist
     from flowrl.runtime.checkpoint import CheckpointManager
 
-    info = fdist.init_distributed("cpu", timeout_s=LauncherConfig().collective_timeout_s)
+    info = fdist.init_distributed("cpu", timeout_s=LauncherConfig().collective_timeout_s,
+                                  heartbeat_timeout_s=LauncherConfig().heartbeat_timeout_s)
     r, w = info.rank, info.world_size
     res: dict = {}
     # token budget 12: balanced bins differ from the reference's fixed micro-batches of 2 rows

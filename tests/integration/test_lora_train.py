@@ -58,13 +58,14 @@ def test_fsdp_rollout_copy_gets_every_update(tmp_path, varied_reward, one_rank_g
                                              monkeypatch, stale):
     """FSDP2 (world size 1): the HF rollout engine holds its own base copy and receives the
     merged weights after each update. ``stale``: the sync delivers nothing (the bug other
-    frameworks' users report): the rollout keeps sampling the old policy and the mismatch shows."""
+    frameworks' users report) and ``rollout.verify_sync=false``: the rollout keeps sampling the
+    old policy and only the mismatch shows (what ``verify_sync``, the default, stops: below)."""
     if stale:
         from flowrl.models import lora
 
         monkeypatch.setattr(lora, "merged_weights", lambda model, adapter="default", full=False: iter(()))
     train(compose(BASE + [f"trainer.output_dir={tmp_path}", "trainer.engine.strategy=fsdp",
-                          "trainer.engine.lr=0.05"]))
+                          "trainer.engine.lr=0.05", f"rollout.verify_sync={not stale}"]))
     m = read_metrics(tmp_path)
     assert m[1]["actor/grad_norm"] > 0
     assert m[1]["rollout/logprob_mismatch"] < 1e-5  # step 1: both are the base model
@@ -75,6 +76,50 @@ def test_fsdp_rollout_copy_gets_every_update(tmp_path, varied_reward, one_rank_g
         assert m[2]["perf/weight_sync_bytes"] == SYNC_BYTES
         assert m[2]["rollout/logprob_mismatch"] < 1e-5
         assert m[2]["actor/kl_loss"] > 0  # the reference (adapters off) differs from the actor
+        assert m[2]["perf/weight_sync/verify_s"] > 0
+
+
+def _noop_load(self, named_tensors):
+    for _ in named_tensors:  # takes every tensor, copies none (a load into a stale engine)
+        pass
+
+
+def _first_half_load(self, named_tensors):
+    for i, _ in enumerate(named_tensors):  # stops early (a loader that misses names)
+        if i == 6:
+            return
+
+
+@pytest.mark.parametrize("broken, message", [
+    ("merged nothing", "weight sync actor -> rollout (HFRolloutEngine) after step 1: the engine holds its own "
+     "copy of the weights but the sync delivered no tensor (a LoRA source that merged no "
+     "adapter"),
+    ("no-op load", "weight sync actor -> rollout (HFRolloutEngine) after step 1: the engine does not serve "
+     "the weights it was sent: 14 of 14 checked tensors differ, e.g. "
+     "model.layers.0.self_attn.q_proj.weight (max |difference|"),
+    ("partial load", "weight sync actor -> rollout (HFRolloutEngine) after step 1: the engine's load_weights "
+     "took 7 of the 14 tensors sent (not e.g. model.layers.1.self_attn.q_proj.weight, "
+     "model.layers.1.self_attn.k_proj.weight, model.layers.1.self_attn.v_proj.weight): it "
+     "serves stale weights"),
+])
+def test_a_broken_lora_sync_stops_the_run_at_step_one(tmp_path, varied_reward, one_rank_group,
+                                                      monkeypatch, broken, message):
+    """``rollout.verify_sync`` (default on): a sync that did not reach the engine stops the run
+    at the first sync (after step 1's update), naming the engine and the tensors."""
+    from flowrl.engines.rollout.hf import HFRolloutEngine
+    from flowrl.models import lora
+    from flowrl.runtime.weight_check import WeightSyncError
+
+    if broken == "merged nothing":
+        monkeypatch.setattr(lora, "merged_weights", lambda model, adapter="default", full=False: iter(()))
+    else:
+        monkeypatch.setattr(HFRolloutEngine, "load_weights",
+                            _noop_load if broken == "no-op load" else _first_half_load)
+    with pytest.raises(WeightSyncError) as e:
+        train(compose(BASE + [f"trainer.output_dir={tmp_path}", "trainer.engine.strategy=fsdp",
+                              "trainer.engine.lr=0.05", "trainer.total_steps=3"]))
+    assert message in str(e.value)
+    assert read_metrics(tmp_path) == {}  # stopped inside step 1, before its metrics
 
 
 def test_resume_continues_exactly_and_export_round_trips(tmp_path, varied_reward):

@@ -16,6 +16,7 @@ from flowrl.ops.context import StageContext
 from flowrl.ops.registry import get_op
 from flowrl.rewards.function import (
     ERROR,
+    KILL_GRACE_S,
     NONFINITE,
     OK,
     TIMEOUT,
@@ -138,6 +139,28 @@ def test_pool_worker_deaf_to_the_alarm_is_killed():
         assert [o.status for o in again] == [OK, OK]
     finally:
         runner.close()
+
+
+
+def test_a_call_that_blocks_the_alarm_is_killed_at_its_timeout(caplog):
+    """The worker of a call deaf to SIGALRM is killed ``timeout_s + KILL_GRACE_S`` after the
+    call started, not at the batch's backstop (3 * 4 + 5 = 17 s here, what this cost before):
+    that sample is a timeout, the sample the other worker was scoring when the pool broke is
+    scored again, and every other one is scored once."""
+    runner = RewardFunctionRunner(f"{MOD}:hangs_deaf", num_workers=2, timeout_s=3.0)
+    texts = ["hang"] + [f"fine {i}" for i in range(7)]
+    try:
+        runner.score(["warm"], [{}], [{}])  # spawn the pool before the clock runs
+        t0 = time.perf_counter()
+        with caplog.at_level(logging.WARNING, logger="flowrl.rewards.function"):
+            out = runner.score(texts, [{}] * 8, [{"index": i} for i in range(8)])
+        took = time.perf_counter() - t0
+    finally:
+        runner.close()
+    assert [o.status for o in out] == [TIMEOUT] + [OK] * 7
+    assert [o.components for o in out[1:]] == [{"reward": 1.0}] * 7
+    assert 3.0 + KILL_GRACE_S <= took < 12.0  # a fresh pool's spawn included
+    assert "after its timeout_s=3 (it ignores SIGALRM?); killing its worker process" in caplog.text
 
 
 EXITS_ON_THREE = """

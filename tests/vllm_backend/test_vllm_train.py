@@ -44,12 +44,36 @@ def test_two_step_run_reports_mismatch_and_swap_times(tmp_path):
 
 
 def test_skipped_weight_load_shows_in_the_mismatch_metric(tmp_path, monkeypatch):
+    """With the sync check off (``rollout.verify_sync=false``) only the metric shows it."""
     monkeypatch.setattr(VLLMRolloutEngine, "load_weights", lambda self, named: None)
     train(compose(ARGS + [f"trainer.output_dir={tmp_path}", "trainer.eval.before=false",
-                          "trainer.eval.after=false"]))
+                          "trainer.eval.after=false", "rollout.verify_sync=false"]))
     rows = metrics(tmp_path)
     assert rows[1]["rollout/logprob_mismatch"] < TOL  # nothing to load yet
     assert rows[2]["rollout/logprob_mismatch"] > 100 * TOL  # stale policy sampled step 2
+
+
+def test_a_load_that_copies_nothing_stops_the_run_at_step_one(tmp_path, monkeypatch):
+    """``rollout.verify_sync`` (default on): the weights read back from vLLM (the embeddings and
+    norms vLLM-CPU keeps in HF layout) are not the trainer's: stopped at the first sync."""
+    from flowrl.runtime.weight_check import WeightSyncError
+
+    # the check itself on a real load: the values read back match (no false alarm)
+    train(compose(ARGS + [f"trainer.output_dir={tmp_path / 'real'}", "trainer.eval.before=false",
+                          "trainer.eval.after=false", "trainer.total_steps=1"]))
+    assert metrics(tmp_path / "real")[1]["perf/weight_sync_checked"] >= 3  # embeddings, norms
+
+    def takes_all_loads_nothing(self, named):
+        for _ in named:
+            pass
+    monkeypatch.setattr(VLLMRolloutEngine, "load_weights", takes_all_loads_nothing)
+    with pytest.raises(WeightSyncError) as e:
+        train(compose(ARGS + [f"trainer.output_dir={tmp_path / 'broken'}",
+                              "trainer.eval.before=false", "trainer.eval.after=false"]))
+    assert str(e.value).startswith("weight sync actor -> rollout (VLLMRolloutEngine) after "
+                                   "step 1: the engine does not serve the weights it was sent: ")
+    assert "model.embed_tokens.weight (max |difference|" in str(e.value)
+    assert metrics(tmp_path / "broken") == {}
 
 
 def test_two_ranks_fsdp_gather_into_vllm(tmp_path):

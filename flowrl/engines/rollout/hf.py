@@ -298,6 +298,15 @@ class HFRolloutEngine:
         self.last_load_counts = {"copied": copied, "shared": shared}
         self.last_timings = {"load_weights_s": time.perf_counter() - t0}
 
+    @torch.no_grad()
+    def weight_samples(self, index: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``engines.base.WeightReadback``: the values at ``index[name]`` of each named
+        parameter or buffer (its dtype, on CPU)."""
+        own: dict[str, Tensor] = dict(self.model.named_parameters())
+        own.update(self.model.named_buffers())
+        return {name: own[name].reshape(-1)[idx.to(own[name].device)].cpu()
+                for name, idx in index.items() if name in own}
+
     def offload(self, keep_weights: bool = False) -> None:
         """Give device memory back: move a non-shared module to CPU and empty the CUDA cache.
 

@@ -540,6 +540,22 @@ class VLLMRolloutEngine:
         self._asleep = 0
         self.last_timings = {"wake_s": time.perf_counter() - t0}
 
+    @torch.no_grad()
+    def weight_samples(self, index: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``engines.base.WeightReadback``: the values at ``index[name]`` of each vLLM
+        parameter that keeps the HF name and its layout (embeddings, norms, unfused linears
+        such as ``o_proj`` / ``down_proj``; a padded vocabulary adds rows at the end only, which
+        the positions of the HF tensor never reach). Fused parameters (``qkv_proj``) and the
+        GEMM weights vLLM-CPU repacks and empties are left out."""
+        own = dict(self.model.named_parameters())
+        out: dict[str, Tensor] = {}
+        for name, idx in index.items():
+            p = own.get(name)
+            if p is None or idx.numel() == 0 or p.numel() <= int(idx.max()):
+                continue
+            out[name] = p.detach().reshape(-1)[idx.to(p.device)].cpu()
+        return out
+
     def offload(self, keep_weights: bool = False) -> None:
         """The colocated swap point: :meth:`sleep` at ``cfg.sleep_level`` (vLLM holds its own
         weights, so ``keep_weights`` changes nothing)."""

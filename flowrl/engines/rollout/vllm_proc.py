@@ -160,6 +160,8 @@ def _serve(conn, exported: PolicyExport, cfg: VLLMRolloutConfig, env: dict[str, 
                 # released nothing the parent's ipc_collect could then free
                 # (benchmarks/results/weight_sync_h200.md)
                 reply = engine.last_load_counts
+            elif op == "samples":
+                reply = engine.weight_samples(msg[1])
             elif op == "sleep":
                 engine.sleep(msg[1])
                 reply = None
@@ -313,6 +315,19 @@ class VLLMProcessEngine:
         replies = self._collect()
         self.last_timings = _slowest(t for _, t in replies)
         return replies
+
+    def weight_samples(self, index: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``engines.base.WeightReadback`` over every engine process: per name, the values of
+        the first engine whose values differ from engine 0's (else engine 0's), so one stale
+        engine is enough to fail the check. Keeps ``last_timings`` (the load's)."""
+        timings = self.last_timings
+        replies = [r for r, _ in self._all("samples", dict(index))]
+        self.last_timings = timings
+        out: dict[str, Tensor] = {}
+        for name, first in replies[0].items():
+            others = [r[name] for r in replies[1:] if name in r]
+            out[name] = next((v for v in others if not torch.equal(v, first)), first)
+        return out
 
     # ------------------------------------------------------------------ RolloutEngine
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingConfig,
