@@ -161,6 +161,13 @@ def test_the_export_of_a_vlm_writes_its_image_processor_and_every_weight(vl, tmp
         "visual",
         "language_model",
     } and "lm_head.weight" in ex.weight_names
+    # a config-built model has no `architectures`; without one vLLM takes Qwen2VLModel, which
+    # "is not a generative model" (the GPU tier): the export names the generating class
+    import json
+
+    assert model.config.architectures is None  # the model's own config is left alone
+    arch = json.loads((tmp_path / "m" / "config.json").read_text())["architectures"]
+    assert arch == ["Qwen2VLForConditionalGeneration"]
 
 
 class _Out:

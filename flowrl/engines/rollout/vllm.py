@@ -16,6 +16,8 @@ cache, and after a level-2 sleep ``generate`` refuses to run until weights were 
 """
 from __future__ import annotations
 
+import copy
+
 import gc
 import itertools
 import logging
@@ -101,7 +103,12 @@ def export_hf_dir(model: nn.Module, tokenizer, path: Path) -> list[str]:
     save_file(tensors, str(path / "model.safetensors"))
     # nn.Module's __getattr__ types every attribute Tensor | Module; a transformers model's
     # `config` is its PretrainedConfig
-    cast("PretrainedConfig", model.config).save_pretrained(str(path))
+    config = copy.deepcopy(cast("PretrainedConfig", model.config))
+    if not config.architectures:
+        # a model built from a config (the tiny test models) has none; vLLM then takes the model
+        # type's base class: Qwen2-VL's is Qwen2VLModel, "not a generative model" (the GPU tier)
+        config.architectures = [type(model).__name__]
+    config.save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
     return list(tensors)
 

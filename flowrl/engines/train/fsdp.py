@@ -41,21 +41,29 @@ log = logging.getLogger(__name__)
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a causal LM (``model.model.layers`` for Llama/Qwen2/Mistral,
-    ``transformer.h`` for GPT-2), each of which becomes one FSDP unit.
+    ``transformer.h`` for GPT-2), each of which becomes one FSDP unit; for a vision-language model
+    (Qwen2-VL / Qwen2.5-VL in transformers 5: ``model.language_model.layers``) the language
+    model's blocks and then the vision tower's (``model.visual.blocks``, frozen by default: a unit
+    of its own keeps its all-frozen parameters out of the root unit's gradient reduction).
 
     Raises:
         ValueError: no known block container (name the model type so a rule can be added).
     """
-    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+    def blocks(path: str) -> list[nn.Module]:
         obj: Any = model
         for part in path.split("."):
             obj = getattr(obj, part, None)
             if obj is None:
-                break
-        if isinstance(obj, nn.ModuleList) and len(obj):
-            return list(obj)
+                return []
+        return list(obj) if isinstance(obj, nn.ModuleList) else []
+
+    if language := blocks("model.language_model.layers"):
+        return language + blocks("model.visual.blocks")
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+        if found := blocks(path):
+            return found
     raise ValueError(f"FSDP: cannot find decoder layers of {type(model).__name__}; "
-                     "expected model.layers or transformer.h")
+                     "expected model.layers, model.language_model.layers or transformer.h")
 
 
 def mixed_precision(cfg: TrainEngineConfig, device: torch.device):
