@@ -6,6 +6,8 @@ A row's prompt goes as a ``TokensPrompt`` with one ``<|image_pad|>`` per image (
 processor expands each to the image's feature count itself) and ``multi_modal_data={"image":
 [PIL]}`` holding the very pictures the trainer's ``pixel_values`` came from."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -249,3 +251,27 @@ def test_generate_sends_one_request_per_group_with_its_picture_and_checks_the_ex
             SamplingConfig(temperature=1.0, max_new_tokens=2),
             images=images,
         )
+
+
+def test_the_export_is_content_addressed_written_once_and_shared(tmp_path, monkeypatch):
+    """model_dir=None: the export lives at $FLOWRL_CACHE/vllm/<hash of weights, config,
+    tokenizer>; the same weights reuse it (no second write: the same path keeps vLLM's compile
+    cache valid across runs), other weights get another one, and no temporary is left behind."""
+    from flowrl.models.loading import tiny_model_config
+
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path))
+    cfg = ModelConfig(tiny=tiny_model_config("llama"))
+    model, tok = load_model(cfg), load_tokenizer(cfg)
+    a = export_policy(model, tok)
+    root = tmp_path / "vllm"
+    assert Path(a.model_dir).parent == root and len(Path(a.model_dir).name) == 32
+    st = (Path(a.model_dir) / "model.safetensors").stat().st_mtime_ns
+    b = export_policy(load_model(cfg), tok)  # the same weights, another module
+    assert b.model_dir == a.model_dir
+    assert (Path(a.model_dir) / "model.safetensors").stat().st_mtime_ns == st  # not rewritten
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    c = export_policy(model, tok)
+    assert c.model_dir != a.model_dir and c.weight_names == a.weight_names
+    assert sorted(p.name for p in root.iterdir()) == sorted({Path(a.model_dir).name,
+                                                              Path(c.model_dir).name})

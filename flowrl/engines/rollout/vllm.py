@@ -17,7 +17,6 @@ cache, and after a level-2 sleep ``generate`` refuses to run until weights were 
 from __future__ import annotations
 
 import copy
-
 import gc
 import itertools
 import logging
@@ -85,22 +84,7 @@ def weights_and_device_memory(model: nn.Module) -> tuple[int, int | None]:
     return nbytes, torch.cuda.get_device_properties(params[0].device).total_memory
 
 
-def export_hf_dir(model: nn.Module, tokenizer, path: Path) -> list[str]:
-    """Write ``model``'s weights (safetensors), config and ``tokenizer`` to ``path``.
-
-    The state dict is written directly (not ``save_pretrained``, which GGUF-loaded models may
-    refuse); a tensor tied to an earlier one (lm_head ↔ embed_tokens) is written once, under the
-    first name, as ``named_parameters`` yields it. No ``generation_config.json`` is written: vLLM
-    would take sampling defaults from it.
-
-    Returns:
-        the parameter names written (HF naming): the full set a weight load must deliver.
-    """
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = {name: p.detach().to("cpu").contiguous() for name, p in unique_parameters(model)}
-    save_file(tensors, str(path / "model.safetensors"))
+def _hf_config(model: nn.Module) -> "PretrainedConfig":
     # nn.Module's __getattr__ types every attribute Tensor | Module; a transformers model's
     # `config` is its PretrainedConfig
     config = copy.deepcopy(cast("PretrainedConfig", model.config))
@@ -108,9 +92,56 @@ def export_hf_dir(model: nn.Module, tokenizer, path: Path) -> list[str]:
         # a model built from a config (the tiny test models) has none; vLLM then takes the model
         # type's base class: Qwen2-VL's is Qwen2VLModel, "not a generative model" (the GPU tier)
         config.architectures = [type(model).__name__]
-    config.save_pretrained(str(path))
+    return config
+
+
+def export_hf_dir(model: nn.Module, tokenizer, path: Path,
+                  tensors: dict[str, Tensor] | None = None) -> list[str]:
+    """Write ``model``'s weights (safetensors), config and ``tokenizer`` to ``path``.
+
+    The state dict is written directly (not ``save_pretrained``, which GGUF-loaded models may
+    refuse); a tensor tied to an earlier one (lm_head ↔ embed_tokens) is written once, under the
+    first name, as ``named_parameters`` yields it. No ``generation_config.json`` is written: vLLM
+    would take sampling defaults from it. ``tensors``: the host copies, if already made.
+
+    Returns:
+        the parameter names written (HF naming): the full set a weight load must deliver.
+    """
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    if tensors is None:
+        tensors = host_tensors(model)
+    save_file(tensors, str(path / "model.safetensors"))
+    _hf_config(model).save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
     return list(tensors)
+
+
+def host_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """{HF name: contiguous host copy} of every parameter, tied ones once (:func:`export_hf_dir`)."""
+    return {name: p.detach().to("cpu").contiguous() for name, p in unique_parameters(model)}
+
+
+def export_key(model: nn.Module, tokenizer, tensors: dict[str, Tensor],
+               image_processor: Any = None) -> str:
+    """The content address of an export: a hash of the weights' bytes (names, dtypes, shapes and
+    values), the HF config, the tokenizer (its vocabulary, special tokens and chat template) and
+    the image processor. Equal keys = identical directories."""
+    import hashlib
+    import json
+
+    h = hashlib.blake2b(digest_size=16)
+    h.update(_hf_config(model).to_json_string(use_diff=False).encode())
+    h.update(json.dumps([len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id,
+                         getattr(tokenizer, "chat_template", None),
+                         sorted(tokenizer.get_vocab().items())], default=str).encode())
+    if image_processor is not None:
+        h.update(image_processor.to_json_string().encode())
+    for name, t in tensors.items():
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -137,10 +168,16 @@ class PolicyExport:
 
 def export_policy(model: nn.Module, tokenizer, model_dir: str | None = None,
                   image_processor: Any = None) -> PolicyExport:
-    """Export ``model`` + ``tokenizer`` (:func:`export_hf_dir`) to ``model_dir`` or a new
-    temporary directory (the caller removes it). A vision-language model (its config has an
-    ``image_token_id``: Qwen2-VL / Qwen2.5-VL) also gets its ``image_processor`` written there
-    (``preprocessor_config.json``: vLLM runs it on the prompts' images).
+    """Export ``model`` + ``tokenizer`` (:func:`export_hf_dir`) to ``model_dir``, or (None) to
+    the content-addressed ``$FLOWRL_CACHE/vllm/<export_key>`` (default ``~/.cache/flowrl``):
+    written once (into a temporary sibling, then one rename, so concurrent runs of the same
+    weights share one complete directory), reused as is when it exists, never deleted by an
+    engine. Why not a fresh temporary directory: vLLM's torch.compile cache is keyed by the model
+    path among other things, so a new path per run recompiled the model every start (12 s of the
+    SmolLM2 engine's 57 s on the H200, ``benchmarks/results/first_step_h200.md``). A
+    vision-language model (its config has an ``image_token_id``: Qwen2-VL / Qwen2.5-VL) also gets
+    its ``image_processor`` written there (``preprocessor_config.json``: vLLM runs it on the
+    prompts' images).
 
     Raises:
         ValueError: a vision-language model without ``image_processor``.
@@ -149,11 +186,28 @@ def export_policy(model: nn.Module, tokenizer, model_dir: str | None = None,
     if image_token_id is not None and image_processor is None:
         raise ValueError(f"export_policy: {type(model).__name__} is a vision-language model; vLLM "
                          "needs its image processor (pass image_processor=)")
-    path = Path(model_dir or tempfile.mkdtemp(prefix="flowrl_vllm_"))
-    names = export_hf_dir(model, tokenizer, path)
+    tensors = host_tensors(model)
+    if model_dir:
+        path = Path(model_dir)
+        names = export_hf_dir(model, tokenizer, path, tensors)
+        if image_token_id is not None:
+            image_processor.save_pretrained(str(path))
+    else:
+        root = Path(os.environ.get("FLOWRL_CACHE") or Path.home() / ".cache" / "flowrl") / "vllm"
+        path = root / export_key(model, tokenizer, tensors, image_processor)
+        names = list(tensors)
+        if not (path / "model.safetensors").is_file():
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=root))
+            export_hf_dir(model, tokenizer, tmp, tensors)
+            if image_token_id is not None:
+                image_processor.save_pretrained(str(tmp))
+            try:
+                tmp.rename(path)
+            except OSError:  # another run wrote the same content first
+                shutil.rmtree(tmp, ignore_errors=True)
     vision = None
     if image_token_id is not None:
-        image_processor.save_pretrained(str(path))
         vision = VisionExport(int(image_token_id), PatchLayout.of(image_processor))
     pad = tokenizer.pad_token_id
     eos = int(tokenizer.eos_token_id)
@@ -256,8 +310,10 @@ class VLLMRolloutEngine:
         from vllm.platforms import current_platform
 
         check_model_for_vllm(model.config, on_cpu=current_platform.is_cpu())
+        # the export directory is the caller's (model_dir) or the content-addressed cache's:
+        # this engine deletes neither
         self._start(export_policy(model, tokenizer, cfg.model_dir, image_processor), cfg,
-                    owns_dir=cfg.model_dir is None)
+                    owns_dir=False)
 
     @classmethod
     def from_export(cls, exported: "PolicyExport", cfg: VLLMRolloutConfig) -> "VLLMRolloutEngine":

@@ -222,7 +222,7 @@ class VLLMProcessEngine:
         self.cfg = cfg = dataclasses.replace(cfg, kv_cache_memory_gb=cfg.kv_cache_gb_on(
             device.type != "cuda"))
         self.exported = export_policy(model, tokenizer, cfg.model_dir, image_processor)
-        tmp_dir = self.exported.model_dir if cfg.model_dir is None else None
+        tmp_dir = None  # model_dir (the caller's) or the content-addressed export: kept
         self.weight_names = self.exported.weight_names
         self.eos_token_id, self.pad_token_id = self.exported.eos_token_id, self.exported.pad_token_id
         ctx = mp.get_context("spawn")
