@@ -383,9 +383,11 @@ class Bench:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
     # ------------------------------------------------------------------ reward functions
-    def reward_fn(self, fn: str, label: str, expect: dict[str, float]) -> None:
+    def _reward_run(self, fn: str, timeout_s: float) -> tuple["Job", int, dict[int, dict]]:
+        """Two steps of a graph whose reward stage calls ``fn`` (2 workers, ``timeout_s``):
+        the job, its exit code and its metrics by step."""
         d = self.root / f"reward_{fn}"
-        graph = make_graph(self.root, fn, num_workers=2, timeout_s=2.0)
+        graph = make_graph(self.root, fn, num_workers=2, timeout_s=timeout_s)
         job = Job(d, [*self.base(f"graph.path={graph}"), "trainer.total_steps=2"])
         rc = job.wait()
         rows: dict[int, dict] = {}
@@ -393,6 +395,10 @@ class Bench:
             for line in (d / "metrics.jsonl").read_text().splitlines():
                 r = json.loads(line)
                 rows.setdefault(r["step"], {}).update(r)
+        return job, rc, rows
+
+    def reward_fn(self, fn: str, label: str, expect: dict[str, float]) -> None:
+        job, rc, rows = self._reward_run(fn, 2.0)
         got = {s: {k: rows.get(s, {}).get(f"reward/{k}") for k in expect} for s in (1, 2)}
         ok = rc == 0 and all(got[s] == expect for s in (1, 2))
         self.note(label, job.output, "sample(s) unscorable")
@@ -406,15 +412,7 @@ class Bench:
         """A call that blocks SIGALRM and hangs: its worker process is killed at timeout_s + 1 s
         (before: the batch's backstop, timeout_s * 4 + 5 = 13 s per step here)."""
         fn, timeout = "deaf_hang_on_first", 2.0
-        d = self.root / f"reward_{fn}"
-        graph = make_graph(self.root, fn, num_workers=2, timeout_s=timeout)
-        job = Job(d, [*self.base(f"graph.path={graph}"), "trainer.total_steps=2"])
-        rc = job.wait()
-        rows: dict[int, dict] = {}
-        if (d / "metrics.jsonl").is_file():
-            for line in (d / "metrics.jsonl").read_text().splitlines():
-                r = json.loads(line)
-                rows.setdefault(r["step"], {}).update(r)
+        job, rc, rows = self._reward_run(fn, timeout)
         got = {s: (rows.get(s, {}).get("reward/timeouts"), rows.get(s, {}).get("reward/unscorable"),
                    rows.get(s, {}).get("time/reward", float("inf"))) for s in (1, 2)}
         killed = job.output.count("(it ignores SIGALRM?); killing its worker process")

@@ -40,22 +40,7 @@ else
   need="vllm hydra omegaconf gguf"
 fi
 [ "$variant" = lora ] && need="$need peft"
-NEED="$need" DRY="${DRY_CPU:-}" $py - <<'EOF' || exit 3
-import importlib.util, os, sys
-missing = [m for m in os.environ["NEED"].split() if importlib.util.find_spec(m) is None]
-if importlib.util.find_spec("matplotlib") is None:
-    print("warning: no matplotlib: the report will have no PNG", flush=True)
-ok = True
-if not os.environ.get("DRY"):
-    from flowrl.models.loading import SMOLLM2_GGUF, smollm2_dir
-    try:
-        ok = (smollm2_dir() / SMOLLM2_GGUF).is_file()
-    except FileNotFoundError:
-        ok = False
-if missing or not ok:
-    sys.exit(f"not ready: missing {missing or '-'}; SmolLM2 GGUF found: {ok}")
-print("ready:", os.environ["NEED"], "" if os.environ.get("DRY") else "and the SmolLM2 GGUF", flush=True)
-EOF
+NEED="$need" DRY="${DRY_CPU:-}" $py scripts/device/check_ready.py || exit 3
 rm -rf "$RUN" && mkdir -p "$RUN"
 # later overrides win (Hydra): the caller's come last
 CMD="$py -m flowrl.train ${base[*]} ${extra[*]} logger.progress=false hydra.run.dir=$RUN $*"
