@@ -96,6 +96,10 @@ def peer_lost(e: BaseException) -> Optional[str]:
     traceback into the collective name no rank and no cause."""
     if not isinstance(e, RuntimeError):  # DistBackendError, DistNetworkError are RuntimeErrors
         return None
+    from flowrl.runtime.transport import PoolPeerError
+
+    if isinstance(e, PoolPeerError):  # partitioned pools: it names the pool and rank itself
+        return " ".join(str(e).split())
     text = str(e)
     hit = next((m for m in _PEER_LOST if m in text), None)
     if hit is None:

@@ -54,30 +54,32 @@ def test_flowrl_train_composes_and_places_once(counted, monkeypatch, tmp_path):
     assert (tmp_path / "run" / ".hydra" / "overrides.yaml").is_file()  # Hydra's job record
 
 
-def test_a_multi_rank_launch_prepares_once_then_execs_torchrun(counted, monkeypatch, tmp_path):
-    from flowrl import launch
+def test_a_multi_rank_launch_prepares_once_then_runs_torchrun(counted, monkeypatch, tmp_path):
+    from flowrl.runtime import supervise
     from flowrl.train import main
 
     seen = {}
 
-    def fake_execv(path, argv):
-        seen["argv"] = argv
-        raise SystemExit(0)
+    def fake_supervise(torchrun_args, overrides):
+        seen["argv"], seen["overrides"] = torchrun_args, overrides
+        return 0
 
-    monkeypatch.setattr(launch.os, "execv", fake_execv)
+    # torchrun's agent runs in the launcher's process (runtime/supervise.py)
+    monkeypatch.setattr(supervise, "supervise", fake_supervise)
     with pytest.raises(SystemExit) as e:
         main(["launcher.nproc=2", *SMOKE, f"trainer.output_dir={tmp_path}"])
     assert e.value.code == 0
     assert counted == {"compose": 1, "place": 1}  # placed on the 2 ranks the job will have
     argv = seen["argv"]
     assert "--nproc_per_node=2" in argv
-    assert argv[argv.index("-m", 2) :] == [
+    assert argv[argv.index("-m") :] == [
         "-m",
         "flowrl.train",
         "launcher.nproc=2",
         *SMOKE,
         f"trainer.output_dir={tmp_path}",
     ]
+    assert seen["overrides"] == ["launcher.nproc=2", *SMOKE, f"trainer.output_dir={tmp_path}"]
     assert not list(tmp_path.iterdir())  # the ranks' Hydra jobs write the run directory
 
 
