@@ -73,13 +73,13 @@ def left_align(input_ids: Tensor, attention_mask: Tensor, shift: Tensor) -> tupl
     its padding moves to the end of the row.
 
     Why: in a left-padded row the padding columns are query positions that attend to no key
-    (causal mask ∧ padding mask is empty). The hypothesis for issue 25's NaN grad norm (default
-    GPU job, bf16) is that cuDNN's fused attention (PyTorch's default SDPA backend for bf16 on
-    Hopper) returns a finite forward for such rows but a NaN ∂Q in the backward, and ∂W_q = Xᵀ∂Q
-    carries that NaN into every weight gradient although the loss never reads those rows. It is
-    not confirmed on the GPU: the old layout has not been run there against the new one (with
-    it, 200 H200 training steps of benchmarks/results/learning_h200.md had no NaN). Whatever
-    the kernel does, after the rotation every pad is a trailing query that sees the row's real
+    (causal mask ∧ padding mask is empty). That was issue 25's NaN grad norm (default GPU job,
+    bf16): cuDNN's fused attention (PyTorch's default SDPA backend for bf16 on Hopper) gives a
+    non-finite gradient for such rows whenever the padded length L is not a multiple of 128, and
+    the NaN reaches every weight gradient although the loss never reads those rows. Measured on
+    the H200 (``benchmarks/nan_layout_check.py``, ``benchmarks/results/nan_layout_h200.md``):
+    left-padded rows 4/4 cases non-finite at L = 64, 192, 320, 448 (0/4 at 128 and 256), in raw
+    SDPA and in a SmolLM2-shaped model; left-aligned rows 0/24. Whatever the kernel does, after the rotation every pad is a trailing query that sees the row's real
     tokens, so no row of the attention is empty; the real tokens stay contiguous and in order,
     with their keys and their position ids (taken from the rotated mask), so a sliding window
     sees the same neighbours as in the unpadded sequence.

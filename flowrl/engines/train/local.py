@@ -252,8 +252,8 @@ class LocalTrainEngine:
             # environment tokens between policy turns (mask False) are context: attended
             attn = torch.cat([p_mask, response_attention_mask(r_mask)], dim=1)
             # the prompt's left padding moves to the row's end: a leading pad is a query that
-            # attends to nothing, suspected to get a NaN gradient from cuDNN attention's backward
-            # (masks.left_align; issue 25: a hypothesis not yet confirmed on the GPU)
+            # attends to nothing, and cuDNN attention's backward gives it a NaN gradient when the
+            # length is not a multiple of 128 (masks.left_align; issue 25, measured on the H200)
             shift = self._left_pad(p_mask)
             ids, attn = left_align(torch.cat([p_ids, r_ids], dim=1), attn, shift)
             kwargs = dict(input_ids=ids, attention_mask=attn.long(),
