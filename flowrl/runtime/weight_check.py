@@ -35,8 +35,13 @@ class WeightSyncError(RunStopped):
 
 def sample_index(numel: int) -> Tensor:
     """``min(SAMPLES, numel)`` flat positions spread over a tensor of ``numel`` elements (CPU
-    int64, deterministic: first and last element included)."""
-    return torch.linspace(0, max(numel - 1, 0), min(SAMPLES, numel)).round().long().unique()
+    int64, deterministic: first and last element included). Integer arithmetic: a float32
+    ``linspace`` rounds its last position past the end of any tensor over 2^24 elements
+    (SmolLM2's 49152 x 576 embedding: an IndexError at the first sync of the default job)."""
+    n = min(SAMPLES, numel)
+    if n <= 1:
+        return torch.zeros(n, dtype=torch.long)
+    return (torch.arange(n, dtype=torch.long) * (numel - 1)) // (n - 1)
 
 
 class SyncProbe:
