@@ -156,13 +156,11 @@ def _hf_config(model_cfg: Any):
 def module_names(model_cfg: Any) -> set[str]:
     """Dotted names of every module of the model (one layer is enough), from a ``meta``-device
     instance: no weights are read or allocated."""
-    from transformers import AutoModelForCausalLM
+    from flowrl.models.size import meta_model, text_config
 
     config = _hf_config(model_cfg)
-    config.num_hidden_layers = 1
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {n for n, _ in model.named_modules() if n}
+    text_config(config).num_hidden_layers = 1
+    return {n for n, _ in meta_model(config).named_modules() if n}
 
 
 def check_lora(cfg: Any, roles: set[str], single_pool: bool = True) -> None:

@@ -51,22 +51,41 @@ class ModelSize:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * tokens * self.dtype_bytes
 
 
-def _size_from_hf_config(config: Any, dtype_bytes: int) -> ModelSize:
+def meta_model(config: Any) -> Any:
+    """The model of an HF ``config`` on the ``meta`` device (shapes only: no allocation, no
+    init cost): ``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for a
+    vision-language config (one with a ``vision_config``: Qwen2-VL / Qwen2.5-VL, which no
+    causal-LM class takes)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    with torch.device("meta"):  # shapes only: no allocation, no init cost
-        model = AutoModelForCausalLM.from_config(config)
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None \
+        else AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(config)
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config: ``config.text_config`` of a vision-language config, else
+    ``config`` itself (layers, heads and the KV cache are the language model's)."""
+    return getattr(config, "text_config", None) or config
+
+
+def _size_from_hf_config(config: Any, dtype_bytes: int) -> ModelSize:
+    model = meta_model(config)
     n = sum(p.numel() for p in model.parameters())  # parameters() yields tied weights once
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    inter = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
-    return ModelSize(int(n), config.num_hidden_layers, kv, head_dim, dtype_bytes,
-                     hidden_size=config.hidden_size, n_heads=heads,
-                     vocab_size=int(getattr(config, "vocab_size", 0) or 0),
-                     intermediate_size=int(inter),
-                     tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+    text = text_config(config)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    inter = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+    tied = getattr(config, "tie_word_embeddings", None)
+    if tied is None:
+        tied = getattr(text, "tie_word_embeddings", False)
+    return ModelSize(int(n), text.num_hidden_layers, kv, head_dim, dtype_bytes,
+                     hidden_size=text.hidden_size, n_heads=heads,
+                     vocab_size=int(getattr(text, "vocab_size", 0) or 0),
+                     intermediate_size=int(inter), tied_embeddings=bool(tied))
 
 
 @lru_cache(maxsize=16)

@@ -239,3 +239,24 @@ def tokenizer():
     from test_engines import TOKENIZER_DIR
 
     return transformers.AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+
+
+def test_vision_language_model_plans_and_checks_lora_names(capsys):
+    """A Qwen2-VL config is no AutoModelForCausalLM: `flowrl plan` of the VLM job and the LoRA
+    module-name check size it as an image-text-to-text model (both raised "Unrecognized
+    configuration class Qwen2VLConfig" before)."""
+    from flowrl.cli import main
+    from flowrl.models.loading import ModelConfig
+    from flowrl.models.lora import module_names
+    from flowrl.models.size import model_size
+    from flowrl.models.vision import tiny_vl_config
+
+    assert main(["plan", "model=tiny_vl", "data=visual", "graph=grpo_vl"]) == 0
+    assert "Unrecognized" not in capsys.readouterr().err
+    cfg = ModelConfig(tiny=tiny_vl_config())
+    names = module_names(cfg)
+    assert "model.language_model.layers.0.self_attn.q_proj" in names
+    assert "model.visual.blocks.0.attn.qkv" in names
+    size = model_size(cfg)
+    text = tiny_vl_config()["text_config"]
+    assert (size.n_layers, size.hidden_size) == (text["num_hidden_layers"], text["hidden_size"])
