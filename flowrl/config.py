@@ -186,6 +186,9 @@ class TrainerConfig:
             and at the last one): a run that trains on almost no step stops instead of exiting 0.
         constant_reward_steps: steps in a row whose rewards are all equal before a warning
             (``reward/constant_steps``); 0 = no warning.
+        max_unscorable_steps: steps in a row on which no sample could be scored (the reward
+            function or verifier raised or timed out on all of them: ``train/unscorable_frac``
+            = 1) before the run stops with exit status 1; 0 = never stop.
     """
 
     total_steps: int = 10
@@ -205,6 +208,7 @@ class TrainerConfig:
     max_skipped_steps: int = 10
     max_skipped_frac: float = 0.5
     constant_reward_steps: int = 5
+    max_unscorable_steps: int = 3
 
     def __post_init__(self) -> None:
         if self.max_skipped_steps < 0 or not 0.0 <= self.max_skipped_frac <= 1.0:
@@ -212,6 +216,8 @@ class TrainerConfig:
                              f"in [0, 1], got {self.max_skipped_steps}, {self.max_skipped_frac}")
         if self.constant_reward_steps < 0:
             raise ValueError(f"trainer.constant_reward_steps must be >= 0, got {self.constant_reward_steps}")
+        if self.max_unscorable_steps < 0:
+            raise ValueError(f"trainer.max_unscorable_steps must be >= 0, got {self.max_unscorable_steps}")
         if self.total_steps < 1:
             raise ValueError(f"trainer.total_steps must be >= 1, got {self.total_steps}")
         if self.prompts_per_step < 1:

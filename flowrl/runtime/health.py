@@ -15,6 +15,10 @@ nothing and must not end with exit status 0 (Dr.GRPO with rewards ±3e38 skipped
   (``reward/std == 0``; a step without any scorable reward leaves the count as it was): a verifier that quietly returns 0 (or a format bonus for everyone)
   gives GRPO no signal at all. At ``trainer.constant_reward_steps`` in a row a warning says so
   (again every that many steps while it lasts).
+- ``train/unscorable_steps``: consecutive steps on which no sample was scorable
+  (``train/unscorable_frac`` = 1: the reward function or verifier raised or timed out on every
+  one). At ``trainer.max_unscorable_steps`` in a row the run stops (:class:`RunStopped`): it
+  trains on no reward at all, and would otherwise end with exit status 0.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ log = logging.getLogger(__name__)
 
 SKIPPED_KEY = "train/skipped_steps"
 CONSTANT_KEY = "reward/constant_steps"
+UNSCORABLE_KEY = "train/unscorable_steps"
 FRAC_FROM_STEP = 4  # the skipped-fraction budget is not judged on the first 3 steps
 
 
@@ -42,16 +47,20 @@ class RunHealth:
         total_steps: the run's last step (the fraction is always judged there).
         history: the checkpointed per-step history of a resumed run (its last
             ``train/skipped_steps`` / ``train/optimizer_steps`` continue the count).
+        max_unscorable_steps: steps in a row with no scorable sample that stop the run (0 = off).
     """
 
     def __init__(self, max_skipped_steps: int, max_skipped_frac: float, constant_reward_steps: int,
-                 total_steps: int, history: Sequence[Mapping[str, Any]] = ()):
+                 total_steps: int, history: Sequence[Mapping[str, Any]] = (),
+                 max_unscorable_steps: int = 0):
         self.max_skipped_steps, self.max_skipped_frac = max_skipped_steps, max_skipped_frac
         self.constant_reward_steps, self.total_steps = constant_reward_steps, total_steps
         last = history[-1] if history else {}
         self.skipped = int(last.get(SKIPPED_KEY, 0))
         self.optimizer_steps = int(last.get("train/optimizer_steps", 0))
         self.constant = int(last.get(CONSTANT_KEY, 0))
+        self.unscorable = int(last.get(UNSCORABLE_KEY, 0))
+        self.max_unscorable_steps = max_unscorable_steps
         self.steps = len(history)
 
     def update(self, step: int, m: dict[str, float]) -> None:
@@ -80,9 +89,21 @@ class RunHealth:
                             "(reward/mean=%s, reward/std=0): GRPO gets no signal; check the "
                             "reward function or verifier (trainer.constant_reward_steps=%d)",
                             step, self.constant, m.get("reward/mean"), n_const)
+        frac_u = m.get("train/unscorable_frac")
+        if frac_u is not None:
+            self.unscorable = self.unscorable + 1 if frac_u >= 1.0 else 0
+            m[UNSCORABLE_KEY] = float(self.unscorable)
         self._check(step)
 
     def _check(self, step: int) -> None:
+        n_u = self.max_unscorable_steps
+        if n_u and self.unscorable >= n_u:
+            raise RunStopped(
+                f"step {step}: no sample could be scored on the last {self.unscorable} steps "
+                "(train/unscorable_frac = 1: the reward function or verifier raised or timed out "
+                "on every one; the first error of each step is in the log), so the run trains on "
+                f"no reward (trainer.max_unscorable_steps={n_u}). Fix the reward function, or "
+                "raise trainer.max_unscorable_steps")
         if self.skipped > self.max_skipped_steps:
             raise RunStopped(
                 f"step {step}: {self.skipped} optimizer steps skipped (non-finite loss or grad "

@@ -63,7 +63,8 @@ OP_STATE_KEY = "op_state"  # trainer_state.json: every stateful op's state dict,
 LEGACY_OP_STATE = ("kl_controller",)  # written at the top level before op_state existed
 HISTORY_KEYS = ("reward/mean", "reward/accuracy", "perf/step_s", "placement/version_lag",
                 # the health counters continue across a resume (runtime/health.py)
-                "train/skipped_steps", "train/optimizer_steps", "reward/constant_steps")
+                "train/skipped_steps", "train/optimizer_steps", "reward/constant_steps",
+                "train/unscorable_steps")
 
 
 class JobEvents(Protocol):
@@ -476,7 +477,8 @@ class _Job:
         if self.health is None:  # after a resume has restored the history
             t = self.cfg.trainer
             self.health = RunHealth(t.max_skipped_steps, t.max_skipped_frac,
-                                    t.constant_reward_steps, t.total_steps, self.history)
+                                    t.constant_reward_steps, t.total_steps, self.history,
+                                    max_unscorable_steps=t.max_unscorable_steps)
         try:
             self.health.update(step, m)  # raises RunStopped past the skipped-step budget
         finally:  # the step that broke the budget is in metrics.jsonl too

@@ -48,6 +48,26 @@ def test_more_skipped_steps_than_the_budget_stop_the_run_naming_the_setting():
                                    "norm), more than trainer.max_skipped_steps=2")
 
 
+def test_steps_with_no_scorable_sample_stop_the_run_at_the_budget():
+    """A reward function that raises on every sample: the run trained on nothing and finished
+    with exit status 0 (fresh-user report); now the third such step in a row stops it, and a
+    partly scorable step resets the count."""
+    h = _health(max_unscorable_steps=3)
+    nan = float("nan")
+    for s, frac in enumerate([1.0, 1.0, 0.5, 1.0, 1.0], 1):
+        m = {**_step(0.0, std=nan), "reward/mean": nan, "train/unscorable_frac": frac}
+        h.update(s, m)
+        assert m["train/unscorable_steps"] == [1.0, 2.0, 0.0, 1.0, 2.0][s - 1]
+    with pytest.raises(RunStopped) as e:
+        h.update(6, {**_step(0.0), "train/unscorable_frac": 1.0})
+    assert str(e.value).startswith("step 6: no sample could be scored on the last 3 steps "
+                                   "(train/unscorable_frac = 1")
+    assert "trainer.max_unscorable_steps=3" in str(e.value)
+    off = _health(max_unscorable_steps=0)  # 0 = never stop
+    for s in range(1, 6):
+        off.update(s, {**_step(0.0), "train/unscorable_frac": 1.0})
+
+
 def test_the_skipped_fraction_is_judged_from_the_fourth_step():
     h = _health()
     for s in (1, 2, 3):  # 3 of 3 skipped: not judged yet
