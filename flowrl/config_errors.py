@@ -88,6 +88,23 @@ def _default(full_key: str) -> Optional[Any]:
         return None
 
 
+def _is_null_section(full_key: str) -> bool:
+    """``full_key`` is a schema field whose default is None (``model.lora``: a section that is
+    off until given)."""
+    from omegaconf import OmegaConf
+
+    node: Any = _schema()
+    parts = full_key.split(".")
+    for p in parts[:-1]:
+        if p not in node:
+            return False
+        node = node[p]
+    try:
+        return parts[-1] in node and OmegaConf.select(node, parts[-1]) is None
+    except Exception:  # a node OmegaConf cannot inspect: not a null section
+        return False
+
+
 def _first_unparsable(overrides: Sequence[str]) -> tuple[str, str]:
     """The first override Hydra's grammar rejects, and the parser's reason."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -171,6 +188,12 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
         if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
             if key.startswith("placement.pools"):
                 return _pools_message(key, overrides)
+            parent = key.rsplit(".", 1)[0] if "." in key else ""
+            if parent and _is_null_section(parent):  # model.lora.rank=8 without the '+'
+                value = next((o.split("=", 1)[1] for o in overrides
+                              if o.split("=", 1)[0] == key), "VALUE")
+                return (f"{key}={value}: {parent} is null by default (off); turn it on with "
+                        f"+{key}={value} (or {parent}={{{key.rsplit('.', 1)[1]}: {value}}})")
             return (f"unknown key {key}{key_hint(key)}: nothing reads it; `flowrl train --cfg job` "
                     "prints every key")
     from flowrl.config import one_line

@@ -92,10 +92,12 @@ class AlgorithmConfig:
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"algorithm.loss_agg_mode must be one of {LOSS_AGG_MODES}, "
                              f"got {self.loss_agg_mode!r}")
-        for name in ("clip_ratio_low", "clip_ratio_high"):
-            v = getattr(self, name)
-            if not 0 <= v < 10:
-                raise ValueError(f"algorithm.{name} must be in [0, 10), got {v}")
+        # the ratio is clipped to [1 - low, 1 + high]: low >= 1 leaves no lower bound at all
+        if not 0 <= self.clip_ratio_low < 1:
+            raise ValueError(f"algorithm.clip_ratio_low must be in [0, 1) (the ratio's lower clip "
+                             f"is 1 - clip_ratio_low), got {self.clip_ratio_low}")
+        if not 0 <= self.clip_ratio_high < 10:
+            raise ValueError(f"algorithm.clip_ratio_high must be in [0, 10), got {self.clip_ratio_high}")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
             raise ValueError(f"algorithm.clip_ratio_c must be > 1 (dual-clip), got {self.clip_ratio_c}")
         if self.ppo_epochs < 1:

@@ -137,6 +137,11 @@ class CheckpointManager:
             dcp.save(tensors, storage_writer=storage_writer(tmp, tensors))
             self._finalize(tmp, final, meta_json)
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            if any(isinstance(c, KeyboardInterrupt) for c in _causes(e)):
+                # Ctrl-C inside DCP's write (it wraps it): an interrupt, not a file-system fault
+                if fdist.is_rank0():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise KeyboardInterrupt from e
             raise self._write_error(step, tmp, needed, e) from e
         fdist.barrier()  # no rank reads the checkpoint before it is complete
         return final

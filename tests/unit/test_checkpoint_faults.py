@@ -245,6 +245,23 @@ def test_save_checks_free_space_before_writing(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]
 
 
+def test_ctrl_c_during_a_save_is_an_interrupt_not_a_disk_error(tmp_path, monkeypatch):
+    """DCP wraps a Ctrl-C in its write into a CheckpointException; that was reported as "writing
+    ... failed (KeyboardInterrupt: ) ... Fix the cause" (fresh-user report). It is re-raised as
+    KeyboardInterrupt, with the partial folder removed."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    m = saved(tmp_path, 1)
+
+    def interrupted(*a, **k):
+        raise CheckpointException("save", {0: (KeyboardInterrupt(), None)})
+
+    monkeypatch.setattr("torch.distributed.checkpoint.save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        m.save(2, state(2.0), {"history": []})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]
+
+
 def test_stale_tmp_folders_are_removed_at_start(tmp_path):
     m = saved(tmp_path, 1)
     (tmp_path / "step_000002.tmp").mkdir()

@@ -92,3 +92,14 @@ def test_every_config_group_suggests_the_option_meant(override, expected, capsys
 
     assert main(["plan", override]) == 2
     assert capsys.readouterr().err.splitlines() == [f"flowrl plan: error: {expected}"]
+
+
+def test_a_key_of_a_null_section_says_to_add_it_with_plus(capsys):
+    """model.lora is null (full fine-tuning) until given: `model.lora.rank=8` without the '+'
+    said "unknown key model.lora.rank: nothing reads it" (fresh-user report)."""
+    from flowrl.cli import main
+
+    assert main(["plan", "model=tiny", "model.lora.rank=8"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "flowrl plan: error: model.lora.rank=8: model.lora is null by default (off); turn it on "
+        "with +model.lora.rank=8 (or model.lora={rank: 8})"]

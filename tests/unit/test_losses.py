@@ -177,3 +177,18 @@ def test_registry_convention_and_gspo_rejects_dual_clip():
     z, m = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool)
     with pytest.raises(ValueError, match="gspo"):
         gspo_loss(z, z, z, m, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("clip_ratio_low", 2.0, r"algorithm.clip_ratio_low must be in \[0, 1\) \(the ratio's lower "
+                            r"clip is 1 - clip_ratio_low\), got 2.0"),
+    ("clip_ratio_low", 1.0, r"clip_ratio_low must be in \[0, 1\)"),
+    ("clip_ratio_high", -0.1, r"algorithm.clip_ratio_high must be in \[0, 10\), got -0.1"),
+])
+def test_a_clip_range_that_clips_nothing_is_refused(field, value, match):
+    """clip_ratio_low=2 trained with a lower clip of -1 (no clip at all), silently (fresh-user)."""
+    from flowrl.algorithms.config import AlgorithmConfig
+
+    with pytest.raises(ValueError, match=match):
+        AlgorithmConfig(**{field: value})
+    assert AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28).clip_ratio_high == 0.28
