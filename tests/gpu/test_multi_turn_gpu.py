@@ -33,7 +33,11 @@ class ForcedTurns:
 
 
 def forced_graph(tmp: Path) -> Path:
-    text = (REPO / "graphs/grpo_tools.yaml").read_text().replace("env: tools", f"env: {__name__}:ForcedTurns")
+    text = (REPO / "graphs/grpo_tools.yaml").read_text()
+    # the shipped graph takes the default env (tools): name this one in the rollout's params
+    assert "  params:\n    tools:\n" in text
+    text = text.replace("  params:\n    tools:\n",
+                        f"  params:\n    env: {__name__}:ForcedTurns\n    tools:\n", 1)
     path = tmp / "forced.yaml"
     path.write_text(text.replace("rewards: reward.rewards", "rewards: rollout.rewards"))
     return path

@@ -103,7 +103,10 @@ def test_grpo_tools_two_steps_with_vllm(tmp_path, forced):
         from pathlib import Path
 
         text = (Path(__file__).resolve().parents[2] / "graphs/grpo_tools.yaml").read_text()
-        text = text.replace("env: tools", f"env: {__name__}:ForcedTurns")
+        # the shipped graph takes the default env (tools): name this one in the rollout's params
+        assert "  params:\n    tools:\n" in text
+        text = text.replace("  params:\n    tools:\n",
+                            f"  params:\n    env: {__name__}:ForcedTurns\n    tools:\n", 1)
         graph = tmp_path / "forced.yaml"
         graph.write_text(text.replace("rewards: reward.rewards", "rewards: rollout.rewards"))
         over += [f"graph.path={graph}", "rollout.sampling.max_new_tokens=8",
