@@ -13,7 +13,9 @@
 #   carry [".model/a"]:           bash scripts/device/session.sh model a
 #   carry [".model/b"]:           bash scripts/device/session.sh model b
 #   carry [".vllm/p5"]:           bash scripts/device/session.sh install first_step
-#   (no carry):                   bash scripts/device/session.sh <phase> [<phase> ...]
+#   carry [".flowrl_commit"]:     bash scripts/device/session.sh <phase> [<phase> ...]
+#   (.flowrl_commit: `git rev-parse --short HEAD > .flowrl_commit` here first; git-ignored, so it
+#   travels only when carried; the device copy's .git is stale and reports an old commit)
 # Phases: first_step, learning, e2e, tier, vlm, nan, hfgen, distill_teacher, distill_arms (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
