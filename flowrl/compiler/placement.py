@@ -336,7 +336,8 @@ def partitioned(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int,
     """
     if world_size < 2:
         raise PlacementError(f"placement.mode=partitioned needs >= 2 ranks (launcher.nproc), "
-                             f"got {world_size}")
+                             f"got {world_size}: run it with launcher.nproc=2 (one rank per pool) "
+                             "or more, or use placement=colocated on one")
     if set(cfg.pools) - {TRAIN_POOL, ROLLOUT_POOL}:
         raise PlacementError(f"placement.pools must name exactly the pools '{TRAIN_POOL}' and "
                              f"'{ROLLOUT_POOL}', got {sorted(cfg.pools)}")

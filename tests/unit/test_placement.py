@@ -34,7 +34,8 @@ def part(pools=None, roles=None, **kw):
      "each of the 3 ranks a pool, e.g. placement.pools.train=[0,1] placement.pools.rollout=[2]"),
     (part(roles={"rollout": "train"}), 2,
      "placement.roles: actor and rollout share a pool; use placement=colocated for that"),
-    (part(), 1, "placement.mode=partitioned needs >= 2 ranks (launcher.nproc), got 1"),
+    (part(), 1, "placement.mode=partitioned needs >= 2 ranks (launcher.nproc), got 1: run it with "
+                "launcher.nproc=2 (one rank per pool) or more, or use placement=colocated on one"),
     (part({"train": [0, 1], "rollout": [2, 3, 4]}), 5,
      "placement.pools: rollout has 3 rank(s) and train 2; the larger pool's size must be a "
      "multiple of the smaller's (samples route rollout rank i -> train rank i mod 2)"),
