@@ -103,3 +103,13 @@ def test_a_key_of_a_null_section_says_to_add_it_with_plus(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "flowrl plan: error: model.lora.rank=8: model.lora is null by default (off); turn it on "
         "with +model.lora.rank=8 (or model.lora={rank: 8})"]
+
+
+def test_a_section_the_overrides_set_gets_no_plus_hint(capsys):
+    """cluster=h200x8 sets the (null by default) cluster section: a misspelt key under it is an
+    unknown key, not "cluster is null by default"."""
+    from flowrl.cli import main
+
+    assert main(["plan", "cluster=h200x8", "cluster.node=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flowrl plan: error: unknown key cluster.node") and "null" not in err
