@@ -189,8 +189,8 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
             if key.startswith("placement.pools"):
                 return _pools_message(key, overrides)
             parent = key.rsplit(".", 1)[0] if "." in key else ""
-            given = any(o.lstrip("+~").split("=", 1)[0] == parent for o in overrides)
-            if parent and not given and _is_null_section(parent):  # model.lora.rank=8, no '+'
+            section_given = any(o.lstrip("+~").split("=", 1)[0] == parent for o in overrides)
+            if parent and not section_given and _is_null_section(parent):  # model.lora.rank=8, no '+'
                 value = next((o.split("=", 1)[1] for o in overrides
                               if o.split("=", 1)[0] == key), "VALUE")
                 return (f"{key}={value}: {parent} is null by default (off); turn it on with "
