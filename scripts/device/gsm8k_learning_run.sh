@@ -16,21 +16,7 @@ set -uo pipefail
 RUN=${RUN:-/tmp/gsm8k_gpu_run}
 [ -d /tmp/smollm2_site ] && export PYTHONPATH=/tmp/smollm2_site:${PYTHONPATH:-}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false COLUMNS=200  # no wrapped step lines
-python3 - <<'EOF' || exit 3
-import importlib.util, sys
-missing = [m for m in ("vllm", "hydra", "omegaconf", "gguf", "math_verify")
-           if importlib.util.find_spec(m) is None]
-if importlib.util.find_spec("matplotlib") is None:
-    print("warning: no matplotlib: the report will have no PNG", flush=True)
-from flowrl.models.loading import SMOLLM2_GGUF, smollm2_dir
-try:
-    ok = (smollm2_dir() / SMOLLM2_GGUF).is_file()
-except FileNotFoundError:
-    ok = False
-if missing or not ok:
-    sys.exit(f"not ready: missing {missing or '-'}; SmolLM2 GGUF found: {ok}")
-print("ready: vllm, hydra, gguf, math_verify and the SmolLM2 GGUF", flush=True)
-EOF
+NEED="vllm hydra omegaconf gguf math_verify" python3 scripts/device/check_ready.py || exit 3
 rm -rf "$RUN" && mkdir -p "$RUN"
 # later overrides win (Hydra): a CPU dry run appends trainer.device=cpu and smaller sizes
 CMD="python3 -m flowrl.train trainer=gsm8k_gpu rollout=vllm trainer.device=cuda logger.progress=false hydra.run.dir=$RUN $*"

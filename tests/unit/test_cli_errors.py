@@ -35,23 +35,16 @@ def test_one_line_errors(args, expected, tmp_path):
     assert not (tmp_path / "outputs").exists()  # nothing started, no run directory
 
 
-def test_valid_multi_rank_job_reaches_torchrun(monkeypatch, tmp_path):
+def test_valid_multi_rank_job_reaches_torchrun(monkeypatch, tmp_path, fake_supervise):
     """The pre-launch validation passes a good job through to torchrun's agent (regression: a
     local import once shadowed ``sys`` and broke every launcher.nproc > 1 run)."""
-    from flowrl.runtime import supervise
     from flowrl.train import main
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    seen = {}
-
-    def fake_supervise(torchrun_args, overrides):
-        seen["argv"], seen["overrides"] = torchrun_args, overrides
-        return 0
-
-    monkeypatch.setattr(supervise, "supervise", fake_supervise)
     with pytest.raises(SystemExit) as e:
         main(["launcher.nproc=2", "model=tiny", "trainer=smoke", f"trainer.output_dir={tmp_path}"])
     assert e.value.code == 0
+    seen = fake_supervise
     assert "--nproc_per_node=2" in seen["argv"] and "launcher.nproc=2" in seen["argv"]
 
 

@@ -4,7 +4,6 @@ in the launcher process (``runtime/supervise.py``), the ranks' peer monitors sto
 heartbeat is silent for ``launcher.heartbeat_timeout_s``."""
 from __future__ import annotations
 
-import datetime
 import os
 import re
 import socket
@@ -36,17 +35,8 @@ def test_the_heartbeat_timeout_is_a_launcher_setting():
     assert (mon.stale_s, mon.interval_s) == (4.0, 0.8)
 
 
-def test_a_rank_that_finished_is_never_silent():
-    from torch.distributed import TCPStore
-
-    from flowrl.runtime.distributed import PeerMonitor
-
-    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                      timeout=datetime.timedelta(seconds=10))
-    a, b = PeerMonitor(master, 0, 2, 20.0, 60.0), PeerMonitor(master, 1, 2, 20.0, 60.0)
-    a._last_check = 0.0
-    b.beat()
-    a.check(0.0)
+def test_a_rank_that_finished_is_never_silent(peer_pair):
+    a, b = peer_pair
     b.stop()  # rank 1 finished; rank 0 still writes its last checkpoint
     assert [a.check(float(t)) for t in range(2, 30, 2)] == [{}] * 14
     assert a.report() == ""

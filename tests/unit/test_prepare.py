@@ -54,18 +54,10 @@ def test_flowrl_train_composes_and_places_once(counted, monkeypatch, tmp_path):
     assert (tmp_path / "run" / ".hydra" / "overrides.yaml").is_file()  # Hydra's job record
 
 
-def test_a_multi_rank_launch_prepares_once_then_runs_torchrun(counted, monkeypatch, tmp_path):
-    from flowrl.runtime import supervise
+def test_a_multi_rank_launch_prepares_once_then_runs_torchrun(counted, fake_supervise, tmp_path):
     from flowrl.train import main
 
-    seen = {}
-
-    def fake_supervise(torchrun_args, overrides):
-        seen["argv"], seen["overrides"] = torchrun_args, overrides
-        return 0
-
-    # torchrun's agent runs in the launcher's process (runtime/supervise.py)
-    monkeypatch.setattr(supervise, "supervise", fake_supervise)
+    seen = fake_supervise  # torchrun's agent runs in the launcher's process (runtime/supervise.py)
     with pytest.raises(SystemExit) as e:
         main(["launcher.nproc=2", *SMOKE, f"trainer.output_dir={tmp_path}"])
     assert e.value.code == 0

@@ -125,19 +125,10 @@ def test_the_peer_monitor_names_the_rank_that_stopped_heartbeating():
     assert mons[0].check(t + 14.0) == {} and mons[0].stale == {}
 
 
-def test_a_held_up_monitor_gives_no_verdict():
+def test_a_held_up_monitor_gives_no_verdict(peer_pair):
     """The monitor thread itself starved (e.g. the GIL held for long): it cannot tell a frozen
     peer from its own delay, so it restarts the clock instead of reporting."""
-    from torch.distributed import TCPStore
-
-    from flowrl.runtime.distributed import PeerMonitor
-
-    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                      timeout=datetime.timedelta(seconds=10))
-    a, b = PeerMonitor(master, 0, 2, 20.0, 60.0), PeerMonitor(master, 1, 2, 20.0, 60.0)
-    a._last_check = 0.0
-    b.beat()
-    a.check(0.0)
+    a, b = peer_pair
     assert a.check(30.0) == {}  # 30 s since the last check > stale_s / 2: no verdict
     assert [a.check(30.0 + dt) != {} for dt in (2, 4, 6, 8, 10)] == [False] * 4 + [True]
 
