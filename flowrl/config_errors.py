@@ -79,30 +79,21 @@ def key_hint(full_key: str) -> str:
     return f" (did you mean {prefix + '.' if prefix else ''}{close}?)" if close else ""
 
 
-def _default(full_key: str) -> Optional[Any]:
+def _default(full_key: str, missing: Any = None) -> Optional[Any]:
+    """The schema's default of ``full_key``; ``missing`` when the schema has no such key."""
     from omegaconf import OmegaConf
 
     try:
-        return OmegaConf.select(_schema(), full_key, throw_on_missing=False)
+        return OmegaConf.select(_schema(), full_key, default=missing, throw_on_missing=False)
     except Exception:  # a key OmegaConf cannot select (interpolation, missing): no example
-        return None
+        return missing
 
 
 def _is_null_section(full_key: str) -> bool:
     """``full_key`` is a schema field whose default is None (``model.lora``: a section that is
-    off until given)."""
-    from omegaconf import OmegaConf
-
-    node: Any = _schema()
-    parts = full_key.split(".")
-    for p in parts[:-1]:
-        if p not in node:
-            return False
-        node = node[p]
-    try:
-        return parts[-1] in node and OmegaConf.select(node, parts[-1]) is None
-    except Exception:  # a node OmegaConf cannot inspect: not a null section
-        return False
+    off until given); a key the schema lacks is not."""
+    missing = object()
+    return _default(full_key, missing) is None
 
 
 def _first_unparsable(overrides: Sequence[str]) -> tuple[str, str]:

@@ -278,8 +278,13 @@ def gguf_cache_dir(gguf: Path, dtype: "torch.dtype") -> Path:
     st = gguf.stat()
     ident = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{transformers.__version__}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    root = Path(os.environ.get("FLOWRL_CACHE") or Path.home() / ".cache" / "flowrl")
-    return root / "gguf" / f"{gguf.stem}-{key}"
+    return cache_root() / "gguf" / f"{gguf.stem}-{key}"
+
+
+def cache_root() -> Path:
+    """flowrl's cache folder: ``$FLOWRL_CACHE``, default ``~/.cache/flowrl`` (the dequantized
+    GGUFs under ``gguf/``, the vLLM policy exports under ``vllm/``)."""
+    return Path(os.environ.get("FLOWRL_CACHE") or Path.home() / ".cache" / "flowrl")
 
 
 def _write_gguf_cache(model: "PreTrainedModel", target: Path) -> None:

@@ -193,7 +193,9 @@ def export_policy(model: nn.Module, tokenizer, model_dir: str | None = None,
         if image_token_id is not None:
             image_processor.save_pretrained(str(path))
     else:
-        root = Path(os.environ.get("FLOWRL_CACHE") or Path.home() / ".cache" / "flowrl") / "vllm"
+        from flowrl.models.loading import cache_root
+
+        root = cache_root() / "vllm"
         path = root / export_key(model, tokenizer, tensors, image_processor)
         names = list(tensors)
         if not (path / "model.safetensors").is_file():
