@@ -72,7 +72,7 @@ class ModelConfig:
             on CUDA through the train engine's mixed precision; ``flowrl/machine.py``),
             ``float32``, ``bfloat16`` (pure bf16 weights and optimizer), ``float16``.
         attn_implementation: ``auto`` (default: ``flash_attention_2`` on CUDA when flash-attn is
-            installed, else ``sdpa_flex`` on CUDA and ``sdpa`` on CPU), ``sdpa``, ``eager``,
+            installed, else ``sdpa``; ``flowrl/machine.py``), ``sdpa``, ``eager``,
             ``flash_attention_2``, ``flex_attention`` (torch flex_attention everywhere) or
             ``sdpa_flex`` (SDPA, except the train engine's packed micro-batches: document-masked
             flex_attention on CUDA, a dense block-diagonal SDPA mask on CPU;
