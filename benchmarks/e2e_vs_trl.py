@@ -280,6 +280,8 @@ def trl_kwargs(tc, bc: BenchConfig, out_dir: str) -> dict:
 
 
 def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, str, str]]:
+    from flowrl.engines.rollout.vllm_config import TORCH_COMPILE_MIN_DECODE_STEPS
+
     e, a, s = tc.trainer.engine, tc.algorithm, tc.rollout.sampling
     mb = (f"max_tokens_per_micro_batch={e.max_tokens_per_micro_batch}"
           if e.max_tokens_per_micro_batch else f"micro_batch_size={e.micro_batch_size}")
@@ -289,7 +291,9 @@ def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, 
                    f"gpu_memory_utilization={v.gpu_memory_utilization}, kv_cache_memory_gb="
                    f"{v.kv_cache_memory_gb}, max_num_seqs={v.max_num_seqs}, "
                    f"max_num_batched_tokens={v.max_num_batched_tokens}, sleep_level={v.sleep_level}, "
-                   f"enforce_eager={v.enforce_eager}, logprobs_mode={v.logprobs_mode}")
+                   f"enforce_eager={v.enforce_eager}, torch_compile={v.torch_compile} (null = on from "
+                   f"{TORCH_COMPILE_MIN_DECODE_STEPS:,} decode steps in the job), "
+                   f"logprobs_mode={v.logprobs_mode}")
         trl_rollout = (f"use_vllm=True vllm_mode=colocate (in process), vllm_gpu_memory_utilization="
                        f"{kw['vllm_gpu_memory_utilization']}, vllm_max_model_length="
                        f"{kw['vllm_max_model_length']}, vllm_enable_sleep_mode=False (TRL "

@@ -57,6 +57,9 @@ VARIANTS: dict[str, list[str]] = {
     "graphs10": ["rollout.vllm.engine_procs=0", "rollout.vllm.enforce_eager=false",
                  "trainer.total_steps=10", "trainer.eval.every=0"],
     "hf": ["rollout=hf"],
+    # the default job with vLLM's torch.compile on (the job-sized default turns it off for a job
+    # this short): its start-up cost against its step times
+    "compile": ["rollout.vllm.torch_compile=true"],
 }
 MILESTONES = {
     "model": re.compile(r"start-up: model loaded"),

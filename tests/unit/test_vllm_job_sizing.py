@@ -23,8 +23,12 @@ def test_small_job_runs_one_engine_in_process_with_graphs_for_its_batch():
     assert cfg.enforce_eager is False
     assert cfg.max_cudagraph_capture_size == 64  # not max_num_seqs (2,048): start-up
     assert cfg.kv_cache_memory_gb is None  # one engine: vLLM sizes its own cache
+    assert cfg.torch_compile is False  # 3,200 decode steps cannot pay ~36 s of compiling
     assert [w.split("=")[0] for w in why] == ["rollout.vllm.engine_procs",
-                                              "rollout.vllm.max_cudagraph_capture_size"]
+                                              "rollout.vllm.max_cudagraph_capture_size",
+                                              "rollout.vllm.torch_compile"]
+    assert why[2] == ("rollout.vllm.torch_compile=false (3,200 decode steps in the job, < 50,000: "
+                      "compiling costs ~36 s of start-up)")
 
 
 def test_small_job_on_two_ranks_keeps_a_child_process():
@@ -44,7 +48,20 @@ def test_large_job_gets_four_engines_graphs_sized_to_the_batch_and_a_fixed_cache
     kv = (0.5 * H200 - 4 * (SMOL + ENGINE_OVERHEAD_BYTES)) / GiB
     assert cfg.kv_cache_memory_gb == pytest.approx(int(kv * 4) / 4)
     assert cfg.kv_cache_memory_gb == 56.25
-    assert len(why) == 3
+    assert cfg.torch_compile is False  # 19,200 decode steps
+    assert len(why) == 4
+
+
+@pytest.mark.parametrize("decode_steps, expected", [(49_999, False), (50_000, True), (10**6, True)])
+def test_torch_compile_turns_on_for_long_jobs_only(decode_steps, expected):
+    job = RolloutJob(seqs_per_step=64, eval_seqs=0, decode_steps=decode_steps, ranks=1)
+    _, cfg, _ = VLLMRolloutConfig().sized_for(job, SMOL, H200)
+    assert cfg.torch_compile is expected
+    # an explicit choice, or eager, is left alone
+    _, cfg, _ = VLLMRolloutConfig(torch_compile=True).sized_for(job, SMOL, H200)
+    assert cfg.torch_compile is True
+    _, cfg, _ = VLLMRolloutConfig(enforce_eager=True).sized_for(job, SMOL, H200)
+    assert cfg.torch_compile is None
 
 
 def test_engines_scale_with_sequences_per_step():
@@ -64,7 +81,8 @@ def test_capture_size_rounds_up_per_engine_and_stops_at_max_num_seqs():
 
 def test_explicit_settings_win():
     job = RolloutJob(seqs_per_step=32, eval_seqs=32, decode_steps=100, ranks=1)
-    base = VLLMRolloutConfig(engine_procs=4, max_cudagraph_capture_size=512, kv_cache_memory_gb=20)
+    base = VLLMRolloutConfig(engine_procs=4, max_cudagraph_capture_size=512, kv_cache_memory_gb=20,
+                             torch_compile=True)
     procs, cfg, why = base.sized_for(job, SMOL, H200)
     assert procs == 4 and cfg == base and why == []
 

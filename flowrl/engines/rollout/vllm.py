@@ -356,6 +356,10 @@ class VLLMRolloutEngine:
         if self.on_cuda and not self.cfg.enforce_eager:
             kwargs["max_cudagraph_capture_size"] = (self.cfg.max_cudagraph_capture_size
                                                     or self.cfg.max_num_seqs)
+            if self.cfg.torch_compile is False:
+                # no Dynamo/Inductor (and none of Inductor's per-process init); full CUDA graphs
+                # for decode, which need no compiled graph to split (piecewise graphs do)
+                kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
         kv_gb = self.cfg.kv_cache_gb_on(current_platform.is_cpu())
         if kv_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
@@ -369,7 +373,8 @@ class VLLMRolloutEngine:
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
         graphs = "eager" if kwargs["enforce_eager"] or not self.on_cuda else \
-            f"CUDA graphs up to {kwargs.get('max_cudagraph_capture_size')} sequences"
+            f"CUDA graphs up to {kwargs.get('max_cudagraph_capture_size')} sequences" + \
+            (", no torch.compile" if "compilation_config" in kwargs else ", torch.compile")
         log.info("vLLM engine ready in %.1f s (%s, pid %d)", time.perf_counter() - t0, graphs,
                  os.getpid())
         # a direct load needs every parameter's own loader; layers that replace their parameters

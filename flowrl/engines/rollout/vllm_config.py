@@ -32,6 +32,13 @@ SEQS_PER_ENGINE_PROC = 64
 # the sampler's logits, CUDA graphs) when flowrl fixes the cache size up front
 ENGINE_OVERHEAD_BYTES = 3 << 30
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# decode steps of a whole job (RolloutJob.decode_steps) from which vLLM's torch.compile is turned on
+# when rollout.vllm.torch_compile is null. Compiling costs start-up on every run: on the H200 the
+# default job's in-process engine spent 8 s in Dynamo, 12 s in Inductor (a cache miss) and 15.5 s in
+# Inductor's once-per-process pattern-matcher init (the gap between the CUDA-graph capture and
+# vLLM's "Kernel JIT monitor" line), 36 of its 60 s (benchmarks/results/first_step_h200.md); the
+# decode it speeds up is already a CUDA graph without it. A job this long amortises that.
+TORCH_COMPILE_MIN_DECODE_STEPS = 50_000
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,13 @@ class VLLMRolloutConfig:
             faster once the capture is sized to the job: on the H200 the default job's in-process
             engine was ready in 40.5 s eager and 40.4 s with graphs up to 64 sequences, and
             stepped in 1.30 s vs 0.49 s (median; benchmarks/results/first_step_h200.md).
+        torch_compile: vLLM's torch.compile of the model (Dynamo + Inductor, piecewise CUDA graphs).
+            False = no compile: the model runs vLLM's eager kernels and decode steps replay full
+            CUDA graphs (``cudagraph_mode=FULL_DECODE_ONLY``), which skips ~36 s of an H200
+            engine's start-up (see ``TORCH_COMPILE_MIN_DECODE_STEPS``). True = compile (vLLM's
+            default). None (default) = job-sized (:meth:`sized_for`): compile only when the job
+            decodes at least ``TORCH_COMPILE_MIN_DECODE_STEPS`` steps. CUDA only; ignored on CPU
+            and with ``enforce_eager``.
         max_cudagraph_capture_size: largest decode batch captured as a CUDA graph; None = the
             job's sequences per generate call (:meth:`sized_for`, rounded up to 8 per engine), or
             ``max_num_seqs`` without job information. Every captured size costs start-up: on the
@@ -127,6 +141,7 @@ class VLLMRolloutConfig:
     max_num_batched_tokens: Optional[int] = 32768
     max_model_len: Optional[int] = None
     enforce_eager: bool = False
+    torch_compile: Optional[bool] = None
     max_cudagraph_capture_size: Optional[int] = None
     dtype: str = "auto"
     enable_prefix_caching: bool = True
@@ -209,7 +224,8 @@ class VLLMRolloutConfig:
         job-sized ``None`` filled in, one reason per filled setting for the console).
 
         Filled (each only where the field is None, on CUDA):
-        ``engine_procs`` (:meth:`engine_procs_for`); ``max_cudagraph_capture_size``
+        ``engine_procs`` (:meth:`engine_procs_for`); ``torch_compile`` (on from
+        ``TORCH_COMPILE_MIN_DECODE_STEPS`` decode steps); ``max_cudagraph_capture_size``
         (the job's largest generate call, rounded up to 8 sequences per engine, at most
         ``max_num_seqs``); ``kv_cache_memory_gb`` when several engines share the device (the
         memory budget less each engine's weights and ``ENGINE_OVERHEAD_BYTES``, so the engines
@@ -238,6 +254,12 @@ class VLLMRolloutConfig:
             cfg = dataclasses.replace(cfg, max_cudagraph_capture_size=per_engine * engines)
             why.append(f"rollout.vllm.max_cudagraph_capture_size={per_engine * engines} (the job's "
                        f"largest generate call; each captured size costs start-up)")
+        if not cfg.enforce_eager and cfg.torch_compile is None:
+            compile_ = job.decode_steps >= TORCH_COMPILE_MIN_DECODE_STEPS
+            cfg = dataclasses.replace(cfg, torch_compile=compile_)
+            why.append(f"rollout.vllm.torch_compile={str(compile_).lower()} ({job.decode_steps:,} "
+                       f"decode steps in the job, {'>=' if compile_ else '<'} "
+                       f"{TORCH_COMPILE_MIN_DECODE_STEPS:,}: compiling costs ~36 s of start-up)")
         if cfg.kv_cache_memory_gb is None and engines > 1:
             budget = cfg.gpu_memory_utilization * device_memory
             kv = (budget - engines * (weight_bytes + ENGINE_OVERHEAD_BYTES)) / 2**30
