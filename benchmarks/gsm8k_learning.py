@@ -257,6 +257,13 @@ def render(steps: list[dict], summary: dict, stem: Path, meta: dict[str, str], c
                   _f(r.get("actor/pg_loss"), "{:+.4f}"), _f(r.get("actor/grad_norm"), "{:.3f}"),
                   _f(r.get("rollout/logprob_mismatch"), "{:.1e}"), _f(r.get("perf/step_s"), "{:.2f}"),
                   _f(r.get("perf/tokens_per_s"), "{:.0f}")] for r in shown]
+    if any("multi_turn/tool_calls_mean" in r for r in steps):  # graph=grpo_tools: the tool use
+        step_headers += ["turns", "tool calls / traj", "tool errors / traj", "valid calls"]
+        for row, r in zip(step_rows, shown):
+            calls, errors = r.get("multi_turn/tool_calls_mean"), r.get("multi_turn/tool_errors_mean")
+            valid = 1 - errors / calls if calls and errors is not None else None
+            row += [_f(r.get("multi_turn/turns_mean"), "{:.2f}"), _f(calls, "{:.2f}"),
+                    _f(errors, "{:.2f}"), _f(valid, "{:.2f}")]
     step_s = [r["perf/step_s"] for r in steps if r.get("perf/step_s") is not None]
     half = max(done // 2, 1)
     mean = lambda rs, k: (sum(r[k] for r in rs if r.get(k) is not None)  # noqa: E731
@@ -284,7 +291,7 @@ def render(steps: list[dict], summary: dict, stem: Path, meta: dict[str, str], c
         f"limit {_limit(_get(cfg, 'trainer.eval.limit'))}, ≤ {_get(cfg, 'trainer.eval.max_new_tokens')} tokens")
     png = (f"![reward and accuracy curves]({stem.name}.png)" if png_note is None
            else f"(no PNG: {png_note})")
-    md = f"""# GSM8K learning run: GRPO on SmolLM2-135M-Instruct under `flowrl train`
+    md = f"""# Learning run: `{_get(cfg, 'graph.path')}` on `data={_get(cfg, 'data.name')}` under `flowrl train`
 
 - Command: `{meta['command']}`
 - Report: `{command_line()}`
@@ -292,7 +299,8 @@ def render(steps: list[dict], summary: dict, stem: Path, meta: dict[str, str], c
 - Machine: {meta['machine']}
 - Versions: {meta['versions']}
 - Config (composed): {config_line}
-- Reward (graph `reward` stage): 1 for a right answer (the number after the last `####`; since
+- Reward (graph `reward` stage; a graph file's `params.verifier` may replace the GSM8K rule,
+  e.g. `math_verify`): 1 for a right answer (the number after the last `####`; since
   issue 25 also the last number of an answer without `####`, and no `format_score` unless the
   graph sets one), 0 otherwise. Eval: strict = the same rule (reward exactly 1); math-verify =
   `flowrl.rewards.math_verify_reward` (the final answer found in any format); `#### n` share = a

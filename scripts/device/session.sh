@@ -16,7 +16,8 @@
 #   carry [".flowrl_commit"]:     bash scripts/device/session.sh <phase> [<phase> ...]
 #   (.flowrl_commit: `git rev-parse --short HEAD > .flowrl_commit` here first; git-ignored, so it
 #   travels only when carried; the device copy's .git is stale and reports an old commit)
-# Phases: first_step, learning, e2e, tier, vlm, nan, hfgen, distill_teacher, distill_arms (see each below);
+# Phases: first_step, learning, e2e, tier, vlm, nan, hfgen, distill_teacher, distill_arms, gsm8k_mv,
+# tools (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
 set -uo pipefail
@@ -69,6 +70,26 @@ phase_distill_teacher() {  # ~4 min: arm (b), RL on arith from the base, exporte
 phase_distill_arms() {  # ~4 min: arms (a) on-policy distillation and (c) SFT on teacher samples
   OUT=$OUT STAGE=distill FLOWRL_COMMIT=$COMMIT bash scripts/device/distill_run.sh ${DISTILL_ARGS:-} ${X:-}
 }
+# $OUT brings back at most 8 files: each run below comes back as one archive (report, PNG, run files)
+learning_run() {  # <name> <STEM> <BASE> [overrides]: one gsm8k_learning_run.sh run, archived
+  local name=$1 stem=$2 base=$3; shift 3
+  rm -rf "/tmp/$name" && mkdir -p "/tmp/$name/out"
+  OUT=/tmp/$name/out RUN=/tmp/$name/run STEM=$stem BASE="$base" FLOWRL_COMMIT=$COMMIT \
+    TRAIN_TIMEOUT_S=${TRAIN_TIMEOUT_S:-480} bash scripts/device/gsm8k_learning_run.sh "$@" ${X:-}
+  local rc=$?
+  cp "/tmp/$name/run/console.log" "/tmp/$name/out/" 2>/dev/null
+  (cd "/tmp/$name" && tar czf "$OUT/$name.tgz" out); return $rc
+}
+phase_gsm8k_mv() {  # ~7 min: GSM8K scored by math-verify, no format bonus (issue 25), 40 steps
+  learning_run gsm8k_mv gsm8k_math_verify_h200 trainer=gsm8k_gpu \
+    graph.path=$PWD/scripts/device/grpo_math_verify.yaml trainer.total_steps=${STEPS:-40} \
+    rollout.vllm.gpu_memory_utilization=0.2
+}
+phase_tools() {  # ~6 min: graph=grpo_tools with SmolLM2 on data=arith (issue 25): tool use per step
+  learning_run tools tools_smollm2_h200 graph=grpo_tools trainer.total_steps=${STEPS:-40} \
+    trainer.prompts_per_step=16 trainer.eval.limit=256 trainer.eval.every=10 \
+    rollout.vllm.gpu_memory_utilization=0.2
+}
 phase_tier() {  # ~5 min: the GPU tier (TIER_K: a -k selection)
   timeout -k 10 ${TIER_TIMEOUT_S:-540} python3 -m pytest ${TIER_K:+-k "$TIER_K"} -m "gpu or vllm" tests/gpu/test_train_gpu.py tests/gpu/test_multi_turn_gpu.py \
     tests/gpu/test_vlm_vllm_gpu.py tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
@@ -104,7 +125,8 @@ for p in "$@"; do
     log "phases $p done in $((SECONDS - t0)) s"
     continue
   fi
-  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms) ;; *) continue ;; esac
+  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools) ;;
+  *) log "unknown phase $p"; rc=2; continue ;; esac
   log "phase $p"
   t0=$SECONDS
   "phase_$p" || { rc=$?; log "phase $p exit $rc"; }
