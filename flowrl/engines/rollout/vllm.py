@@ -100,7 +100,9 @@ def direct_load_blocker(model: nn.Module) -> str | None:
         - a parameter is empty (vLLM-CPU's GEMM dispatch moves linear weights into a packed
           kernel handle and leaves a 0-element parameter), or
         - a parameter of a linear or embedding layer lost its ``weight_loader`` (the layer
-          replaced it after loading; the fused q/k/v and gate/up loaders need it).
+          replaced it after loading; the fused q/k/v and gate/up loaders need it), or
+        - a layer is wrapped for LoRA (``enable_lora``: its weight is ``<layer>.base_layer.weight``,
+          a name the model's own loader does not map; ``reload_weights`` does).
     Parameters of other layers (RMSNorm weights) never had a loader: vLLM loads them with its
     ``default_weight_loader`` (a plain copy), so their lack of one is no reason to refuse (the
     old rule, "every parameter has a loader", refused every model with a norm, hence also CUDA).
@@ -111,10 +113,13 @@ def direct_load_blocker(model: nn.Module) -> str | None:
     Returns:
         a one-line reason naming the first offending layer, or None.
     """
+    from vllm.lora.layers import BaseLayerWithLoRA
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     for name, module in model.named_modules():
+        if isinstance(module, BaseLayerWithLoRA):
+            return f"layer {name} is wrapped for LoRA ({type(module).__name__})"
         qm = getattr(module, "quant_method", None)
         if qm is not None and type(qm).__name__ not in _PLAIN_QUANT_METHODS:
             return f"layer {name} is quantized ({type(qm).__name__}: post-load processing)"
