@@ -59,6 +59,7 @@ def test_sampled_groups_reproducible_and_logprobs_match_trainer(setup):
 
 def test_weight_load_reaches_every_engine(setup):
     eng, model, tok, ids, mask = setup
+    assert eng.weight_load_path == "reload"  # the engines' own resolution (vLLM-CPU repacks)
     new = load_model(ModelConfig(tiny=TINY_VLLM, seed=1))
     eng.load_weights(new.named_parameters())
     n_params = sum(1 for _ in new.named_parameters())

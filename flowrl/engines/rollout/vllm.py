@@ -84,6 +84,54 @@ def weights_and_device_memory(model: nn.Module) -> tuple[int, int | None]:
     return nbytes, torch.cuda.get_device_properties(params[0].device).total_memory
 
 
+# quant methods of layers that keep the checkpoint's layout after loading (on CUDA: vLLM-CPU's
+# UnquantizedLinearMethod repacks and empties the weight, which direct_load_blocker sees)
+_PLAIN_QUANT_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
+
+
+def direct_load_blocker(model: nn.Module) -> str | None:
+    """Why vLLM's model ``model`` cannot take a *direct* weight load (its own ``load_weights``:
+    each HF tensor copied in place into its, possibly fused, parameter), or None when it can.
+
+    A direct load is exact when every parameter still is what the loaders write: the layers are
+    unquantized and no post-load processing replaced or repacked a parameter. It is refused when
+        - a layer has a quant method other than the unquantized ones (its post-load processing
+          must re-run: ``reload``), or
+        - a parameter is empty (vLLM-CPU's GEMM dispatch moves linear weights into a packed
+          kernel handle and leaves a 0-element parameter), or
+        - a parameter of a linear or embedding layer lost its ``weight_loader`` (the layer
+          replaced it after loading; the fused q/k/v and gate/up loaders need it), or
+        - a layer is wrapped for LoRA (``enable_lora``: its weight is ``<layer>.base_layer.weight``,
+          a name the model's own loader does not map; ``reload_weights`` does).
+    Parameters of other layers (RMSNorm weights) never had a loader: vLLM loads them with its
+    ``default_weight_loader`` (a plain copy), so their lack of one is no reason to refuse (the
+    old rule, "every parameter has a loader", refused every model with a norm, hence also CUDA).
+
+    Args:
+        model: vLLM's model module (``VLLMRolloutEngine.model``) after loading.
+
+    Returns:
+        a one-line reason naming the first offending layer, or None.
+    """
+    from vllm.lora.layers import BaseLayerWithLoRA
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    for name, module in model.named_modules():
+        if isinstance(module, BaseLayerWithLoRA):
+            return f"layer {name} is wrapped for LoRA ({type(module).__name__})"
+        qm = getattr(module, "quant_method", None)
+        if qm is not None and type(qm).__name__ not in _PLAIN_QUANT_METHODS:
+            return f"layer {name} is quantized ({type(qm).__name__}: post-load processing)"
+        loaded = isinstance(module, (LinearBase, VocabParallelEmbedding))
+        for pname, p in module.named_parameters(recurse=False):
+            if p.numel() == 0:
+                return f"parameter {name}.{pname} was repacked after loading (it is empty)"
+            if loaded and not hasattr(p, "weight_loader"):
+                return f"parameter {name}.{pname} lost its weight loader after loading"
+    return None
+
+
 def _hf_config(model: nn.Module) -> "PretrainedConfig":
     # nn.Module's __getattr__ types every attribute Tensor | Module; a transformers model's
     # `config` is its PretrainedConfig
@@ -377,17 +425,16 @@ class VLLMRolloutEngine:
             (", no torch.compile" if "compilation_config" in kwargs else ", torch.compile")
         log.info("vLLM engine ready in %.1f s (%s, pid %d)", time.perf_counter() - t0, graphs,
                  os.getpid())
-        # a direct load needs every parameter's own loader; layers that replace their parameters
-        # after loading (vLLM-CPU's repacked GEMM weights, quantized kernels) drop them
-        direct_ok = all(hasattr(p, "weight_loader") for p in self.model.parameters())
+        blocker = direct_load_blocker(self.model)
         mode = self.cfg.weight_load
-        if mode == "direct" and not direct_ok:
+        if mode == "direct" and blocker is not None:
             self.close()  # the engine and a temporary export go; the caller gets the reason
-            raise ValueError("rollout.vllm.weight_load=direct: this vLLM model's parameters have no "
-                             "weight loaders after loading (repacked or quantized layers); use "
+            raise ValueError(f"rollout.vllm.weight_load=direct: {blocker}; use "
                              "rollout.vllm.weight_load=reload or auto")
-        self.weight_load_path = "direct" if mode == "direct" or (mode == "auto" and direct_ok) \
+        self.weight_load_path = "direct" if mode == "direct" or (mode == "auto" and blocker is None) \
             else "reload"
+        log.info("vLLM weight load path: %s (%s)", self.weight_load_path,
+                 blocker or "every layer unquantized, in its loaded layout")
         self._vllm = vllm
         self._asleep = 0            # level of the current sleep (0 = awake)
         self._weights_awake = True  # CUDA: weights resident (a load while asleep wakes them only)
@@ -524,8 +571,9 @@ class VLLMRolloutEngine:
         """Load a full set of weights in HF naming into vLLM's model, in place; reset the prefix cache.
 
         ``cfg.weight_load`` chooses the path (``VLLMRolloutConfig.weight_load``): "direct"
-        (the default where the model allows it: unquantized CUDA layers) calls the model's own ``load_weights``, whose per-parameter loaders copy
-        each tensor into its fused q/k/v or gate/up parameter in place; "reload" goes through
+        (auto's choice where :func:`direct_load_blocker` finds nothing: unquantized CUDA layers)
+        calls the model's own ``load_weights``, whose per-parameter loaders copy each tensor into
+        its fused q/k/v or gate/up parameter in place (TRL's colocate sync); "reload" goes through
         vLLM's in-place reload (``Worker.reload_weights``), which also re-runs each layer's
         post-load processing once all its tensors arrived (quantized or repacked layers, e.g.
         vLLM-CPU's GEMM weights, need it). The

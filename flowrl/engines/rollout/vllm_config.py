@@ -126,9 +126,10 @@ class VLLMRolloutConfig:
         weight_load: how a weight sync enters the engine: "direct" = the vLLM model's own
             ``load_weights`` (each tensor copied into its fused parameter in place), "reload" =
             vLLM's ``reload_weights`` (adds each layer's post-load processing: needed by quantized
-            or repacked layers), "auto" = direct when every parameter of vLLM's model kept its
-            loader after loading (unquantized CUDA layers), else reload (vLLM-CPU repacks its
-            GEMM weights after loading and drops them).
+            or repacked layers), "auto" = direct when ``vllm.direct_load_blocker`` finds no quantized
+            layer, repacked parameter or linear/embedding parameter without its loader
+            (unquantized CUDA layers), else reload (vLLM-CPU repacks its GEMM weights after
+            loading and drops them).
         max_images_per_prompt: a vision-language policy's most images in one prompt (vLLM's
             ``limit_mm_per_prompt``: it sizes the vision encoder's start-up profiling by it, and
             refuses a request with more). Ignored for a text model.

@@ -121,7 +121,8 @@ def _serve(conn, exported: PolicyExport, cfg: VLLMRolloutConfig, env: dict[str, 
     except BaseException as e:  # noqa: BLE001 (reported to the parent, which raises it)
         conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
         return
-    conn.send(("ok", {"sleep_supported": engine.sleep_supported}))
+    conn.send(("ok", {"sleep_supported": engine.sleep_supported,
+                      "weight_load_path": engine.weight_load_path}))
 
     ended = [True]
 
@@ -194,6 +195,7 @@ class VLLMProcessEngine:
         last_timings: seconds of the last call; per key the slowest engine (``generate_s`` is the
             parent's wall time of the whole call).
         last_load_counts: ``{"tensors": n, "bytes": b}`` the last ``load_weights`` sent.
+        weight_load_path: "direct" or "reload", as the engines resolved ``weight_load``.
         last_prefix_cache: prompt tokens of the last ``generate`` and how many the engines'
             prefix caches served, summed over the engines.
 
@@ -261,6 +263,8 @@ class VLLMProcessEngine:
         # before multiprocessing joins its children (it would wait for engine processes forever)
         self._finalizer = weakref.finalize(self, _shutdown, self._conns, self._procs, tmp_dir)
         self.sleep_supported = all(r["sleep_supported"] for r, _ in ready)
+        # every engine resolves rollout.vllm.weight_load on the same model: one path
+        self.weight_load_path = ready[0][0]["weight_load_path"]
         self.last_timings: dict[str, float] = {}
         self.last_load_counts: dict[str, int] = {"tensors": 0, "bytes": 0}
         self.last_prefix_cache: dict[str, int] = {"prompt_tokens": 0, "cached_tokens": 0}
