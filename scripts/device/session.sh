@@ -17,7 +17,7 @@
 #   (.flowrl_commit: `git rev-parse --short HEAD > .flowrl_commit` here first; git-ignored, so it
 #   travels only when carried; the device copy's .git is stale and reports an old commit)
 # Phases: first_step, learning, e2e, tier, vlm, nan, hfgen, distill_teacher, distill_arms, gsm8k_mv,
-# tools (see each below);
+# tools, sync (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
 set -uo pipefail
@@ -90,6 +90,11 @@ phase_tools() {  # ~6 min: graph=grpo_tools with SmolLM2 on data=arith (issue 25
     trainer.prompts_per_step=16 trainer.eval.limit=256 trainer.eval.every=10 \
     rollout.vllm.gpu_memory_utilization=0.2
 }
+phase_sync() {  # ~3 min: weight sync per load path (reload vs auto -> direct), 4 engines, 0.5B shape
+  VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout -k 10 ${SYNC_TIMEOUT_S:-300} python3 benchmarks/weight_sync.py \
+    --paths reload,auto --rounds ${SYNC_ROUNDS:-8} --out "$OUT/weight_sync_paths.md" > "$OUT/sync.log" 2>&1
+  local rc=$?; tail -n 30 "$OUT/sync.log"; return $rc
+}
 phase_tier() {  # ~5 min: the GPU tier (TIER_K: a -k selection)
   timeout -k 10 ${TIER_TIMEOUT_S:-540} python3 -m pytest ${TIER_K:+-k "$TIER_K"} -m "gpu or vllm" tests/gpu/test_train_gpu.py tests/gpu/test_multi_turn_gpu.py \
     tests/gpu/test_vlm_vllm_gpu.py tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
@@ -125,7 +130,7 @@ for p in "$@"; do
     log "phases $p done in $((SECONDS - t0)) s"
     continue
   fi
-  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools) ;;
+  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools|sync) ;;
   *) log "unknown phase $p"; rc=2; continue ;; esac
   log "phase $p"
   t0=$SECONDS
