@@ -433,8 +433,18 @@ def compose(overrides: list[str], *, with_hydra: bool = False):
     # job_name: the log file's name (train.log), as the `python -m flowrl.train` app has it
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3",
                                job_name="train"):
-        return hydra_compose(config_name="train", overrides=overrides,
-                             return_hydra_config=with_hydra)
+        try:
+            return hydra_compose(config_name="train", overrides=overrides,
+                                 return_hydra_config=with_hydra)
+        except AssertionError:  # Hydra's bare assert on a key under a null group
+            from hydra.errors import ConfigCompositionException
+
+            from flowrl.config_errors import null_group_override
+
+            line = null_group_override(overrides)
+            if line is None:
+                raise
+            raise ConfigCompositionException(line) from None  # its one line
 
 
 def output_dir_is_hydras(cfg: Any) -> bool:

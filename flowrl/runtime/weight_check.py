@@ -14,13 +14,16 @@ Switch: ``rollout.verify_sync`` (default on).
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator, cast
 
 import torch
 from torch import Tensor
 
 from flowrl.engines.base import WeightReadback
 from flowrl.errors import RunStopped
+
+if TYPE_CHECKING:
+    from peft.tuners.lora import LoraLayer
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +135,7 @@ def _eps(dtype: torch.dtype) -> float:
 
 
 @torch.no_grad()
-def _effective_at(layer: torch.nn.Module, index: Tensor) -> Tensor | None:
+def _effective_at(lora: "LoraLayer", index: Tensor) -> Tensor | None:
     """The weight ``layer`` (a peft ``LoraLayer``) computes with, at the flat positions ``index``
     of its base layer's weight: read from the layer's own forward on one-hot inputs (an
     embedding: on the sampled token ids), so the adapters enter exactly as training applies them
@@ -140,7 +143,8 @@ def _effective_at(layer: torch.nn.Module, index: Tensor) -> Tensor | None:
     None for a layer kind this does not read (conv)."""
     from torch.func import functional_call
 
-    base = layer.get_base_layer()
+    layer = cast(torch.nn.Module, lora)  # peft's LoraLayer is a mixin of the module classes
+    base = lora.get_base_layer()
     w = base.weight
     if not isinstance(w, Tensor) or w.dim() != 2:
         return None
@@ -160,7 +164,7 @@ def _effective_at(layer: torch.nn.Module, index: Tensor) -> Tensor | None:
             return y[pos.to(dev), c.to(dev)].cpu()
         if isinstance(base, torch.nn.Linear):
             inp, out, k_in = c, r, cols  # (out, in): position (r, c) = input c, output r
-        elif getattr(layer, "fan_in_fan_out", False):  # GPT-2's Conv1D: (in, out)
+        elif getattr(lora, "fan_in_fan_out", False):  # GPT-2's Conv1D: (in, out)
             inp, out, k_in = r, c, rows
         else:
             return None
@@ -199,6 +203,17 @@ def check_effective(model: torch.nn.Module, probe: SyncProbe, what: str) -> dict
     layers = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
     bad: list[str] = []
     checked = 0
+    sent_merged = set(layers) & set(probe.samples)
+    # a merged sync (some adapted layer sent under its base name) must cover every adapted
+    # layer: one it leaves out keeps its base weight in the engine. A sync of the adapter
+    # tensors themselves (the engine applies them) sends no such name and is not judged here
+    missing = sorted(n for n, m in layers.items() if n not in probe.samples
+                     and not any(k.startswith(n[:-len("weight")]) for k in probe.samples))
+    if sent_merged and missing:
+        raise WeightSyncError(
+            f"weight sync {what}: {len(missing)} of {len(layers)} LoRA-adapted layers were not "
+            f"sent (e.g. {', '.join(missing[:3])}): the engine keeps their base weights while "
+            "the trainer computes with its adapters. Set rollout.verify_sync=false to run anyway")
     for name in sorted(set(layers) & set(probe.samples)):
         idx, sent = probe.samples[name]
         eff = _effective_at(layers[name], idx)
