@@ -98,9 +98,7 @@ def null_group_override(overrides: Sequence[str]) -> Optional[str]:
 
 def key_hint(full_key: str) -> str:
     """`` (did you mean algorithm.kl_coef?)`` for a misspelt dotted key, from the schema."""
-    from omegaconf import DictConfig
-
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     parts = full_key.split(".")
     node: Any = _schema()
