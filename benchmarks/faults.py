@@ -508,11 +508,11 @@ class Bench:
         out = job.output
         said = [ln for ln in out.splitlines() if fragment in ln]
         last = last_line(out)
-        resume = rc == 0 or "trainer.resume" in last
+        resume = rc == 0 or "trainer.resume" in last  # a run that finished needs none
         self.note(label, out, "flowrl train: stopped" if rc else fragment)
         self.row(label, expected,
-                 f"exit {rc}; message: {bool(said)}; resume command: {resume}; traceback: "
-                 f"{'Traceback' in out}",
+                 f"exit {rc}; message text found: {bool(said)}; resume command: "
+                 f"{'n/a (completed)' if rc == 0 else resume}; traceback: {'Traceback' in out}",
                  rc == rc_want and bool(said) and resume and "Traceback" not in out)
 
     def guards(self) -> None:
