@@ -106,8 +106,10 @@ class RolloutConfig:
     needs the vllm package) or ``auto`` (default: vLLM on CUDA when it is installed, else hf;
     ``flowrl/machine.py``). ``sampling`` is shared by both. ``verify_sync``: after each weight
     sync, read sampled values of every synced tensor back from the engine and stop the run,
-    naming the engine and the tensors, when they are not the trainer's
-    (``runtime/weight_check.py``; 64 values per tensor, microseconds)."""
+    naming the engine and the tensors, when they are not the trainer's, and check that what was
+    sent for each LoRA-adapted layer is the weight the trainer computes with (an unmerged
+    adapter) (``runtime/weight_check.py``; 64 values per tensor, one small forward per adapted
+    layer)."""
 
     backend: str = "auto"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -436,15 +438,11 @@ def compose(overrides: list[str], *, with_hydra: bool = False):
         try:
             return hydra_compose(config_name="train", overrides=overrides,
                                  return_hydra_config=with_hydra)
-        except AssertionError:  # Hydra's bare assert on a key under a null group
+        except AssertionError as e:  # Hydra's bare assert on a key under a null group
             from hydra.errors import ConfigCompositionException
 
-            from flowrl.config_errors import null_group_override
-
-            line = null_group_override(overrides)
-            if line is None:
-                raise
-            raise ConfigCompositionException(line) from None  # its one line
+            # config_errors.explain turns it into one line (config_errors.null_group_override)
+            raise ConfigCompositionException(f"override failed: {e}") from e
 
 
 def output_dir_is_hydras(cfg: Any) -> bool:

@@ -172,6 +172,8 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
         ValidationError,
     )
 
+    if isinstance(e.__cause__, AssertionError) and (line := null_group_override(overrides)):
+        return line  # config.compose re-raised Hydra's bare assert
     if isinstance(e, MissingConfigException) and e.missing_cfg_file and "/" in e.missing_cfg_file:
         group, name = e.missing_cfg_file.rsplit("/", 1)
         options = ", ".join(e.options or []) or "(none)"

@@ -9,7 +9,15 @@ each at fixed flat positions; :func:`check_sync` reads the same positions back f
 to the engine's dtype (the cast the engine's own copy did). Cost: a gather of ``SAMPLES`` values
 per tensor on each side (microseconds; one round trip to vLLM engine processes).
 
-Switch: ``rollout.verify_sync`` (default on).
+The readback proves the engine holds what was sent, not that what was sent is the policy being
+trained: a LoRA merge that sends the base weights passes it. :func:`check_effective` then
+compares the sampled values sent for each LoRA-adapted layer with the weight that layer's own
+forward computes with (one-hot inputs through the trainer's module: base plus adapters, no merge
+code shared with the sync), and refuses a merged sync that leaves an adapted layer out. It runs on
+what the trainer streamed, so it holds for every rollout engine (HF, vLLM in-process or in its
+own processes). A sync of the adapter tensors themselves is not judged by it.
+
+Switch: ``rollout.verify_sync`` (default on; both checks).
 """
 from __future__ import annotations
 
@@ -198,7 +206,10 @@ def check_effective(model: torch.nn.Module, probe: SyncProbe, what: str) -> dict
         WeightSyncError: some adapted tensors sent differ from the trainer's effective weights
             (named, with the largest difference).
     """
-    from peft.tuners.lora import LoraLayer
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # without peft no model has LoRA layers
+        return {"effective_checked": 0.0}
 
     layers = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
     bad: list[str] = []
