@@ -47,3 +47,14 @@ def deaf_hang_on_first(response_text, fields, metadata):
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
         time.sleep(3600)
     return length_reward(response_text, fields, metadata)
+
+
+def huge(response_text, fields, metadata):
+    """±3e38 (finite in float32, its advantages and loss are not): every optimizer step is
+    skipped, the Dr.GRPO run of issue 27 that exited 0 having trained nothing."""
+    return 3e38 if metadata["index"] % 2 == 0 else -3e38
+
+
+def raise_always(response_text, fields, metadata):
+    """A verifier that raises on every sample (no sample of the step can be scored)."""
+    raise RuntimeError("verifier backend unreachable")

@@ -1,6 +1,6 @@
 """Fault injection on CPU: what an operator's accidents do to a flowrl run, and what resume gives back.
 
-    python benchmarks/faults.py [--kills 3] [--seed 0] [--only kill,rank,disk,reward,sync,malformed]
+    python benchmarks/faults.py [--kills 3] [--seed 0] [--only kill,rank,disk,reward,sync,guard,malformed]
 
 Results: benchmarks/results/faults_cpu.md (one table: test, expected, observed, pass).
 
@@ -24,6 +24,11 @@ and every update would be 0 and "bit-identical" would prove nothing). Scenarios:
   the run completes and only those samples are unscorable.
 - A weight sync that reaches nothing (LoRA with its own rollout copy, a loader that copies
   nothing): ``rollout.verify_sync`` stops the run at step 1 naming the engine and the tensors.
+- A LoRA sync that sends the base weights (adapters not merged): the readback passes, the
+  effective-weight check stops the run at step 1 naming the engine and the tensors.
+- Health guards: Dr.GRPO with rewards of ±3e38 (every step skipped) stops at
+  ``trainer.max_skipped_steps``; a verifier that raises on every sample stops at
+  ``trainer.max_unscorable_steps``; a constant reward is warned about (the message text checked).
 - Malformed graphs and configs (the table of ``tests/unit/test_malformed_inputs.py``) through
   ``flowrl graph validate``, ``flowrl plan`` and ``flowrl train`` (in this process, the model
   loader replaced by a tripwire), and one of them as a real ``flowrl train`` process: each is
@@ -461,6 +466,73 @@ class Bench:
                  f"{'trainer.resume' in last or 'trainer.overwrite' in last}; traceback: "
                  f"{'Traceback' in out}", rc == 1 and named and "Traceback" not in out)
 
+    def unmerged_lora_sync(self) -> None:
+        """A LoRA run with its own rollout copy whose merge sends the base weights
+        (``benchmarks/_fault_lora_merge.py``): the engine holds what was sent, so only the
+        effective-weight check sees it."""
+        d = self.root / "unmerged_lora_sync"
+        graph = self._module_graph("_fault_lora_merge:length_reward", "unmerged")
+        job = Job(d, [*self.base(f"graph.path={graph}"), "trainer.total_steps=2",
+                      "+model.lora.rank=4", "trainer.engine.strategy=fsdp",
+                      "trainer.engine.lr=0.05", "rollout.backend=hf"])
+        rc = job.wait()
+        out, last = job.output, last_line(job.output)
+        self.note("LoRA sync with the adapters not merged", out, "flowrl train: stopped")
+        named = last.startswith("flowrl train: stopped: weight sync actor -> rollout "
+                                "(HFRolloutEngine) after step 1: the weights sent are not the "
+                                "trainer's effective weights: 14 of 14 LoRA-adapted tensors differ")
+        self.row("a LoRA sync that sends the base weights (adapters not merged)",
+                 "exit 1 at step 1: one line naming the engine, what was synced and the tensors, "
+                 "the resume command, no traceback",
+                 f"exit {rc}; names engine + tensors at step 1: {named}; resume command: "
+                 f"{'trainer.resume' in last or 'trainer.overwrite' in last}; traceback: "
+                 f"{'Traceback' in out}", rc == 1 and named and "Traceback" not in out)
+
+    def _module_graph(self, path: str, tag: str, base: str = "grpo") -> Path:
+        import yaml
+
+        g = yaml.safe_load(make_graph(self.root, "length_reward", base).read_text())
+        next(s for s in g["stages"] if s["name"] == "reward")["params"]["path"] = path
+        graph = self.root / f"graph_{tag}.yaml"
+        graph.write_text(yaml.safe_dump(g, sort_keys=False))
+        return graph
+
+    def guard(self, label: str, fn: str, base: str, extra: list[str], expected: str,
+              fragment: str, rc_want: int) -> None:
+        """A run whose reward makes a health guard fire: the exit status and the message text
+        (``fragment`` in the output's last ``flowrl train: stopped`` line, or in the log for a
+        warning that lets the run finish)."""
+        d = self.root / f"guard_{fn}"
+        job = Job(d, [*self.base(f"graph.path={make_graph(self.root, fn, base)}"), *extra])
+        rc = job.wait()
+        out = job.output
+        said = [ln for ln in out.splitlines() if fragment in ln]
+        last = last_line(out)
+        resume = rc == 0 or "trainer.resume" in last  # a run that finished needs none
+        self.note(label, out, "flowrl train: stopped" if rc else fragment)
+        self.row(label, expected,
+                 f"exit {rc}; message text found: {bool(said)}; resume command: "
+                 f"{'n/a (completed)' if rc == 0 else resume}; traceback: {'Traceback' in out}",
+                 rc == rc_want and bool(said) and resume and "Traceback" not in out)
+
+    def guards(self) -> None:
+        self.guard("Dr.GRPO with rewards of +-3e38 (every optimizer step skipped), "
+                   "trainer.max_skipped_steps=1", "huge", "dr_grpo",
+                   ["trainer.total_steps=4", "trainer.max_skipped_steps=1"],
+                   "exit 1 at step 2, one line: steps skipped, more than "
+                   "trainer.max_skipped_steps=1, the resume command; never exit 0",
+                   "2 optimizer steps skipped (non-finite loss or grad norm), more than "
+                   "trainer.max_skipped_steps=1", 1)
+        self.guard("a verifier that raises on every sample, trainer.max_unscorable_steps=2",
+                   "raise_always", "grpo", ["trainer.total_steps=4",
+                                            "trainer.max_unscorable_steps=2"],
+                   "exit 1 at step 2, one line: no sample could be scored, the resume command",
+                   "step 2: no sample could be scored on the last 2 steps", 1)
+        self.guard("a reward that is the same for every sample, trainer.constant_reward_steps=2",
+                   "constant", "grpo", ["trainer.total_steps=2", "trainer.constant_reward_steps=2"],
+                   "run completes (exit 0) with a warning naming the constant reward",
+                   "every scorable reward of the last 2 steps was the same", 0)
+
     # ------------------------------------------------------------------ malformed inputs
     def malformed(self) -> None:
         """The malformed-input table through the three commands, in this process."""
@@ -570,7 +642,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kills", type=int, default=3, help="random SIGKILLs per kind")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", default="kill,rank,disk,reward,sync,malformed")
+    p.add_argument("--only", default="kill,rank,disk,reward,sync,guard,malformed")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks/results/faults_cpu.md")
     p.add_argument("--keep", action="store_true", help="keep the run folders")
     args = p.parse_args()
@@ -603,6 +675,9 @@ def main() -> None:
             b.deaf_reward()
         if "sync" in only:
             b.broken_sync()
+            b.unmerged_lora_sync()
+        if "guard" in only:
+            b.guards()
         if "malformed" in only:
             b.refill_cap()
             b.malformed()

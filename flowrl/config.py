@@ -106,8 +106,10 @@ class RolloutConfig:
     needs the vllm package) or ``auto`` (default: vLLM on CUDA when it is installed, else hf;
     ``flowrl/machine.py``). ``sampling`` is shared by both. ``verify_sync``: after each weight
     sync, read sampled values of every synced tensor back from the engine and stop the run,
-    naming the engine and the tensors, when they are not the trainer's
-    (``runtime/weight_check.py``; 64 values per tensor, microseconds)."""
+    naming the engine and the tensors, when they are not the trainer's, and check that what was
+    sent for each LoRA-adapted layer is the weight the trainer computes with (an unmerged
+    adapter) (``runtime/weight_check.py``; 64 values per tensor, one small forward per adapted
+    layer)."""
 
     backend: str = "auto"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -433,8 +435,14 @@ def compose(overrides: list[str], *, with_hydra: bool = False):
     # job_name: the log file's name (train.log), as the `python -m flowrl.train` app has it
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3",
                                job_name="train"):
-        return hydra_compose(config_name="train", overrides=overrides,
-                             return_hydra_config=with_hydra)
+        try:
+            return hydra_compose(config_name="train", overrides=overrides,
+                                 return_hydra_config=with_hydra)
+        except AssertionError as e:  # Hydra's bare assert on a key under a null group
+            from hydra.errors import ConfigCompositionException
+
+            # config_errors.explain turns it into one line (config_errors.null_group_override)
+            raise ConfigCompositionException(f"override failed: {e}") from e
 
 
 def output_dir_is_hydras(cfg: Any) -> bool:

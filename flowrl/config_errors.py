@@ -62,17 +62,57 @@ def _schema():
     return OmegaConf.structured(TrainConfig)
 
 
+def _field_type(cls: Any, name: str) -> Optional[type]:
+    """The dataclass type of field ``name`` of dataclass ``cls`` (``Optional[X]`` -> X), or None
+    when it is not a dataclass."""
+    import dataclasses
+    import typing
+
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return None
+    t = typing.get_type_hints(cls).get(name)
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    t = args[0] if typing.get_origin(t) is typing.Union and len(args) == 1 else t
+    return t if isinstance(t, type) and dataclasses.is_dataclass(t) else None
+
+
+def null_group_override(overrides: Sequence[str]) -> Optional[str]:
+    """One line for a key set under a config group whose default is null (``cluster.nodes=2``
+    without ``cluster=<option>``: Hydra fails with a bare ``AssertionError: Unexpected type for
+    root: NoneType``), or None when no override does that."""
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        if key.startswith(("+", "~")) or "." not in key:
+            continue
+        group = key.split(".", 1)[0]
+        files = _group_files(group)
+        if not files or any(x.lstrip("+").split("=", 1)[0] == group for x in overrides):
+            continue
+        if _default(group, object()) is not None:
+            continue
+        value = o.split("=", 1)[1] if "=" in o else "VALUE"
+        return (f"{key}={value}: {group} is null by default (this machine); choose one first with "
+                f"{group}=<option> (options: {', '.join(files)}){key_hint(key)}")
+    return None
+
+
 def key_hint(full_key: str) -> str:
     """`` (did you mean algorithm.kl_coef?)`` for a misspelt dotted key, from the schema."""
-    from omegaconf import DictConfig
+    from omegaconf import DictConfig, OmegaConf
 
     parts = full_key.split(".")
     node: Any = _schema()
     for p in parts[:-1]:
         if not isinstance(node, DictConfig) or p not in node:
             return ""
-        node = node[p]
+        child = node[p]
+        if child is None:  # a null section (cluster, model.lora): its dataclass's keys
+            ref = _field_type(OmegaConf.get_type(node), p)
+            child = OmegaConf.structured(ref) if ref is not None else None
+        node = child
     if not isinstance(node, DictConfig):
+        return ""
+    if parts[-1] in list(node.keys()):  # the key exists (e.g. under a null section): nothing to suggest
         return ""
     close = closest(parts[-1], [str(k) for k in node.keys()])
     prefix = ".".join(parts[:-1])
@@ -132,6 +172,8 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
         ValidationError,
     )
 
+    if isinstance(e.__cause__, AssertionError) and (line := null_group_override(overrides)):
+        return line  # config.compose re-raised Hydra's bare assert
     if isinstance(e, MissingConfigException) and e.missing_cfg_file and "/" in e.missing_cfg_file:
         group, name = e.missing_cfg_file.rsplit("/", 1)
         options = ", ".join(e.options or []) or "(none)"

@@ -31,6 +31,10 @@ class SamplingConfig:
     ``temperature == 0`` means greedy decoding (then ``rollout_logprobs`` are taken at T=1).
     ``stop_token_ids`` are stop ids in addition to the tokenizer's EOS; the stop token itself is kept
     in the response (and in ``response_mask``).
+
+    Raises:
+        ValueError: a value out of range, naming its key under ``rollout.sampling`` (the config
+            section that holds this dataclass; evaluation and GenRM build theirs from checked values).
     """
 
     # 1.0: the on-policy sampling standard for GRPO/PPO (TRL's and verl's default): the sampler's
@@ -47,13 +51,13 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ValueError(f"rollout.sampling.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"rollout.sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise ValueError(f"rollout.sampling.top_k must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ValueError(f"rollout.sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
 @dataclass

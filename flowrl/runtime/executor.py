@@ -189,7 +189,9 @@ class Executor:
         ``gather_s``, vLLM engine processes' ``engine_load_weights_s`` and ``ipc_collect_s``).
         ``verify_sync``: the engine's weights are read back and checked
         (``runtime/weight_check.py``; ``perf/weight_sync/verify_s``, and
-        ``perf/weight_sync_checked``: the tensors compared).
+        ``perf/weight_sync_checked``: the tensors compared); then what was sent is checked
+        against the trainer's effective weights (a LoRA merge that sent the base weights:
+        ``check_effective``; ``perf/weight_sync_effective_checked``).
 
         Raises:
             WeightSyncError: the engine does not serve what it was sent, naming the tensors."""
@@ -198,7 +200,7 @@ class Executor:
         if not self.verify_sync:
             sink.load_weights(src.named_weights())
         else:
-            from flowrl.runtime.weight_check import SyncProbe, check_sync
+            from flowrl.runtime.weight_check import SyncProbe, check_effective, check_sync
 
             probe = SyncProbe(src.named_weights())
             sink.load_weights(probe)
@@ -206,8 +208,9 @@ class Executor:
         parts = {k: v for k, v in sink.last_timings.items() if k.endswith("_s")}
         if self.verify_sync:
             t0 = time.perf_counter()
-            checked = check_sync(sink, probe, f"{src_role} -> {dst_role} "
-                                 f"({type(sink).__name__}) after step {step}", shared=sink.shared)
+            what = f"{src_role} -> {dst_role} ({type(sink).__name__}) after step {step}"
+            checked = check_sync(sink, probe, what, shared=sink.shared)
+            checked.update(check_effective(src.model, probe, what))
             parts["verify_s"] = time.perf_counter() - t0
         if "gather_s" in src.last_timings:
             parts["gather_s"] = src.last_timings["gather_s"]
@@ -215,6 +218,8 @@ class Executor:
                **{f"perf/weight_sync/{k}": float(v) for k, v in parts.items()}}
         if self.verify_sync:  # tensors whose values were read back and matched
             out["perf/weight_sync_checked"] = checked["tensors_checked"]
+            # of those sent, the LoRA-adapted tensors compared with the trainer's forward
+            out["perf/weight_sync_effective_checked"] = checked["effective_checked"]
         return out
 
     # ---- one step ------------------------------------------------------------------------------

@@ -9,18 +9,29 @@ each at fixed flat positions; :func:`check_sync` reads the same positions back f
 to the engine's dtype (the cast the engine's own copy did). Cost: a gather of ``SAMPLES`` values
 per tensor on each side (microseconds; one round trip to vLLM engine processes).
 
-Switch: ``rollout.verify_sync`` (default on).
+The readback proves the engine holds what was sent, not that what was sent is the policy being
+trained: a LoRA merge that sends the base weights passes it. :func:`check_effective` then
+compares the sampled values sent for each LoRA-adapted layer with the weight that layer's own
+forward computes with (one-hot inputs through the trainer's module: base plus adapters, no merge
+code shared with the sync), and refuses a merged sync that leaves an adapted layer out. It runs on
+what the trainer streamed, so it holds for every rollout engine (HF, vLLM in-process or in its
+own processes). A sync of the adapter tensors themselves is not judged by it.
+
+Switch: ``rollout.verify_sync`` (default on; both checks).
 """
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator, cast
 
 import torch
 from torch import Tensor
 
 from flowrl.engines.base import WeightReadback
 from flowrl.errors import RunStopped
+
+if TYPE_CHECKING:
+    from peft.tuners.lora import LoraLayer
 
 log = logging.getLogger(__name__)
 
@@ -116,3 +127,122 @@ def check_sync(sink: object, probe: SyncProbe, what: str, shared: bool) -> dict[
                  "not verified", what)
         _warned.add(what)
     return {"tensors_checked": float(len(got))}
+
+
+def _full(t: Tensor) -> Tensor:
+    """``t`` whole: an FSDP2 ``DTensor`` shard is all-gathered (a collective: every rank runs
+    the check, over the same tensors in the same order, as it runs the sync)."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.detach()
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+
+
+@torch.no_grad()
+def _effective_at(lora: "LoraLayer", index: Tensor) -> Tensor | None:
+    """The weight ``layer`` (a peft ``LoraLayer``) computes with, at the flat positions ``index``
+    of its base layer's weight: read from the layer's own forward on one-hot inputs (an
+    embedding: on the sampled token ids), so the adapters enter exactly as training applies them
+    and no merge code is shared with the sync under check. ``f(e_c) - f(0)`` cancels the bias.
+    None for a layer kind this does not read (conv)."""
+    from torch.func import functional_call
+
+    layer = cast(torch.nn.Module, lora)  # peft's LoraLayer is a mixin of the module classes
+    base = lora.get_base_layer()
+    w = base.weight
+    if not isinstance(w, Tensor) or w.dim() != 2:
+        return None
+    params = {n: _full(p) for n, p in layer.named_parameters()}
+    params.update({n: _full(b) for n, b in layer.named_buffers()})
+    rows, cols = w.shape
+    r, c = index // cols, index % cols
+    was = layer.training
+    layer.eval()  # adapter dropout off: the weights served are the deterministic ones
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # a TF32 one-hot product rounds W itself
+    try:
+        dev, dt = params["base_layer.weight"].device, params["base_layer.weight"].dtype
+        if isinstance(base, torch.nn.Embedding):
+            ids, pos = torch.unique(r, return_inverse=True)
+            y = functional_call(layer, params, (ids.to(dev),))
+            return y[pos.to(dev), c.to(dev)].cpu()
+        if isinstance(base, torch.nn.Linear):
+            inp, out, k_in = c, r, cols  # (out, in): position (r, c) = input c, output r
+        elif getattr(lora, "fan_in_fan_out", False):  # GPT-2's Conv1D: (in, out)
+            inp, out, k_in = r, c, rows
+        else:
+            return None
+        ins, pos = torch.unique(inp, return_inverse=True)
+        x = torch.zeros(len(ins) + 1, k_in, device=dev, dtype=dt)
+        x[torch.arange(len(ins), device=dev), ins.to(dev)] = 1  # last row: the zero input
+        y = functional_call(layer, params, (x,))
+        y = y[:-1] - y[-1:]
+        return y[pos.to(dev), out.to(dev)].cpu()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        layer.train(was)
+
+
+def check_effective(model: torch.nn.Module, probe: SyncProbe, what: str) -> dict[str, float]:
+    """Raise :class:`WeightSyncError` when what ``probe`` saw sent for a LoRA-adapted tensor is
+    not the weight the trainer's ``model`` computes with (its base plus its adapters).
+
+    The readback (:func:`check_sync`) proves the engine holds what was sent; this proves what was
+    sent is the policy being trained: a LoRA sync whose merge sent the base weights (adapters not
+    merged, merged from the wrong adapter) passes the readback and keeps sampling the initial
+    policy. Each sampled value of every sent tensor named after a peft ``LoraLayer``'s base
+    weight is compared with that layer's forward on one-hot inputs (:func:`_effective_at`), in
+    the coarser of the two dtypes: a difference over 4 ulps of the tensor's largest sampled value
+    fails. So an adapter delta below the sync dtype's resolution is not seen (the engine could not
+    serve it either). Cost per adapted tensor: one forward of at most ``SAMPLES`` + 1 rows (an
+    FSDP2 layer's parameters gathered once more). A model without LoRA layers: nothing to check.
+    Returns ``{"effective_checked": n}``.
+
+    Raises:
+        WeightSyncError: some adapted tensors sent differ from the trainer's effective weights
+            (named, with the largest difference).
+    """
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # without peft no model has LoRA layers
+        return {"effective_checked": 0.0}
+
+    layers = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    bad: list[str] = []
+    checked = 0
+    sent_merged = set(layers) & set(probe.samples)
+    # a merged sync (some adapted layer sent under its base name) must cover every adapted
+    # layer: one it leaves out keeps its base weight in the engine. A sync of the adapter
+    # tensors themselves (the engine applies them) sends no such name and is not judged here
+    missing = sorted(n for n, m in layers.items() if n not in probe.samples
+                     and not any(k.startswith(n[:-len("weight")]) for k in probe.samples))
+    if sent_merged and missing:
+        raise WeightSyncError(
+            f"weight sync {what}: {len(missing)} of {len(layers)} LoRA-adapted layers were not "
+            f"sent (e.g. {', '.join(missing[:3])}): the engine keeps their base weights while "
+            "the trainer computes with its adapters. Set rollout.verify_sync=false to run anyway")
+    for name in sorted(set(layers) & set(probe.samples)):
+        idx, sent = probe.samples[name]
+        eff = _effective_at(layers[name], idx)
+        if eff is None:
+            continue
+        checked += 1
+        dtype = sent.dtype if _eps(sent.dtype) >= _eps(eff.dtype) else eff.dtype
+        s, e = sent.to(dtype).double(), eff.to(dtype).double()
+        diff = (s - e).abs().nan_to_num(float("inf"))
+        tol = 4 * _eps(dtype) * max(s.abs().max().item(), e.abs().max().item())
+        if diff.max().item() > tol:
+            bad.append(f"{name} (max |difference| {diff.max().item():.3g} over {len(idx)} "
+                       "sampled values)")
+    if bad:
+        raise WeightSyncError(
+            f"weight sync {what}: the weights sent are not the trainer's effective weights: "
+            f"{len(bad)} of {checked} LoRA-adapted tensors differ from what the trainer computes "
+            f"with its adapters, e.g. {'; '.join(bad[:3])} (the adapters not merged into the "
+            "sync?): the engine would keep sampling the base policy. Set "
+            "rollout.verify_sync=false to run anyway")
+    return {"effective_checked": float(checked)}

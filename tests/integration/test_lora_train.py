@@ -77,6 +77,17 @@ def test_fsdp_rollout_copy_gets_every_update(tmp_path, varied_reward, one_rank_g
         assert m[2]["rollout/logprob_mismatch"] < 1e-5
         assert m[2]["actor/kl_loss"] > 0  # the reference (adapters off) differs from the actor
         assert m[2]["perf/weight_sync/verify_s"] > 0
+        # q, k, v, o, gate, up, down of 2 layers: each sent tensor matched the trainer's forward
+        assert m[2]["perf/weight_sync_effective_checked"] == 14.0
+
+
+def _base_weights(model, adapter="default", full=False):
+    """``lora.merged_weights`` with the merge left out: every adapted layer's base weight."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLayer):
+            yield f"{name}.weight", m.get_base_layer().weight.detach().full_tensor()
 
 
 def _noop_load(self, named_tensors):
@@ -101,6 +112,10 @@ def _first_half_load(self, named_tensors):
      "took 7 of the 14 tensors sent (not e.g. model.layers.1.self_attn.q_proj.weight, "
      "model.layers.1.self_attn.k_proj.weight, model.layers.1.self_attn.v_proj.weight): it "
      "serves stale weights"),
+    ("base weights sent", "weight sync actor -> rollout (HFRolloutEngine) after step 1: the weights "
+     "sent are not the trainer's effective weights: 14 of 14 LoRA-adapted tensors differ from "
+     "what the trainer computes with its adapters, e.g. model.layers.0.mlp.down_proj.weight "
+     "(max |difference|"),
 ])
 def test_a_broken_lora_sync_stops_the_run_at_step_one(tmp_path, varied_reward, one_rank_group,
                                                       monkeypatch, broken, message):
@@ -112,6 +127,8 @@ def test_a_broken_lora_sync_stops_the_run_at_step_one(tmp_path, varied_reward, o
 
     if broken == "merged nothing":
         monkeypatch.setattr(lora, "merged_weights", lambda model, adapter="default", full=False: iter(()))
+    elif broken == "base weights sent":  # the adapters not merged: the readback alone passes
+        monkeypatch.setattr(lora, "merged_weights", _base_weights)
     else:
         monkeypatch.setattr(HFRolloutEngine, "load_weights",
                             _noop_load if broken == "no-op load" else _first_half_load)

@@ -105,4 +105,28 @@ def test_a_section_the_overrides_set_gets_no_plus_hint(capsys):
 
     assert main(["plan", "cluster=h200x8", "cluster.node=2"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("flowrl plan: error: unknown key cluster.node") and "null" not in err
+    assert err.splitlines() == [
+        "flowrl plan: error: unknown key cluster.node (did you mean cluster.nodes?): nothing reads "
+        "it; `flowrl train --cfg job` prints every key"]
+
+
+@pytest.mark.parametrize("override, hint", [("cluster.node=2", " (did you mean cluster.nodes?)"),
+                                            ("cluster.nodes=2", "")])
+def test_a_key_under_the_null_cluster_group_says_to_pick_one(capsys, override, hint):
+    """Without cluster=<option>, Hydra failed with a bare ``AssertionError: Unexpected type for
+    root: NoneType`` traceback; now one line, with the key's "did you mean"."""
+    from flowrl.cli import main
+
+    assert main(["plan", "model=tiny", override]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"flowrl plan: error: {override}: cluster is null by default (this machine); choose one "
+        "first with cluster=<option> (options: a100x128_hybridflow, a100x8, h100x16, h100x8, "
+        f"h200x64, h200x8){hint}"]
+
+
+def test_a_sampling_value_out_of_range_names_its_full_key(capsys):
+    from flowrl.cli import main
+
+    assert main(["plan", "model=tiny", "rollout.sampling.temperature=-1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "flowrl plan: error: invalid config: rollout.sampling.temperature must be >= 0, got -1.0"]

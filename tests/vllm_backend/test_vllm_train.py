@@ -94,11 +94,15 @@ LORA = ["+model.lora.rank=4", "trainer.engine.lr=0.05", "trainer.eval.before=fal
         "trainer.eval.after=false"]
 
 
-@pytest.mark.parametrize("stale", [False, True])
+@pytest.mark.parametrize("stale", [False, True, "checked"])
 def test_lora_merged_weights_reach_vllm(tmp_path, monkeypatch, stale):
     """model.lora with vLLM: the actor's merged weights (W0 + s·BA, base HF names) are reloaded
-    into vLLM after every update; a sync that delivers the old weights shows in the mismatch."""
+    into vLLM after every update; a sync that delivers the old weights shows in the mismatch
+    (``rollout.verify_sync=false``), and with the check on (the default) stops the run at the
+    first sync: vLLM holds what it was sent, but that is not the trainer's effective weights."""
     pytest.importorskip("peft")
+    from flowrl.runtime.weight_check import WeightSyncError
+
     if stale:
         from flowrl.models import lora
 
@@ -109,7 +113,16 @@ def test_lora_merged_weights_reach_vllm(tmp_path, monkeypatch, stale):
                 m = model.get_submodule(n.rsplit(".", 1)[0])
                 yield n, (m.get_base_layer().weight.detach() if hasattr(m, "get_base_layer") else t)
         monkeypatch.setattr(lora, "merged_weights", base_only)
-    train(compose(ARGS + LORA + [f"trainer.output_dir={tmp_path}"]))
+    if stale == "checked":
+        with pytest.raises(WeightSyncError) as e:
+            train(compose(ARGS + LORA + [f"trainer.output_dir={tmp_path}"]))
+        assert str(e.value).startswith(
+            "weight sync actor -> rollout (VLLMRolloutEngine) after step 1: the weights sent are "
+            "not the trainer's effective weights: 14 of 14 LoRA-adapted tensors differ")
+        assert metrics(tmp_path) == {}  # stopped inside step 1, before its metrics
+        return
+    train(compose(ARGS + LORA + [f"trainer.output_dir={tmp_path}"]
+                  + (["rollout.verify_sync=false"] if stale else [])))
     rows = metrics(tmp_path)
     assert rows[1]["rollout/logprob_mismatch"] < TOL
     assert rows[2]["perf/weight_sync_bytes"] > 0
