@@ -197,7 +197,7 @@ class Stage:
         if self.outputs is not None:
             d["outputs"] = list(self.outputs)
         if self.batch:
-            d["batch"] = self.batch[0] if len(self.batch) == 1 else list(self.batch)
+            d["batch"] = self.batch[0] if len(self.batch) == 1 else _FlowList(self.batch)
         bundled = {arg for b in self.batch for arg in (bundles or {}).get(b, {})}
         inputs = {k: v for k, v in self.inputs.items() if k not in bundled}
         if inputs:
@@ -206,6 +206,18 @@ class Stage:
             d["params"] = dict(self.params)
         return d
 
+
+class _FlowList(list):
+    """A list the graph file writes on one line (``batch: [rollout, images]``)."""
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_Dumper.add_representer(
+    _FlowList, lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data,
+                                                             flow_style=True))
 
 _STAGE_KEYS = {"name", "op", "role", "batch", "inputs", "params", "when", "outputs"}
 _GRAPH_KEYS = ("name", "imports", "algorithm", "data", "bundles", "stages", "weight_sync")
@@ -298,8 +310,8 @@ class Graph:
         return d
 
     def to_yaml(self) -> str:
-        body = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False,
-                              width=100, allow_unicode=True)
+        body = yaml.dump(self.to_dict(), Dumper=_Dumper, sort_keys=False,
+                         default_flow_style=False, width=100, allow_unicode=True)
         head = "".join(f"# {line}".rstrip() + "\n" for line in self.description.splitlines())
         return head + body
 
