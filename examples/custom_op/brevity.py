@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from flowrl.ops.context import StageContext
+from flowrl.ops.fields import Rewards
 from flowrl.ops.registry import register_op
 
 
@@ -29,10 +30,10 @@ class BrevityConfig:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
 
-@register_op("reward.brevity", inputs=("rewards", "response_mask"), outputs=("rewards",),
-             config=BrevityConfig)
+# outputs: the keys of the return type (Rewards: ``rewards`` (B,) float32), which mypy checks
+@register_op("reward.brevity", inputs=("rewards", "response_mask"), config=BrevityConfig)
 def brevity(ctx: StageContext[None], cfg: BrevityConfig, *, rewards: torch.Tensor,
-            response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+            response_mask: torch.Tensor) -> Rewards:
     """rewards (B,) float32 + bonus · clamp(2 - length / max_tokens, 0, 1) where rewards > 0
     (a correct answer; NaN stays NaN: an unscorable sample). response_mask: (B, R) bool.
     Logged: ``reward/brevity/bonus_mean``."""

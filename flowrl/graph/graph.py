@@ -9,12 +9,22 @@ YAML form (``graphs/*.yaml``)::
     name: dapo
     algorithm:                      # optional: the run's algorithm settings this recipe changes
       clip_ratio_high: 0.28
+    bundles:                        # optional: named groups of wires several stages bind
+      rollout:
+        prompt_ids: sample.prompt_ids
+        response_ids: rollout.response_ids
     stages:
     - name: rollout
       op: rollout.generate
       role: rollout
       inputs:
         prompt_ids: sample.prompt_ids
+    - name: update
+      op: update.policy
+      role: actor
+      batch: rollout                # = every wire of bundle 'rollout' written under inputs
+      inputs:
+        advantages: advantage.advantages
     weight_sync:
     - from: update
       to: rollout
@@ -26,6 +36,13 @@ own ops are declared with ``@register_op`` (importable from where flowrl runs, e
 ``algorithm`` holds the values of the run's ``algorithm`` section (``AlgorithmConfig`` fields)
 that differ from their defaults for this recipe; ``graph=<name>`` applies them (the command line
 still wins: ``flowrl/config.py`` registers one Hydra option per file of ``graphs/``).
+``bundles`` names groups of wires (``op argument: stage.output``, as under a stage's ``inputs``)
+that several stages read, e.g. the rollout batch (prompt and response tokens and masks); a stage's
+``batch`` (one bundle name or a list) binds every wire of those bundles, as if written under its
+``inputs``. The loader expands them (:meth:`Graph._parse`) before any check, so ``Stage.inputs``
+always holds the full wiring and a problem still names the stage and the input
+(``stage 'update', field 'inputs.prompt_ids'``); an argument bound twice (by two bundles, or by
+a bundle and ``inputs``) is refused, so a bundle never silently overrides a line.
 ``Graph.from_yaml(text).to_yaml() == text`` for files written in this canonical form.
 """
 from __future__ import annotations
@@ -75,13 +92,13 @@ def fold_problems(problems: list[tuple[str, str, str]]
 
     Order (stable within a rank): a file that does not parse; a cycle; a misspelt name (a
     "did you mean" or "rename it to"); the rest. Follow-on: a required input "not bound" in a
-    stage whose ``inputs`` is misspelt or malformed (an unknown stage field, a non-mapping);
-    another problem of the field that closes a cycle; the same problem repeated in later stages.
+    stage whose ``inputs`` is misspelt or malformed (an unknown stage field, a non-mapping) or
+    whose ``batch`` has a problem (an unknown bundle); another problem of the field that closes a cycle; the same problem repeated in later stages.
     """
     unique = list(dict.fromkeys(problems))
     lost_inputs = {st for st, fld, msg in unique
                    if (UNKNOWN_FIELD in msg and not fld.startswith("inputs")) or
-                   (fld == "inputs" and msg.startswith("must be a mapping"))}
+                   (fld == "inputs" and msg.startswith("must be a mapping")) or fld == "batch"}
     cycle_fields = {(st, fld) for st, fld, msg in unique if CYCLE in msg}
     roots, follow_on, seen = [], [], set()
     for st, fld, msg in unique:
@@ -140,6 +157,9 @@ class Stage:
             misspelt one gets a "did you mean"). An op output the list leaves out is dropped on
             purpose: no UnusedOutputWarning when no stage reads it (``[]``: a stage run for its
             metrics, e.g. distillation's reward, which only the eval and the logs read).
+        batch: names of the graph's ``bundles`` this stage binds; their wires are already in
+            ``inputs`` (the loader expands them), this list only records where they came from
+            (for the file form and for naming the bundle in a problem).
     """
 
     name: str
@@ -149,6 +169,7 @@ class Stage:
     params: dict[str, Any] = field(default_factory=dict)
     when: Any = None
     outputs: Optional[list[str]] = None
+    batch: list[str] = field(default_factory=list)
 
     def out(self, output: str) -> str:
         """Reference to one of this stage's outputs, for another stage's ``inputs``."""
@@ -165,7 +186,9 @@ class Stage:
                 continue
             yield arg, src, out
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, bundles: Optional[dict[str, dict[str, str]]] = None) -> dict[str, Any]:
+        """The graph file's form; ``bundles`` (the graph's) leaves the wires of ``batch`` out
+        of ``inputs``."""
         d: dict[str, Any] = {"name": self.name, "op": self.op}
         if self.role is not None:
             d["role"] = self.role
@@ -173,14 +196,31 @@ class Stage:
             d["when"] = self.when
         if self.outputs is not None:
             d["outputs"] = list(self.outputs)
-        if self.inputs:
-            d["inputs"] = dict(self.inputs)
+        if self.batch:
+            d["batch"] = self.batch[0] if len(self.batch) == 1 else _FlowList(self.batch)
+        bundled = {arg for b in self.batch for arg in (bundles or {}).get(b, {})}
+        inputs = {k: v for k, v in self.inputs.items() if k not in bundled}
+        if inputs:
+            d["inputs"] = inputs
         if self.params:
             d["params"] = dict(self.params)
         return d
 
 
-_STAGE_KEYS = {"name", "op", "role", "inputs", "params", "when", "outputs"}
+class _FlowList(list):
+    """A list the graph file writes on one line (``batch: [rollout, images]``)."""
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_Dumper.add_representer(
+    _FlowList, lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data,
+                                                             flow_style=True))
+
+_STAGE_KEYS = {"name", "op", "role", "batch", "inputs", "params", "when", "outputs"}
+_GRAPH_KEYS = ("name", "imports", "algorithm", "data", "bundles", "stages", "weight_sync")
 
 
 @dataclass
@@ -217,6 +257,8 @@ class Graph:
     data: dict[str, Any] = field(default_factory=dict)
     # modules that register this graph's own ops (``@register_op``), imported before any check
     imports: list[str] = field(default_factory=list)
+    # named groups of wires (op argument -> "stage.output") that stages bind with ``batch``
+    bundles: dict[str, dict[str, str]] = field(default_factory=dict)
 
     # ---- builder -------------------------------------------------------------------------
     def stage(self, name: str, op: str, *, role: Optional[str] = None,
@@ -244,6 +286,13 @@ class Graph:
     def stage_names(self) -> list[str]:
         return [s.name for s in self.stages]
 
+    def bundle_of(self, stage: str, arg: str) -> Optional[str]:
+        """The bundle that bound input ``arg`` of stage ``stage`` (None: its own ``inputs``)."""
+        for s in self.stages:
+            if s.name == stage:
+                return next((b for b in s.batch if arg in self.bundles.get(b, {})), None)
+        return None
+
     # ---- (de)serialisation ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name}
@@ -253,14 +302,16 @@ class Graph:
             d["algorithm"] = dict(self.algorithm)
         if self.data:
             d["data"] = dict(self.data)
-        d["stages"] = [s.to_dict() for s in self.stages]
+        if self.bundles:
+            d["bundles"] = {k: dict(v) for k, v in self.bundles.items()}
+        d["stages"] = [s.to_dict(self.bundles) for s in self.stages]
         if self.weight_sync:
             d["weight_sync"] = [w.to_dict() for w in self.weight_sync]
         return d
 
     def to_yaml(self) -> str:
-        body = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False,
-                              width=100, allow_unicode=True)
+        body = yaml.dump(self.to_dict(), Dumper=_Dumper, sort_keys=False,
+                         default_flow_style=False, width=100, allow_unicode=True)
         head = "".join(f"# {line}".rstrip() + "\n" for line in self.description.splitlines())
         return head + body
 
@@ -290,13 +341,13 @@ class Graph:
         problems: list[tuple[str, str, str]] = []
         damaged: dict[str, set[str]] = {}
         if not isinstance(d, dict):
-            raise GraphError([("<graph>", "<root>", "a graph file is a mapping with keys name, "
-                               "imports, algorithm, data, stages and weight_sync; got a "
-                               f"{type(d).__name__}")])
-        unknown = sorted(set(d) - {"name", "imports", "algorithm", "data", "stages", "weight_sync"})
+            raise GraphError([("<graph>", "<root>", "a graph file is a mapping with keys "
+                               f"{', '.join(_GRAPH_KEYS)}; got a {type(d).__name__}")])
+        unknown = sorted(set(d) - set(_GRAPH_KEYS))
         if unknown:
-            problems.append(("<graph>", unknown[0], f"unknown top-level key(s) {unknown}; a graph "
-                             "has name, imports, algorithm, data, stages and weight_sync"))
+            problems.append(("<graph>", unknown[0], f"unknown top-level key(s) {unknown}"
+                             f"{_close(unknown[0], _GRAPH_KEYS)}; a graph has "
+                             f"{', '.join(_GRAPH_KEYS)}"))
         imports = d.get("imports") or []
         if not isinstance(imports, list) or not all(isinstance(m, str) and m for m in imports):
             problems.append(("<graph>", "imports", "must be a list of module names (e.g. "
@@ -306,6 +357,7 @@ class Graph:
         if not isinstance(name, str) or not name:
             problems.append(("<graph>", "name", "missing or not a string"))
             name = str(name or "graph")
+        bundles = _parse_bundles(d.get("bundles"), problems)
         stages: list[Stage] = []
         raw_stages = d.get("stages")
         if not isinstance(raw_stages, list) or not raw_stages:
@@ -344,10 +396,18 @@ class Graph:
                                  f"{outputs!r}"))
                 outputs = None
                 bad.add("outputs")
+            batch, inputs = _expand_batch(label, rs.get("batch"), dict(rs.get("inputs") or {}),
+                                          bundles, problems)
+            batch = batch or []
             stages.append(Stage(name=str(rs.get("name", label)), op=str(rs.get("op", "")),
-                                role=rs.get("role"), inputs=dict(rs.get("inputs") or {}),
+                                role=rs.get("role"), inputs=inputs,
                                 params=dict(rs.get("params") or {}), when=rs.get("when"),
-                                outputs=outputs))
+                                outputs=outputs, batch=batch))
+        used = {b for s in stages for b in s.batch}
+        for b in bundles:
+            if b not in used:
+                problems.append(("<graph>", f"bundles.{b}", "is bound by no stage: add "
+                                 f"'batch: {b}' to the stages that read it, or remove it"))
         syncs: list[WeightSync] = []
         raw_syncs = d.get("weight_sync") or []
         if not isinstance(raw_syncs, list):
@@ -372,7 +432,8 @@ class Graph:
                                                 f"got a {type(data).__name__}"))
             data = {}
         return cls(name=name, stages=stages, weight_sync=syncs, description=description,
-                   algorithm=dict(algorithm), data=dict(data), imports=list(imports)), problems, damaged
+                   algorithm=dict(algorithm), data=dict(data), imports=list(imports),
+                   bundles=bundles), problems, damaged
 
     @classmethod
     def parse_yaml(cls, text: str) -> tuple["Graph", list[tuple[str, str, str]], dict[str, set[str]]]:
@@ -414,6 +475,66 @@ class Graph:
             return cls.from_yaml(p.read_text())
         except GraphError as e:
             raise e.with_source(p) from None
+
+
+def _parse_bundles(raw: Any, problems: list[tuple[str, str, str]]) -> dict[str, dict[str, str]]:
+    """The graph's ``bundles`` block (name -> {op argument: "stage.output"}); its malformed
+    entries are appended to ``problems`` and left out. A reference's own shape and target are
+    checked in each stage that binds it (``validate.py``), where the problem names the stage."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        problems.append(("<graph>", "bundles", "must be a mapping of bundle name -> wires "
+                         f"(op argument: stage.output lines), got a {type(raw).__name__}"))
+        return {}
+    out: dict[str, dict[str, str]] = {}
+    for name, wires in raw.items():
+        if not isinstance(name, str) or not name:
+            problems.append(("<graph>", "bundles", f"bundle name {name!r} must be a string"))
+        elif not isinstance(wires, dict) or not wires or \
+                not all(isinstance(k, str) and isinstance(v, str) for k, v in wires.items()):
+            problems.append(("<graph>", f"bundles.{name}", "must be a non-empty mapping of "
+                             f"op argument: stage.output lines, got {wires!r}"))
+        else:
+            out[name] = dict(wires)
+    return out
+
+
+def _expand_batch(label: str, raw: Any, inputs: dict[str, str], bundles: dict[str, dict[str, str]],
+                  problems: list[tuple[str, str, str]]) -> tuple[Optional[list[str]], dict[str, str]]:
+    """``(bundle names, full wiring)`` of a stage: the wires of the bundles its ``batch``
+    names, in bundle order, then its own ``inputs``. A malformed ``batch`` gives ``None`` (and
+    the stage's own inputs only); an unknown bundle, or an argument bound twice, a problem."""
+    if raw is None:
+        return [], inputs
+    names = [raw] if isinstance(raw, str) else raw
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        problems.append((label, "batch", "must be a bundle name or a list of them (the graph's "
+                         f"top-level bundles), got {raw!r}"))
+        return None, inputs
+    wired: dict[str, str] = {}
+    origin: dict[str, str] = {}
+    for b in names:
+        if b not in bundles:
+            known = f"; the graph's bundles: {sorted(bundles)}" if bundles else \
+                "; the graph has no top-level 'bundles'"
+            problems.append((label, "batch", f"unknown bundle '{b}'{_close(b, bundles)}{known}"))
+            continue
+        for arg, ref in bundles[b].items():
+            if arg in origin:
+                problems.append((label, "batch", f"bundles '{origin[arg]}' and '{b}' both bind "
+                                 f"'{arg}': bind it once (drop it from one bundle)"))
+                continue
+            origin[arg] = b
+            wired[arg] = ref
+    for arg, ref in inputs.items():
+        if arg in origin:
+            problems.append((label, f"inputs.{arg}", f"is also bound by bundle '{origin[arg]}' "
+                             f"(batch: {origin[arg]}): bind it once (drop this line, or write "
+                             "the stage's inputs without the bundle)"))
+            continue
+        wired[arg] = ref
+    return names, wired
 
 
 def yaml_problem(e: "yaml.YAMLError") -> str:

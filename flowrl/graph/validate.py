@@ -206,7 +206,17 @@ def graph_problems(graph: Graph, *, check_params: bool = True, require_update: b
                 if (s.name, out) not in consumed and out not in OPS[s.op].info_outputs:
                     found.append(f"stage '{s.name}': output '{out}' is consumed by no stage")
         found += conditional_input_warnings(graph, OPS)
-    return problems, found
+    return [_with_bundle(graph, p) for p in problems], found
+
+
+def _with_bundle(graph: Graph, problem: tuple[str, str, str]) -> tuple[str, str, str]:
+    """A problem of an input that a bundle bound says so: the line to fix is the bundle's."""
+    stage, fld, msg = problem
+    if fld.startswith("inputs."):
+        bundle = graph.bundle_of(stage, fld.split(".", 1)[1])
+        if bundle is not None:
+            return stage, fld, f"{msg} (wired by bundle '{bundle}': fix it under bundles.{bundle})"
+    return problem
 
 
 def _algorithm_problems(settings: dict) -> list[tuple[str, str, str]]:

@@ -6,9 +6,9 @@ ValueTrainEngine` (value head on the actor's base model, its own AdamW; ``traine
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
-from flowrl.ops.fields import PROMPT, RESPONSE
+from flowrl.ops.fields import PROMPT, RESPONSE, NoOutputs
 from flowrl.ops.registry import register_op
 
 if TYPE_CHECKING:
@@ -20,9 +20,15 @@ if TYPE_CHECKING:
     from flowrl.ops.spec import NoConfig
 
 
-@register_op("values", inputs=PROMPT + RESPONSE, outputs=("values",), roles=("critic",))
+class Values(TypedDict):
+    """``values``: the critic's value per response token, (B, R) float32."""
+
+    values: Tensor
+
+
+@register_op("values", inputs=PROMPT + RESPONSE, roles=("critic",))
 def values(ctx: StageContext[ValueEngine], cfg: NoConfig, *, prompt_ids: Tensor,
-           prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor) -> dict[str, Tensor]:
+           prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor) -> Values:
     """Critic values V(s_t) at the response positions.
 
     Computed without grad.
@@ -75,7 +81,7 @@ def make_value_loss_fn(algo: AlgorithmConfig, *, num_tokens: float, num_seqs: fl
 def update_critic(ctx: StageContext[ValueEngine], cfg: NoConfig, *, prompt_ids: Tensor,
                   prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
                   values: Tensor, returns: Tensor,
-                  truncated: Tensor | None = None) -> dict[str, Tensor]:
+                  truncated: Tensor | None = None) -> NoOutputs:
     """Critic update: clipped value regression towards returns.
 
     ``algorithm.ppo_epochs`` passes of shuffled mini-batches of ``algorithm.mini_batch_size``

@@ -10,6 +10,10 @@ validator reads these.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 TENSOR, LIST = "tensor", "list"  # Field.kind values
 
@@ -72,3 +76,59 @@ VISION = ("pixel_values", "image_grid_thw")
 def field_of(name: str) -> Field:
     """The standard field ``name``; a batch-first tensor of any shape for a name of your own."""
     return FIELDS.get(name, Field())
+
+
+# ---- op outputs: the return types of the ops that produce these fields (``register_op`` takes an
+# op's ``outputs`` from its return TypedDict's keys, in this order; shapes and dtypes: FIELDS)
+class Prompts(TypedDict):
+    """``data.sample``: the step's prompt rows, B = prompts x ``algorithm.n``."""
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    group_id: Tensor
+    ground_truth: list[str]
+
+
+class ImagePrompts(Prompts):
+    """``data.sample_images``: :class:`Prompts` plus the rows' images."""
+
+    pixel_values: Tensor
+    image_grid_thw: Tensor
+
+
+class Generated(TypedDict):
+    """``teacher.generate``: one response per prompt row."""
+
+    response_ids: Tensor
+    response_mask: Tensor
+    truncated: Tensor
+
+
+class Rollout(TypedDict):
+    """``rollout.generate``: one response per prompt row and its sampling logprobs."""
+
+    response_ids: Tensor
+    response_mask: Tensor
+    rollout_logprobs: Tensor
+    truncated: Tensor
+
+
+class MultiTurnRollout(Rollout):
+    """``rollout.multi_turn``: :class:`Rollout` (rows of several policy turns) plus per-row
+    metadata of the episode."""
+
+    rewards: Tensor
+    num_turns: Tensor
+    num_tool_calls: Tensor
+    num_tool_errors: Tensor
+    finish_reason: list[str]
+
+
+class Rewards(TypedDict):
+    """Every ``reward.*`` op: one scalar per row, NaN = unscorable."""
+
+    rewards: Tensor
+
+
+class NoOutputs(TypedDict):
+    """An op run for its effect (an update stage: weights and metrics)."""

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from flowrl.ops.fields import PROMPT, RESPONSE
+from flowrl.ops.fields import PROMPT, RESPONSE, Rewards
 from flowrl.ops.registry import register_op
 from flowrl.rewards.genrm import DEFAULT_JUDGE_TEMPLATE, render_judge_prompt
 
@@ -54,13 +54,13 @@ class GenRMConfig:
             raise ValueError(f"temperature must be >= 0 and scale > 0, got {self.temperature}, {self.scale}")
 
 
-@register_op("reward.genrm", inputs=PROMPT + RESPONSE + ("ground_truth",), outputs=("rewards",),
+@register_op("reward.genrm", inputs=PROMPT + RESPONSE + ("ground_truth",),
              config=GenRMConfig, roles=("genrm",),
              # the judge reads the policy's text alone: the tool results it answered are lost
              single_turn_inputs=RESPONSE)
 def genrm_reward(ctx: StageContext[RolloutEngine], cfg: GenRMConfig, *, prompt_ids: Tensor,
                  prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
-                 ground_truth: list[str]) -> dict[str, Tensor]:
+                 ground_truth: list[str]) -> Rewards:
     """Judge every response k times; reward = mean parseable score.
 
     The score of a judgement is in [0, 1] (its scale's maximum ``scale``).

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from flowrl.ops.fields import PROMPT, RESPONSE, VISION
 from flowrl.ops.registry import register_op
@@ -21,12 +21,19 @@ class LogprobsConfig:
     with_entropy: bool = False
 
 
+class Logprobs(TypedDict):
+    """``logprobs``: log-probability of each response token under the stage's model, (B, R)
+    float32, 0 at masked positions."""
+
+    logprobs: Tensor
+
+
 @register_op("logprobs", inputs=PROMPT + RESPONSE, optional_inputs=("rollout_logprobs",) + VISION,
-             outputs=("logprobs",), config=LogprobsConfig, roles=("actor", "ref", "teacher"))
+             config=LogprobsConfig, roles=("actor", "ref", "teacher"))
 def logprobs(ctx: StageContext[LogprobEngine], cfg: LogprobsConfig, *, prompt_ids: Tensor,
              prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
              rollout_logprobs: Tensor | None = None, pixel_values: Tensor | None = None,
-             image_grid_thw: Tensor | None = None) -> dict[str, Tensor]:
+             image_grid_thw: Tensor | None = None) -> Logprobs:
     """Log-probabilities of the responses at the sampling temperature.
 
     Recomputes log π(response token) at the sampling temperature (case C08).

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from flowrl.envs.base import FINISH_REASONS, EnvRow
 from flowrl.envs.config import MultiTurnConfig
-from flowrl.ops.fields import PROMPT, RESPONSE
+from flowrl.ops.fields import PROMPT, RESPONSE, MultiTurnRollout
 from flowrl.ops.registry import register_op
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def check_multi_turn(plan, cfg) -> None:
              check=check_multi_turn)
 def multi_turn(ctx: StageContext[RolloutEngine], cfg: MultiTurnConfig, *, prompt_ids: Tensor,
                prompt_mask: Tensor, ground_truth: list[str] | None = None,
-               group_id: Tensor | None = None) -> dict:
+               group_id: Tensor | None = None) -> MultiTurnRollout:
     """Policy and environment alternate per prompt (tools, max_turns); standard outputs.
 
     The turn loop is ``flowrl/envs/rollout.py``'s.

@@ -12,7 +12,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from flowrl.ops.fields import PROMPT, RESPONSE
+from flowrl.ops.fields import PROMPT, RESPONSE, Rewards
 from flowrl.ops.registry import register_op
 from flowrl.rewards import REWARD_FUNCTIONS
 from flowrl.rewards.function import load_reward_function
@@ -135,10 +135,9 @@ class RuleRewardConfig:
             raise ValueError(f"verifier must be one of {sorted(REWARD_FUNCTIONS)}, got {self.verifier!r}")
 
 
-@register_op("reward.rule", inputs=RESPONSE + ("ground_truth",), outputs=("rewards",),
-             config=RuleRewardConfig)
+@register_op("reward.rule", inputs=RESPONSE + ("ground_truth",), config=RuleRewardConfig)
 def rule_reward(ctx: StageContext, cfg: RuleRewardConfig, *, response_ids: Tensor,
-                response_mask: Tensor, ground_truth: list[str]) -> dict[str, Tensor]:
+                response_mask: Tensor, ground_truth: list[str]) -> Rewards:
     """Score each response against its ground truth (a verifier).
 
     The text scored is ``data.response_prefix`` + the sampled text.
@@ -212,11 +211,11 @@ def _runner(cfg: FunctionRewardConfig):
 
 
 @register_op("reward.function", inputs=RESPONSE + ("ground_truth", "group_id"),
-             optional_inputs=PROMPT, outputs=("rewards",), config=FunctionRewardConfig)
+             optional_inputs=PROMPT, config=FunctionRewardConfig)
 def function_reward(ctx: StageContext, cfg: FunctionRewardConfig, *, response_ids: Tensor,
                     response_mask: Tensor, ground_truth: list[str], group_id: Tensor,
                     prompt_ids: Tensor | None = None,
-                    prompt_mask: Tensor | None = None) -> dict[str, Tensor]:
+                    prompt_mask: Tensor | None = None) -> Rewards:
     """Call the user's reward function on every response.
 
     The text scored is ``data.response_prefix`` + the sampled text.
@@ -274,13 +273,12 @@ def log_unscorable(ctx: StageContext, path: str, outcomes) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------- reward.model
-@register_op("reward.model", inputs=PROMPT + RESPONSE, outputs=("rewards",),
-             roles=("reward_model",),
+@register_op("reward.model", inputs=PROMPT + RESPONSE, roles=("reward_model",),
              # the classifier attends to response_mask's tokens only: tool results would be cut
              single_turn_inputs=RESPONSE)
 def model_reward(ctx: StageContext[RewardScorer], cfg: NoConfig, *, prompt_ids: Tensor,
                  prompt_mask: Tensor, response_ids: Tensor,
-                 response_mask: Tensor) -> dict[str, Tensor]:
+                 response_mask: Tensor) -> Rewards:
     """Classifier reward model score of prompt + response.
 
     The model is ``engines/reward_model.py``'s.
@@ -329,10 +327,9 @@ class OverlongConfig:
             raise ValueError(f"penalty_factor must be >= 0, got {self.penalty_factor}")
 
 
-@register_op("reward.overlong", inputs=("response_mask",), outputs=("rewards",),
-             config=OverlongConfig)
+@register_op("reward.overlong", inputs=("response_mask",), config=OverlongConfig)
 def overlong_reward(ctx: StageContext, cfg: OverlongConfig, *,
-                    response_mask: Tensor) -> dict[str, Tensor]:
+                    response_mask: Tensor) -> Rewards:
     """DAPO soft overlong punishment of the response lengths.
 
     Length penalty component: rewards (B,) float32 in [-penalty_factor, 0] from the response
@@ -360,8 +357,8 @@ class MixConfig:
             raise ValueError(f"weights: unknown component(s) {unknown}; components: {list(MIX_COMPONENTS)}")
 
 
-@register_op("reward.mix", optional_inputs=MIX_COMPONENTS, outputs=("rewards",), config=MixConfig)
-def mix_reward(ctx: StageContext, cfg: MixConfig, **components: Tensor | None) -> dict[str, Tensor]:
+@register_op("reward.mix", optional_inputs=MIX_COMPONENTS, config=MixConfig)
+def mix_reward(ctx: StageContext, cfg: MixConfig, **components: Tensor | None) -> Rewards:
     """Weighted sum of the bound reward components.
 
     The sum is ``flowrl.rewards.shaping.mix_rewards``'s.

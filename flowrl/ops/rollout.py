@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from flowrl.ops.fields import PROMPT, RESPONSE, VISION
+from flowrl.ops.fields import PROMPT, VISION, Generated, Rollout
 from flowrl.ops.registry import register_op
 
 if TYPE_CHECKING:
@@ -16,11 +16,10 @@ if TYPE_CHECKING:
     from flowrl.ops.spec import NoConfig
 
 
-@register_op("rollout.generate", inputs=PROMPT, optional_inputs=VISION,
-             outputs=RESPONSE + ("rollout_logprobs", "truncated"), roles=("rollout",))
+@register_op("rollout.generate", inputs=PROMPT, optional_inputs=VISION, roles=("rollout",))
 def generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_ids: Tensor,
              prompt_mask: Tensor, pixel_values: Tensor | None = None,
-             image_grid_thw: Tensor | None = None) -> dict[str, Tensor]:
+             image_grid_thw: Tensor | None = None) -> Rollout:
     """One response per prompt row with rollout.sampling.
 
     Generates with the run's ``rollout.sampling`` settings.
@@ -60,10 +59,9 @@ def log_samples(ctx: StageContext, out: "RolloutBatch", seconds: float, prefix: 
         "perf/rollout_tokens_per_s": lengths.sum() / max(seconds, 1e-9)}.items()})
 
 
-@register_op("teacher.generate", inputs=PROMPT, outputs=RESPONSE + ("truncated",),
-             roles=("teacher_rollout",))
+@register_op("teacher.generate", inputs=PROMPT, roles=("teacher_rollout",))
 def teacher_generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_ids: Tensor,
-                     prompt_mask: Tensor) -> dict[str, Tensor]:
+                     prompt_mask: Tensor) -> Generated:
     """The teacher samples one response per prompt row with rollout.sampling (never synced).
 
     SFT on teacher samples (``graphs/sft_teacher.yaml``), with the run's ``rollout.sampling``

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from flowrl.ops.fields import PROMPT
+from flowrl.ops.fields import Prompts
 from flowrl.ops.registry import register_op
 
 if TYPE_CHECKING:
@@ -11,8 +11,8 @@ if TYPE_CHECKING:
     from flowrl.ops.spec import NoConfig
 
 
-@register_op("data.sample", outputs=PROMPT + ("group_id", "ground_truth"))
-def sample(ctx: StageContext, cfg: NoConfig) -> dict:
+@register_op("data.sample")
+def sample(ctx: StageContext, cfg: NoConfig) -> Prompts:
     """Draw prompts_per_step prompts, each repeated algorithm.n times.
 
     Draws ``trainer.prompts_per_step`` prompts and repeats each ``algorithm.n`` times.

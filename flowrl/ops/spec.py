@@ -53,6 +53,8 @@ class OpSpec:
         check: ``check(plan, cfg)``, the op's pre-run check of a compiled plan against the run
             config (``flowrl.config.TrainConfig``), run by the pre-flight before any model
             loads; raises ValueError naming the stage. None = nothing to check.
+        output_type: the ``TypedDict`` the function returns (its keys are ``outputs``), or
+            None for an op that returns a plain dict (``registry.register_op``).
         bound: the op's function (:attr:`fn`), set by ``registry.register_op``.
     """
 
@@ -70,6 +72,7 @@ class OpSpec:
     single_turn_inputs: tuple[str, ...] = ()
     info_outputs: tuple[str, ...] = ()
     check: Callable[[Any, Any], None] | None = field(default=None, repr=False, compare=False)
+    output_type: Optional[type] = field(default=None, repr=False, compare=False)
     bound: Callable[..., Mapping[str, Any]] | None = field(default=None, repr=False, compare=False)
 
     @property

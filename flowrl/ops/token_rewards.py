@@ -22,7 +22,7 @@ the penalty (no ``reward.token_rewards`` stage, or one without old/ref logprobs 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, TypedDict
 
 from flowrl.ops.registry import register_op
 from flowrl.ops.state import OpStateSpec, declare_state
@@ -86,11 +86,17 @@ def check_kl_in_reward(plan: Any, algo: AlgorithmConfig) -> None:
                              f"bound (is the ref stage disabled by its 'when'?)")
 
 
+class TokenRewards(TypedDict):
+    """``reward.token_rewards``: the per-token reward, (B, R) float32 (0 at masked positions)."""
+
+    token_rewards: Tensor
+
+
 @register_op(OP_NAME, inputs=("rewards", "response_mask"),
-             optional_inputs=("old_logprobs", "ref_logprobs"), outputs=("token_rewards",))
+             optional_inputs=("old_logprobs", "ref_logprobs"))
 def token_rewards(ctx: StageContext, cfg: NoConfig, *, rewards: Tensor, response_mask: Tensor,
                   old_logprobs: Tensor | None = None,
-                  ref_logprobs: Tensor | None = None) -> dict[str, Tensor]:
+                  ref_logprobs: Tensor | None = None) -> TokenRewards:
     """Sequence rewards on the last token, minus beta*KL when algorithm.kl_in_reward.
 
     Inputs: rewards (B,) float32 (NaN = unscorable → 0 on the last token); response_mask (B, R)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from flowrl.algorithms.variants import POLICY_LOSSES, SFT_LOSSES
-from flowrl.ops.fields import PROMPT, RESPONSE, VISION
+from flowrl.ops.fields import PROMPT, RESPONSE, VISION, NoOutputs
 from flowrl.ops.registry import register_op
 
 if TYPE_CHECKING:
@@ -206,7 +206,7 @@ def run_minibatches(ctx: StageContext[Trainable], batch: dict, make_loss_fn, *, 
              optional_inputs=("old_logprobs", "ref_logprobs", "truncated", "rollout_logprobs")
              + VISION, config=PolicyUpdateConfig, roles=("actor",), trains=True)
 def update_policy(ctx: StageContext[TrainEngine], cfg: PolicyUpdateConfig,
-                  **inputs: Tensor | None) -> dict[str, Tensor]:
+                  **inputs: Tensor | None) -> NoOutputs:
     """Policy update: epochs x mini-batches of the policy loss.
 
     ``algorithm.ppo_epochs`` passes over the rollout batch in shuffled mini-batches of
@@ -278,7 +278,7 @@ def make_sft_loss_fn(algo: AlgorithmConfig, loss: str, *, num_tokens: float, num
              config=SFTUpdateConfig, roles=("actor",), trains=True)
 def update_sft(ctx: StageContext[TrainEngine], cfg: SFTUpdateConfig, *, prompt_ids: Tensor,
                prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
-               truncated: Tensor | None = None) -> dict[str, Tensor]:
+               truncated: Tensor | None = None) -> NoOutputs:
     """Supervised update: epochs x mini-batches of the NLL of the given tokens.
 
     Supervised fine-tuning of the actor on the given responses (``graphs/sft_teacher.yaml``:

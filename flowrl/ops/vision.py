@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from flowrl.engines.base import RolloutBatch
-from flowrl.ops.fields import PROMPT, VISION
+from flowrl.ops.fields import ImagePrompts
 from flowrl.ops.registry import register_op
 
 if TYPE_CHECKING:
@@ -54,8 +54,8 @@ def cut_at_vision_tokens(out: RolloutBatch, tokenizer: Any) -> RolloutBatch:
         truncated=out.truncated | hit.any(-1))
 
 
-@register_op("data.sample_images", outputs=PROMPT + ("group_id", "ground_truth") + VISION)
-def sample_images(ctx: StageContext, cfg: NoConfig) -> dict:
+@register_op("data.sample_images")
+def sample_images(ctx: StageContext, cfg: NoConfig) -> ImagePrompts:
     """data.sample for prompts with images: also the rows' pixel_values and image_grid_thw.
 
     ``data.sample`` for prompts with images (``data.image_column``, ``data=visual``).

@@ -1,9 +1,11 @@
 """Defaults live once, in the dataclasses (flowrl/config.py and the sections it imports, each op's
 params dataclass, ``WeightSync``): a YAML file of conf/ and a graph file (its ``algorithm`` and
-``data`` blocks, every stage's ``params``, its ``weight_sync`` edges) state only what differs."""
+``data`` blocks, every stage's ``params``, its ``weight_sync`` edges) state only what differs,
+and each stage param or weight_sync setting a graph states is listed in ``OVERRIDES`` with why."""
 from pathlib import Path
 
 import pytest
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from flowrl.config import TrainConfig
@@ -123,6 +125,62 @@ def test_the_param_check_finds_a_repeated_param_and_staleness():
 def test_graph_stage_params_and_weight_sync_state_only_what_differs(path):
     found = param_repeats(OmegaConf.to_container(OmegaConf.load(path)))
     assert found == [], f"{path.name} repeats the op config / WeightSync default of {found}"
+
+
+# Every stage param and weight_sync setting a graph file states, with why it differs from its
+# dataclass default (the op's Config, ``WeightSync``): a new or changed override fails
+# test_every_graph_override_is_listed_with_its_reason until it is listed here.
+OVERRIDES: dict[tuple[str, str], tuple[object, str]] = {
+    ("dapo", "overlong.params.max_length"): (
+        "${rollout.sampling.max_new_tokens}",
+        "DAPO's soft punishment ends at the run's generation budget, not at a fixed 256"),
+    ("dapo", "mix.params.weights"): (
+        {"rule": 1.0, "overlong": 1.0},
+        "DAPO's reward is the rule score plus the overlong penalty; reward.mix has no weights"),
+    ("dapo", "filter.params.max_attempts"): (
+        16, "DAPO's dynamic sampling refills up to 16 attempts (the header's recipe), not 4"),
+    ("genrm_grpo", "judge.params.k"): (
+        2, "two judgements per response averaged: one sampled judgement is too noisy"),
+    ("genrm_grpo", "judge.params.max_new_tokens"): (
+        16, "the prefix makes the judge write the score first: 16 tokens hold it, 128 waste time"),
+    ("genrm_grpo", "judge.params.response_prefix"): (
+        "Score (0-10): ", "a small judge writes the number first instead of wandering"),
+    ("genrm_grpo", "mix.params.weights"): (
+        {"rule": 1.0, "genrm": 0.5},
+        "the verifier leads, the judge adds half weight; reward.mix has no weights"),
+    ("grpo_tools", "rollout.params.tools"): (
+        ["calculator"], "the graph's one tool; rollout.multi_turn's default is none"),
+    ("grpo_tools", "rollout.params.tool_timeout_s"): (
+        5.0, "a calculator call is instant: 5 s stops a stuck worker sooner than the 10 s default"),
+    ("gspo", "update.params.policy_loss"): (
+        "gspo", "the variant itself: GSPO is chosen by the update stage's policy loss"),
+}
+
+
+def graph_settings(graph: dict) -> dict[str, object]:
+    """``stage.params.<name>`` -> value of every param a graph file states, and
+    ``weight_sync[i].<key>`` -> value of every weight_sync setting besides its ends."""
+    out: dict[str, object] = {}
+    for s in graph.get("stages") or []:
+        out.update({f"{s['name']}.params.{k}": v for k, v in (s.get("params") or {}).items()})
+    for i, w in enumerate(graph.get("weight_sync") or []):
+        out.update({f"weight_sync[{i}].{k}": v for k, v in w.items() if k not in ("from", "to")})
+    return out
+
+
+def test_every_graph_override_is_listed_with_its_reason():
+    found = {(path.stem, key): value for path in GRAPH_FILES
+             for key, value in graph_settings(yaml.safe_load(path.read_text())).items()}
+    listed = {key: value for key, (value, _) in OVERRIDES.items()}
+    assert found == listed
+    assert all(reason for _, reason in OVERRIDES.values())
+
+
+def test_the_override_register_sees_a_new_setting():
+    graph = {"stages": [{"name": "update", "op": "update.policy", "params": {"policy_loss": "gspo"}}],
+             "weight_sync": [{"from": "update", "to": "rollout", "staleness": 1}]}
+    assert graph_settings(graph) == {"update.params.policy_loss": "gspo",
+                                     "weight_sync[0].staleness": 1}
 
 
 @pytest.mark.parametrize("path", GRAPH_FILES, ids=lambda p: p.name)

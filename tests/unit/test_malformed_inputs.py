@@ -88,6 +88,8 @@ def _two_refill(g):  # a second filter after the first, the update reading the s
     g["stages"].insert(g["stages"].index(_stage(g, "filter")) + 1, second)
     for s in g["stages"][g["stages"].index(second) + 1:]:
         s["inputs"] = {k: v.replace("filter.", "filter2.") for k, v in s.get("inputs", {}).items()}
+    for wires in g.get("bundles", {}).values():  # the stages after it bind the batch it keeps
+        wires.update({k: v.replace("filter.", "filter2.") for k, v in wires.items()})
 
 
 def _self_loop(g):
@@ -183,7 +185,7 @@ GRAPH_CASES = {
         "did you mean 'format_score'?"),
     "yaml_syntax_error": ((REPO / "graphs/grpo.yaml").read_text().replace(
         "  op: data.sample", "  op: data.sample\n   - bad: ["),
-        "not valid YAML at line 9, column 9: mapping values are not allowed here; check the "
+        "not valid YAML at line 15, column 9: mapping values are not allowed here; check the "
         "indentation and quoting there"),
 }
 
@@ -322,8 +324,8 @@ def test_every_problem_of_a_file_is_reported_one_line_each(tmp_path, no_model):
         "bind 'response_ids' to another output",
         f"{path}: stage 'update', field 'inputs.advantages': reads 'advantag.advantages', but no "
         "stage is named 'advantag'; did you mean 'advantage.advantages'?",
-        f"{path}: stage 'advantage', field 'bogus': unknown stage field; known: ['inputs', "
-        "'name', 'op', 'outputs', 'params', 'role', 'when']"]
+        f"{path}: stage 'advantage', field 'bogus': unknown stage field; known: ['batch', "
+        "'inputs', 'name', 'op', 'outputs', 'params', 'role', 'when']"]
     rc, plan_lines = run_cli(["plan", *job_args(tmp_path, f"graph.path={path}")], tmp_path)
     assert rc == 2 and plan_lines == [f"flowrl plan: error: {lines[0]}", *lines[1:]]
 
@@ -409,7 +411,8 @@ ROOT_CASES = {
     # first or the misspelt name was never named)
     "misspelt_inputs_field": (_misspelt_inputs_field,
         "stage 'advantage', field 'inptus': unknown stage field (did you mean 'inputs'?); known: "
-        "['inputs', 'name', 'op', 'outputs', 'params', 'role', 'when'] (+3 follow-on problems)"),
+        "['batch', 'inputs', 'name', 'op', 'outputs', 'params', 'role', 'when'] (+3 follow-on "
+        "problems)"),
     "misspelt_declared_output": (_outputs_everywhere,
         "stage 'rollout', field 'outputs': op 'rollout.generate' has no output 'respones'; did you "
         "mean 'response_ids'?"),
@@ -438,8 +441,8 @@ def test_a_repeated_schema_problem_is_one_line_and_a_count(tmp_path):
     path = write_graph(tmp_path, _edit(GRPO, _depends_on_everywhere))
     rc, lines = run_cli(["graph", "validate", str(path)], tmp_path)
     assert rc == 1 and lines == [
-        f"{path}: stage 'rollout', field 'depends_on': unknown stage field; known: ['inputs', "
-        "'name', 'op', 'outputs', 'params', 'role', 'when'] (+5 follow-on problems)"]
+        f"{path}: stage 'rollout', field 'depends_on': unknown stage field; known: ['batch', "
+        "'inputs', 'name', 'op', 'outputs', 'params', 'role', 'when'] (+5 follow-on problems)"]
 
 
 def test_declared_outputs_that_match_the_op_pass():

@@ -87,4 +87,9 @@ def test_an_op_of_your_own_declares_a_field_of_its_own():
     finally:
         OPS.pop("test.fields", None)
     with pytest.raises(ValueError, match=r"op 'test.bad': fields \['score'\] are none of its"):
-        register_op("test.bad", inputs=("scores",), fields={"score": Field()})
+        register_op("test.bad", inputs=("scores",), outputs=(), fields={"score": Field()})
+    # without outputs= they come from the function's return type: checked when it is decorated
+    with pytest.raises(ValueError, match=r"op 'test.bad': fields \['score'\] are none of its"):
+        register_op("test.bad", inputs=("scores",), fields={"score": Field()})(
+            lambda ctx, cfg, *, scores: {})
+    assert "test.bad" not in OPS
