@@ -25,6 +25,7 @@ How the roles share one model (``build_lora_actor``, called by ``flowrl.train.bu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import struct
 import time
 from dataclasses import dataclass, field
@@ -384,6 +385,29 @@ def merged_weights(model: nn.Module, adapter: str = "default", *,
                 yield f"{name}.{pname}", _full(p)
 
 
+@dataclass(frozen=True)
+class LoraAdapterSpec:
+    """A LoRA policy's adapters as the rollout engine receives them (``lora_sync="adapter"``):
+    picklable, so an engine process of ``vllm_proc.py`` gets it with the export.
+
+    Attributes:
+        rank: r (``model.lora.rank``). alpha: ``model.lora.alpha`` (vLLM scales by alpha / r).
+        target_modules: the module names (last dotted part) that got adapters, resolved
+            (``all-linear`` expanded), sorted.
+        modules_to_save: ``model.lora.modules_to_save`` (vLLM's adapter path cannot load them).
+        tensor_names: every adapter tensor a sync must deliver, in PEFT's file naming
+            (``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``).
+        adapter_config: the ``adapter_config.json`` content (``peft.LoraConfig.to_dict``).
+    """
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    modules_to_save: tuple[str, ...]
+    tensor_names: frozenset
+    adapter_config: dict
+
+
 PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before the module names
 
 
@@ -402,7 +426,7 @@ def adapter_weights(model: nn.Module, adapter: str = "default") -> Iterator[tupl
 
 
 def adapter_spec(lora: LoraConfig, hf_config: Any):
-    """The :class:`~flowrl.engines.rollout.vllm_config.LoraAdapterSpec` of ``lora`` on a model of
+    """The :class:`LoraAdapterSpec` of ``lora`` on a model of
     ``hf_config``: the adapters peft injects into a ``meta``-device instance (no weights
     allocated), their resolved target modules, tensor names and ``adapter_config.json``."""
     import copy
@@ -410,7 +434,6 @@ def adapter_spec(lora: LoraConfig, hf_config: Any):
     import peft
     from peft.tuners.lora import LoraLayer
 
-    from flowrl.engines.rollout.vllm_config import LoraAdapterSpec
     from flowrl.models.size import meta_model
 
     model = meta_model(copy.deepcopy(hf_config))
@@ -420,9 +443,7 @@ def adapter_spec(lora: LoraConfig, hf_config: Any):
     targets = tuple(sorted({n.rsplit(".", 1)[-1] for n in layers}))
     names = frozenset(f"{PEFT_PREFIX}{n}.lora_{ab}.weight" for n in layers for ab in "AB")
     # the resolved names, not "all-linear": a loader without peft's resolution reads the file
-    config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
-                             target_modules=list(targets), task_type="CAUSAL_LM",
-                             modules_to_save=list(lora.modules_to_save) or None).to_dict()
+    config = dataclasses.replace(peft_cfg, target_modules=list(targets), lora_dropout=0.0).to_dict()
     config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
     return LoraAdapterSpec(rank=lora.rank, alpha=float(lora.alpha), target_modules=targets,
                            modules_to_save=tuple(lora.modules_to_save), tensor_names=names,

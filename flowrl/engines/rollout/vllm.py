@@ -40,10 +40,10 @@ from flowrl.data.images import PatchLayout, collapse_image_tokens, images_of_pat
 from flowrl.engines.base import RolloutBatch, SamplingConfig
 from flowrl.engines.rollout.vllm_config import (
     VLLM_LORA_RANKS,
-    LoraAdapterSpec,
     VLLMRolloutConfig,
     check_model_for_vllm,
 )
+from flowrl.models.lora import LoraAdapterSpec
 
 log = logging.getLogger(__name__)
 
@@ -788,8 +788,9 @@ class VLLMRolloutEngine:
             self.llm = None
         if self._tmp:
             shutil.rmtree(self.model_dir, ignore_errors=True)
-        if getattr(self, "_lora_root", None) is not None:
-            shutil.rmtree(self._lora_root, ignore_errors=True)
+        lora_root = getattr(self, "_lora_root", None)
+        if lora_root is not None:
+            shutil.rmtree(lora_root, ignore_errors=True)
 
 
 def _shm_dir() -> str | None:

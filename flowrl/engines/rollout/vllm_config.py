@@ -8,9 +8,12 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from flowrl.engines.base import SamplingConfig
+
+if TYPE_CHECKING:  # the run config reads this module before torch loads (models.lora imports it)
+    from flowrl.models.lora import LoraAdapterSpec
 
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGPROBS_MODES = ("tempered", "processed")
@@ -69,29 +72,6 @@ class RolloutJob:
     eval_seqs: int = 0
     decode_steps: int = 0
     ranks: int = 1
-
-
-@dataclass(frozen=True)
-class LoraAdapterSpec:
-    """A LoRA policy's adapters as the rollout engine receives them (``lora_sync="adapter"``):
-    picklable, so an engine process of ``vllm_proc.py`` gets it with the export.
-
-    Attributes:
-        rank: r (``model.lora.rank``). alpha: ``model.lora.alpha`` (vLLM scales by alpha / r).
-        target_modules: the module names (last dotted part) that got adapters, resolved
-            (``all-linear`` expanded), sorted.
-        modules_to_save: ``model.lora.modules_to_save`` (vLLM's adapter path cannot load them).
-        tensor_names: every adapter tensor a sync must deliver, in PEFT's file naming
-            (``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``).
-        adapter_config: the ``adapter_config.json`` content (``peft.LoraConfig.to_dict``).
-    """
-
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
-    modules_to_save: tuple[str, ...]
-    tensor_names: frozenset
-    adapter_config: dict
 
 
 @dataclass
@@ -316,7 +296,7 @@ class VLLMRolloutConfig:
                            f"{engines} engines' weights and overhead: they start side by side)")
         return procs, cfg, why
 
-    def lora_sync_for(self, lora: Optional[LoraAdapterSpec]) -> str:
+    def lora_sync_for(self, lora: Optional["LoraAdapterSpec"]) -> str:
         """The sync path this engine runs for the policy's adapters: "merged" or "adapter"
         (``lora_sync`` resolved; "merged" without LoRA: nothing to choose).
 

@@ -45,11 +45,8 @@ from flowrl.engines.rollout.vllm import (
     export_policy,
     weights_and_device_memory,
 )
-from flowrl.engines.rollout.vllm_config import (
-    LoraAdapterSpec,
-    VLLMRolloutConfig,
-    check_model_for_vllm,
-)
+from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig, check_model_for_vllm
+from flowrl.models.lora import LoraAdapterSpec
 
 log = logging.getLogger("flowrl")
 
