@@ -18,7 +18,10 @@ How the roles share one model (``build_lora_actor``, called by ``flowrl.train.bu
   holds a plain base-model copy and receives ``W0 + (alpha / r) · B A`` of every adapted module
   (and the fully trained modules) under the base model's HF names after each update, with their
   bytes in ``perf/weight_sync_bytes``: an HF copy only the tensors that changed; vLLM the whole
-  merged set (its in-place ``reload_weights`` re-processes whole layers and checks completeness).
+  merged set (its in-place ``reload_weights`` re-processes whole layers and checks completeness),
+  or, with ``rollout.vllm.lora_sync`` resolved to "adapter", only the adapters' A and B tensors
+  (PEFT naming, :func:`adapter_weights`), which vLLM serves as a ``LoRARequest`` on base weights
+  it never receives again (:class:`LoraAdapterSpec` tells the engine what to expect).
 - checkpoints: only trainable tensors + optimizer + scheduler (the frozen base is the model
   config's); ``flowrl export`` merges them (or ``--adapter-only`` writes the PEFT directory).
 """
