@@ -446,14 +446,19 @@ class VLLMRolloutEngine:
                  os.getpid())
         blocker = direct_load_blocker(self.model)
         mode = self.cfg.weight_load
-        if mode == "direct" and blocker is not None:
+        # lora_sync="adapter" never loads base weights (and vLLM's LoRA wrappers are blockers)
+        if mode == "direct" and blocker is not None and self.lora is None:
             self.close()  # the engine and a temporary export go; the caller gets the reason
             raise ValueError(f"rollout.vllm.weight_load=direct: {blocker}; use "
                              "rollout.vllm.weight_load=reload or auto")
         self.weight_load_path = "direct" if mode == "direct" or (mode == "auto" and blocker is None) \
             else "reload"
-        log.info("vLLM weight load path: %s (%s)", self.weight_load_path,
-                 blocker or "every layer unquantized, in its loaded layout")
+        if self.lora is not None:
+            log.info("vLLM LoRA sync: adapter (a LoRARequest per sync, rank %d; base "
+                     "weights never reloaded)", self.lora.rank)
+        else:
+            log.info("vLLM weight load path: %s (%s)", self.weight_load_path,
+                     blocker or "every layer unquantized, in its loaded layout")
         self._vllm = vllm
         self._asleep = 0            # level of the current sleep (0 = awake)
         self._weights_awake = True  # CUDA: weights resident (a load while asleep wakes them only)
