@@ -12,6 +12,7 @@ median step seconds of ``--repeats`` after one warm-up, the process's peak RSS (
 memory, the training state bytes (weights + grads + AdamW moments + the reference copy), trainable
 parameters, and the bytes one weight sync moves (full: every tensor; LoRA: the merged tensors the
 adapters change (an HF rollout copy), or all of them merged (vLLM's whole-layer reload)).
+Merged vs adapter sync into vLLM (rollout.vllm.lora_sync) on the GPU: benchmarks/lora_sync.py.
 """
 from __future__ import annotations
 

@@ -18,13 +18,17 @@ How the roles share one model (``build_lora_actor``, called by ``flowrl.train.bu
   holds a plain base-model copy and receives ``W0 + (alpha / r) · B A`` of every adapted module
   (and the fully trained modules) under the base model's HF names after each update, with their
   bytes in ``perf/weight_sync_bytes``: an HF copy only the tensors that changed; vLLM the whole
-  merged set (its in-place ``reload_weights`` re-processes whole layers and checks completeness).
+  merged set (its in-place ``reload_weights`` re-processes whole layers and checks completeness),
+  or, with ``rollout.vllm.lora_sync`` resolved to "adapter", only the adapters' A and B tensors
+  (PEFT naming, :func:`adapter_weights`), which vLLM serves as a ``LoRARequest`` on base weights
+  it never receives again (:class:`LoraAdapterSpec` tells the engine what to expect).
 - checkpoints: only trainable tensors + optimizer + scheduler (the frozen base is the model
   config's); ``flowrl export`` merges them (or ``--adapter-only`` writes the PEFT directory).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import struct
 import time
 from dataclasses import dataclass, field
@@ -246,7 +250,9 @@ class LoraEngineMixin:
     Extra keyword args: ``peft_model`` (the wrapper of ``model``), ``sync`` (what
     ``named_weights`` hands the rollout engine): ``changed`` (default: the merged tensors the
     adapters change; an HF engine with its own copy), ``full`` (every tensor, merged: vLLM reloads
-    whole layers), ``shared`` (nothing: the rollout engine runs this very module).
+    whole layers), ``adapter`` (the adapters' own A and B tensors in PEFT naming: a vLLM engine
+    with ``rollout.vllm.lora_sync=adapter``), ``shared`` (nothing: the rollout engine runs this
+    very module).
     """
 
     # set by the train engine class behind this mixin in the MRO (``LocalTrainEngine.__init__``)
@@ -279,12 +285,16 @@ class LoraEngineMixin:
     def named_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, Tensor]]:
         """(base HF name, full tensor) of every tensor the adapters change: ``W0 + (alpha/r) B A``
         of each adapted module, the full weights of ``modules_to_save`` (``sync="full"``: every
-        other tensor too; ``"shared"``: nothing, the rollout engine runs this module). Every rank iterates it to the end (FSDP: gathers). Records
+        other tensor too; ``"adapter"``: instead the adapters' A (r, in) and B (out, r) tensors
+        under PEFT's file names, :func:`adapter_weights`; ``"shared"``: nothing, the rollout
+        engine runs this module). Every rank iterates it to the end (FSDP: gathers). Records
         ``gather_bytes`` / ``gather_s`` in ``last_timings``."""
         t0, total = time.perf_counter(), 0
         dtype = dtype or getattr(self, "gather_dtype", None)
         if self.sync != "shared":
-            for name, t in merged_weights(self.model, full=self.sync == "full"):
+            named = adapter_weights(self.model) if self.sync == "adapter" else \
+                merged_weights(self.model, full=self.sync == "full")
+            for name, t in named:
                 t = t if dtype is None else t.to(dtype)
                 total += t.numel() * t.element_size()
                 yield name, t
@@ -318,7 +328,7 @@ class LoraEngineMixin:
         scheduler.load_state_dict(state["scheduler"])
 
 
-SYNC_MODES = ("changed", "full", "shared")
+SYNC_MODES = ("changed", "full", "adapter", "shared")
 _VARIANTS: dict[type, type] = {}
 
 
@@ -376,6 +386,71 @@ def merged_weights(model: nn.Module, adapter: str = "default", *,
         elif isinstance(m, ModulesToSaveWrapper):
             for pname, p in m.modules_to_save[adapter].named_parameters():
                 yield f"{name}.{pname}", _full(p)
+
+
+@dataclass(frozen=True)
+class LoraAdapterSpec:
+    """A LoRA policy's adapters as the rollout engine receives them (``lora_sync="adapter"``):
+    picklable, so an engine process of ``vllm_proc.py`` gets it with the export.
+
+    Attributes:
+        rank: r (``model.lora.rank``). alpha: ``model.lora.alpha`` (vLLM scales by alpha / r).
+        target_modules: the module names (last dotted part) that got adapters, resolved
+            (``all-linear`` expanded), sorted.
+        modules_to_save: ``model.lora.modules_to_save`` (vLLM's adapter path cannot load them).
+        tensor_names: every adapter tensor a sync must deliver, in PEFT's file naming
+            (``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``).
+        adapter_config: the ``adapter_config.json`` content (``peft.LoraConfig.to_dict``).
+    """
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    modules_to_save: tuple[str, ...]
+    tensor_names: frozenset
+    adapter_config: dict
+
+
+PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before the module names
+
+
+@torch.no_grad()
+def adapter_weights(model: nn.Module, adapter: str = "default") -> Iterator[tuple[str, Tensor]]:
+    """(PEFT file name, full tensor) of every adapter of ``model`` (the HF model peft injected
+    into): ``base_model.model.<module>.lora_A.weight`` (r, in) and ``...lora_B.weight`` (out, r),
+    the names and layout ``PeftModel.save_pretrained`` writes to ``adapter_model.safetensors``
+    (what vLLM's ``LoRARequest`` loads). FSDP2 shards are gathered."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLayer) and adapter in m.lora_A:
+            yield f"{PEFT_PREFIX}{name}.lora_A.weight", _weight(m.lora_A[adapter])
+            yield f"{PEFT_PREFIX}{name}.lora_B.weight", _weight(m.lora_B[adapter])
+
+
+def adapter_spec(lora: LoraConfig, hf_config: Any):
+    """The :class:`LoraAdapterSpec` of ``lora`` on a model of
+    ``hf_config``: the adapters peft injects into a ``meta``-device instance (no weights
+    allocated), their resolved target modules, tensor names and ``adapter_config.json``."""
+    import copy
+
+    import peft
+    from peft.tuners.lora import LoraLayer
+
+    from flowrl.models.size import meta_model
+
+    model = meta_model(copy.deepcopy(hf_config))
+    peft_cfg = lora.peft_config()
+    peft.inject_adapter_in_model(peft_cfg, model)
+    layers = [n for n, m in model.named_modules() if isinstance(m, LoraLayer)]
+    targets = tuple(sorted({n.rsplit(".", 1)[-1] for n in layers}))
+    names = frozenset(f"{PEFT_PREFIX}{n}.lora_{ab}.weight" for n in layers for ab in "AB")
+    # the resolved names, not "all-linear": a loader without peft's resolution reads the file
+    config = dataclasses.replace(peft_cfg, target_modules=list(targets), lora_dropout=0.0).to_dict()
+    config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+    return LoraAdapterSpec(rank=lora.rank, alpha=float(lora.alpha), target_modules=targets,
+                           modules_to_save=tuple(lora.modules_to_save), tensor_names=names,
+                           adapter_config=config)
 
 
 class AdapterDisabledReference:

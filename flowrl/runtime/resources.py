@@ -248,9 +248,21 @@ def _build_actor(b: BuildContext) -> "TrainEngine":
         return cast("TrainEngine", b.train_cls(actor_model, b.cfg.trainer.engine, trainable=True, **b.kw))
     from flowrl.models.lora import build_lora_actor
 
-    sync = "shared" if b.shared else "full" if b.cfg.rollout.backend == "vllm" else "changed"
+    # vLLM: the merged full set, or the adapters alone (rollout.vllm.lora_sync resolved, the same
+    # resolution the rollout engine makes)
+    sync = "shared" if b.shared else "changed" if b.cfg.rollout.backend != "vllm" else \
+        "adapter" if b.cfg.rollout.vllm.lora_sync_for(_lora_spec(b)) == "adapter" else "full"
     return cast("TrainEngine", build_lora_actor(b.train_cls, actor_model, lora, b.cfg.trainer.engine,
                                                 sync=sync, **b.kw))
+
+
+def _lora_spec(b: BuildContext) -> Any:
+    """The run's ``LoraAdapterSpec`` (``model.lora`` on this model's config), None without LoRA."""
+    if b.cfg.model.lora is None:
+        return None
+    from flowrl.models.lora import adapter_spec
+
+    return adapter_spec(b.cfg.model.lora, b.model.config)
 
 
 def _build_ref(b: BuildContext) -> "LogprobEngine":
@@ -311,7 +323,7 @@ def _build_rollout(b: BuildContext) -> "RolloutEngine":
 
     return rollout_engines.build_rollout_engine(
         b.cfg.rollout, b.model, b.tokenizer, shared=b.shared, own_process=b.group is not None,
-        job=rollout_job(b.cfg, b.world_size),
+        job=rollout_job(b.cfg, b.world_size), lora=_lora_spec(b),
         image_processor=image_processor(b.cfg.model) if is_vision_config(b.cfg.model) else None)
 
 

@@ -260,3 +260,70 @@ def test_vision_language_model_plans_and_checks_lora_names(capsys):
     size = model_size(cfg)
     text = tiny_vl_config()["text_config"]
     assert (size.n_layers, size.hidden_size) == (text["num_hidden_layers"], text["hidden_size"])
+
+
+# ---------------------------------------------------------------- vLLM adapter sync (no vLLM)
+def test_adapter_sync_yields_peft_file_names_and_the_spec_expects_exactly_them(tmp_path):
+    """``sync="adapter"``: the A/B tensors under the names ``PeftModel.save_pretrained`` writes,
+    equal to its file; :func:`adapter_spec` (a meta model, no weights) names the same set and
+    writes a config vLLM's PEFT reader takes (resolved targets, alpha / r)."""
+    from safetensors.torch import load_file
+
+    from flowrl.models.lora import adapter_spec
+
+    lora = LoraConfig(rank=4, alpha=8.0)
+    actor = _lora_actor(lora, sync="adapter")
+    batch = _train_batch()
+    actor.train_step(batch, token_mean_loss(batch), temperature=1.0)
+    sent = dict(actor.named_weights())
+    actor.peft_model.save_pretrained(str(tmp_path))
+    saved = load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert set(sent) == set(saved) and len(sent) == 2 * 7 * 2  # A, B x 7 linears x 2 layers
+    for n, t in sent.items():
+        assert torch.equal(t, saved[n]), n
+    assert actor.last_timings["gather_bytes"] == sum(t.numel() * 4 for t in sent.values())
+    spec = adapter_spec(lora, tiny_llama().config)
+    assert spec.tensor_names == frozenset(sent)
+    assert spec.target_modules == ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
+                                   "up_proj", "v_proj")
+    assert spec.adapter_config["r"] == 4 and spec.adapter_config["lora_alpha"] == 8.0
+    assert sorted(spec.adapter_config["target_modules"]) == list(spec.target_modules)
+
+
+def test_lora_sync_resolution_and_refusals():
+    from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
+    from flowrl.models.lora import adapter_spec
+
+    cfg = tiny_llama().config
+    ok = adapter_spec(LoraConfig(rank=4), cfg)
+    attn = adapter_spec(LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]), cfg)
+    head = adapter_spec(LoraConfig(rank=4, modules_to_save=["lm_head"]), cfg)
+    assert VLLMRolloutConfig().lora_sync_for(None) == "merged"
+    assert VLLMRolloutConfig().lora_sync_for(ok) == "adapter"  # auto
+    assert VLLMRolloutConfig(lora_sync="merged").lora_sync_for(ok) == "merged"
+    assert VLLMRolloutConfig(lora_sync="adapter").lora_sync_for(attn) == "adapter"
+    # auto falls back where the adapter path cannot run; an explicit adapter says why
+    assert VLLMRolloutConfig().lora_sync_for(head) == "merged"
+    assert VLLMRolloutConfig(sleep_level=2).lora_sync_for(ok) == "merged"
+    with pytest.raises(ValueError, match=r"lora_sync=adapter: model.lora.modules_to_save="):
+        VLLMRolloutConfig(lora_sync="adapter").lora_sync_for(head)
+    with pytest.raises(ValueError, match="sleep_level=2 discards the base weights"):
+        VLLMRolloutConfig(lora_sync="adapter", sleep_level=2).lora_sync_for(ok)
+    with pytest.raises(ValueError, match="rollout.vllm.lora_sync must be one of"):
+        VLLMRolloutConfig(lora_sync="tensors")
+
+
+def test_adapter_sync_refuses_modules_vllm_does_not_adapt():
+    """GPT-2's fused ``c_attn`` is no module vLLM's adapter path takes: refused naming
+    ``model.lora.target_modules``."""
+    import transformers
+
+    from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
+    from flowrl.models.lora import adapter_spec
+
+    gpt2 = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    spec = adapter_spec(LoraConfig(rank=4, target_modules=["c_attn"]), gpt2)
+    assert spec.target_modules == ("c_attn",)
+    assert VLLMRolloutConfig().lora_sync_for(spec) == "merged"
+    with pytest.raises(ValueError, match=r"model.lora.target_modules has \['c_attn'\]"):
+        VLLMRolloutConfig(lora_sync="adapter").lora_sync_for(spec)

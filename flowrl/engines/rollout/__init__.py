@@ -20,16 +20,17 @@ if TYPE_CHECKING:  # ROLLOUT_BACKENDS is read by the run config, before torch lo
 
 
 def _build_hf(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_process: bool,
-              job: RolloutJob | None = None, image_processor: Any = None):
+              job: RolloutJob | None = None, image_processor: Any = None, lora: Any = None):
     # transformers generate makes no process groups: own_process does not apply; the batch's
-    # pixel_values go to the module as they are (no image processor)
+    # pixel_values go to the module as they are (no image processor); a LoRA policy's syncs
+    # are merged tensors (`lora` does not apply)
     from flowrl.engines.rollout.hf import HFRolloutEngine
 
     return HFRolloutEngine(model, tokenizer, rollout_cfg.hf, shared=shared)
 
 
 def _build_vllm(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_process: bool,
-                job: RolloutJob | None = None, image_processor: Any = None):
+                job: RolloutJob | None = None, image_processor: Any = None, lora: Any = None):
     # vLLM always holds its own copy of the weights (``shared`` does not apply): the plan's weight
     # syncs feed it through load_weights.
     from flowrl.engines.rollout.vllm import weights_and_device_memory
@@ -45,10 +46,11 @@ def _build_vllm(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_p
     if procs >= 1:
         from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
 
-        return VLLMProcessEngine(model, tokenizer, cfg, procs=procs, image_processor=image_processor)
+        return VLLMProcessEngine(model, tokenizer, cfg, procs=procs, image_processor=image_processor,
+                                 lora=lora)
     from flowrl.engines.rollout.vllm import VLLMRolloutEngine
 
-    return VLLMRolloutEngine(model, tokenizer, cfg, image_processor=image_processor)
+    return VLLMRolloutEngine(model, tokenizer, cfg, image_processor=image_processor, lora=lora)
 
 
 ROLLOUT_BACKENDS: dict[str, Callable[..., Any]] = {"hf": _build_hf, "vllm": _build_vllm}
@@ -56,7 +58,7 @@ ROLLOUT_BACKENDS: dict[str, Callable[..., Any]] = {"hf": _build_hf, "vllm": _bui
 
 def build_rollout_engine(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool = False,
                          own_process: bool = False, job: RolloutJob | None = None,
-                         image_processor: Any = None):
+                         image_processor: Any = None, lora: Any = None):
     """Build the rollout engine ``rollout_cfg.backend`` names.
 
     Args:
@@ -72,6 +74,8 @@ def build_rollout_engine(rollout_cfg, model: nn.Module, tokenizer, *, shared: bo
             sizes, a fixed KV cache for side-by-side start). None = the rules without it.
         image_processor: a vision-language policy's image processor (``vllm`` exports it with
             the model and hands the prompts' images to vLLM); None for a text model.
+        lora: a LoRA policy's ``LoraAdapterSpec`` (``flowrl.models.lora.adapter_spec``; ``model``
+            is the base model): ``vllm`` serves it by ``rollout.vllm.lora_sync``; ``hf`` ignores it.
 
     Raises:
         ValueError: unknown backend; ``vllm`` with a vision-language model and no
@@ -83,4 +87,4 @@ def build_rollout_engine(rollout_cfg, model: nn.Module, tokenizer, *, shared: bo
         raise ValueError(f"rollout.backend must be one of {sorted(ROLLOUT_BACKENDS)}, "
                          f"got {rollout_cfg.backend!r}") from None
     return build(rollout_cfg, model, tokenizer, shared=shared, own_process=own_process, job=job,
-                 image_processor=image_processor)
+                 image_processor=image_processor, lora=lora)

@@ -17,6 +17,7 @@ cache, and after a level-2 sleep ``generate`` refuses to run until weights were 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import itertools
 import logging
@@ -38,9 +39,11 @@ from flowrl.algorithms.masks import response_mask
 from flowrl.data.images import PatchLayout, collapse_image_tokens, images_of_patches
 from flowrl.engines.base import RolloutBatch, SamplingConfig
 from flowrl.engines.rollout.vllm_config import (
+    VLLM_LORA_RANKS,
     VLLMRolloutConfig,
     check_model_for_vllm,
 )
+from flowrl.models.lora import LoraAdapterSpec
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +215,7 @@ class PolicyExport:
     pad_token_id: int        # the tokenizer's pad id, else EOS
     dtype: str               # the module's parameter dtype, e.g. "float32", "bfloat16"
     vision: VisionExport | None = None  # a vision-language policy's image inputs, else None
+    lora: LoraAdapterSpec | None = None  # a LoRA policy's adapters (rollout.vllm.lora_sync)
 
 
 def export_policy(model: nn.Module, tokenizer, model_dir: str | None = None,
@@ -343,9 +347,14 @@ class VLLMRolloutEngine:
         weight_load_path: "direct" or "reload": how :meth:`load_weights` enters the engine
             (``VLLMRolloutConfig.weight_load`` resolved for this model).
 
+        lora_sync: "adapter" (the policy's LoRA adapters are synced as a ``LoRARequest``, the
+            base weights stay) or "merged" (every sync loads full weights), resolved by
+            ``cfg.lora_sync_for(lora)``.
+
     Raises:
         ImportError: vllm is missing. ValueError: a model vLLM's CPU kernel cannot run; a
-            vision-language model without ``image_processor``.
+            vision-language model without ``image_processor``; ``lora_sync="adapter"`` where
+            vLLM's LoRA cannot serve ``lora`` (``VLLMRolloutConfig.lora_sync_for``).
     """
 
     # vLLM takes prompts as token lists and returns host tensors: its batch lives on the host
@@ -354,16 +363,20 @@ class VLLMRolloutEngine:
     shared = False  # vLLM holds its own copy of the weights
 
     def __init__(self, model: nn.Module, tokenizer, cfg: VLLMRolloutConfig | None = None,
-                 image_processor: Any = None) -> None:
+                 image_processor: Any = None, lora: LoraAdapterSpec | None = None) -> None:
+        """``lora``: the policy's adapters (``flowrl.models.lora.adapter_spec``) when the run
+        trains LoRA; ``model`` is then the base model (adapters not injected)."""
         cfg = cfg or VLLMRolloutConfig()
         import_vllm()
         from vllm.platforms import current_platform
 
         check_model_for_vllm(model.config, on_cpu=current_platform.is_cpu())
+        cfg.lora_sync_for(lora)  # a refused adapter path fails before the export
         # the export directory is the caller's (model_dir) or the content-addressed cache's:
         # this engine deletes neither
-        self._start(export_policy(model, tokenizer, cfg.model_dir, image_processor), cfg,
-                    owns_dir=False)
+        exported = dataclasses.replace(export_policy(model, tokenizer, cfg.model_dir,
+                                                     image_processor), lora=lora)
+        self._start(exported, cfg, owns_dir=False)
 
     @classmethod
     def from_export(cls, exported: "PolicyExport", cfg: VLLMRolloutConfig) -> "VLLMRolloutEngine":
@@ -384,6 +397,8 @@ class VLLMRolloutEngine:
         self.model_dir = Path(exported.model_dir)
         self.weight_names = exported.weight_names
         self.vision = exported.vision
+        self.lora_sync = cfg.lora_sync_for(exported.lora)
+        self.lora = exported.lora if self.lora_sync == "adapter" else None
         dtype = self.cfg.dtype
         if dtype == "auto":  # the module's real dtype, not whatever its config claims
             dtype = exported.dtype
@@ -399,6 +414,10 @@ class VLLMRolloutEngine:
         )
         if self.cfg.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.cfg.max_num_batched_tokens
+        if self.lora is not None:  # one adapter at a time: each sync replaces the last
+            self.weight_names = self.lora.tensor_names
+            kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
+                          max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= self.lora.rank))
         if self.vision is not None:  # images only: no video profiling, no video inputs
             kwargs["limit_mm_per_prompt"] = {"image": self.cfg.max_images_per_prompt, "video": 0}
         if self.on_cuda and not self.cfg.enforce_eager:
@@ -427,14 +446,19 @@ class VLLMRolloutEngine:
                  os.getpid())
         blocker = direct_load_blocker(self.model)
         mode = self.cfg.weight_load
-        if mode == "direct" and blocker is not None:
+        # lora_sync="adapter" never loads base weights (and vLLM's LoRA wrappers are blockers)
+        if mode == "direct" and blocker is not None and self.lora is None:
             self.close()  # the engine and a temporary export go; the caller gets the reason
             raise ValueError(f"rollout.vllm.weight_load=direct: {blocker}; use "
                              "rollout.vllm.weight_load=reload or auto")
         self.weight_load_path = "direct" if mode == "direct" or (mode == "auto" and blocker is None) \
             else "reload"
-        log.info("vLLM weight load path: %s (%s)", self.weight_load_path,
-                 blocker or "every layer unquantized, in its loaded layout")
+        if self.lora is not None:
+            log.info("vLLM LoRA sync: adapter (a LoRARequest per sync, rank %d; base "
+                     "weights never reloaded)", self.lora.rank)
+        else:
+            log.info("vLLM weight load path: %s (%s)", self.weight_load_path,
+                     blocker or "every layer unquantized, in its loaded layout")
         self._vllm = vllm
         self._asleep = 0            # level of the current sleep (0 = awake)
         self._weights_awake = True  # CUDA: weights resident (a load while asleep wakes them only)
@@ -442,6 +466,11 @@ class VLLMRolloutEngine:
         self.last_timings: dict[str, float] = {}
         self.last_load_counts: dict[str, int] = {"tensors": 0, "bytes": 0}
         self.last_prefix_cache: dict[str, int] = {"prompt_tokens": 0, "cached_tokens": 0}
+        # lora_sync="adapter": the LoRARequest generate runs under (None: the base model, which
+        # is the initial LoRA policy: B = 0), and where its PEFT directory lies
+        self.lora_request: Any = None
+        self._lora_root = Path(tempfile.mkdtemp(prefix="flowrl-lora-", dir=_shm_dir())) \
+            if self.lora is not None else None
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingConfig,
@@ -522,7 +551,7 @@ class VLLMRolloutEngine:
         gc.freeze()
         gc.disable()
         try:
-            outs = self.llm.generate(requests, sps, use_tqdm=False)
+            outs = self.llm.generate(requests, sps, use_tqdm=False, lora_request=self.lora_request)
         finally:
             gc.unfreeze()
             if gc_was_enabled:
@@ -587,12 +616,19 @@ class VLLMRolloutEngine:
             named_tensors: ``(name, tensor)`` pairs, names as ``model.named_parameters()`` of the
                 HF model (tied tensors once), any device/dtype (copied and cast by vLLM).
 
+        ``lora_sync="adapter"``: ``named_tensors`` are the adapters' A and B tensors in PEFT
+        naming (``LoraAdapterSpec.tensor_names``) instead, and go through
+        :meth:`_load_adapter`: the base weights stay as they are.
+
         Raises:
             KeyError: a name the exported model does not have (raised before it reaches vLLM).
             ValueError: the iterable missed some of the model's tensors; ``generate`` then refuses
                 to run until a complete load.
         """
         t0 = time.perf_counter()
+        if self.lora is not None:
+            self._load_adapter(named_tensors, t0)
+            return
         if self.sleep_supported and not self._weights_awake:
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
@@ -627,16 +663,76 @@ class VLLMRolloutEngine:
         self.last_load_counts = counts
         self.last_timings = {"load_weights_s": time.perf_counter() - t0}
 
+    def _load_adapter(self, named_tensors: Iterable[tuple[str, Tensor]], t0: float) -> None:
+        """``lora_sync="adapter"``: write the adapters as a PEFT directory
+        (``adapter_model.safetensors`` + ``adapter_config.json``, on ``/dev/shm`` where it
+        exists: vLLM's ``LoRARequest`` takes a path only, no tensors), remove the previous adapter
+        from vLLM (``remove_lora``) and its directory, add the new one under the next int id
+        (``add_lora``: loaded now, so a bad adapter fails here, not in ``generate``) and run
+        every later ``generate`` under it. Timings: ``adapter_write_s``, ``adapter_add_s``,
+        ``load_weights_s`` (the whole call)."""
+        from safetensors.torch import save_file
+
+        assert self.lora is not None and self._lora_root is not None
+        tensors: dict[str, Tensor] = {}
+        counts = {"tensors": 0, "bytes": 0}
+        self._weights_valid = False  # until the new adapter is in (the trainer has moved on)
+        for name, t in named_tensors:
+            if name not in self.weight_names:
+                raise KeyError(f"load_weights: {name!r} is not an adapter tensor of this LoRA "
+                               "policy (rollout.vllm.lora_sync=adapter takes PEFT-named A/B "
+                               "tensors: the actor's sync must be 'adapter')")
+            tensors[name] = t.detach().to("cpu").contiguous()
+            counts["tensors"] += 1
+            counts["bytes"] += t.numel() * t.element_size()
+        missing = self.weight_names - set(tensors)
+        if missing:
+            raise ValueError(f"load_weights: {len(missing)} of the adapter's tensors were not "
+                             f"given, e.g. {sorted(missing)[:3]}; pass the full set in one call")
+        import json
+
+        old = self.lora_request
+        lora_id = 1 if old is None else old.lora_int_id + 1
+        path = self._lora_root / str(lora_id)
+        path.mkdir()
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps(self.lora.adapter_config))
+        t1 = time.perf_counter()
+        engine: Any = self.llm.llm_engine
+        if old is not None:  # max_loras=1: the old adapter goes before the new one comes
+            engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+            self.lora_request = None
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"flowrl-policy-{lora_id}", lora_id, str(path))
+        if not engine.add_lora(request):
+            raise RuntimeError(f"vLLM refused the policy's LoRA adapter {path} (add_lora)")
+        self.lora_request = request
+        self._weights_valid = True
+        self.llm.reset_prefix_cache()  # cached blocks are keyed by the old adapter: free them
+        self.last_load_counts = counts
+        now = time.perf_counter()
+        self.last_timings = {"adapter_write_s": t1 - t0, "adapter_add_s": now - t1,
+                             "load_weights_s": now - t0}
+
     def sleep(self, level: int | None = None) -> None:
         """Release memory between rollout phases (colocated swap point); no-op when asleep.
 
         Args:
             level: 1 or 2 (see the module docstring); None = ``cfg.sleep_level`` (0: no-op).
+
+        Raises:
+            ValueError: a level other than 0-2; level 2 with ``lora_sync="adapter"`` (it would
+                drop the base weights, which adapter syncs never refill).
         """
         t0 = time.perf_counter()
         level = self.cfg.sleep_level if level is None else level
         if level not in (0, 1, 2):
             raise ValueError(f"sleep level must be 0, 1 or 2, got {level}")
+        if level == 2 and self.lora is not None:
+            raise ValueError("sleep level 2 drops the base weights; rollout.vllm.lora_sync=adapter "
+                             "never re-sends them (use sleep level 1)")
         if level and not self._asleep:
             if self.sleep_supported:
                 self.llm.sleep(level=level)
@@ -664,7 +760,10 @@ class VLLMRolloutEngine:
         parameter that keeps the HF name and its layout (embeddings, norms, unfused linears
         such as ``o_proj`` / ``down_proj``; a padded vocabulary adds rows at the end only, which
         the positions of the HF tensor never reach). Fused parameters (``qkv_proj``) and the
-        GEMM weights vLLM-CPU repacks and empties are left out."""
+        GEMM weights vLLM-CPU repacks and empties are left out. ``lora_sync="adapter"``: the
+        adapters live in vLLM's LoRA manager, not under these names: nothing is returned."""
+        if self.lora is not None:
+            return {}
         own = dict(self.model.named_parameters())
         out: dict[str, Tensor] = {}
         for name, idx in index.items():
@@ -694,6 +793,16 @@ class VLLMRolloutEngine:
             self.llm = None
         if self._tmp:
             shutil.rmtree(self.model_dir, ignore_errors=True)
+        lora_root = getattr(self, "_lora_root", None)
+        if lora_root is not None:
+            shutil.rmtree(lora_root, ignore_errors=True)
+
+
+def _shm_dir() -> str | None:
+    """``/dev/shm`` where it is a writable directory (RAM: an adapter write costs no disk I/O),
+    else None (the system's temporary directory)."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
 
 
 def _sampled_logprobs(token_ids, logprobs) -> list[float]:

@@ -8,13 +8,25 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from flowrl.engines.base import SamplingConfig
+
+if TYPE_CHECKING:  # the run config reads this module before torch loads (models.lora imports it)
+    from flowrl.models.lora import LoraAdapterSpec
 
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGPROBS_MODES = ("tempered", "processed")
 WEIGHT_LOADS = ("auto", "direct", "reload")
+LORA_SYNCS = ("auto", "merged", "adapter")
+# what lora_sync="auto" picks where the adapter path can run (benchmarks/lora.py --sync-compare
+# measures both on the GPU; the merged path stays the fallback everywhere else)
+AUTO_LORA_SYNC = "adapter"
+# the modules whose adapters vLLM's LoRA layers apply to a llama-family model (its fused qkv_proj
+# and gate_up_proj take the per-projection adapters): flowrl refuses the adapter path elsewhere
+VLLM_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# vLLM's LoRAConfig.max_lora_rank accepts only these (vllm/config/lora.py MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # head sizes vLLM 0.32's CPU attention kernel accepts (vllm/v1/attention/backends/cpu_attn.py)
 # KV cache per rank on CPU when rollout.vllm.kv_cache_memory_gb is null: vLLM-CPU would otherwise
 # take gpu_memory_utilization x the host's RAM per engine, and 2 ranks x 2 engines on one host asked
@@ -130,6 +142,15 @@ class VLLMRolloutConfig:
             layer, repacked parameter or linear/embedding parameter without its loader
             (unquantized CUDA layers), else reload (vLLM-CPU repacks its GEMM weights after
             loading and drops them).
+        lora_sync: how a LoRA policy (``model.lora``) reaches the engine at each sync: "merged" =
+            ``W0 + (alpha/r) B A`` of every layer merged by the trainer and loaded as full
+            weights (the whole weight set, every sync); "adapter" = the engine is built with
+            vLLM's LoRA support (``enable_lora``, ``max_loras=1``) on the base weights, which are
+            never re-sent, and each sync writes only the adapters (PEFT format, to
+            ``/dev/shm``) and switches generation to a new ``LoRARequest`` (the previous adapter
+            is removed); "auto" = ``AUTO_LORA_SYNC`` where the adapter path can run
+            (targets among ``VLLM_LORA_MODULES``, no ``modules_to_save``, rank <= 512,
+            ``sleep_level`` < 2), else merged (:meth:`lora_sync_for`). Ignored without LoRA.
         max_images_per_prompt: a vision-language policy's most images in one prompt (vLLM's
             ``limit_mm_per_prompt``: it sizes the vision encoder's start-up profiling by it, and
             refuses a request with more). Ignored for a text model.
@@ -153,6 +174,7 @@ class VLLMRolloutConfig:
     engine_procs: Optional[int] = None
     weight_load: str = "auto"  # "auto" | "direct" | "reload" (OmegaConf has no Literal)
     max_images_per_prompt: int = 1
+    lora_sync: str = "auto"  # "auto" | "merged" | "adapter" (OmegaConf has no Literal)
 
     def __post_init__(self) -> None:
         if self.engine_procs is not None and self.engine_procs < 0:
@@ -189,6 +211,9 @@ class VLLMRolloutConfig:
         if self.weight_load not in WEIGHT_LOADS:
             raise ValueError(f"rollout.vllm.weight_load must be one of {WEIGHT_LOADS}, "
                              f"got {self.weight_load!r}")
+        if self.lora_sync not in LORA_SYNCS:
+            raise ValueError(f"rollout.vllm.lora_sync must be one of {LORA_SYNCS}, "
+                             f"got {self.lora_sync!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"rollout.vllm.logprobs_mode must be one of {LOGPROBS_MODES}, "
                              f"got {self.logprobs_mode!r}")
@@ -270,6 +295,37 @@ class VLLMRolloutConfig:
                 why.append(f"rollout.vllm.kv_cache_memory_gb={kv:g} (the rank's budget less "
                            f"{engines} engines' weights and overhead: they start side by side)")
         return procs, cfg, why
+
+    def lora_sync_for(self, lora: Optional["LoraAdapterSpec"]) -> str:
+        """The sync path this engine runs for the policy's adapters: "merged" or "adapter"
+        (``lora_sync`` resolved; "merged" without LoRA: nothing to choose).
+
+        Raises:
+            ValueError: ``lora_sync="adapter"`` where vLLM's LoRA cannot serve the adapters (one
+                line naming the ``model.lora`` or ``rollout.vllm`` field).
+        """
+        if lora is None or self.lora_sync == "merged":
+            return "merged"
+        reasons = []
+        bad = [t for t in lora.target_modules if t not in VLLM_LORA_MODULES]
+        if bad:
+            reasons.append(f"model.lora.target_modules has {bad}: vLLM's adapter path takes "
+                           f"only {list(VLLM_LORA_MODULES)}")
+        if lora.modules_to_save:
+            reasons.append(f"model.lora.modules_to_save={list(lora.modules_to_save)} (fully "
+                           "trained modules are not adapters)")
+        if lora.rank > VLLM_LORA_RANKS[-1]:
+            reasons.append(f"model.lora.rank={lora.rank} is above vLLM's max_lora_rank "
+                           f"{VLLM_LORA_RANKS[-1]}")
+        if self.sleep_level == 2:
+            reasons.append("rollout.vllm.sleep_level=2 discards the base weights, which the "
+                           "adapter path never re-sends (use sleep_level 1)")
+        if not reasons:
+            return AUTO_LORA_SYNC if self.lora_sync == "auto" else "adapter"
+        if self.lora_sync == "adapter":
+            raise ValueError(f"rollout.vllm.lora_sync=adapter: {'; '.join(reasons)}; or set "
+                             "rollout.vllm.lora_sync=merged")
+        return "merged"
 
     def kv_cache_gb_on(self, on_cpu: bool) -> Optional[float]:
         """The rank's KV-cache size to request (GiB), None = let vLLM size it (see the field)."""

@@ -46,6 +46,7 @@ from flowrl.engines.rollout.vllm import (
     weights_and_device_memory,
 )
 from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig, check_model_for_vllm
+from flowrl.models.lora import LoraAdapterSpec
 
 log = logging.getLogger("flowrl")
 
@@ -189,6 +190,9 @@ class VLLMProcessEngine:
             (:func:`engine_share`).
         procs: engine processes (>= 1); None = ``cfg.engine_procs_for(..., own_process=True)``.
         image_processor: a vision-language model's image processor (``export_policy``).
+        lora: a LoRA policy's adapters (``flowrl.models.lora.adapter_spec``); with
+            ``cfg.lora_sync_for(lora) == "adapter"`` every engine serves them as a
+            ``LoRARequest`` and a sync carries the adapter tensors only (as in-process).
 
     Attributes:
         sleep_supported: vLLM really frees memory on sleep (CUDA); False on CPU.
@@ -211,8 +215,10 @@ class VLLMProcessEngine:
     shared = False  # the engines hold their own copy of the weights
 
     def __init__(self, model: nn.Module, tokenizer, cfg: VLLMRolloutConfig | None = None,
-                 procs: int | None = None, image_processor: Any = None) -> None:
+                 procs: int | None = None, image_processor: Any = None,
+                 lora: LoraAdapterSpec | None = None) -> None:
         self.cfg = cfg = cfg or VLLMRolloutConfig()
+        self.lora_sync = cfg.lora_sync_for(lora)  # a refused adapter path fails before any start
         if procs is None:
             procs = cfg.engine_procs_for(*weights_and_device_memory(model), own_process=True)
         self.procs_n = procs
@@ -223,9 +229,12 @@ class VLLMProcessEngine:
         # the rank's cache total, split by engine_share (on CPU a fixed size: see the config)
         self.cfg = cfg = dataclasses.replace(cfg, kv_cache_memory_gb=cfg.kv_cache_gb_on(
             device.type != "cuda"))
-        self.exported = export_policy(model, tokenizer, cfg.model_dir, image_processor)
+        self.exported = dataclasses.replace(
+            export_policy(model, tokenizer, cfg.model_dir, image_processor), lora=lora)
         tmp_dir = None  # model_dir (the caller's) or the content-addressed export: kept
-        self.weight_names = self.exported.weight_names
+        # what a sync delivers: the adapters (lora_sync="adapter") or the full weight set
+        self.weight_names = lora.tensor_names if lora is not None and \
+            self.lora_sync == "adapter" else self.exported.weight_names
         self.eos_token_id, self.pad_token_id = self.exported.eos_token_id, self.exported.pad_token_id
         ctx = mp.get_context("spawn")
         env = _child_env(device)
