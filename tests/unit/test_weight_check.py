@@ -1,7 +1,7 @@
-"""flowrl.runtime.weight_check: the positions a weight-sync check samples (exact values)."""
+"""flowrl.runtime.step.weight_check: the positions a weight-sync check samples (exact values)."""
 import torch
 
-from flowrl.runtime.weight_check import SAMPLES, sample_index
+from flowrl.runtime.step.weight_check import SAMPLES, sample_index
 
 
 def test_positions_are_spread_first_and_last_included_and_in_range():
