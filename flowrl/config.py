@@ -168,7 +168,8 @@ class TrainerConfig:
         save_every: checkpoint every k steps (0 = only at the end).
         keep_last: checkpoints kept on disk.
         resume: continue from the newest complete checkpoint in ``output_dir`` (fresh start if none).
-            Without it a run refuses a directory that holds a previous run (``runtime/io/rundir.py``).
+            Without it a run refuses a directory that holds a previous run
+            (``runtime/io/rundir.py``).
         overwrite: start fresh in a directory that holds a previous run, deleting that run's
             outputs (checkpoints, metrics, TensorBoard, summary, plan) first.
         async_save: periodic checkpoints with ``dcp.async_save``: the step waits only for the copy

@@ -77,8 +77,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
     Raises:
         FileNotFoundError: no such directory, or not a complete checkpoint. ValueError: no model
             config anywhere, a tampered / corrupt checkpoint
-            (``runtime.io.checkpoint.verify_checkpoint``; nothing is loaded, connected or written then),
-            or ``adapter_only`` for a checkpoint without ``model.lora``.
+            (``runtime.io.checkpoint.verify_checkpoint``; nothing is loaded, connected or written
+            then), or ``adapter_only`` for a checkpoint without ``model.lora``.
     """
     ckpt = Path(checkpoint)
     _check_exists(ckpt)

@@ -2,7 +2,7 @@
 
     overrides ──prepare──► RunSpec ──(launcher.nproc > 1: torchrun, each rank prepares its own)
         composed once · fields · machine defaults · graph → plan · placement · model folder ·
-        every data row (runtime/control/preflight.py); run directory free; nothing loaded, nothing written
+        every data row (runtime/control/preflight.py); run directory free; nothing loaded or written
     RunSpec ──Hydra job (run dir, .hydra/, train.log)──► runtime/control/job.run_job
 
 A rejected run prints one line (exit status 2) and leaves nothing on disk. Hydra's own command
@@ -34,8 +34,8 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
             *, plan_only: bool = False) -> RunSpec:
     """The run of ``source`` (command-line overrides, composed here with Hydra's section, or a
     composed config), pre-flighted: fields validated, ``auto`` settings resolved for this machine,
-    graph compiled, placed, its inputs checked (``runtime/control/preflight.check_run``). ``overrides``:
-    the invocation's (default: ``source`` when it is overrides; Hydra's inside a Hydra job);
+    graph compiled, placed, its inputs checked (``runtime/control/preflight.check_run``).
+    ``overrides``: the invocation's (default: ``source`` when it is overrides; Hydra's inside a Hydra job);
     ``plan_only`` (``flowrl plan``): a graph's teacher may be left unset. Loads no model.
 
     Raises:

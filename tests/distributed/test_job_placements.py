@@ -1,5 +1,5 @@
-"""One job loop for every placement (runtime/control/job.py): what colocated runs always did, partitioned
-and placement=auto runs do too. Each test failed before the loop was written once:
+"""One job loop for every placement (runtime/control/job.py): what colocated runs always did,
+partitioned and placement=auto runs do too. Each test failed before the loop was written once:
 
 - the adaptive in-reward KL coefficient β is checkpointed and restored under partitioned (and
   placement=auto switching to partitioned), instead of restarting at algorithm.kl_coef;

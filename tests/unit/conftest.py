@@ -22,8 +22,8 @@ def no_model(monkeypatch):
 
 @pytest.fixture
 def fake_supervise(monkeypatch):
-    """Replace torchrun's in-process agent (``runtime/control/supervise.py``) by a recorder: the dict it
-    returns gets ``argv`` (torchrun's arguments) and ``overrides``; the launch then exits 0."""
+    """Replace torchrun's in-process agent (``runtime/control/supervise.py``) by a recorder: the
+    dict it returns gets ``argv`` (torchrun's arguments) and ``overrides``; the launch then exits 0."""
     from flowrl.runtime.control import supervise
 
     seen: dict = {}

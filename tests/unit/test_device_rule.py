@@ -1,9 +1,9 @@
-"""The one rule for where tensors live (DESIGN.md "Where tensors live", flowrl/runtime/step/devices.py),
-checked on CPU with a train engine on PyTorch's ``meta`` device standing in for a GPU: any op or
-loss function that mixes the store's host tensors with the engine's would raise here exactly as
-``cuda:0`` vs ``cpu`` does on a GPU (the first GPU run died in ops/logprobs.py and in the loss of
-``update``), and any ``.item()`` inside a loss function (a stream sync per micro-batch on a GPU)
-raises on ``meta`` too.
+"""The one rule for where tensors live (DESIGN.md "Where tensors live",
+flowrl/runtime/step/devices.py), checked on CPU with a train engine on PyTorch's ``meta`` device
+standing in for a GPU: any op or loss function that mixes the store's host tensors with the engine's
+would raise here exactly as ``cuda:0`` vs ``cpu`` does on a GPU (the first GPU run died in
+ops/logprobs.py and in the loss of ``update``), and any ``.item()`` inside a loss function (a stream
+sync per micro-batch on a GPU) raises on ``meta`` too.
 
 Also: the machine defaults (flowrl/machine.py) with exact expected values.
 """

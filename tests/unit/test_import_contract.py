@@ -81,5 +81,5 @@ def test_no_sibling_cycle_even_through_type_checking_imports():
 
     graph = grimp.build_graph("flowrl", exclude_type_checking_imports=False, cache_dir=None)
     assert _sibling_cycles(graph, "flowrl.compiler") == []
-    for package in ("flowrl.runtime", "flowrl.runtime.control", "flowrl.runtime.step", "flowrl.runtime.io"):
+    for package in ("flowrl.runtime", *(f"flowrl.runtime.{p}" for p in ("control", "step", "io"))):
         assert _sibling_cycles(graph, package) == [], package

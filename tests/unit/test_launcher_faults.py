@@ -1,7 +1,7 @@
 """A dead or frozen rank ends a ``launcher.nproc=2`` job with a last line naming the rank (its
 number, pid, exit signal or silence) and the resume command (issue 27): torchrun's agent runs
-in the launcher process (``runtime/control/supervise.py``), the ranks' peer monitors stop the job once a
-heartbeat is silent for ``launcher.heartbeat_timeout_s``."""
+in the launcher process (``runtime/control/supervise.py``), the ranks' peer monitors stop the job
+once a heartbeat is silent for ``launcher.heartbeat_timeout_s``."""
 from __future__ import annotations
 
 import os

@@ -57,7 +57,7 @@ def test_flowrl_train_composes_and_places_once(counted, monkeypatch, tmp_path):
 def test_a_multi_rank_launch_prepares_once_then_runs_torchrun(counted, fake_supervise, tmp_path):
     from flowrl.train import main
 
-    seen = fake_supervise  # torchrun's agent runs in the launcher's process (runtime/control/supervise.py)
+    seen = fake_supervise  # torchrun's agent runs in the launcher (runtime/control/supervise.py)
     with pytest.raises(SystemExit) as e:
         main(["launcher.nproc=2", *SMOKE, f"trainer.output_dir={tmp_path}"])
     assert e.value.code == 0

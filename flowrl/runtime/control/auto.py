@@ -98,8 +98,8 @@ def decide(cfg, plan, world_size: int, profile: list[dict[str, float]]) -> dict[
 def run_auto(cfg: "TrainConfig", plan: "ExecutionPlan", dinfo: "DistInfo", out_dir: Path,
              run: RunPlacement) -> dict[str, Any]:
     """Run a ``placement=auto`` job (see the module docstring): each phase is one
-    ``run(cfg, plan, placement, dinfo, out_dir)`` (``runtime/control/job.run_placement``), the second
-    resuming the first one's checkpoint under the placement :func:`decide` chose.
+    ``run(cfg, plan, placement, dinfo, out_dir)`` (``runtime/control/job.run_placement``), the
+    second resuming the first one's checkpoint under the placement :func:`decide` chose.
 
     Returns the summary of the whole run with ``placement_auto``: the decision, the predicted
     and the measured mean step time after the switch.

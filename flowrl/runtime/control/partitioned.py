@@ -326,7 +326,7 @@ class TrainPool:
         return reduce_metrics(out, group=self.ctx.dist.group)
 
 
-# ---- what placement=partitioned supplies to the job (runtime/control/job.py RankPlacement) -------------
+# ---- what placement=partitioned supplies to the job (runtime/control/job.py RankPlacement) -----
 class _PoolRank:
     """A rank of a partitioned job: its pool's plan, data-parallel group and peers.
 

@@ -167,8 +167,8 @@ def prepare_placement(cfg: "TrainConfig", plan: "ExecutionPlan", world_size: int
 
 def check_partitioned_run(placement: "PlacementPlan", cfg: "TrainConfig") -> None:
     """What the partitioned runtime needs beyond a valid cut: pool sizes it can route between
-    (``runtime/control/partitioned.check_partitioned``) and, for k >= 1 (batches from older weights),
-    the trainer's recomputed old logprobs.
+    (``runtime/control/partitioned.check_partitioned``) and, for k >= 1 (batches from older
+    weights), the trainer's recomputed old logprobs.
 
     Raises:
         PlacementError: naming ``placement.pools``, or ``placement.staleness >= 1`` with

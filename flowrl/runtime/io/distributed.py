@@ -124,8 +124,8 @@ class PeerMonitor:
     A daemon thread per rank writes ``<rank> -> "<count> <step> <host> <pid>"`` every
     ``interval_s`` (and at each new step) and reads the others'. A rank whose value has not
     changed for ``stale_s`` (frozen by SIGSTOP, dead, or stuck in C code that holds the GIL) is
-    logged as an error, reported to the launcher (``runtime/io/supervisor_dir.py``, which kills it when
-    it is its worker) and this rank then stops at once (:attr:`on_silent`: the crash line with
+    logged as an error, reported to the launcher (``runtime/io/supervisor_dir.py``, which kills it
+    when it is its worker) and this rank then stops at once (:attr:`on_silent`: the crash line with
     the resume command, exit status 1) instead of waiting in a collective until its timeout. A
     slow rank that still runs Python (a long generation) keeps beating and is never reported;
     a rank that finished (:meth:`stop`) writes ``done`` and is never reported either. Stale

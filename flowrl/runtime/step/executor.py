@@ -19,8 +19,8 @@ Dataflow of one GRPO step (colocated pool; ``[x]`` = role resident, ``→ free``
 
 Each stage reads its inputs from the TensorStore, writes its outputs back, and the store frees every
 key whose last consumer (from the plan's lifecycle table) has just run. Devices (one rule,
-``runtime/step/devices.py``): the store keeps the step on the pool's home device (the trainer's GPU on a
-GPU run); the executor hands each op its inputs on the device of the stage's engine (the host for
+``runtime/step/devices.py``): the store keeps the step on the pool's home device (the trainer's GPU
+on a GPU run); the executor hands each op its inputs on the device of the stage's engine (the host for
 role-less stages).
 A ``refill`` stage (DAPO dynamic sampling) re-runs the stages it depends on until it has kept
 enough groups (``flowrl/runtime/step/refill.py``; the plan lists them under ``plan.refill``).
