@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO_ROOT, command_line, markdown_table, versions  # noqa: E402
 from gsm8k_learning import _delta_ci, _get, _machine, _read_config  # noqa: E402
 
-from flowrl.runtime.metrics import read_metrics  # noqa: E402
+from flowrl.runtime.io.metrics import read_metrics  # noqa: E402
 
 DEFAULT_STEM = REPO_ROOT / "benchmarks/results/learning_h200"
 KEPT = ("metrics.jsonl", "summary.json", "plan.txt", "console.log", "eval_before.jsonl",

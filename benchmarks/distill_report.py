@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO_ROOT, git_revision, machine_info, markdown_table, utc_now  # noqa: E402
 
-from flowrl.runtime.metrics import read_metrics  # noqa: E402
+from flowrl.runtime.io.metrics import read_metrics  # noqa: E402
 
 HELD_OUT = "eval/accuracy"
 TRAIN_ACC = "reward/accuracy"

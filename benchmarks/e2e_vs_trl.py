@@ -520,7 +520,7 @@ def child_flowrl(bc: BenchConfig, out_dir: str) -> dict:
 
     seen: dict = {}
     engine: dict = {}
-    from flowrl.runtime.resources import Engines
+    from flowrl.runtime.step.resources import Engines
 
     load, close = loading.load_model, Engines.close
 
@@ -535,7 +535,7 @@ def child_flowrl(bc: BenchConfig, out_dir: str) -> dict:
             engine.update(type=type(r).__name__, procs=getattr(r, "procs_n", 0))
         return close(engines)
 
-    from flowrl.runtime.executor import Executor
+    from flowrl.runtime.step.executor import Executor
 
     gate, run_step = Gate(bc), Executor.run_step
 

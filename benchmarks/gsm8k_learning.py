@@ -39,7 +39,7 @@ from _common import (  # noqa: E402
     versions,
 )
 
-from flowrl.runtime.metrics import read_metrics  # noqa: E402
+from flowrl.runtime.io.metrics import read_metrics  # noqa: E402
 
 DEFAULT_STEM = REPO_ROOT / "benchmarks/results/gsm8k_smollm2_gpu"
 KEPT = ("metrics.jsonl", "summary.json", "plan.txt", "console.log", "eval_before.jsonl",

@@ -111,7 +111,7 @@ def worker(mode: str, address: str, args) -> None:
     eng = build_rollout_engine(SimpleNamespace(backend="vllm", vllm=vcfg), model, tok, job=job,
                                lora=spec)
     start_s = time.perf_counter() - t0
-    eng.load_weights(actor.named_weights())  # the run's first sync (runtime/job.py)
+    eng.load_weights(actor.named_weights())  # the run's first sync (runtime/control/job.py)
     records = load_arith("train")
     data_cfg = DataConfig()
     params = SamplingConfig(temperature=0.7, max_new_tokens=args.max_new_tokens)

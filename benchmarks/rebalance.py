@@ -58,7 +58,7 @@ def main() -> None:
     from flowrl.ops.context import StageContext
     from flowrl.ops.logprobs import LogprobsConfig, logprobs
     from flowrl.ops.update import PolicyUpdateConfig, update_policy
-    from flowrl.runtime import distributed as fdist
+    from flowrl.runtime.io import distributed as fdist
 
     cuda = torch.cuda.is_available()
     from flowrl.config import LauncherConfig

@@ -72,7 +72,7 @@ def run(args) -> dict:
     from flowrl.engines.rollout.hf import HFRolloutEngine
     from flowrl.engines.train.fsdp import FSDPTrainEngine, broadcast_module
     from flowrl.ops import collectives as coll
-    from flowrl.runtime import distributed as fdist
+    from flowrl.runtime.io import distributed as fdist
 
     smoke = not torch.cuda.is_available()
     if smoke:  # no GPU: exercise the script on a tiny model (numbers meaningless)

@@ -52,7 +52,7 @@ def main() -> int:
     from flowrl.engines.rollout.hf import HFRolloutEngine
     from flowrl.graph import Graph
     from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
-    from flowrl.runtime.evaluate import eval_scorer, evaluate_greedy
+    from flowrl.runtime.step.evaluate import eval_scorer, evaluate_greedy
 
     torch.manual_seed(0)
     mcfg = ModelConfig()  # path=smollm2: the real model, as model=smollm2

@@ -96,7 +96,7 @@ def build_model_dir(tiny: dict, out: Path, image_size: int) -> Path:
 def prompts(args, tok, model_cfg):
     from flowrl.data import DataConfig, PromptSource
     from flowrl.data.visual import VisualConfig
-    from flowrl.runtime.resources import image_encoder
+    from flowrl.runtime.step.resources import image_encoder
 
     data = DataConfig(name="visual", visual=VisualConfig(image_size=args.image_size,
                                                          train_size=max(64, args.prompts),

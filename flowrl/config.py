@@ -48,10 +48,10 @@ class LauncherConfig:
             rank-0-only phase, e.g. an eval of the whole test split on the HF backend
             (``trainer.eval.limit=null``).
         heartbeat_timeout_s: seconds a rank's heartbeat may stay silent before the job stops,
-            naming it (``runtime/distributed.PeerMonitor``: a thread of every rank beats every
+            naming it (``runtime/io/distributed.PeerMonitor``: a thread of every rank beats every
             few seconds whatever the rank does, so only a frozen (SIGSTOP), dead or
             GIL-holding stuck process goes silent); the launcher kills that rank and prints the
-            resume command (``runtime/supervise.py``). 60: well above any pause of a live
+            resume command (``runtime/control/supervise.py``). 60: well above any pause of a live
             process's threads, well below the collective timeout. Capped at half of
             ``collective_timeout_s``.
     """
@@ -108,8 +108,8 @@ class RolloutConfig:
     sync, read sampled values of every synced tensor back from the engine and stop the run,
     naming the engine and the tensors, when they are not the trainer's, and check that what was
     sent for each LoRA-adapted layer is the weight the trainer computes with (an unmerged
-    adapter) (``runtime/weight_check.py``; 64 values per tensor, one small forward per adapted
-    layer)."""
+    adapter) (``runtime/step/weight_check.py``; 64 values per tensor, one small forward per
+    adapted layer)."""
 
     backend: str = "auto"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -128,7 +128,7 @@ class RolloutConfig:
 @dataclass
 class EvalConfig:
     """Greedy accuracy on a fixed slice (the first ``limit`` items) of ``split``, scored strict
-    (``#### n``) and with math-verify (``flowrl.runtime.evaluate.evaluate_greedy``).
+    (``#### n``) and with math-verify (``flowrl.runtime.step.evaluate.evaluate_greedy``).
 
     Attributes:
         split: dataset split to evaluate (``test``: GSM8K's 1,319 questions).
@@ -170,7 +170,8 @@ class TrainerConfig:
         save_every: checkpoint every k steps (0 = only at the end).
         keep_last: checkpoints kept on disk.
         resume: continue from the newest complete checkpoint in ``output_dir`` (fresh start if none).
-            Without it a run refuses a directory that holds a previous run (``runtime/rundir.py``).
+            Without it a run refuses a directory that holds a previous run
+            (``runtime/io/rundir.py``).
         overwrite: start fresh in a directory that holds a previous run, deleting that run's
             outputs (checkpoints, metrics, TensorBoard, summary, plan) first.
         async_save: periodic checkpoints with ``dcp.async_save``: the step waits only for the copy
@@ -182,7 +183,7 @@ class TrainerConfig:
             rollout engine generates, the rollout copy while training): ``auto`` (only when the
             models would not fit side by side: ``machine.keep_resident``), ``always``, ``never``.
         max_skipped_steps: optimizer steps a run may skip (non-finite loss or grad norm) before
-            it stops with exit status 1 (``runtime/health.py``; counted in
+            it stops with exit status 1 (``runtime/control/health.py``; counted in
             ``train/skipped_steps``).
         max_skipped_frac: largest fraction of skipped optimizer steps (judged from the 4th step
             and at the last one): a run that trains on almost no step stops instead of exiting 0.

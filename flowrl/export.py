@@ -77,8 +77,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
     Raises:
         FileNotFoundError: no such directory, or not a complete checkpoint. ValueError: no model
             config anywhere, a tampered / corrupt checkpoint
-            (``runtime.checkpoint.verify_checkpoint``; nothing is loaded, connected or written then),
-            or ``adapter_only`` for a checkpoint without ``model.lora``.
+            (``runtime.io.checkpoint.verify_checkpoint``; nothing is loaded, connected or written
+            then), or ``adapter_only`` for a checkpoint without ``model.lora``.
     """
     ckpt = Path(checkpoint)
     _check_exists(ckpt)
@@ -87,7 +87,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
     from omegaconf import OmegaConf
 
     from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
-    from flowrl.runtime.checkpoint import WeightsOnlyReader, verify_checkpoint
+    from flowrl.runtime.io.checkpoint import WeightsOnlyReader, verify_checkpoint
 
     meta_path = ckpt / "trainer_state.json"
     if not (meta_path.is_file() and (ckpt / ".metadata").is_file()):

@@ -1,6 +1,6 @@
 """``flowrl train launcher.nproc=N …``: run the job under ``torchrun`` (no home-made launcher:
-torchrun's agent runs in this process, ``runtime/supervise.py``, so a failed job ends naming the
-rank that died or went silent and the resume command).
+torchrun's agent runs in this process, ``runtime/control/supervise.py``, so a failed job ends naming
+the rank that died or went silent and the resume command).
 
     flowrl train launcher.nproc=2 model=tiny trainer=smoke
       == torchrun --standalone --nproc_per_node=2 -m flowrl.train launcher.nproc=2 model=tiny trainer=smoke
@@ -38,11 +38,11 @@ def torchrun_argv(cfg: LauncherConfig, overrides: list[str]) -> list[str]:
 def exec_torchrun(cfg: LauncherConfig, overrides: list[str]) -> None:
     """Run torchrun's agent in this process on ``cfg``'s processes running ``overrides``, then
     exit with its status (never returns; a failed group: the last line names the rank and the
-    resume command, ``runtime/supervise.py``). ``flowrl.train.main`` calls it once the run is
-    prepared (a bad config is one line
+    resume command, ``runtime/control/supervise.py``). ``flowrl.train.main`` calls it once the run
+    is prepared (a bad config is one line
     from this process, exit status 2, not the same error from every rank plus torchrun's
     report); each rank then prepares the same run from the same overrides."""
-    from flowrl.runtime.supervise import supervise
+    from flowrl.runtime.control.supervise import supervise
 
     argv = torchrun_argv(cfg, overrides)
     sys.stdout.flush()

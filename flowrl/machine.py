@@ -32,8 +32,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
-# trainer.offload=auto is decided where the engines are built (runtime/resources.py)
-from flowrl.runtime.spec import Resolved
+# trainer.offload=auto is decided where the engines are built (runtime/step/resources.py)
+from flowrl.runtime.control.spec import Resolved
 
 # the token budget of a GPU micro-batch: the scaling benchmark's bins (benchmarks/results/scaling.md)
 GPU_TOKENS_PER_MICRO_BATCH = 16384

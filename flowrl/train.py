@@ -2,8 +2,8 @@
 
     overrides ──prepare──► RunSpec ──(launcher.nproc > 1: torchrun, each rank prepares its own)
         composed once · fields · machine defaults · graph → plan · placement · model folder ·
-        every data row (runtime/preflight.py); run directory free; nothing loaded, nothing written
-    RunSpec ──Hydra job (run dir, .hydra/, train.log)──► runtime/job.run_job
+        every data row (runtime/control/preflight.py); run directory free; nothing loaded or written
+    RunSpec ──Hydra job (run dir, .hydra/, train.log)──► runtime/control/job.run_job
 
 A rejected run prints one line (exit status 2) and leaves nothing on disk. Hydra's own command
 line (``-m`` sweeps, ``--cfg``, ``--help``) runs Hydra's app, each job prepared by
@@ -18,8 +18,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from flowrl.config import REPO_ROOT
-from flowrl.runtime.preflight import ConfigError, prepare_placement, role_parallelism, world_size
-from flowrl.runtime.spec import RunSpec
+from flowrl.runtime.control.preflight import (
+    ConfigError,
+    prepare_placement,
+    role_parallelism,
+    world_size,
+)
+from flowrl.runtime.control.spec import RunSpec
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -29,8 +34,8 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
             *, plan_only: bool = False) -> RunSpec:
     """The run of ``source`` (command-line overrides, composed here with Hydra's section, or a
     composed config), pre-flighted: fields validated, ``auto`` settings resolved for this machine,
-    graph compiled, placed, its inputs checked (``runtime/preflight.check_run``). ``overrides``:
-    the invocation's (default: ``source`` when it is overrides; Hydra's inside a Hydra job);
+    graph compiled, placed, its inputs checked (``runtime/control/preflight.check_run``).
+    ``overrides``: the invocation's (default: ``source`` when it is overrides; Hydra's inside a Hydra job);
     ``plan_only`` (``flowrl plan``): a graph's teacher may be left unset. Loads no model.
 
     Raises:
@@ -39,7 +44,7 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
     """
     from flowrl.config import compose, task_section, to_train_config
     from flowrl.machine import resolve_machine_defaults
-    from flowrl.runtime.preflight import check_run
+    from flowrl.runtime.control.preflight import check_run
 
     if isinstance(source, (list, tuple)):
         overrides = list(source) if overrides is None else overrides
@@ -74,7 +79,7 @@ def train(source: "RunSpec | DictConfig | dict") -> dict[str, Any]:
         ConfigError: rejected before any model loaded. RunDirError: the run directory holds a
             previous run (``trainer.resume`` / ``trainer.overwrite``) or another run.
     """
-    from flowrl.runtime.job import run_job
+    from flowrl.runtime.control.job import run_job
 
     spec = source if isinstance(source, RunSpec) else prepare(source)
     check_machine(spec.config)  # what this machine cannot run: refused before anything loads
@@ -85,7 +90,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """``flowrl train [overrides]``: prepare once, refuse a bad run in one line (exit status 2,
     nothing written), start torchrun for ``launcher.nproc > 1``, else run the job in a Hydra job
     (run dir, ``.hydra/``, ``train.log``)."""
-    from flowrl.runtime import rundir
+    from flowrl.runtime.io import rundir
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a.startswith("-") for a in args):  # Hydra's command line: -m, --cfg job, --help...
@@ -147,8 +152,8 @@ def _run(source: "RunSpec | DictConfig") -> None:
     report with the command that continues the run; a multirun job is prepared here."""
     from hydra.core.hydra_config import HydraConfig
 
-    from flowrl.runtime import rundir
-    from flowrl.runtime.recovery import report_crash, stop_on_sigterm
+    from flowrl.runtime.control.recovery import report_crash, stop_on_sigterm
+    from flowrl.runtime.io import rundir
 
     hydra_dir = HydraConfig.get().runtime.output_dir
     stop_on_sigterm()  # torchrun stops the survivors of a dead rank with SIGTERM
@@ -159,7 +164,7 @@ def _run(source: "RunSpec | DictConfig") -> None:
         else:
             spec = prepare(source)
             check_machine(spec.config)
-        from flowrl.runtime.job import run_job
+        from flowrl.runtime.control.job import run_job
 
         run_job(spec)
     except (ConfigError, rundir.RunDirError) as e:  # rejected before any model loaded: one line
@@ -176,7 +181,7 @@ def _run(source: "RunSpec | DictConfig") -> None:
         sys.exit(report_crash(e, out_dir))
     finally:
         if "torch.distributed" in sys.modules:  # a config rejected before torch loaded: nothing
-            from flowrl.runtime.distributed import teardown
+            from flowrl.runtime.io.distributed import teardown
 
             teardown()
 

@@ -6,7 +6,7 @@ owning what differs between modes — how it places a compiled plan on the ranks
 the module functions below.
 
 Adding a mode: a :class:`Mode` value, a subclass here decorated ``@register``, and the runtime's
-``RankPlacement`` for it (``flowrl/runtime/job.py``).
+``RankPlacement`` for it (``flowrl/runtime/control/job.py``).
 
 Sits above ``placement`` (the cuts), ``cost`` (the formulas) and ``render`` (the text) of the
 compiler; imports no engine and no torch.

@@ -70,7 +70,7 @@ class TensorLife:
 
 @dataclass
 class RefillSpec:
-    """A refill stage of the plan (run by ``flowrl.runtime.refill.run_refill``): ``upstream`` =
+    """A refill stage of the plan (run by ``flowrl.runtime.step.refill.run_refill``): ``upstream`` =
     its ancestor stages in plan order, re-run on every attempt after the first."""
 
     stage: str

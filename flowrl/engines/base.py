@@ -141,7 +141,7 @@ class RolloutEngine(Engine, Protocol):
 
 @runtime_checkable
 class WeightReadback(Protocol):
-    """An engine that can read back what it holds (``runtime/weight_check.py``: after each
+    """An engine that can read back what it holds (``runtime/step/weight_check.py``: after each
     weight sync, the run checks that the weights really arrived)."""
 
     def weight_samples(self, index: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -2,8 +2,8 @@
 declarations (no torch, no engine: ``flowrl plan`` reads them on a laptop).
 
 The runtime half of each entry — the builder of the role's engine — is bound to the same name
-in ``flowrl/runtime/resources.py`` (``ENGINE_BUILDERS``); ``tests/unit/test_roles.py`` fails
-when a role of a graph file, of this table, of the builders or of ``runtime.resources.Engines``
+in ``flowrl/runtime/step/resources.py`` (``ENGINE_BUILDERS``); ``tests/unit/test_roles.py`` fails
+when a role of a graph file, of this table, of the builders or of ``runtime.step.resources.Engines``
 is missing from another. Adding a role: an entry here, its builder there, and its typed field
 on ``Engines``.
 """
@@ -24,7 +24,7 @@ class RoleSpec:
         kind: ``train`` (has an optimizer: its state is checkpointed), ``frozen`` (inference
             only) or ``generate`` (samples tokens).
         protocol: the ``flowrl/engines/base.py`` Protocol its engine implements (the type of
-            its ``runtime.resources.Engines`` field).
+            its ``runtime.step.resources.Engines`` field).
         pool: its pool under ``placement=partitioned`` unless ``placement.roles`` moves it.
         weights_from: the role whose weights this one serves (rollout serves the actor's,
             synced after each update); None: its own weights (trained, or frozen: never synced).

@@ -23,7 +23,7 @@ class TeacherConfig(ModelConfig):
     (``teacher.path=<HF dir or flowrl export>``, ``teacher.tiny={...}``, ``teacher.dtype``, ...;
     ``teacher=tiny``: the tiny random teacher of ``conf/teacher/tiny.yaml``) except that ``path``
     defaults to ``""`` = no teacher: a graph with a ``teacher`` stage then stops before any model
-    loads, naming ``teacher.path`` (``runtime/preflight.py``). ``lora`` must stay unset (the
+    loads, naming ``teacher.path`` (``runtime/control/preflight.py``). ``lora`` must stay unset (the
     teacher trains nothing).
 
     Raises:

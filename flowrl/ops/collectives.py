@@ -1,6 +1,6 @@
 """Collectives an op may call over its pool's process group (``ctx.dist.group``; None = the
 world): all-reduce of floats and tensors that works unchanged at world size 1 (no process group:
-the value comes back). ``runtime/distributed.py`` re-exports them for the job's own reductions.
+the value comes back). ``runtime/io/distributed.py`` re-exports them for the job's own reductions.
 
 Here, below the runtime, because ops need them (the update's loss denominators, row balancing)
 and ops sit under the runtime (DESIGN.md "Layers").

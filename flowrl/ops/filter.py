@@ -4,7 +4,7 @@ of its samples a zero advantage, so they only dilute the batch.
 
 With ``refill: true`` the executor re-runs the stages this filter depends on (sample → rollout →
 reward …) and concatenates what each attempt keeps until ``target_groups`` groups are in, at most
-``max_attempts`` times, then raises (``flowrl/runtime/refill.py``). The compiler lists those
+``max_attempts`` times, then raises (``flowrl/runtime/step/refill.py``). The compiler lists those
 stages in the plan (``flowrl plan``).
 """
 from __future__ import annotations

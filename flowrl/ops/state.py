@@ -8,7 +8,7 @@ with :func:`declare_state`: an :class:`OpStateSpec` naming the run resource that
 The executor builds the state of every op in its plan (:func:`init_op_states`); the job saves
 every state's ``state_dict()`` under one key of the checkpoint's ``trainer_state.json``
 (``op_state``: key → state dict, JSON, never pickled) and loads it back on resume, the same way in
-every placement (``runtime/job.py``).
+every placement (``runtime/control/job.py``).
 """
 from __future__ import annotations
 

@@ -3,9 +3,9 @@ split (the measured choice on a tiny CPU model is always colocated), to run the 
 colocated checkpoint -> partitioned resume. Usage: torchrun --nproc_per_node=2 auto_worker.py <overrides>"""
 import sys
 
-import flowrl.runtime.auto as auto
+import flowrl.runtime.control.auto as auto
 from flowrl.cli import compose
-from flowrl.runtime.distributed import teardown
+from flowrl.runtime.io.distributed import teardown
 from flowrl.train import train
 
 _decide = auto.decide

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from flowrl.runtime import distributed as fdist
-from flowrl.runtime import recovery, supervisor_dir
+from flowrl.runtime.control import recovery
+from flowrl.runtime.io import distributed as fdist
+from flowrl.runtime.io import supervisor_dir
 
 HEARTBEAT_TIMEOUT_S = 3.0
 

@@ -7,10 +7,10 @@ import os
 import sys
 from pathlib import Path
 
-import flowrl.runtime.auto as auto
+import flowrl.runtime.control.auto as auto
 from flowrl.cli import compose
-from flowrl.runtime.checkpoint import CheckpointManager
-from flowrl.runtime.distributed import teardown
+from flowrl.runtime.io.checkpoint import CheckpointManager
+from flowrl.runtime.io.distributed import teardown
 from flowrl.train import train
 
 _save, _decide = CheckpointManager.save, auto.decide

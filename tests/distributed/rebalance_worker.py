@@ -76,7 +76,7 @@ def run(balance: bool, batch: dict, info) -> dict:
 
 def main(out_dir: Path) -> None:
     from flowrl.config import LauncherConfig
-    from flowrl.runtime import distributed as fdist
+    from flowrl.runtime.io import distributed as fdist
 
     info = fdist.init_distributed("cpu", timeout_s=LauncherConfig().collective_timeout_s,
                                   heartbeat_timeout_s=LauncherConfig().heartbeat_timeout_s)

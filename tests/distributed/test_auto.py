@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flowrl.runtime import auto
+from flowrl.runtime.control import auto
 
 REPO = Path(__file__).resolve().parents[2]
 ARGS = ["model=tiny", "trainer=smoke", "data.limit=64", "logger.progress=false",
@@ -57,7 +57,7 @@ def test_decide_scales_prompts_to_keep_the_global_batch(monkeypatch):
                          estimate=SimpleNamespace(step_s=2.5))
     monkeypatch.setattr("flowrl.compiler.cost.StageCosts.from_config", lambda *a, **k: None)
     monkeypatch.setattr("flowrl.compiler.cost.refine_and_choose", lambda *a, **k: pp)
-    monkeypatch.setattr("flowrl.runtime.preflight.role_parallelism", lambda cfg: {})
+    monkeypatch.setattr("flowrl.runtime.control.preflight.role_parallelism", lambda cfg: {})
     d = auto.decide(_cfg(3), None, 4, [{"perf/step_s": 1.0}])
     assert d == {"mode": "partitioned", "notes": ["n"], "predicted_step_s": 2.5,
                  "prompts_per_step": 6, "profile_steps": 1,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.runtime.metrics import read_metrics
+from flowrl.runtime.io.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

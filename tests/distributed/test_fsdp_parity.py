@@ -16,7 +16,7 @@ import torch
 from flowrl.engines.config import TrainEngineConfig
 from flowrl.engines.train.local import LocalTrainEngine
 from flowrl.ops.context import DistInfo
-from flowrl.runtime.checkpoint import CheckpointManager
+from flowrl.runtime.io.checkpoint import CheckpointManager
 
 sys.path.insert(0, str(Path(__file__).parent))
 import worker  # noqa: E402

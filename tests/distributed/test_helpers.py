@@ -7,7 +7,7 @@ import torch
 from flowrl.config import LauncherConfig
 from flowrl.launch import torchrun_argv
 from flowrl.ops import collectives as coll
-from flowrl.runtime import distributed as fdist
+from flowrl.runtime.io import distributed as fdist
 
 
 def test_world_size_1_is_the_plain_path(monkeypatch):

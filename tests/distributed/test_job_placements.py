@@ -1,5 +1,5 @@
-"""One job loop for every placement (runtime/job.py): what colocated runs always did, partitioned
-and placement=auto runs do too. Each test failed before the loop was written once:
+"""One job loop for every placement (runtime/control/job.py): what colocated runs always did,
+partitioned and placement=auto runs do too. Each test failed before the loop was written once:
 
 - the adaptive in-reward KL coefficient β is checkpointed and restored under partitioned (and
   placement=auto switching to partitioned), instead of restarting at algorithm.kl_coef;
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flowrl.runtime.metrics import read_metrics
+from flowrl.runtime.io.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

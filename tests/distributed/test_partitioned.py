@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flowrl.cli import compose
-from flowrl.runtime.metrics import read_metrics
+from flowrl.runtime.io.metrics import read_metrics
 from flowrl.train import train
 
 REPO = Path(__file__).resolve().parents[2]

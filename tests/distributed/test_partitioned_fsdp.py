@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flowrl.cli import compose
-from flowrl.runtime.partitioned import check_partitioned, pool_peers, split_batch
+from flowrl.runtime.control.partitioned import check_partitioned, pool_peers, split_batch
 from flowrl.train import prepare, prepare_placement, train
 
 sys.path.insert(0, str(Path(__file__).parent))

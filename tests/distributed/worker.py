@@ -69,8 +69,8 @@ def update_once(engine, batch: dict, dist: DistInfo, step: int) -> dict[str, flo
 def main(out: Path) -> None:
     from flowrl.config import LauncherConfig
     from flowrl.engines.train.fsdp import FSDPTrainEngine
-    from flowrl.runtime import distributed as fdist
-    from flowrl.runtime.checkpoint import CheckpointManager
+    from flowrl.runtime.io import distributed as fdist
+    from flowrl.runtime.io.checkpoint import CheckpointManager
 
     info = fdist.init_distributed("cpu", timeout_s=LauncherConfig().collective_timeout_s,
                                   heartbeat_timeout_s=LauncherConfig().heartbeat_timeout_s)

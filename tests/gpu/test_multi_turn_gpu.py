@@ -45,8 +45,8 @@ def forced_graph(tmp: Path) -> Path:
 
 def run(tmp: Path, *extra: str) -> dict[int, dict]:
     from flowrl.cli import compose
-    from flowrl.runtime.distributed import teardown
-    from flowrl.runtime.metrics import read_metrics
+    from flowrl.runtime.io.distributed import teardown
+    from flowrl.runtime.io.metrics import read_metrics
     from flowrl.train import train
 
     cfg = compose([*TINY, "graph=grpo_tools", f"graph.path={forced_graph(tmp)}",

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.runtime.metrics import read_metrics  # noqa: F401 (test_train_2gpu imports it from here)
+from flowrl.runtime.io.metrics import read_metrics  # noqa: F401 (test_train_2gpu imports it from here)
 
 REPO = Path(__file__).resolve().parents[2]
 # grpo_vl needs a vision-language model and image prompts: its own test below
@@ -77,7 +77,7 @@ def run_train(out: Path, *extra: str) -> dict[int, dict]:
     """``flowrl train`` in this process (the stand-in reward is patched in), then the process group
     and engines are torn down as ``flowrl train``'s main does."""
     from flowrl.cli import compose
-    from flowrl.runtime.distributed import teardown
+    from flowrl.runtime.io.distributed import teardown
     from flowrl.train import train
 
     try:
@@ -120,7 +120,7 @@ def test_vision_language_grpo_hf(tmp_path, varied_rewards):
     """model=tiny_vl on the visual task: images through HF rollout, logprobs and the FSDP update
     on the GPU (rollout=auto resolves to hf for image prompts)."""
     from flowrl.cli import compose
-    from flowrl.runtime.distributed import teardown
+    from flowrl.runtime.io.distributed import teardown
     from flowrl.train import train
 
     try:

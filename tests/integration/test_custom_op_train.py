@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.runtime.metrics import read_metrics
+from flowrl.runtime.io.metrics import read_metrics
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_op"
 FLOWRL = Path(sys.executable).parent / "flowrl"  # the console script of this environment

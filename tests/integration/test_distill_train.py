@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flowrl.cli import compose
-from flowrl.runtime.metrics import read_metrics
+from flowrl.runtime.io.metrics import read_metrics
 from flowrl.train import train
 
 BASE = ["model=tiny", "trainer=smoke", "teacher=tiny", "data.limit=64", "logger.progress=false",
@@ -21,7 +21,7 @@ BASE = ["model=tiny", "trainer=smoke", "teacher=tiny", "data.limit=64", "logger.
 @pytest.fixture
 def engines_built(monkeypatch):
     """The Engines the job builds, and a copy of the teacher's and the actor's initial weights."""
-    from flowrl.runtime import resources
+    from flowrl.runtime.step import resources
 
     seen: dict = {}
     real = resources.build_engines

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowrl.cli import compose
-from flowrl.runtime.metrics import read_metrics
+from flowrl.runtime.io.metrics import read_metrics
 from flowrl.train import train
 
 BASE = ["model=tiny", "trainer=smoke", "data.limit=64", "logger.progress=false",
@@ -48,7 +48,7 @@ def test_every_critic_free_graph_trains_lora(tmp_path, varied_reward, graph):
 @pytest.fixture
 def one_rank_group():
     yield
-    from flowrl.runtime.distributed import teardown
+    from flowrl.runtime.io.distributed import teardown
 
     teardown()
 
@@ -123,7 +123,7 @@ def test_a_broken_lora_sync_stops_the_run_at_step_one(tmp_path, varied_reward, o
     at the first sync (after step 1's update), naming the engine and the tensors."""
     from flowrl.engines.rollout.hf import HFRolloutEngine
     from flowrl.models import lora
-    from flowrl.runtime.weight_check import WeightSyncError
+    from flowrl.runtime.step.weight_check import WeightSyncError
 
     if broken == "merged nothing":
         monkeypatch.setattr(lora, "merged_weights", lambda model, adapter="default", full=False: iter(()))

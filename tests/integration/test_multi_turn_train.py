@@ -6,7 +6,7 @@ from pathlib import Path
 
 from flowrl.cli import compose
 from flowrl.envs.base import StepResult
-from flowrl.runtime.metrics import read_metrics
+from flowrl.runtime.io.metrics import read_metrics
 from flowrl.train import train
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flowrl.cli import compose
-from flowrl.runtime.metrics import read_metrics
+from flowrl.runtime.io.metrics import read_metrics
 from flowrl.train import train
 
 BASE = [
@@ -32,7 +32,7 @@ BASE = [
 def spied(monkeypatch):
     """What the teacher sampled and what the actor trained on, per call; every weight sync's
     sink; the teacher's and the actor's initial weights."""
-    from flowrl.runtime import resources
+    from flowrl.runtime.step import resources
 
     seen: dict = {"sampled": [], "trained": [], "synced": []}
     real = resources.build_engines

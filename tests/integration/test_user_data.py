@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from flowrl.cli import compose
-from flowrl.runtime.metrics import read_metrics
+from flowrl.runtime.io.metrics import read_metrics
 from flowrl.train import ConfigError, train
 
 REPO = Path(__file__).resolve().parents[2]

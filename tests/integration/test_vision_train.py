@@ -157,7 +157,7 @@ def test_fsdp_shards_the_language_and_vision_blocks_and_trains(tmp_path):
     ``model.visual.blocks``: the GPU tier's VLM rows failed with "cannot find decoder layers of
     Qwen2VLForConditionalGeneration"."""
     from flowrl.engines.train.fsdp import decoder_layers
-    from flowrl.runtime.distributed import teardown
+    from flowrl.runtime.io.distributed import teardown
 
     model = load_model(ModelConfig(tiny=tiny_vl_config()))
     text, vision = model.model.language_model.layers, model.model.visual.blocks

@@ -7,7 +7,7 @@ def no_model(monkeypatch):
     """Fail the test the moment anything loads a model or builds engines (a check that must
     answer before any model loads); the list of calls stays empty."""
     from flowrl.models import loading
-    from flowrl.runtime import resources
+    from flowrl.runtime.step import resources
 
     loaded = []
 
@@ -22,9 +22,9 @@ def no_model(monkeypatch):
 
 @pytest.fixture
 def fake_supervise(monkeypatch):
-    """Replace torchrun's in-process agent (``runtime/supervise.py``) by a recorder: the dict it
-    returns gets ``argv`` (torchrun's arguments) and ``overrides``; the launch then exits 0."""
-    from flowrl.runtime import supervise
+    """Replace torchrun's in-process agent (``runtime/control/supervise.py``) by a recorder: the
+    dict it returns gets ``argv`` (torchrun's arguments) and ``overrides``; the launch then exits 0."""
+    from flowrl.runtime.control import supervise
 
     seen: dict = {}
 
@@ -44,7 +44,7 @@ def peer_pair():
 
     from torch.distributed import TCPStore
 
-    from flowrl.runtime.distributed import PeerMonitor
+    from flowrl.runtime.io.distributed import PeerMonitor
 
     master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=10))

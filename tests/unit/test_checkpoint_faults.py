@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.runtime import checkpoint as ck
-from flowrl.runtime.checkpoint import (
+from flowrl.runtime.io import checkpoint as ck
+from flowrl.runtime.io.checkpoint import (
     CheckpointManager,
     CheckpointWriteError,
     CorruptCheckpointError,
@@ -148,7 +148,7 @@ def test_resume_refuses_a_tampered_index_before_anything_is_written(tmp_path):
         with pytest.raises(ConfigError, match="TCPStore.*refusing"):
             train(cfg)
     assert seen == []  # no connection was attempted
-    # nothing written but the run directory's lock file, which stays by design (runtime/rundir.py)
+    # nothing written but the run directory's lock file, kept by design (runtime/io/rundir.py)
     after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.name != ".flowrl.lock")
     assert after == before
 

@@ -3,8 +3,8 @@ rank's state in host RAM until its single file closes), and such a checkpoint lo
 through the restricted reader."""
 import torch
 
-from flowrl.runtime import checkpoint as ckpt
-from flowrl.runtime.checkpoint import CheckpointManager, storage_writer
+from flowrl.runtime.io import checkpoint as ckpt
+from flowrl.runtime.io.checkpoint import CheckpointManager, storage_writer
 
 
 def test_writer_layout_choice(tmp_path):

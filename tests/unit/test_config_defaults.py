@@ -195,7 +195,7 @@ def test_no_graph_pays_for_the_answer_format():
     earns it without the answer); RuleRewardConfig's 0.0 is the one value, in every graph and in
     the evaluation's scorer (which reads the graph's stage)."""
     from flowrl.ops.reward import RuleRewardConfig
-    from flowrl.runtime.evaluate import rule_eval_scorer
+    from flowrl.runtime.step.evaluate import rule_eval_scorer
 
     assert RuleRewardConfig().format_score == 0.0
     for path in GRAPH_FILES:

@@ -1,9 +1,9 @@
-"""The one rule for where tensors live (DESIGN.md "Where tensors live", flowrl/runtime/devices.py),
-checked on CPU with a train engine on PyTorch's ``meta`` device standing in for a GPU: any op or
-loss function that mixes the store's host tensors with the engine's would raise here exactly as
-``cuda:0`` vs ``cpu`` does on a GPU (the first GPU run died in ops/logprobs.py and in the loss of
-``update``), and any ``.item()`` inside a loss function (a stream sync per micro-batch on a GPU)
-raises on ``meta`` too.
+"""The one rule for where tensors live (DESIGN.md "Where tensors live",
+flowrl/runtime/step/devices.py), checked on CPU with a train engine on PyTorch's ``meta`` device
+standing in for a GPU: any op or loss function that mixes the store's host tensors with the engine's
+would raise here exactly as ``cuda:0`` vs ``cpu`` does on a GPU (the first GPU run died in
+ops/logprobs.py and in the loss of ``update``), and any ``.item()`` inside a loss function (a stream
+sync per micro-batch on a GPU) raises on ``meta`` too.
 
 Also: the machine defaults (flowrl/machine.py) with exact expected values.
 """
@@ -17,10 +17,10 @@ from flowrl.engines.base import LogprobOutput
 from flowrl.graph import Graph
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import OPS
-from flowrl.runtime.devices import home_device, stage_device, to_device
-from flowrl.runtime.executor import Executor
-from flowrl.runtime.resources import Engines
-from flowrl.runtime.store import TensorStore
+from flowrl.runtime.step.devices import home_device, stage_device, to_device
+from flowrl.runtime.step.executor import Executor
+from flowrl.runtime.step.resources import Engines
+from flowrl.runtime.step.store import TensorStore
 
 GRPO = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
 META = torch.device("meta")
@@ -190,7 +190,7 @@ def test_gpu_without_vllm_and_explicit_settings_win():
 
 def test_cpu_machine_keeps_cpu_defaults():
     from flowrl.machine import resolve_machine_defaults
-    from flowrl.runtime.resources import keep_resident
+    from flowrl.runtime.step.resources import keep_resident
 
     cfg = _cfg()
     resolve_machine_defaults(cfg, cuda=False, vllm=True, flash_attn=True)

@@ -16,7 +16,7 @@ from flowrl.algorithms.config import AlgorithmConfig
 from flowrl.cli import compose, main
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import NoConfig, get_op, load_builtin_ops
-from flowrl.runtime.preflight import ConfigError
+from flowrl.runtime.control.preflight import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 NAN, INF = float("nan"), float("inf")

@@ -10,7 +10,7 @@ from flowrl.data import DataConfig, PromptSource, load_gsm8k
 from flowrl.engines.base import RolloutBatch
 from flowrl.models import ModelConfig, load_tokenizer
 from flowrl.ops.reward import RuleRewardConfig
-from flowrl.runtime.evaluate import evaluate_greedy, rule_eval_scorer
+from flowrl.runtime.step.evaluate import evaluate_greedy, rule_eval_scorer
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_the_eval_scores_with_the_graphs_own_verifier():
     from flowrl.compiler.plan import compile_plan
     from flowrl.config import REPO_ROOT
     from flowrl.graph import Graph
-    from flowrl.runtime.evaluate import eval_scorer
+    from flowrl.runtime.step.evaluate import eval_scorer
 
     run = {"algorithm": {"recompute_old_logprobs": True, "kl_coef": 0.0}}
     graph = Graph.load(REPO_ROOT / "graphs/grpo.yaml")

@@ -8,8 +8,8 @@ import torch
 
 from flowrl.compiler.plan import compile_plan
 from flowrl.graph import Graph
-from flowrl.runtime.executor import Executor
-from flowrl.runtime.resources import Engines
+from flowrl.runtime.step.executor import Executor
+from flowrl.runtime.step.resources import Engines
 
 GRPO = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
 

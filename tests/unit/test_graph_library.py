@@ -107,7 +107,7 @@ def test_group_estimator_with_n1_is_a_cli_error_before_any_model(capsys, monkeyp
     def boom(*a, **k):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("flowrl.runtime.resources.build_engines", boom)
+    monkeypatch.setattr("flowrl.runtime.step.resources.build_engines", boom)
     monkeypatch.setattr("flowrl.models.loading.load_tokenizer", boom)
     with pytest.raises(ValueError, match="algorithm.n must be >= 2"):
         train_mod.train(cfg_for("graph=dr_grpo", "algorithm.n=1", "model=tiny"))

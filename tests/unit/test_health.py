@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flowrl.errors import RunStopped
-from flowrl.runtime.health import RunHealth
+from flowrl.runtime.control.health import RunHealth
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,7 +110,7 @@ def test_a_resume_continues_the_counts_from_the_history():
 def test_constant_rewards_are_counted_and_warned_every_n_steps(caplog):
     h = _health(constant_reward_steps=2)
     counts = []
-    with caplog.at_level(logging.WARNING, logger="flowrl.runtime.health"):
+    with caplog.at_level(logging.WARNING, logger="flowrl.runtime.control.health"):
         for s, std in enumerate([0.0, 0.0, 0.0, 0.3, 0.0, 0.0], 1):
             m = _step(0.0, std=std)
             h.update(s, m)
@@ -139,7 +139,7 @@ def test_the_health_counters_are_in_the_console_line_only_when_not_zero(tmp_path
     from rich.console import Console
 
     from flowrl.config import LoggerConfig
-    from flowrl.runtime import metrics as M
+    from flowrl.runtime.io import metrics as M
 
     out = io.StringIO()
     monkeypatch.setattr(M, "Console", lambda **kw: Console(file=out, **kw))

@@ -1,7 +1,7 @@
 """A dead or frozen rank ends a ``launcher.nproc=2`` job with a last line naming the rank (its
 number, pid, exit signal or silence) and the resume command (issue 27): torchrun's agent runs
-in the launcher process (``runtime/supervise.py``), the ranks' peer monitors stop the job once a
-heartbeat is silent for ``launcher.heartbeat_timeout_s``."""
+in the launcher process (``runtime/control/supervise.py``), the ranks' peer monitors stop the job
+once a heartbeat is silent for ``launcher.heartbeat_timeout_s``."""
 from __future__ import annotations
 
 import os
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.runtime.supervise import Failure, root_cause
+from flowrl.runtime.control.supervise import Failure, root_cause
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = socket.gethostname()
@@ -22,7 +22,7 @@ HOST = socket.gethostname()
 
 def test_the_heartbeat_timeout_is_a_launcher_setting():
     from flowrl.config import LauncherConfig
-    from flowrl.runtime.distributed import PeerMonitor
+    from flowrl.runtime.io.distributed import PeerMonitor
 
     assert LauncherConfig().heartbeat_timeout_s == 60.0
     with pytest.raises(ValueError, match="launcher.heartbeat_timeout_s must be > 0, got 0"):
@@ -78,7 +78,7 @@ def _checkpoint(run: Path, step: int) -> None:
 def _supervised(tmp_path: Path, mode: str) -> tuple[int, str, float]:
     run = tmp_path / "run"
     _checkpoint(run, 2)
-    code = ("import sys; from flowrl.runtime.supervise import supervise; sys.exit(supervise("
+    code = ("import sys; from flowrl.runtime.control.supervise import supervise; sys.exit(supervise("
             f"['--standalone', '--nproc_per_node=2', {str(REPO / 'tests/distributed/fault_worker.py')!r}, "
             f"{mode!r}, {str(run)!r}], ['launcher.nproc=2', 'hydra.run.dir={run}', 'model=tiny']))")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

@@ -107,7 +107,7 @@ def test_fsdp_bf16_reference_forward_first_then_update():
     with grad_dtype Float": the GPU tier's LoRA rows). The adapters must keep ``requires_grad``
     inside the reference forward, and the update must train them."""
     from flowrl.engines.train.fsdp import FSDPTrainEngine
-    from flowrl.runtime.distributed import init_single_process, teardown
+    from flowrl.runtime.io.distributed import init_single_process, teardown
 
     init_single_process("cpu")  # a one-rank gloo group, as `flowrl train` makes without torchrun
     try:

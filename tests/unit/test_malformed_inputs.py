@@ -347,7 +347,7 @@ def test_a_dynamic_sampling_cap_is_one_line_with_the_resume_command(tmp_path, ca
     """The refill loop gives up with RunStopped: `flowrl train` prints its message (what to
     change) and the resume command, no traceback."""
     from flowrl.errors import RunStopped
-    from flowrl.runtime.recovery import report_crash
+    from flowrl.runtime.control.recovery import report_crash
 
     msg = ("stage 'filter': dynamic sampling kept 1 of the 2 groups it needs after 3 attempts "
            "(6 groups sampled, the rest had no reward variance): raise params.max_attempts of "

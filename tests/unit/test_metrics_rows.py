@@ -8,8 +8,8 @@ import pytest
 from rich.console import Console
 
 from flowrl.config import LoggerConfig
-from flowrl.runtime import metrics as M
-from flowrl.runtime.metrics import MetricsLogger, read_metrics
+from flowrl.runtime.io import metrics as M
+from flowrl.runtime.io.metrics import MetricsLogger, read_metrics
 
 QUIET = LoggerConfig(console=False, progress=False, tensorboard=False)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flowrl.cli import compose
-from flowrl.runtime.partitioned import (
+from flowrl.runtime.control.partitioned import (
     check_partitioned,
     concat_batches,
     merge_rank_metrics,

@@ -50,7 +50,7 @@ def test_the_preflight_is_the_jobs(tmp_path, monkeypatch, capsys):
         raise Started()
 
     monkeypatch.setattr(validate, "load_graph", counted)  # the run loads its graph through it
-    monkeypatch.setattr("flowrl.runtime.distributed.init_distributed", started)
+    monkeypatch.setattr("flowrl.runtime.io.distributed.init_distributed", started)
     monkeypatch.setattr(sys, "argv", ["flowrl"])
     with pytest.raises(SystemExit) as e:  # the crash report of Started (exit status 1)
         main(["train", "model=tiny", "trainer=smoke", f"hydra.run.dir={tmp_path / 'run'}"])

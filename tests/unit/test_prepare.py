@@ -7,7 +7,7 @@ import sys
 import pytest
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
-from flowrl.runtime import preflight
+from flowrl.runtime.control import preflight
 
 SMOKE = ["model=tiny", "trainer=smoke", "data.limit=8", "trainer.eval.limit=0"]
 
@@ -15,7 +15,7 @@ SMOKE = ["model=tiny", "trainer=smoke", "data.limit=8", "trainer.eval.limit=0"]
 @pytest.fixture
 def counted(monkeypatch):
     """Every composition (flowrl's compose and Hydra's app both load through Hydra's config
-    loader) and every placement (``runtime/preflight.prepare_placement``), counted."""
+    loader) and every placement (``runtime/control/preflight.prepare_placement``), counted."""
     counts = {"compose": 0, "place": 0}
     load, place = ConfigLoaderImpl.load_configuration, preflight.prepare_placement
 
@@ -46,7 +46,7 @@ def test_flowrl_train_composes_and_places_once(counted, monkeypatch, tmp_path):
         seen.update(pp=pp, plan=plan, out_dir=out_dir, mode=pp.mode, world=pp.world_size)
         return {}
 
-    monkeypatch.setattr("flowrl.runtime.job.run_placement", run_placement)
+    monkeypatch.setattr("flowrl.runtime.control.job.run_placement", run_placement)
     assert main(["train", *SMOKE, f"hydra.run.dir={tmp_path / 'run'}"]) == 0
     assert counted == {"compose": 1, "place": 1}
     assert (seen["mode"], seen["world"], seen["out_dir"]) == ("colocated", 1, tmp_path / "run")
@@ -57,7 +57,7 @@ def test_flowrl_train_composes_and_places_once(counted, monkeypatch, tmp_path):
 def test_a_multi_rank_launch_prepares_once_then_runs_torchrun(counted, fake_supervise, tmp_path):
     from flowrl.train import main
 
-    seen = fake_supervise  # torchrun's agent runs in the launcher's process (runtime/supervise.py)
+    seen = fake_supervise  # torchrun's agent runs in the launcher (runtime/control/supervise.py)
     with pytest.raises(SystemExit) as e:
         main(["launcher.nproc=2", *SMOKE, f"trainer.output_dir={tmp_path}"])
     assert e.value.code == 0

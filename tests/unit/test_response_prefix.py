@@ -134,7 +134,7 @@ class _Scripted:
 
 def test_the_evaluation_scores_prefix_plus_response(tok, tmp_path):
     from flowrl.ops.reward import RuleRewardConfig
-    from flowrl.runtime.evaluate import evaluate_greedy, rule_eval_scorer
+    from flowrl.runtime.step.evaluate import evaluate_greedy, rule_eval_scorer
 
     src = PromptSource(DataConfig(response_prefix=PREFIX), tok)
     out = evaluate_greedy(_Scripted(tok, "4 it is</think>\n#### 4"), src, tok,

@@ -15,8 +15,8 @@ from flowrl.ops.context import StageContext
 from flowrl.ops.filter import informative_groups
 from flowrl.ops.registry import OPS, get_op, register_op
 from flowrl.rewards.shaping import mix_rewards, overlong_penalty
-from flowrl.runtime.executor import Executor
-from flowrl.runtime.resources import Engines
+from flowrl.runtime.step.executor import Executor
+from flowrl.runtime.step.resources import Engines
 
 NAN = float("nan")
 # the filter's unbound carried fields are reported as unused outputs in these small graphs

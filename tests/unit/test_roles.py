@@ -1,4 +1,4 @@
-"""The role table (``flowrl/graph/roles.ROLES`` + ``flowrl/runtime/resources.ENGINE_BUILDERS``)
+"""The role table (``flowrl/graph/roles.ROLES`` + ``flowrl/runtime/step/resources.ENGINE_BUILDERS``)
 covers every role: a role a graph file names, a declared role without a builder or an
 ``Engines`` field, or a field typed by another Protocol than its entry fails here."""
 import dataclasses
@@ -10,7 +10,7 @@ import yaml
 from flowrl.compiler.placement import DEFAULT_ROLE_POOL
 from flowrl.engines import base
 from flowrl.graph.roles import ROLES, TRAINED_ROLES
-from flowrl.runtime.resources import ENGINE_BUILDERS, TRAINABLE_ROLES, Engines
+from flowrl.runtime.step.resources import ENGINE_BUILDERS, TRAINABLE_ROLES, Engines
 
 REPO = Path(__file__).resolve().parents[2]
 

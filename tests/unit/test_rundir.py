@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 from test_malformed_inputs import run_cli
 
-from flowrl.runtime.recovery import resume_hint as crash_hint
-from flowrl.runtime.rundir import (
+from flowrl.runtime.control.recovery import resume_hint as crash_hint
+from flowrl.runtime.io.rundir import (
     LOCK_FILE,
     RunDirError,
     RunDirLock,
@@ -70,7 +70,7 @@ def test_an_empty_or_hydra_only_directory_is_fresh(tmp_path):
 
 HOLD = textwrap.dedent("""
     import sys, time
-    from flowrl.runtime.rundir import RunDirLock
+    from flowrl.runtime.io.rundir import RunDirLock
     RunDirLock(sys.argv[1]).acquire()
     print("locked", flush=True)
     time.sleep(60)
@@ -118,7 +118,7 @@ def test_the_interrupt_hint_tells_whether_there_is_anything_to_continue(tmp_path
         f"flowrl train hydra.run.dir={tmp_path} trainer.overwrite=true (plus your overrides)")
     import torch
 
-    from flowrl.runtime.checkpoint import CheckpointManager
+    from flowrl.runtime.io.checkpoint import CheckpointManager
 
     # a real checkpoint: an empty .metadata is a corrupt one, which resume skips (issue 15)
     CheckpointManager(tmp_path / "checkpoints").save(4, {"model": {"w": torch.zeros(2)}}, {})
@@ -247,7 +247,7 @@ def test_the_hints_repeat_the_invocations_overrides(tmp_path):
         f"flowrl train hydra.run.dir={tmp_path} trainer.overwrite=true")
     import torch
 
-    from flowrl.runtime.checkpoint import CheckpointManager
+    from flowrl.runtime.io.checkpoint import CheckpointManager
 
     CheckpointManager(tmp_path / "checkpoints").save(4, {"model": {"w": torch.zeros(2)}}, {})
     assert crash_hint(tmp_path, ["model=tiny", "trainer=smoke"]) == (
@@ -258,7 +258,7 @@ def test_the_hints_repeat_the_invocations_overrides(tmp_path):
 def test_a_graph_file_given_from_the_working_directory_is_recorded_absolute(tmp_path, monkeypatch):
     """The printed resume command must work from any directory."""
     from flowrl.cli import compose
-    from flowrl.runtime.rundir import run_record
+    from flowrl.runtime.io.rundir import run_record
 
     shutil.copy(Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml", tmp_path / "g.yaml")
     monkeypatch.chdir(tmp_path)

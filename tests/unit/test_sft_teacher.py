@@ -17,7 +17,7 @@ from flowrl.algorithms.losses import SFT_LOSSES, aggregate_loss, loss_denominato
 from flowrl.cli import compose, main
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import get_op, load_builtin_ops
-from flowrl.runtime.preflight import ConfigError
+from flowrl.runtime.control.preflight import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 LN2, LN10 = math.log(2.0), math.log(10.0)
@@ -281,7 +281,7 @@ def test_teacher_sampler_settings_keep_its_weights_and_its_own_process():
     import dataclasses
 
     from flowrl.config import RolloutConfig
-    from flowrl.runtime.resources import teacher_rollout_config
+    from flowrl.runtime.step.resources import teacher_rollout_config
 
     plain = RolloutConfig()
     assert teacher_rollout_config(plain) is plain
@@ -308,7 +308,7 @@ def test_teacher_sampler_settings_keep_its_weights_and_its_own_process():
 def test_the_teacher_sampler_is_no_weight_sink_and_is_closed():
     """A weight sync can never load into the teacher's sampler (only ``rollout``/``genrm`` take
     weights); the engine set hands it to its stage by role and closes it on the way out."""
-    from flowrl.runtime.resources import Engines
+    from flowrl.runtime.step.resources import Engines
 
     closed = []
 

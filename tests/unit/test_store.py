@@ -1,7 +1,7 @@
 """TensorStore + lifecycle: a value is freed exactly after its last consumer runs."""
 import torch
 
-from flowrl.runtime.store import TensorStore, nbytes
+from flowrl.runtime.step.store import TensorStore, nbytes
 
 
 def test_frees_exactly_after_last_consumer():

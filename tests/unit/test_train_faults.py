@@ -51,7 +51,7 @@ def test_the_collective_timeout_is_a_launcher_setting_passed_to_the_process_grou
                                                                                    monkeypatch):
     from flowrl.cli import compose
     from flowrl.config import LauncherConfig
-    from flowrl.runtime import distributed as fdist
+    from flowrl.runtime.io import distributed as fdist
     from flowrl.train import train
 
     assert LauncherConfig().collective_timeout_s == 600.0
@@ -73,7 +73,7 @@ def test_the_collective_timeout_is_a_launcher_setting_passed_to_the_process_grou
 
 
 def test_init_distributed_uses_the_timeout(monkeypatch):
-    from flowrl.runtime import distributed as fdist
+    from flowrl.runtime.io import distributed as fdist
 
     captured = {}
     monkeypatch.setattr(fdist.dist, "is_initialized", lambda: False)
@@ -95,7 +95,7 @@ def test_init_distributed_uses_the_timeout(monkeypatch):
 def test_the_peer_monitor_names_the_rank_that_stopped_heartbeating():
     from torch.distributed import TCPStore
 
-    from flowrl.runtime.distributed import PeerMonitor, mark_step, peer_report
+    from flowrl.runtime.io.distributed import PeerMonitor, mark_step, peer_report
 
     master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=10))
@@ -153,7 +153,7 @@ def _checkpoint_dir(tmp_path: Path, step: int) -> None:
     (KeyboardInterrupt(), 130, "interrupted"),
 ])
 def test_every_crash_prints_the_resume_command(tmp_path, capsys, exc, code, what):
-    from flowrl.runtime.recovery import Terminated, report_crash
+    from flowrl.runtime.control.recovery import Terminated, report_crash
 
     _checkpoint_dir(tmp_path, 2)
     _checkpoint_dir(tmp_path, 4)
@@ -214,8 +214,8 @@ def test_a_diverged_run_stops_at_step_one_with_the_guard_message_and_the_resume_
 def test_a_checkpoint_that_does_not_fit_is_one_line_without_a_traceback(tmp_path, capsys):
     """Issue 27: the disk-full message came after a 26-line traceback (report_crash printed one
     for every error that is not a RunStopped)."""
-    from flowrl.runtime.checkpoint import CheckpointWriteError
-    from flowrl.runtime.recovery import report_crash
+    from flowrl.runtime.control.recovery import report_crash
+    from flowrl.runtime.io.checkpoint import CheckpointWriteError
 
     _checkpoint_dir(tmp_path, 1)
     msg = ("checkpoint step 2 not saved: the file system at /mnt (tmpfs, tmpfs) has 46.9 MiB "

@@ -1,4 +1,4 @@
-"""flowrl.runtime.transport: batch send/recv, bucketed weight broadcast, dead-peer errors (2 gloo
+"""flowrl.runtime.io.transport: batch send/recv, bucketed weight broadcast, dead-peer errors (2 gloo
 processes started with torch.multiprocessing)."""
 import os
 import pickle
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flowrl.runtime.transport import (
+from flowrl.runtime.io.transport import (
     PoolPeerError,
     WeightBroadcaster,
     _buckets,

@@ -103,7 +103,7 @@ def test_a_model_too_large_for_four_copies_keeps_one_engine():
 
 def test_rollout_job_from_the_default_config():
     from flowrl.config import TrainConfig
-    from flowrl.runtime.resources import rollout_job
+    from flowrl.runtime.step.resources import rollout_job
 
     cfg = TrainConfig()
     cfg.rollout.sampling.max_new_tokens = 200

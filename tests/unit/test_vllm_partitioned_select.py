@@ -11,7 +11,7 @@ from flowrl.engines import rollout as rollout_pkg
 from flowrl.engines.rollout import build_rollout_engine, vllm_proc
 from flowrl.engines.rollout import hf as hf_mod
 from flowrl.engines.rollout import vllm as vllm_mod
-from flowrl.runtime.resources import build_engines
+from flowrl.runtime.step.resources import build_engines
 from flowrl.train import prepare, prepare_placement
 
 PARTITIONED_VLLM = ["rollout=vllm", "placement=partitioned", "launcher.nproc=2", "model=tiny",
@@ -118,7 +118,7 @@ def test_partitioned_run_closes_its_engines_on_error(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
     from flowrl.ops.context import DistInfo
-    from flowrl.runtime import job
+    from flowrl.runtime.control import job
 
     closed = []
 

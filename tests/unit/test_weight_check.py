@@ -1,8 +1,8 @@
-"""flowrl.runtime.weight_check: the positions a weight-sync check samples (exact values)."""
+"""flowrl.runtime.step.weight_check: the positions a weight-sync check samples (exact values)."""
 import pytest
 import torch
 
-from flowrl.runtime.weight_check import SAMPLES, sample_index
+from flowrl.runtime.step.weight_check import SAMPLES, sample_index
 
 
 def test_positions_are_spread_first_and_last_included_and_in_range():
@@ -53,7 +53,7 @@ def _merged(model):
 
 
 def _probe(named):
-    from flowrl.runtime.weight_check import SyncProbe
+    from flowrl.runtime.step.weight_check import SyncProbe
 
     probe = SyncProbe(named)
     for _ in probe:  # the engine takes every tensor
@@ -62,7 +62,7 @@ def _probe(named):
 
 
 def test_effective_check_passes_the_merged_weights_and_names_the_base_ones():
-    from flowrl.runtime.weight_check import WeightSyncError, check_effective
+    from flowrl.runtime.step.weight_check import WeightSyncError, check_effective
 
     model = _adapted()
     assert check_effective(model, _probe(_merged(model)), "actor -> rollout (E)") == \
@@ -88,7 +88,7 @@ def test_effective_check_passes_the_merged_weights_and_names_the_base_ones():
 
 
 def test_effective_check_tolerates_the_cast_to_the_sync_dtype_only():
-    from flowrl.runtime.weight_check import WeightSyncError, check_effective
+    from flowrl.runtime.step.weight_check import WeightSyncError, check_effective
 
     model = _adapted(1)
     sent = [(n, t.to(torch.bfloat16)) for n, t in _merged(model)]  # gather_dtype=bf16

@@ -16,7 +16,7 @@ from flowrl.envs.config import MultiTurnConfig
 from flowrl.envs.rollout import MultiTurnSession
 from flowrl.envs.tools import resolve_tools
 from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
-from flowrl.runtime.metrics import read_metrics
+from flowrl.runtime.io.metrics import read_metrics
 from flowrl.train import train
 
 STOPS = list(range(3, 49152, 5))  # a random model's turns end early (P(8 tokens, no stop) = 17%)

@@ -15,7 +15,7 @@ from pathlib import Path
 from flowrl.cli import compose
 from flowrl.config import to_train_config
 from flowrl.models.loading import load_model
-from flowrl.runtime.metrics import read_metrics
+from flowrl.runtime.io.metrics import read_metrics
 
 TOL = 1e-4  # fp32 rollout vs trainer logprobs, see test_vllm_engine.py
 STALE = 1e-2  # one update behind, at lr 0.01

@@ -13,7 +13,7 @@ import pytest
 
 from flowrl.cli import compose
 from flowrl.engines.rollout.vllm import VLLMRolloutEngine
-from flowrl.runtime.metrics import read_metrics
+from flowrl.runtime.io.metrics import read_metrics
 from flowrl.train import train
 
 TOL = 1e-4  # fp32 rollout vs trainer logprobs, see test_vllm_engine.py
@@ -56,7 +56,7 @@ def test_skipped_weight_load_shows_in_the_mismatch_metric(tmp_path, monkeypatch)
 def test_a_load_that_copies_nothing_stops_the_run_at_step_one(tmp_path, monkeypatch):
     """``rollout.verify_sync`` (default on): the weights read back from vLLM (the embeddings and
     norms vLLM-CPU keeps in HF layout) are not the trainer's: stopped at the first sync."""
-    from flowrl.runtime.weight_check import WeightSyncError
+    from flowrl.runtime.step.weight_check import WeightSyncError
 
     # the check itself on a real load: the values read back match (no false alarm)
     train(compose(ARGS + [f"trainer.output_dir={tmp_path / 'real'}", "trainer.eval.before=false",
@@ -101,7 +101,7 @@ def test_lora_merged_weights_reach_vllm(tmp_path, monkeypatch, stale):
     (``rollout.verify_sync=false``), and with the check on (the default) stops the run at the
     first sync: vLLM holds what it was sent, but that is not the trainer's effective weights."""
     pytest.importorskip("peft")
-    from flowrl.runtime.weight_check import WeightSyncError
+    from flowrl.runtime.step.weight_check import WeightSyncError
 
     if stale:
         from flowrl.models import lora

@@ -56,7 +56,7 @@ TORCH_COMPILE_MIN_DECODE_STEPS = 50_000
 @dataclass(frozen=True)
 class RolloutJob:
     """What a run will ask of one rank's rollout engine, known before the engine is built
-    (``flowrl.runtime.resources.rollout_job``); sizes the job-sized defaults of
+    (``flowrl.runtime.step.resources.rollout_job``); sizes the job-sized defaults of
     :class:`VLLMRolloutConfig` (:meth:`VLLMRolloutConfig.sized_for`).
 
     Attributes:

@@ -96,8 +96,8 @@ def broadcast_module(model: nn.Module, src: int = 0, group: Any = None) -> None:
 
 def pool_mesh(group: Any, device: torch.device | str) -> Any:
     """A 1-D ``DeviceMesh`` over an existing process group (e.g. a partitioned train pool's,
-    created by every rank of the job in :func:`flowrl.runtime.partitioned.pool_context`); wrapping
-    a group is local, no collective. ``None`` → ``None`` (FSDP then shards over the world)."""
+    created by every rank of the job in :func:`flowrl.runtime.control.partitioned.pool_context`);
+    wrapping a group is local, no collective. ``None`` → ``None`` (FSDP then shards over the world)."""
     if group is None:
         return None
     from torch.distributed.device_mesh import DeviceMesh
@@ -136,7 +136,7 @@ class FSDPMixin(_EngineBase):
 
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("FSDPTrainEngine needs torch.distributed initialised "
-                               "(run under torchrun; see flowrl/runtime/distributed.py)")
+                               "(run under torchrun; see flowrl/runtime/io/distributed.py)")
         cfg = cfg or TrainEngineConfig()
         device = next(model.parameters()).device
         mp = mixed_precision(cfg, device)

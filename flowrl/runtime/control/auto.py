@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flowrl")
 DECISION_FILE = "placement_auto.json"
-# runtime/job.run_placement: (cfg, plan, placement, dinfo, out_dir) -> summary
+# runtime/control/job.run_placement: (cfg, plan, placement, dinfo, out_dir) -> summary
 RunPlacement = Callable[["TrainConfig", "ExecutionPlan", "PlacementPlan", "DistInfo", Path],
                         dict[str, Any]]
 
@@ -57,7 +57,7 @@ def phase_config(cfg: "TrainConfig", *, mode: str, pools: dict[str, list[int]] |
 def read_step_metrics(out_dir: Path, first: int, last: int) -> list[dict[str, float]]:
     """Rows of ``metrics.jsonl`` (rank 0's, already reduced over ranks) for steps first..last
     that carry a step time (eval rows do not)."""
-    from flowrl.runtime.metrics import read_metrics
+    from flowrl.runtime.io.metrics import read_metrics
 
     rows = read_metrics(out_dir)
     return [{k: v for k, v in rows[s].items() if v is not None} for s in sorted(rows)
@@ -68,7 +68,7 @@ def decide(cfg, plan, world_size: int, profile: list[dict[str, float]]) -> dict[
     """The refined choice as a plain dict: ``mode``, ``pools`` (partitioned), ``prompts_per_step``
     of each sampling rank, ``predicted_step_s`` and the cost model's ``notes``."""
     from flowrl.compiler.cost import StageCosts, refine_and_choose
-    from flowrl.runtime.preflight import role_parallelism
+    from flowrl.runtime.control.preflight import role_parallelism
 
     rp = role_parallelism(cfg)
     costs = StageCosts.from_config(plan, cfg, world_size, parallelism=rp)
@@ -98,15 +98,15 @@ def decide(cfg, plan, world_size: int, profile: list[dict[str, float]]) -> dict[
 def run_auto(cfg: "TrainConfig", plan: "ExecutionPlan", dinfo: "DistInfo", out_dir: Path,
              run: RunPlacement) -> dict[str, Any]:
     """Run a ``placement=auto`` job (see the module docstring): each phase is one
-    ``run(cfg, plan, placement, dinfo, out_dir)`` (``runtime/job.run_placement``), the second
-    resuming the first one's checkpoint under the placement :func:`decide` chose.
+    ``run(cfg, plan, placement, dinfo, out_dir)`` (``runtime/control/job.run_placement``), the
+    second resuming the first one's checkpoint under the placement :func:`decide` chose.
 
     Returns the summary of the whole run with ``placement_auto``: the decision, the predicted
     and the measured mean step time after the switch.
     """
-    from flowrl.runtime.distributed import broadcast_object
-    from flowrl.runtime.preflight import prepare_placement
-    from flowrl.runtime.resources import run_device
+    from flowrl.runtime.control.preflight import prepare_placement
+    from flowrl.runtime.io.distributed import broadcast_object
+    from flowrl.runtime.step.resources import run_device
 
     P = cfg.placement.auto.profile_steps
     T = cfg.trainer.total_steps

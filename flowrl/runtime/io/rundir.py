@@ -147,7 +147,7 @@ def claim_run_dir(out_dir: Path, trainer_cfg, *, rank0: bool = True):
     Raises:
         RunDirError: on every rank, with rank 0's one-line reason.
     """
-    from flowrl.runtime import distributed as fdist
+    from flowrl.runtime.io import distributed as fdist
 
     lock: Any = _NoLock()
     err: Optional[str] = None
@@ -188,7 +188,7 @@ def finished_run_summary(out_dir: Path, total_steps: int) -> Optional[tuple[int,
     """``(step, summary)`` when the newest complete checkpoint in ``out_dir`` is at or past
     ``total_steps`` (resuming would train nothing; ``summary`` is its ``summary.json``, ``{}``
     when there is none), else None."""
-    from flowrl.runtime.checkpoint import CheckpointManager
+    from flowrl.runtime.io.checkpoint import CheckpointManager
 
     latest = CheckpointManager(Path(out_dir) / "checkpoints").latest()
     if latest is None:
@@ -218,7 +218,7 @@ def _model_option(overrides: list[str]) -> str:
         return chosen[-1]
     import yaml
 
-    conf = Path(__file__).resolve().parents[2] / "conf" / "train.yaml"  # flowrl.config's conf/
+    conf = Path(__file__).resolve().parents[3] / "conf" / "train.yaml"  # flowrl.config's conf/
     defaults = yaml.safe_load(conf.read_text())["defaults"]
     return next(d["model"] for d in defaults if isinstance(d, dict) and "model" in d)
 
@@ -256,7 +256,7 @@ def resume_hint(out_dir: Path, hydra_dir: Optional[str] = None,
     """The line printed after an interrupted run: how to continue it, or, before its first
     checkpoint, that there is nothing to continue and how to start over; with this invocation's
     ``overrides`` (default: :func:`invocation_overrides`) in the command when they are known."""
-    from flowrl.runtime.checkpoint import CheckpointManager
+    from flowrl.runtime.io.checkpoint import CheckpointManager
 
     opt = _dir_option(Path(out_dir), hydra_dir)
     overrides = invocation_overrides() if overrides is None else overrides
@@ -283,12 +283,12 @@ def run_record(cfg, roles: list[str], overrides: Optional[list[str]]) -> dict[st
     config, the graph (as given and the file it resolved to), the roles whose state it holds
     (``roles``: the plan's) and this invocation's command-line ``overrides`` (left out when
     unknown)."""
-    from flowrl.runtime.resources import TRAINABLE_ROLES
+    from flowrl.graph.roles import TRAINED_ROLES  # the role table itself: io sits below step/
 
     record: dict[str, Any] = {
         "model": _plain(dataclasses.asdict(cfg.model)),
         "graph": {"path": cfg.graph.path, "file": str(cfg.graph.resolve())},
-        "trained_roles": [r for r in TRAINABLE_ROLES if r in roles]}
+        "trained_roles": [r for r in TRAINED_ROLES if r in roles]}
     if overrides is not None:
         # a graph file given relative to where the run started: absolute, so the printed
         # resume command works from any directory
@@ -337,7 +337,7 @@ def check_resume(cfg, roles: list[str], overrides: Optional[list[str]] = None) -
             this invocation's, whose :data:`_RESUME_MAY_CHANGE` ones it keeps) when the
             checkpoint records them.
     """
-    from flowrl.runtime.checkpoint import CheckpointManager
+    from flowrl.runtime.io.checkpoint import CheckpointManager
 
     if not cfg.trainer.resume:
         return

@@ -97,7 +97,7 @@ def eval_scorer(plan) -> Optional[EvalScorer]:
 
 
 # evaluate(samples_path, on_progress) -> eval metrics, or None on a rank that reports none (the
-# job's evaluator of a rank: runtime/job.py RankPlacement.evaluator)
+# job's evaluator of a rank: runtime/control/job.py RankPlacement.evaluator)
 Evaluator = Callable[[Optional[Path], Optional[Callable[[int, int], None]]],
                      Optional[dict[str, float]]]
 

@@ -6,7 +6,7 @@ or went silent (rank, pid, host, exit signal, last step) and the command that co
 The ranks talk to it through files in a private folder (``FLOWRL_SUPERVISOR_DIR`` in their
 environment; nothing is written without it, e.g. under a plain ``torchrun``):
 
-``runtime/supervisor_dir.py`` writes them: rank 0's run directory (for the resume command), a
+``runtime/io/supervisor_dir.py`` writes them: rank 0's run directory (for the resume command), a
 rank whose heartbeat stopped (this process then SIGKILLs it when it is one of its own workers: a
 SIGSTOPped process ignores the SIGTERM torchrun sends first, and torchrun waits 30 s before its
 SIGKILL), and the last heartbeat a crashing rank saw of every peer (the host and step of a rank
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from flowrl.runtime.supervisor_dir import ENV
+from flowrl.runtime.io.supervisor_dir import ENV
 
 
 @dataclass
@@ -141,7 +141,7 @@ def supervise(torchrun_args: list[str], overrides: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from flowrl.runtime.recovery import resume_hint
+    from flowrl.runtime.control.recovery import resume_hint
 
     with tempfile.TemporaryDirectory(prefix="flowrl-supervisor-") as tmp:
         folder = Path(tmp)

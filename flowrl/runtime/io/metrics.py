@@ -39,7 +39,7 @@ _CONSOLE_KEYS = [
     ("eval/accuracy_math_verify", "eval_mv", "{:.3f}"), ("eval/format_frac", "eval_fmt", "{:.2f}"),
     ("eval/reward_mean", "eval_reward", "{:.3f}"), ("eval/response_length_mean", "eval_len", "{:.0f}"),
     ("eval/seconds", "eval_s", "{:.0f}"),
-    # run health (runtime/health.py), shown only when not 0 (_QUIET_ZERO)
+    # run health (runtime/control/health.py), shown only when not 0 (_QUIET_ZERO)
     ("train/skipped_steps", "skipped", "{:.0f}"), ("train/unscorable_frac", "unscorable", "{:.2f}"),
     ("rollout/empty_response_frac", "empty", "{:.2f}"), ("reward/constant_steps", "const_reward", "{:.0f}"),
 ]

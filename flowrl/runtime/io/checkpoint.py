@@ -39,7 +39,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from flowrl.ops.collectives import all_reduce
-from flowrl.runtime import distributed as fdist
+from flowrl.runtime.io import distributed as fdist
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

@@ -19,11 +19,11 @@ Dataflow of one GRPO step (colocated pool; ``[x]`` = role resident, ``→ free``
 
 Each stage reads its inputs from the TensorStore, writes its outputs back, and the store frees every
 key whose last consumer (from the plan's lifecycle table) has just run. Devices (one rule,
-``runtime/devices.py``): the store keeps the step on the pool's home device (the trainer's GPU on a
-GPU run); the executor hands each op its inputs on the device of the stage's engine (the host for
+``runtime/step/devices.py``): the store keeps the step on the pool's home device (the trainer's GPU
+on a GPU run); the executor hands each op its inputs on the device of the stage's engine (the host for
 role-less stages).
 A ``refill`` stage (DAPO dynamic sampling) re-runs the stages it depends on until it has kept
-enough groups (``flowrl/runtime/refill.py``; the plan lists them under ``plan.refill``).
+enough groups (``flowrl/runtime/step/refill.py``; the plan lists them under ``plan.refill``).
 """
 from __future__ import annotations
 
@@ -39,13 +39,13 @@ from flowrl.graph.roles import ROLES
 from flowrl.ops.context import DistInfo, StageContext
 from flowrl.ops.registry import OPS
 from flowrl.ops.state import OpState, init_op_states
-from flowrl.runtime.devices import home_device, stage_device, to_device
-from flowrl.runtime.refill import run_refill
-from flowrl.runtime.store import TensorStore
+from flowrl.runtime.step.devices import home_device, stage_device, to_device
+from flowrl.runtime.step.refill import run_refill
+from flowrl.runtime.step.store import TensorStore
 
 if TYPE_CHECKING:
     from flowrl.engines.base import Engine
-    from flowrl.runtime.resources import Engines
+    from flowrl.runtime.step.resources import Engines
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class Executor:
         seed: run seed; each stage run gets ``torch.Generator`` seeded by :func:`stage_seed`.
         sends: partitioned placement: keys (``"stage.output"``) this pool hands to the other pool
             at the end of each step (``PoolPlan.sends``); freed from the store once sent.
-        device: the store's home device; default :func:`~flowrl.runtime.devices.home_device`
+        device: the store's home device; default :func:`~flowrl.runtime.step.devices.home_device`
             of ``engines`` (the trainer's device).
         swap: run the plan's offload/onload actions (move idle models to host memory). False when
             every model fits on the device side by side (``trainer.offload``): the actions are
@@ -121,7 +121,7 @@ class Executor:
         # the pseudo-stage SEND releases what was handed to the other pool
         self.device = device or home_device(self.engines.by_role())
         self.swap = swap
-        self.verify_sync = verify_sync  # rollout.verify_sync: runtime/weight_check.py
+        self.verify_sync = verify_sync  # rollout.verify_sync: runtime/step/weight_check.py
         self.store = TensorStore({**plan.release_after, SEND: self.sends}, device=self.device)
         self._cfg = {c.stage.name: c.config for c in plan.stages}
         self._resident: set[str] = set(plan.resident_at_end)
@@ -188,7 +188,7 @@ class Executor:
         the parts of the load its engines timed (``perf/weight_sync/<part>``: e.g. the source's
         ``gather_s``, vLLM engine processes' ``engine_load_weights_s`` and ``ipc_collect_s``).
         ``verify_sync``: the engine's weights are read back and checked
-        (``runtime/weight_check.py``; ``perf/weight_sync/verify_s``, and
+        (``runtime/step/weight_check.py``; ``perf/weight_sync/verify_s``, and
         ``perf/weight_sync_checked``: the tensors compared); then what was sent is checked
         against the trainer's effective weights (a LoRA merge that sent the base weights:
         ``check_effective``; ``perf/weight_sync_effective_checked``).
@@ -200,7 +200,7 @@ class Executor:
         if not self.verify_sync:
             sink.load_weights(src.named_weights())
         else:
-            from flowrl.runtime.weight_check import SyncProbe, check_effective, check_sync
+            from flowrl.runtime.step.weight_check import SyncProbe, check_effective, check_sync
 
             probe = SyncProbe(src.named_weights())
             sink.load_weights(probe)
@@ -304,7 +304,7 @@ class Executor:
     def stage_inputs(self, name: str) -> dict[str, Any]:
         """The op arguments of stage ``name`` from the store, on the stage's compute device (its
         engine's ``device``; the host for a role-less stage): the device rule's second half
-        (``runtime/devices.py``). Optional inputs the graph leaves unbound are None."""
+        (``runtime/step/devices.py``). Optional inputs the graph leaves unbound are None."""
         stage = self.plan.graph[name]
         device = stage_device(self.engines.get(stage.role))
         inputs = {arg: to_device(self.store.get(ref), device) for arg, ref in stage.inputs.items()}

@@ -25,11 +25,11 @@ from torch import Tensor
 
 from flowrl.compiler.plan import ExecutionPlan, RefillSpec
 from flowrl.errors import RunStopped
-from flowrl.runtime.store import TensorStore
+from flowrl.runtime.step.store import TensorStore
 
 
 class StageRunner(Protocol):
-    """What the refill loop needs of the executor that runs it (``runtime/executor.Executor``
+    """What the refill loop needs of the executor that runs it (``runtime/step/executor.Executor``
     implements it): the plan, the store, this step's stage metrics, the resident roles, and
     running one stage (:meth:`run_stage`: into the store) or only its op (:meth:`call_op`)."""
 

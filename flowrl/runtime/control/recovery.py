@@ -3,7 +3,7 @@
 ``flowrl train`` ends every way but a clean finish or a rejected config (Ctrl-C, SIGTERM from
 torchrun after another rank died, a dead or silent peer, a full disk, a diverged step) through
 :func:`report_crash`: the traceback (not for Ctrl-C / SIGTERM), the ranks that stopped
-heartbeating (``runtime/distributed.py``), the last complete checkpoint, and the
+heartbeating (``runtime/io/distributed.py``), the last complete checkpoint, and the
 ``trainer.resume=true`` command line. A SIGKILL of the only process cannot print anything; under
 torchrun the surviving ranks print it.
 """
@@ -38,7 +38,7 @@ def stop_on_sigterm() -> None:
 
 def last_checkpoint(out_dir: str | Path) -> Optional[Path]:
     """The newest complete checkpoint of a run directory (no verification, no side effect)."""
-    from flowrl.runtime.checkpoint import CheckpointManager
+    from flowrl.runtime.io.checkpoint import CheckpointManager
 
     done = CheckpointManager(Path(out_dir) / "checkpoints").complete()
     return done[-1] if done else None
@@ -47,11 +47,11 @@ def last_checkpoint(out_dir: str | Path) -> Optional[Path]:
 def resume_hint(out_dir: str | Path, overrides: Optional[list[str]] = None) -> str:
     """The line that tells how to continue the run in ``out_dir`` or, before its first
     checkpoint, how to start it over (the run directory then refuses a plain fresh run, so the
-    line says ``trainer.overwrite=true``, as ``runtime/rundir.resume_hint`` does after Ctrl-C).
+    line says ``trainer.overwrite=true``, as ``runtime/io/rundir.resume_hint`` does after Ctrl-C).
     The command repeats this invocation's ``overrides`` (default: Hydra's, when a Hydra job
     runs; unknown: "plus your overrides"). Reads no checkpoint (a crash report must not fail on
     a tampered one)."""
-    from flowrl.runtime.rundir import invocation_overrides, repeat_overrides
+    from flowrl.runtime.io.rundir import invocation_overrides, repeat_overrides
 
     overrides = invocation_overrides() if overrides is None else overrides
     rest = " (plus your overrides)" if overrides is None else "".join(
@@ -70,7 +70,7 @@ def disk_full(e: BaseException) -> Optional[str]:
     the checkpoint's own clear message showed flowrl's internals, not the cause."""
     import errno
 
-    from flowrl.runtime.checkpoint import CheckpointWriteError
+    from flowrl.runtime.io.checkpoint import CheckpointWriteError
 
     if isinstance(e, CheckpointWriteError):
         return " ".join(str(e).split()).rstrip(".")
@@ -91,12 +91,12 @@ _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Connecti
 
 def peer_lost(e: BaseException) -> Optional[str]:
     """A clause for a collective that failed because another rank went away (the launcher's
-    last line names which: ``runtime/supervise.py``), else None. The backend's text
+    last line names which: ``runtime/control/supervise.py``), else None. The backend's text
     ("[../gloo/transport/tcp/pair.cc:534] Connection reset by peer [127.0.0.1]:41234") and a
     traceback into the collective name no rank and no cause."""
     if not isinstance(e, RuntimeError):  # DistBackendError, DistNetworkError are RuntimeErrors
         return None
-    from flowrl.runtime.transport import PoolPeerError
+    from flowrl.runtime.io.transport import PoolPeerError
 
     if isinstance(e, PoolPeerError):  # partitioned pools: it names the pool and rank itself
         return " ".join(str(e).split())
@@ -112,7 +112,7 @@ def stop_on_silent_peer(out_dir: str | Path) -> None:
     """When the peer monitor finds a rank silent (``launcher.heartbeat_timeout_s``), print the
     crash line with the resume command and end this process at once (exit status 1): its main
     thread may be blocked in a collective that would wait for ``collective_timeout_s``."""
-    from flowrl.runtime.distributed import PeerMonitor
+    from flowrl.runtime.io.distributed import PeerMonitor
 
     def stop(what: str) -> None:  # pragma: no cover - ends the process (the launcher's tests)
         import os
@@ -129,7 +129,7 @@ def report_crash(e: BaseException, out_dir: str | Path) -> int:
     (130 Ctrl-C, 143 SIGTERM, 1 anything else). A :class:`RunStopped` is one line (its
     message names what to change), anything else adds the traceback. SystemExit is re-raised
     unchanged. Also hands the launcher the last heartbeat seen of each peer
-    (``runtime/supervise.report_peers``)."""
+    (``runtime/control/supervise.report_peers``)."""
     import threading
 
     if isinstance(e, SystemExit):
@@ -147,8 +147,8 @@ def report_crash(e: BaseException, out_dir: str | Path) -> int:
 
 
 def _report_crash(e: BaseException, out_dir: str | Path) -> int:
-    from flowrl.runtime.distributed import PeerMonitor, peer_report
-    from flowrl.runtime.supervisor_dir import report_peers
+    from flowrl.runtime.io.distributed import PeerMonitor, peer_report
+    from flowrl.runtime.io.supervisor_dir import report_peers
 
     if PeerMonitor.current is not None:  # for the launcher's line naming a dead peer
         report_peers(PeerMonitor.current.last_beats())

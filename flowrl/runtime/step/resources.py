@@ -198,7 +198,7 @@ def use_fsdp(cfg: "TrainConfig", world: int | None = None) -> bool:
     Raises:
         ValueError: ``strategy=local`` under a world size > 1 (ranks would train separate models).
     """
-    from flowrl.runtime.distributed import dist_info
+    from flowrl.runtime.io.distributed import dist_info
 
     world, strategy = world or dist_info().world_size, cfg.trainer.engine.strategy
     if world > 1 and strategy == "local":
@@ -445,7 +445,7 @@ def rollout_job(cfg: "TrainConfig", world_size: int | None = None) -> "RolloutJo
     ``min(eval.limit, eval.batch_size)`` prompts per call; the decode steps count every step's
     ``max_new_tokens`` and the evaluations (before, after and every ``eval.every`` steps)."""
     from flowrl.engines.rollout.vllm_config import RolloutJob
-    from flowrl.runtime.distributed import dist_info
+    from flowrl.runtime.io.distributed import dist_info
 
     t, ev = cfg.trainer, cfg.trainer.eval
     # an eval of the whole split (limit null) counts as large: it favours CUDA graphs

@@ -4,7 +4,7 @@ Keys are ``"stage.output"``. Reference counts come from the ExecutionPlan's life
 the store frees a value the moment the plan says nobody will read it again; on CUDA the caching
 allocator gets the memory back when the last Python reference goes.
 
-The store holds a step on one *home device* (``flowrl/runtime/devices.py``: the pool's trainer
+The store holds a step on one *home device* (``flowrl/runtime/step/devices.py``: the pool's trainer
 device); ``put`` moves what it is given there, so that is the one place a batch changes device on
 its way between stages. Byte counts are split by where the storage lives (``*_device_bytes``:
 accelerator memory), so a GPU run reports what the lifecycle saves in device memory.
@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import torch
 
-from flowrl.runtime.devices import to_device
+from flowrl.runtime.step.devices import to_device
 
 
 def nbytes(value: Any, device_only: bool = False) -> int:

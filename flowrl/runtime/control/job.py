@@ -3,14 +3,14 @@
     flowrl train ...  (flowrl/train.py: the Hydra entry)
         │
         ▼  train.prepare, once: config composed · fields · machine defaults · graph → plan ·
-        │  placement · model folder + every data row (runtime/preflight.check_run) = RunSpec
-        ▼  (runtime/spec.py); no model loaded
+        │  placement · model folder + every data row (runtime/control/preflight.check_run) = RunSpec
+        ▼  (runtime/control/spec.py); no model loaded
     run_job(spec)    process group · run directory claimed (one run per directory)
-        │            placement=auto: runtime/auto.py re-plans between phases, each one
+        │            placement=auto: runtime/control/auto.py re-plans between phases, each one
         │            a run_placement resuming the previous one's checkpoint
         ▼
     run_placement    this rank, one PlacementPlan:
-        │  RankPlacement ◄── colocated (Colocated, below) | partitioned (runtime/partitioned.py)
+        │  RankPlacement ◄── colocated (Colocated, below) | partitioned (runtime/control/partitioned.py)
         │                    = the part of the plan this rank runs, its pool, how batches and
         │                      weights cross pools
         ├─ setup    tokenizer · PromptSource(pool shard) · build_engines(pool's roles) ·
@@ -43,26 +43,26 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 from flowrl.compiler.modes import mode_of
 from flowrl.compiler.placement import Mode
 from flowrl.compiler.render import format_plan
-from flowrl.runtime.health import RunHealth
-from flowrl.runtime.preflight import ConfigError
+from flowrl.runtime.control.health import RunHealth
+from flowrl.runtime.control.preflight import ConfigError
 
 if TYPE_CHECKING:
     from flowrl.compiler.placement import PlacementPlan
     from flowrl.compiler.plan import ExecutionPlan
     from flowrl.config import TrainConfig
     from flowrl.ops.context import DistInfo
-    from flowrl.runtime.checkpoint import CheckpointManager
-    from flowrl.runtime.evaluate import Evaluator
-    from flowrl.runtime.executor import Executor
-    from flowrl.runtime.resources import Engines
-    from flowrl.runtime.spec import RunSpec
+    from flowrl.runtime.control.spec import RunSpec
+    from flowrl.runtime.io.checkpoint import CheckpointManager
+    from flowrl.runtime.step.evaluate import Evaluator
+    from flowrl.runtime.step.executor import Executor
+    from flowrl.runtime.step.resources import Engines
 
 log = logging.getLogger("flowrl")
 
 OP_STATE_KEY = "op_state"  # trainer_state.json: every stateful op's state dict, by its key
 LEGACY_OP_STATE = ("kl_controller",)  # written at the top level before op_state existed
 HISTORY_KEYS = ("reward/mean", "reward/accuracy", "perf/step_s", "placement/version_lag",
-                # the health counters continue across a resume (runtime/health.py)
+                # the health counters continue across a resume (runtime/control/health.py)
                 "train/skipped_steps", "train/optimizer_steps", "reward/constant_steps",
                 "train/unscorable_steps")
 
@@ -153,7 +153,7 @@ class Colocated:
             engines.weight_sink("rollout").load_weights(engines.weight_source("actor").named_weights())
 
     def step(self, step: int, events: JobEvents) -> None:
-        from flowrl.runtime.distributed import reduce_metrics
+        from flowrl.runtime.io.distributed import reduce_metrics
 
         if self.executor is None:
             raise RuntimeError("Colocated.step before Colocated.start")
@@ -169,7 +169,7 @@ class Colocated:
     def evaluator(self, cfg, plan, engines, prompts, tokenizer) -> Optional[Evaluator]:
         if not self.logs:  # rank 0's rollout engine holds full weights; it evaluates alone
             return None  # (trainer.eval.limit=0: it returns {} and logs nothing)
-        from flowrl.runtime.evaluate import greedy_evaluator
+        from flowrl.runtime.step.evaluate import greedy_evaluator
 
         return greedy_evaluator(cfg, plan, engines.rollout, prompts, tokenizer)
 
@@ -183,7 +183,7 @@ class Colocated:
 def rank_placement(cfg: "TrainConfig", pp: "PlacementPlan", dinfo: "DistInfo") -> RankPlacement:
     """This rank's part of ``pp`` (partitioned: creates the pool groups, a collective)."""
     if mode_of(pp.mode).concurrent_pools:
-        from flowrl.runtime.partitioned import partitioned_rank
+        from flowrl.runtime.control.partitioned import partitioned_rank
 
         return partitioned_rank(cfg, pp, dinfo)
     return Colocated(pp, dinfo)
@@ -199,8 +199,8 @@ def run_job(spec: "RunSpec") -> dict[str, Any]:
             ``spec`` was placed on). RunDirError: the run directory holds a previous run
             (``trainer.resume`` / ``trainer.overwrite``) or another run.
     """
-    from flowrl.runtime import distributed as fdist
-    from flowrl.runtime import rundir
+    from flowrl.runtime.io import distributed as fdist
+    from flowrl.runtime.io import rundir
 
     cfg, plan = spec.config, spec.plan
     dinfo = fdist.init_distributed(cfg.trainer.device, timeout_s=cfg.launcher.collective_timeout_s,
@@ -219,7 +219,8 @@ def run_job(spec: "RunSpec") -> dict[str, Any]:
     out_dir = Path(fdist.broadcast_object(cfg.trainer.output_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     if dinfo.world_size > 1:  # a silent peer stops this rank with the resume command
-        from flowrl.runtime import recovery, supervisor_dir
+        from flowrl.runtime.control import recovery
+        from flowrl.runtime.io import supervisor_dir
 
         recovery.stop_on_silent_peer(out_dir)
         if rank0:
@@ -230,7 +231,7 @@ def run_job(spec: "RunSpec") -> dict[str, Any]:
             done = finished_run(cfg, out_dir, rank0)
             if done is not None:
                 return done
-            from flowrl.runtime import auto  # profile colocated, choose, continue
+            from flowrl.runtime.control import auto  # profile colocated, choose, continue
 
             return auto.run_auto(cfg, plan, dinfo, out_dir, run_placement)
         return run_placement(cfg, plan, pp, dinfo, out_dir)
@@ -244,7 +245,7 @@ def placement_for(cfg: "TrainConfig", plan: "ExecutionPlan", world_size: int) ->
     Raises:
         ConfigError: the placement is impossible on ``world_size`` ranks (nothing loaded).
     """
-    from flowrl.runtime.preflight import prepare_placement
+    from flowrl.runtime.control.preflight import prepare_placement
 
     try:
         return prepare_placement(cfg, plan, world_size)
@@ -255,7 +256,7 @@ def placement_for(cfg: "TrainConfig", plan: "ExecutionPlan", world_size: int) ->
 def finished_run(cfg: "TrainConfig", out_dir: Path, rank0: bool) -> Optional[dict[str, Any]]:
     """A resumed run whose newest checkpoint is at ``trainer.total_steps``: say so once and
     return its summary (load nothing); else None."""
-    from flowrl.runtime.rundir import finished_run_summary
+    from flowrl.runtime.io.rundir import finished_run_summary
 
     if not cfg.trainer.resume:
         return None
@@ -275,7 +276,7 @@ def start_checkpoints(ckpts: "CheckpointManager", resume: bool):
     Raises:
         ConfigError: a tampered or unloadable checkpoint; nothing was loaded or written.
     """
-    from flowrl.runtime.checkpoint import CorruptCheckpointError, UnsafeCheckpointError
+    from flowrl.runtime.io.checkpoint import CorruptCheckpointError, UnsafeCheckpointError
 
     try:
         ckpts.remove_stale()
@@ -290,8 +291,8 @@ def run_placement(cfg: "TrainConfig", plan: "ExecutionPlan", pp: "PlacementPlan"
 
     Every engine is closed on the way out, error or not: vLLM engine processes must not outlive
     the run (torchrun would wait for them)."""
-    from flowrl.runtime.checkpoint import CheckpointManager
-    from flowrl.runtime.resources import Engines
+    from flowrl.runtime.io.checkpoint import CheckpointManager
+    from flowrl.runtime.step.resources import Engines
 
     # a tampered or corrupt checkpoint is refused (ConfigError) before anything reads it further
     ckpts = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
@@ -324,11 +325,11 @@ class _Job:
 
         from flowrl.data import PromptSource
         from flowrl.models.loading import load_tokenizer
-        from flowrl.runtime import distributed as fdist
-        from flowrl.runtime.evaluate import eval_line
-        from flowrl.runtime.executor import Executor
-        from flowrl.runtime.metrics import MetricsLogger
-        from flowrl.runtime.resources import (
+        from flowrl.runtime.io import distributed as fdist
+        from flowrl.runtime.io.metrics import MetricsLogger
+        from flowrl.runtime.step.evaluate import eval_line
+        from flowrl.runtime.step.executor import Executor
+        from flowrl.runtime.step.resources import (
             RunResources,
             build_engines,
             image_encoder,
@@ -491,9 +492,9 @@ class _Job:
 
     def save(self, step: int) -> None:
         """Checkpoint ``step`` (collective: every rank of the job calls it, in step order)."""
-        from flowrl.runtime import distributed as fdist
-        from flowrl.runtime.resources import peak_rss_gib
-        from flowrl.runtime.rundir import invocation_overrides, run_record
+        from flowrl.runtime.io import distributed as fdist
+        from flowrl.runtime.io.rundir import invocation_overrides, run_record
+        from flowrl.runtime.step.resources import peak_rss_gib
 
         t0 = time.perf_counter()
         last = step == self.cfg.trainer.total_steps

@@ -2,7 +2,7 @@
 
 ``flowrl.train.prepare`` builds it (config composed, fields validated, the machine's ``auto``
 settings resolved, graph compiled, every pre-flight check, the placement) and
-``runtime/job.run_job`` runs it; nothing between the two composes, checks or places again.
+``runtime/control/job.run_job`` runs it; nothing between the two composes, checks or places again.
 Under torchrun every rank builds its own from the same command line (the same pure function of
 the same overrides; a multi-node job has no parent process common to its ranks).
 """

@@ -1,12 +1,12 @@
 """The files the ranks of a ``flowrl train launcher.nproc=N`` job leave for the launcher
-(``runtime/supervise.py``) in the private folder named by ``FLOWRL_SUPERVISOR_DIR`` in their
+(``runtime/control/supervise.py``) in the private folder named by ``FLOWRL_SUPERVISOR_DIR`` in their
 environment (none: nothing is written, e.g. under a plain ``torchrun``):
 
 - ``run_dir``: rank 0's run directory (:func:`announce_run_dir`), for the resume command;
 - ``silent_<rank>.json``: a rank whose heartbeat stopped (:func:`report_silent`, from the peer
-  monitor of ``runtime/distributed.py``);
+  monitor of ``runtime/io/distributed.py``);
 - ``peers_<rank>.json``: the last heartbeat a crashing rank saw of every peer
-  (:func:`report_peers`, from ``runtime/recovery.report_crash``).
+  (:func:`report_peers`, from ``runtime/control/recovery.report_crash``).
 
 No torch, no other flowrl module: the runtime's lowest modules import it.
 """

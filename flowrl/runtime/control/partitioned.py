@@ -49,8 +49,8 @@ from flowrl.compiler.placement import (
     check_pool_sizes,
 )
 from flowrl.ops.context import DistInfo
-from flowrl.runtime.distributed import combine_metrics, reduce_metrics
-from flowrl.runtime.transport import PendingSend, WeightBroadcaster, recv_batch, send_batch
+from flowrl.runtime.io.distributed import combine_metrics, reduce_metrics
+from flowrl.runtime.io.transport import PendingSend, WeightBroadcaster, recv_batch, send_batch
 
 # fault injection for tests: a rollout rank exits abruptly (no teardown) after sending this step
 FAULT_EXIT_AFTER = int(os.environ.get("FLOWRL_FAULT_ROLLOUT_EXIT_AFTER", "0") or 0)
@@ -165,7 +165,7 @@ def pool_metrics(metrics: Mapping[str, float], pool: str) -> dict[str, float]:
 
 
 def merge_rank_metrics(dicts: list[Mapping[str, float]]) -> dict[str, float]:
-    """Combine several ranks' metric dicts by :func:`flowrl.runtime.distributed.metric_rule`."""
+    """Combine several ranks' metric dicts by :func:`flowrl.runtime.io.distributed.metric_rule`."""
     return combine_metrics(dicts)
 
 
@@ -223,7 +223,7 @@ class RolloutPool:
             if not self.executor.verify_sync:
                 sink.load_weights(named)
                 continue
-            from flowrl.runtime.weight_check import SyncProbe, check_sync
+            from flowrl.runtime.step.weight_check import SyncProbe, check_sync
 
             probe = SyncProbe(named)
             sink.load_weights(probe)
@@ -326,7 +326,7 @@ class TrainPool:
         return reduce_metrics(out, group=self.ctx.dist.group)
 
 
-# ---- what placement=partitioned supplies to the job (runtime/job.py RankPlacement) -------------
+# ---- what placement=partitioned supplies to the job (runtime/control/job.py RankPlacement) -----
 class _PoolRank:
     """A rank of a partitioned job: its pool's plan, data-parallel group and peers.
 
@@ -342,7 +342,7 @@ class _PoolRank:
     name = "partitioned"
 
     def __init__(self, cfg, pp: PlacementPlan, dinfo: DistInfo):
-        from flowrl.runtime.resources import run_device
+        from flowrl.runtime.step.resources import run_device
 
         self.device = run_device(cfg)
         self.ctx = pool_context(pp, dinfo.rank, bucket_mb=cfg.placement.bucket_mb,
@@ -430,7 +430,7 @@ class TrainRank(_PoolRank):
         joins the gather of the actor's weights and rank 0 evaluates a full model copy it loads
         for the eval and then drops. Returns None on ranks that take no part."""
         from flowrl.engines.rollout.hf import HFRolloutEngine
-        from flowrl.runtime.evaluate import greedy_evaluator
+        from flowrl.runtime.step.evaluate import greedy_evaluator
 
         ev = cfg.trainer.eval
         if not (ev.before or ev.after or ev.every) or ev.limit == 0:
@@ -438,7 +438,7 @@ class TrainRank(_PoolRank):
         actor = engines.weight_source("actor")
         if prompts.world_size > 1:  # the train pool's shard of the eval slice: rank 0 evaluates it all
             from flowrl.data import PromptSource
-            from flowrl.runtime.resources import image_encoder
+            from flowrl.runtime.step.resources import image_encoder
 
             prompts = PromptSource(cfg.data, tokenizer,
                                    image_encoder=image_encoder(cfg.model, tokenizer))

@@ -124,8 +124,8 @@ class PeerMonitor:
     A daemon thread per rank writes ``<rank> -> "<count> <step> <host> <pid>"`` every
     ``interval_s`` (and at each new step) and reads the others'. A rank whose value has not
     changed for ``stale_s`` (frozen by SIGSTOP, dead, or stuck in C code that holds the GIL) is
-    logged as an error, reported to the launcher (``runtime/supervisor_dir.py``, which kills it when
-    it is its worker) and this rank then stops at once (:attr:`on_silent`: the crash line with
+    logged as an error, reported to the launcher (``runtime/io/supervisor_dir.py``, which kills it
+    when it is its worker) and this rank then stops at once (:attr:`on_silent`: the crash line with
     the resume command, exit status 1) instead of waiting in a collective until its timeout. A
     slow rank that still runs Python (a long generation) keeps beating and is never reported;
     a rank that finished (:meth:`stop`) writes ``done`` and is never reported either. Stale
@@ -142,7 +142,7 @@ class PeerMonitor:
 
     current: "Optional[PeerMonitor]" = None
     # called once (in the monitor's thread) with the clause naming the silent ranks; must not
-    # return (``runtime/recovery.stop_on_silent_peer``); None: print that clause and exit 1
+    # return (``runtime/control/recovery.stop_on_silent_peer``); None: print that clause and exit 1
     on_silent: "Optional[Callable[[str], None]]" = None
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
@@ -225,7 +225,7 @@ class PeerMonitor:
                          if len(parts) == 4 else " (never sent one)")
                 self.stale[r] = (f"rank {r}{where}", last[1])
                 new[r] = self.describe(r, now)
-                from flowrl.runtime.supervisor_dir import report_silent
+                from flowrl.runtime.io.supervisor_dir import report_silent
 
                 report_silent(r, self.last_beats().get(r, {}), quiet, self.stale_s)
         return new

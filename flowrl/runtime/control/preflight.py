@@ -43,12 +43,12 @@ def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = Non
         ValueError / GraphError / FileNotFoundError / PlacementError: naming the field, stage,
             file or row (the entry wraps them in :class:`ConfigError`). RunDirError (a
             ValueError): ``trainer.resume=true`` with another model, graph or trained roles
-            than the checkpoint's (``runtime/rundir.check_resume``).
+            than the checkpoint's (``runtime/io/rundir.check_resume``).
     """
     from flowrl.compiler.plan import compile_plan
     from flowrl.graph import GraphError
     from flowrl.graph.validate import load_graph
-    from flowrl.runtime.rundir import check_resume, invocation_overrides
+    from flowrl.runtime.io.rundir import check_resume, invocation_overrides
 
     if cfg.cluster is not None:  # flowrl plan answers before this point
         raise ValueError(f"cluster={cfg.cluster.name}: a cluster is planned, not run here; use "
@@ -167,8 +167,8 @@ def prepare_placement(cfg: "TrainConfig", plan: "ExecutionPlan", world_size: int
 
 def check_partitioned_run(placement: "PlacementPlan", cfg: "TrainConfig") -> None:
     """What the partitioned runtime needs beyond a valid cut: pool sizes it can route between
-    (``runtime/partitioned.check_partitioned``) and, for k >= 1 (batches from older weights),
-    the trainer's recomputed old logprobs.
+    (``runtime/control/partitioned.check_partitioned``) and, for k >= 1 (batches from older
+    weights), the trainer's recomputed old logprobs.
 
     Raises:
         PlacementError: naming ``placement.pools``, or ``placement.staleness >= 1`` with
@@ -235,7 +235,7 @@ def check_run_inputs(cfg, plan) -> None:
     from flowrl.data import DataError, load_records
     from flowrl.data.files import load_file_records
     from flowrl.models.loading import check_model_dir
-    from flowrl.runtime.evaluate import eval_scorer
+    from flowrl.runtime.step.evaluate import eval_scorer
 
     if not cfg.model.uses_bundled_tokenizer:
         check_model_dir(Path(cfg.model.path), cfg.model.gguf_file, tokenizer=True)

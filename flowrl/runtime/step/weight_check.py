@@ -41,7 +41,7 @@ _warned: set[str] = set()
 
 class WeightSyncError(RunStopped):
     """The rollout engine does not serve the weights the trainer just synced (one line with the
-    resume command: ``runtime/recovery.report_crash``)."""
+    resume command: ``runtime/control/recovery.report_crash``)."""
 
 
 def sample_index(numel: int) -> Tensor:

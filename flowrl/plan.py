@@ -1,0 +1,141 @@
+"""``flowrl plan``: the compiled execution plan and its placement, printed; loads no model.
+
+    flowrl plan [--format text|mermaid|dot] [overrides]   train.prepare (plan_only) → the
+                                     placement plan: per-pool timelines, transfers, predicted step
+                                     time and memory; placement=auto: the choice and why
+    flowrl plan cluster=<name> model.path=DIR             a cluster you do not have
+                                     (conf/cluster/): compiler.cost.plan_cluster → step time, best
+                                     split and memory per GPU; nothing of this machine is read
+
+Every import is inside a function (as in ``flowrl/cli.py``): planning never loads a model.
+"""
+from __future__ import annotations
+
+
+def plan_main(argv: list[str]) -> int:
+    """``flowrl plan [--format text|mermaid|dot] [overrides]``: the placement plan (per-pool
+    timelines, transfers, predicted step time and memory; ``placement=auto``: the choice and why)."""
+    from flowrl.compiler.modes import format_placement
+    from flowrl.compiler.render import FORMATS
+    from flowrl.config import compose, task_section
+    from flowrl.train import prepare, role_parallelism, world_size
+
+    fmt, rest = "text", []
+    it = iter(argv)
+    for a in it:
+        if a == "--format":
+            fmt = next(it, "")
+        elif a.startswith("--format="):
+            fmt = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    if fmt not in FORMATS:
+        raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}")
+    raw = task_section(compose(rest), "(none: plan only)")  # no Hydra run dir exists when planning
+    if raw.get("cluster") is not None:
+        print(cluster_plan(raw, fmt))
+        return 0
+    spec = prepare(raw, rest, plan_only=True)  # a teacher may be left unset
+    cfg, plan, pp = spec.config, spec.plan, spec.placement
+    if pp.estimate is None:  # auto attached its own; a missing model file only loses predictions
+        from flowrl.compiler.cost import StageCosts
+        from flowrl.compiler.modes import estimate
+
+        w = world_size(cfg)
+        try:
+            p_tokens = measured_prompt_tokens(cfg, pp.notes)
+            pp.estimate = estimate(pp, StageCosts.from_config(plan, cfg, w,
+                                                              parallelism=role_parallelism(cfg),
+                                                              prompt_tokens=p_tokens))
+        except (FileNotFoundError, OSError, ValueError) as e:
+            pp.notes.append(f"no predictions: {e}")
+    print(format_placement(pp, fmt))
+    if fmt == "text":  # mermaid / dot stay valid diagrams
+        print("machine defaults (auto settings resolved on this machine):")
+        for r in spec.resolved:
+            print(f"  {r}")
+        from flowrl.machine import machine_problems
+
+        for problem in machine_problems(cfg):  # planned anyway: a GPU job may be planned anywhere
+            print(f"  cannot run on this machine: {problem}")
+    return 0
+
+
+def measured_prompt_tokens(cfg, notes: list[str]) -> "int | None":
+    """P for the cost model: the longest of the first 256 training prompts rendered by the
+    policy's tokenizer (``flowrl.data.prompts.longest_prompt_tokens``; a step pads to its longest
+    prompt), or None (the ``data.max_prompt_tokens`` bound) when it cannot be read. The bound
+    alone made ``flowrl plan`` of the default job predict 177 s a step (P = 256) where arith
+    prompts are 56 tokens. Appends a line saying which P the prediction uses to ``notes``."""
+    from flowrl.data.prompts import longest_prompt_tokens
+    from flowrl.models.loading import load_tokenizer
+
+    bound = cfg.data.max_prompt_tokens
+    r = cfg.rollout.sampling.max_new_tokens
+    tail = (f"; R = {r} response tokens (rollout.sampling.max_new_tokens: an upper bound, "
+            "responses may stop earlier)")
+    try:
+        p, rows = longest_prompt_tokens(cfg.data, load_tokenizer(cfg.model))
+    except (OSError, ValueError) as e:  # no tokenizer or data here: the bound, said so
+        notes.append(f"workload: P = {bound} prompt tokens (data.max_prompt_tokens; the prompts "
+                     f"could not be read: {e})" + tail)
+        return None
+    if p is None:
+        notes.append(f"workload: P = {bound} prompt tokens (data.max_prompt_tokens: image or "
+                     "over-long prompts)" + tail)
+        return None
+    notes.append(f"workload: P = {p} prompt tokens, the longest of the first {rows} training "
+                 f"prompts as the tokenizer renders them (data.max_prompt_tokens = {bound} only "
+                 "skips longer ones)" + tail)
+    return p
+
+
+def build_cluster_plan(raw):
+    """``flowrl plan cluster=<name>``: the ClusterPlan of the composed config ``raw`` on the
+    cluster it names (``flowrl.compiler.cost.plan_cluster``). Nothing of this machine is read: no
+    machine defaults, no data rows, no tokenizer; the model is read by shape from its config
+    (``model.path`` may hold only a config.json), no weights.
+
+    The workload is the run's: B = trainer.prompts_per_step × algorithm.n × the cluster's GPUs
+    (prompts_per_step counts per data-parallel rank, as in ``flowrl train``), P =
+    data.max_prompt_tokens, R = rollout.sampling.max_new_tokens; the engine settings are
+    ``rollout.vllm``'s and ``trainer.engine``'s.
+
+    Raises:
+        ValueError / FileNotFoundError / GraphError: a bad field, graph or model folder.
+    """
+    from omegaconf import OmegaConf
+
+    from flowrl.compiler.cost import ClusterCosts, Workload, plan_cluster, stage_kind
+    from flowrl.compiler.plan import compile_plan
+    from flowrl.config import to_train_config
+    from flowrl.graph.validate import load_graph
+    from flowrl.models.size import model_size
+
+    cfg = to_train_config(raw)
+    tree = OmegaConf.to_container(raw, resolve=True)
+    plan = compile_plan(load_graph(cfg.graph.resolve()), tree, placement="colocated")
+    cl = cfg.cluster
+    world = cl.world
+    w = Workload(cfg.trainer.prompts_per_step * cfg.algorithm.n * world, cfg.data.max_prompt_tokens,
+                 cfg.rollout.sampling.max_new_tokens, cfg.algorithm.ppo_epochs)
+    eng, vl = cfg.trainer.engine, cfg.rollout.vllm
+    costs = ClusterCosts(cl, model_size(cfg.model), w, cfg.algorithm.n,
+                         {c.stage.name: (c.stage.role, stage_kind(c.stage.op, c.stage.role))
+                          for c in plan.stages},
+                         rollout_tp=vl.tensor_parallel_size if vl.tensor_parallel_size > 1 else 0,
+                         micro_batch_tokens=eng.max_tokens_per_micro_batch or 16384,
+                         activation_checkpointing=eng.gradient_checkpointing,
+                         max_num_seqs=vl.max_num_seqs)
+    # k >= 1 trains on older weights' batches: the old-logprob stage must run (preflight's rule)
+    ks = (0, 1) if cfg.algorithm.recompute_old_logprobs else (0,)
+    return plan_cluster(plan, costs, cfg.placement, cfg.placement.auto.min_gain, ks)
+
+
+def cluster_plan(raw, fmt: str) -> str:
+    """What ``flowrl plan cluster=<name>`` prints: the chosen placement rendered in ``fmt`` (text:
+    its timelines, then the candidate table, every term with its formula, the memory check)."""
+    from flowrl.compiler.cost import cluster_placement
+    from flowrl.compiler.modes import format_placement
+
+    return format_placement(cluster_placement(build_cluster_plan(raw)), fmt)
