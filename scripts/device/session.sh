@@ -17,7 +17,7 @@
 #   (.flowrl_commit: `git rev-parse --short HEAD > .flowrl_commit` here first; git-ignored, so it
 #   travels only when carried; the device copy's .git is stale and reports an old commit)
 # Phases: first_step, learning, e2e, tier, vlm, nan, hfgen, distill_teacher, distill_arms, gsm8k_mv,
-# tools, sync (see each below);
+# tools, sync, lora_sync (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
 set -uo pipefail
@@ -95,6 +95,11 @@ phase_sync() {  # ~3 min: weight sync per load path (reload vs auto -> direct), 
     --paths reload,auto --rounds ${SYNC_ROUNDS:-8} --out "$OUT/weight_sync_paths.md" > "$OUT/sync.log" 2>&1
   local rc=$?; tail -n 30 "$OUT/sync.log"; return $rc
 }
+phase_lora_sync() {  # ~4 min: LoRA sync into vLLM, merged weights vs vLLM's LoRA adapter (issue 25)
+  HF_HUB_OFFLINE=1 timeout -k 10 ${LORA_TIMEOUT_S:-330} python3 benchmarks/lora_sync.py ${LORA_ARGS:-} \
+    --md-out "$OUT/lora_sync_h200.md" > "$OUT/lora_sync.log" 2>&1
+  local rc=$?; tail -n 30 "$OUT/lora_sync.log"; return $rc
+}
 phase_tier() {  # ~5 min: the GPU tier (TIER_K: a -k selection)
   timeout -k 10 ${TIER_TIMEOUT_S:-540} python3 -m pytest ${TIER_K:+-k "$TIER_K"} -m "gpu or vllm" tests/gpu/test_train_gpu.py tests/gpu/test_multi_turn_gpu.py \
     tests/gpu/test_vlm_vllm_gpu.py tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
@@ -130,7 +135,7 @@ for p in "$@"; do
     log "phases $p done in $((SECONDS - t0)) s"
     continue
   fi
-  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools|sync) ;;
+  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools|sync|lora_sync) ;;
   *) log "unknown phase $p"; rc=2; continue ;; esac
   log "phase $p"
   t0=$SECONDS
