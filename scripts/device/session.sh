@@ -142,4 +142,10 @@ for p in "$@"; do
   "phase_$p" || { rc=$?; log "phase $p exit $rc"; }
   log "phase $p done in $((SECONDS - t0)) s"
 done
+# at most 8 files come back: past that, everything but the reports (*.md) goes into one archive
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && find . -type f ! -name '*.md' ! -name extra.tgz -print0 | tar czf /tmp/extra.tgz --null -T - \
+    && find . -mindepth 1 ! -name '*.md' -delete 2>/dev/null; mv /tmp/extra.tgz "$OUT/extra.tgz")
+  log "packed into extra.tgz: $(tar tzf "$OUT/extra.tgz" | wc -l) files; back as files: $(ls "$OUT" | tr '\n' ' ')"
+fi
 exit $rc
