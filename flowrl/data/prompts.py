@@ -85,7 +85,9 @@ class DataConfig:
             ``format_think`` sees the ``<think>`` it opened. A template whose generation prompt
             already ends with it (a thinking template that opens ``<think>`` itself) gets
             nothing appended; the rewards still see it. ``""`` = none.
-        max_prompt_tokens: prompts longer than this are skipped and counted, never cut.
+        max_prompt_tokens: prompts longer than this are skipped and counted, never cut: in
+            training when drawn (the next draw takes the place; ``data/skipped_prompts``), in an
+            evaluation's slice up front (``PromptSource``).
         shuffle: reshuffle prompts every epoch.
         seed: sampler seed (with the epoch it fixes the order).
         tools: JSON schemas of the tools every prompt offers, rendered by the chat template
