@@ -94,7 +94,7 @@ def prompts(tok, n: int, device: str):
                      instruction="Use the calculator tool for arithmetic you are not sure of. Then "
                                  "write the final answer on its own line as '#### <number>'.")
     src = PromptSource(cfg, tok)
-    ids, mask = collate_prompts([src._tokens[i] for i in src._kept[:n]], tok.pad_token_id)
+    ids, mask = collate_prompts([src.render(i)[1] for i in range(n)], tok.pad_token_id)
     return ids.to(device), mask.to(device)
 
 

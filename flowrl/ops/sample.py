@@ -18,11 +18,13 @@ def sample(ctx: StageContext, cfg: NoConfig) -> Prompts:
     Draws ``trainer.prompts_per_step`` prompts and repeats each ``algorithm.n`` times.
     Outputs: prompt_ids/prompt_mask (B, P) int64/bool left-padded with B = prompts × n;
     group_id (B,) int64 assigned here, unique across steps and ranks (never inferred later from
-    prompt text); ground_truth list[str] of length B.
+    prompt text); ground_truth list[str] of length B. Logs ``data/skipped_prompts``: the
+    over-long prompts drawn and skipped so far (``PromptSource``).
     """
     source = ctx.run.prompts
     num_prompts = ctx.run.prompts_per_step
     batch = source.sample(num_prompts, ctx.run.algorithm.n)
-    ctx.log(**{"data/prompts": num_prompts, "data/epoch": source.sampler.epoch})
+    ctx.log(**{"data/prompts": num_prompts, "data/epoch": source.sampler.epoch,
+               "data/skipped_prompts": source.num_skipped})  # over-long draws, cumulative
     return {"prompt_ids": batch.prompt_ids, "prompt_mask": batch.prompt_mask,
             "group_id": batch.group_id, "ground_truth": batch.ground_truth}

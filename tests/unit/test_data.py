@@ -14,6 +14,7 @@ from flowrl.data import (
     load_gsm8k,
     parse_ground_truth,
 )
+from flowrl.data.prompts import load_records, render_prompts
 from flowrl.models import ModelConfig, load_tokenizer
 
 ASSISTANT_PREFIX = "<|im_start|>assistant\n"
@@ -96,17 +97,75 @@ def test_default_system_prompt_comes_from_template(tok):
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
 
 
-def test_overlong_prompts_are_skipped_and_counted(tok):
-    lengths = [len(t) for t in PromptSource(DataConfig(limit=20), tok)._tokens]
+def test_overlong_prompts_are_skipped_when_drawn_and_counted(tok, caplog):
+    _, tokens = render_prompts([r["question"] for r in load_gsm8k("train", limit=20)], tok,
+                               DataConfig())
+    lengths = [len(t) for t in tokens]
     cap = sorted(lengths)[9]  # keeps 10 (lengths are distinct enough) or more on ties
     src = PromptSource(DataConfig(limit=20, max_prompt_tokens=cap, shuffle=False), tok)
-    kept = sum(n <= cap for n in lengths)
-    assert (len(src), src.num_skipped) == (kept, 20 - kept)
-    batch = src.sample(len(src), 1)
+    kept = [i for i, n in enumerate(lengths) if n <= cap]
+    assert (len(src), src.num_skipped) == (20, 0)  # nothing drawn yet
+    with caplog.at_level("WARNING", logger="flowrl.data.prompts"):
+        batch = src.sample(len(kept), 1)  # one epoch in file order: every over-long one skipped
     assert batch.prompt_mask.sum(1).max().item() <= cap  # never cut, only skipped
-    assert batch.prompt_index.tolist() == [i for i, n in enumerate(lengths) if n <= cap]
-    with pytest.raises(ValueError, match="exceed data.max_prompt_tokens=5"):
+    assert batch.prompt_index.tolist() == kept
+    assert src.num_skipped == 20 - len(kept) and (src.sampler.epoch, src.sampler.position) == (1, 0)
+    assert f"skipped {20 - len(kept)} more gsm8k/train prompts" in caplog.text
+    again = src.sample(len(kept), 1)  # the next epoch skips them again, counted again
+    assert again.prompt_index.tolist() == kept and src.num_skipped == 2 * (20 - len(kept))
+    with pytest.raises(ValueError, match="all 3 prompts exceed data.max_prompt_tokens=5"):
         PromptSource(DataConfig(limit=3, max_prompt_tokens=5), tok)
+
+
+def test_lazy_rendering_matches_eager_render_prompts(tok):
+    """Each drawn prompt's text and ids are what rendering the whole split up front gives."""
+    cfg = DataConfig(name="arith", limit=300, seed=4, response_prefix="<think>\n")
+    src = PromptSource(cfg, tok)
+    assert len(src._rendered) == 64  # only the probe before the first draw
+    texts, tokens = render_prompts([r["question"] for r in load_records(cfg)], tok, cfg)
+    for _ in range(5):
+        b = src.sample(7, 2)
+        for row, i in enumerate(b.prompt_index.tolist()):
+            assert b.prompt_text[row] == texts[i]
+            assert b.prompt_ids[row][b.prompt_mask[row]].tolist() == tokens[i]
+    assert src.render(299) == (texts[299], tokens[299])
+
+
+# the order and ids of the up-front-rendering PromptSource (flowrl 1ac4994), pinned: lazy
+# rendering must not change what a seed draws
+PINNED_ORDER = {
+    ("arith", 1, 0): [[3168, 6752, 2371, 2481, 410, 2601, 3171, 2218],
+                      [6945, 6845, 732, 7069, 1577, 2026, 6383, 3444],
+                      [6423, 4337, 5756, 3253, 6280, 2023, 6859, 7083]],
+    ("arith", 2, 1): [[6752, 2481, 2601, 2218, 6845, 7069, 2026, 3444],
+                      [4337, 3253, 2023, 7083, 5370, 1994, 1874, 4892],
+                      [3684, 471, 3964, 6437, 1901, 4388, 3978, 906]],
+    ("gsm8k", 1, 0): [[23, 32, 30, 17, 20, 11], [33, 2, 12, 3, 21, 29], [38, 4, 25, 22, 0, 28]],
+    ("gsm8k", 2, 0): [[23, 30, 20, 33, 12, 21], [38, 25, 0, 39, 10, 15], [34, 13, 9, 6, 26, 16]],
+}
+PINNED_IDS_SHA = {("arith", 1, 0): "11617590902c3f0a", ("arith", 2, 1): "6c17fba682c9268b",
+                  ("gsm8k", 1, 0): "746989a2b092b390", ("gsm8k", 2, 0): "6c56706762eb55b0"}
+
+
+@pytest.mark.parametrize("key", sorted(PINNED_ORDER))
+def test_sample_order_and_ids_pinned(tok, key):
+    import hashlib
+
+    name, world, rank = key
+    cfg = DataConfig(name="arith") if name == "arith" else DataConfig(limit=40, seed=3)
+    src = PromptSource(cfg, tok, rank=rank, world_size=world)
+    num = 8 if name == "arith" else 6
+    out = [src.sample(num, 2) for _ in range(3)]
+    assert [b.prompt_index.tolist()[::2] for b in out] == PINNED_ORDER[key]
+    digest = hashlib.sha256(b"".join(b.prompt_ids.numpy().tobytes() for b in out)).hexdigest()
+    assert digest[:16] == PINNED_IDS_SHA[key]
+
+
+def test_malformed_row_rejected_before_rendering(tmp_path, tok):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "1+1?", "ground_truth": "2"}\n{"prompt": "2+2?"}\n')
+    with pytest.raises(ValueError, match="p.jsonl line 2: no field 'ground_truth'"):
+        PromptSource(DataConfig(path=str(path)), tok)
 
 
 # ---------------------------------------------------------------- sampler
@@ -182,6 +241,30 @@ def test_prompt_source_resume(tok):
         assert torch.equal(got.group_id, want.group_id)
         assert got.prompt_index.tolist() == want.prompt_index.tolist()
     assert resumed.step == 4
+
+
+def test_prompt_source_resume_with_skips_and_checks(tok):
+    cfg = DataConfig(limit=20, seed=2, max_prompt_tokens=120)
+    ref = PromptSource(cfg, tok)
+    expected = [ref.sample(4, 1).prompt_index.tolist() for _ in range(8)]
+    assert ref.num_skipped > 0  # the cap skips some of these 20
+    run = PromptSource(cfg, tok)
+    for _ in range(3):
+        run.sample(4, 1)
+    state = run.state_dict()
+    resumed = PromptSource(cfg, tok)
+    resumed.load_state_dict(state)
+    assert [resumed.sample(4, 1).prompt_index.tolist() for _ in range(5)] == expected[3:]
+    assert resumed.num_skipped == ref.num_skipped
+    with pytest.raises(ValueError, match="data.max_prompt_tokens=120, this run 121"):
+        PromptSource(DataConfig(limit=20, seed=2, max_prompt_tokens=121), tok).load_state_dict(state)
+    with pytest.raises(ValueError, match="other prompt token ids"):
+        PromptSource(DataConfig(limit=20, seed=2, max_prompt_tokens=120, system_prompt="Hi."),
+                     tok).load_state_dict(state)
+    old = {k: state[k] for k in ("sampler", "step", "group_offset")}  # a pre-lazy state
+    with pytest.raises(ValueError, match="filtered out 2 over-long prompts"):
+        resumed.load_state_dict({**old, "num_skipped": 2})
+    resumed.load_state_dict({**old, "num_skipped": 0})  # skipped none: same order, loads
 
 
 def test_eval_batches_fixed_slice(tok):

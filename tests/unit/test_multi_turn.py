@@ -435,8 +435,8 @@ def test_grpo_tools_prepares_and_puts_the_tools_in_every_prompt(tok):
     assert cfg.data.tools == [t.schema for t in resolve_tools(["calculator"])]
     cfg.data.limit = 2
     src = PromptSource(cfg.data, tok)
-    assert "<tools>" in src._texts[0] and '"name": "calculator"' in src._texts[0]
-    assert src._texts[0].endswith("<|im_start|>assistant\n")
+    assert "<tools>" in src.render(0)[0] and '"name": "calculator"' in src.render(0)[0]
+    assert src.render(0)[0].endswith("<|im_start|>assistant\n")
 
 
 def test_graph_errors_before_any_model_loads(tmp_path):
