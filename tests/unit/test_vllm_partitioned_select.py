@@ -100,7 +100,7 @@ def test_build_engines_gives_a_pool_rank_its_own_process(tmp_path, monkeypatch):
     engines = build_engines(cfg, pools["rollout"].plan, tok, world_size=1, group=object())
     assert engines.by_role() == {"rollout": "engine"}
     assert [{k: v for k, v in kw.items() if k != "job"} for kw in calls] == [
-        {"shared": False, "own_process": True, "image_processor": None}]  # a text model
+        {"shared": False, "own_process": True, "image_processor": None, "lora": None}]  # text, no LoRA
     assert calls[0]["job"].ranks == 1  # the pool rank's own engine
     calls.clear()
     spec = prepare(compose(["rollout=vllm", "model=tiny", "trainer=smoke",
@@ -109,7 +109,7 @@ def test_build_engines_gives_a_pool_rank_its_own_process(tmp_path, monkeypatch):
     colo_cfg, colo_plan = spec.config, spec.plan
     build_engines(colo_cfg, colo_plan, tok)  # colocated, one process: in-process vLLM
     assert [{k: v for k, v in kw.items() if k != "job"} for kw in calls] == [
-        {"shared": True, "own_process": False, "image_processor": None}]
+        {"shared": True, "own_process": False, "image_processor": None, "lora": None}]
     t = colo_cfg.trainer
     assert calls[0]["job"].seqs_per_step == t.prompts_per_step * colo_cfg.algorithm.n
 
