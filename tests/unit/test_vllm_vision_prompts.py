@@ -190,7 +190,8 @@ class _RecordingLLM:
     def __init__(self, enc, extra=0):
         self.enc, self.extra, self.requests = enc, extra, []
 
-    def generate(self, requests, sps, use_tqdm=False):
+    def generate(self, requests, sps, use_tqdm=False, lora_request=None):
+        assert lora_request is None  # a full-weight policy: no adapter request
         self.requests.append((requests, sps))
         outs = []
         for r, sp in zip(requests, sps):
@@ -211,6 +212,7 @@ def _engine(llm, vision):
     eng.cfg, eng.vision, eng.llm = VLLMRolloutConfig(), vision, llm
     eng.eos_token_id, eng.pad_token_id = 2, 0
     eng._asleep, eng._weights_awake, eng._weights_valid = 0, True, True
+    eng.lora_request = None  # no LoRA adapter (rollout.vllm.lora_sync)
     eng._vllm = types.SimpleNamespace(SamplingParams=lambda **kw: types.SimpleNamespace(**kw))
     return eng
 
