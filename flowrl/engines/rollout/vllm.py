@@ -429,7 +429,12 @@ class VLLMRolloutEngine:
             enable_sleep_mode=self.sleep_supported,
         )
         if self.cfg.max_num_batched_tokens is not None:
-            kwargs["max_num_batched_tokens"] = self.cfg.max_num_batched_tokens
+            # no engine step can hold more than max_num_seqs whole sequences; vLLM's start-up
+            # profiling would otherwise split its token budget into requests longer than
+            # max_model_len (vLLM 0.26's flex-attention backend then fails on the block table)
+            cap = (self.cfg.max_num_seqs * self.cfg.max_model_len if self.cfg.max_model_len
+                   else self.cfg.max_num_batched_tokens)
+            kwargs["max_num_batched_tokens"] = min(self.cfg.max_num_batched_tokens, cap)
         if self.lora is not None:  # one adapter at a time: each sync replaces the last
             self.weight_names = self.lora.tensor_names
             kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
