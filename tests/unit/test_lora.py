@@ -299,7 +299,7 @@ def test_lora_sync_resolution_and_refusals():
     attn = adapter_spec(LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]), cfg)
     head = adapter_spec(LoraConfig(rank=4, modules_to_save=["lm_head"]), cfg)
     assert VLLMRolloutConfig().lora_sync_for(None) == "merged"
-    assert VLLMRolloutConfig().lora_sync_for(ok) == "adapter"  # auto
+    assert VLLMRolloutConfig().lora_sync_for(ok) == "merged"  # auto: AUTO_LORA_SYNC
     assert VLLMRolloutConfig(lora_sync="merged").lora_sync_for(ok) == "merged"
     assert VLLMRolloutConfig(lora_sync="adapter").lora_sync_for(attn) == "adapter"
     # auto falls back where the adapter path cannot run; an explicit adapter says why

