@@ -327,3 +327,56 @@ def test_adapter_sync_refuses_modules_vllm_does_not_adapt():
     assert VLLMRolloutConfig().lora_sync_for(spec) == "merged"
     with pytest.raises(ValueError, match=r"model.lora.target_modules has \['c_attn'\]"):
         VLLMRolloutConfig(lora_sync="adapter").lora_sync_for(spec)
+
+
+def test_an_asleep_engine_maps_its_weights_before_the_adapter_goes_in(tmp_path, monkeypatch):
+    """vLLM allocates its LoRA slots with the weights (the cumem pool's "weights" tag): after a
+    level-1 sleep they are unmapped on CUDA, and ``add_lora`` copying into them failed on the H200
+    with "CUDA error: invalid argument" (benchmarks/results/lora_sync_h200.md). An adapter sync
+    into a sleeping engine must wake the weights first, as a full load does; the KV cache stays
+    asleep until ``wake``."""
+    import sys
+    import types
+
+    from flowrl.engines.rollout.vllm import VLLMRolloutEngine
+    from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
+    from flowrl.models.lora import adapter_spec
+
+    calls: list = []
+
+    class LLM:
+        def __init__(self):
+            self.llm_engine = types.SimpleNamespace(
+                add_lora=lambda req: calls.append(("add_lora", req.lora_int_id)) or True,
+                remove_lora=lambda i: calls.append(("remove_lora", i)))
+
+        def wake_up(self, tags=None):
+            calls.append(("wake_up", tags))
+
+        def sleep(self, level):
+            calls.append(("sleep", level))
+
+        def reset_prefix_cache(self):
+            pass
+
+    class LoRARequest:  # vllm.lora.request.LoRARequest's fields the engine reads
+        def __init__(self, name, lora_int_id, lora_path):
+            self.lora_name, self.lora_int_id, self.lora_path = name, lora_int_id, lora_path
+
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", types.SimpleNamespace(LoRARequest=LoRARequest))
+    spec = adapter_spec(LoraConfig(rank=4), tiny_llama().config)
+    eng = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
+    eng.cfg, eng.llm, eng.lora, eng._lora_root = VLLMRolloutConfig(sleep_level=1), LLM(), spec, tmp_path
+    eng.weight_names, eng.lora_request, eng.sleep_supported = spec.tensor_names, None, True
+    eng._asleep, eng._weights_awake, eng._weights_valid = 0, True, True
+    adapters = [(n, torch.zeros(4, 4)) for n in sorted(spec.tensor_names)]
+
+    eng.sleep()
+    eng.load_weights(iter(adapters))
+    assert calls == [("sleep", 1), ("wake_up", ["weights"]), ("add_lora", 1)]
+    eng.wake()  # the rest (KV cache) only: the weights are up already
+    assert calls[-1] == ("wake_up", ["kv_cache", "scheduling"])
+    calls.clear()
+    eng.load_weights(iter(adapters))  # awake: no wake, the old adapter goes first
+    assert calls == [("remove_lora", 1), ("add_lora", 2)]
+    assert eng.lora_request.lora_int_id == 2 and eng._weights_valid

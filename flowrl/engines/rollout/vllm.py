@@ -647,12 +647,15 @@ class VLLMRolloutEngine:
                 to run until a complete load.
         """
         t0 = time.perf_counter()
+        if self.sleep_supported and not self._weights_awake:
+            # also for adapters: vLLM allocates its LoRA slots with the weights (the cumem pool's
+            # "weights" tag), so while asleep they are unmapped and add_lora's copy into them
+            # failed on the H200 with "CUDA error: invalid argument" (lora_sync_h200.md)
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
         if self.lora is not None:
             self._load_adapter(named_tensors, t0)
             return
-        if self.sleep_supported and not self._weights_awake:
-            self.llm.wake_up(tags=["weights"])
-            self._weights_awake = True
         counts = {"tensors": 0, "bytes": 0}
         received: set[str] = set()
 
