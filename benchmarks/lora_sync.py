@@ -104,7 +104,7 @@ def worker(mode: str, address: str, args) -> None:
                              gpu_memory_utilization=args.gpu_util, engine_procs=args.engine_procs)
     resolved = vcfg.lora_sync_for(spec)
     actor = build_lora_actor(LocalTrainEngine, copy.deepcopy(model), lora,
-                             TrainEngineConfig(lr=1e-4), sync="adapter" if resolved == "adapter" else "full")
+                             TrainEngineConfig(lr=1e-4, max_tokens_per_micro_batch=16384), sync="adapter" if resolved == "adapter" else "full")
     P_STEP = args.prompts
     job = RolloutJob(seqs_per_step=P_STEP * N, decode_steps=args.max_new_tokens * 100)
     t0 = time.perf_counter()

@@ -4,7 +4,7 @@
 # the device's /tmp while the machine stays warm.
 #
 # Here, once: ../shared/tools/vllm-on-device.sh prepare; bash scripts/device/wheels.sh;
-#             bash scripts/device/smollm2_pieces.sh split 2
+#             bash scripts/device/smollm2_pieces.sh split 3  (the tree is ~19 MiB: 3 pieces fit the 64 MiB)
 # Device calls, in a row:
 #   carry [".vllm/p1"]:           bash scripts/device/session.sh piece p1
 #   carry [".vllm/p2"]:           bash scripts/device/session.sh piece p2
@@ -12,6 +12,7 @@
 #   carry [".vllm/p4", ".whl"]:   bash scripts/device/session.sh piece p4
 #   carry [".model/a"]:           bash scripts/device/session.sh model a
 #   carry [".model/b"]:           bash scripts/device/session.sh model b
+#   carry [".model/c"]:           bash scripts/device/session.sh model c    (the last piece joins)
 #   carry [".vllm/p5"]:           bash scripts/device/session.sh install first_step
 #   carry [".flowrl_commit"]:     bash scripts/device/session.sh <phase> [<phase> ...]
 #   (.flowrl_commit: `git rev-parse --short HEAD > .flowrl_commit` here first; git-ignored, so it
@@ -112,7 +113,8 @@ piece)
   if [ -d .whl ]; then mkdir -p /tmp/whl && cp .whl/*.whl /tmp/whl/; fi
   exit 0 ;;
 model)
-  if [ "$2" = b ]; then bash scripts/device/smollm2_pieces.sh join; else bash scripts/device/smollm2_pieces.sh stash; fi
+  # the last piece (it carries NAME) joins; the others wait in /tmp
+  if [ -f ".model/$2/NAME" ]; then bash scripts/device/smollm2_pieces.sh join; else bash scripts/device/smollm2_pieces.sh stash; fi
   exit $? ;;
 install)
   shift
