@@ -109,15 +109,22 @@ class RolloutConfig:
     naming the engine and the tensors, when they are not the trainer's, and check that what was
     sent for each LoRA-adapted layer is the weight the trainer computes with (an unmerged
     adapter) (``runtime/step/weight_check.py``; 64 values per tensor, one small forward per
-    adapted layer)."""
+    adapted layer). ``verify_sync_every``: which syncs are checked: the first of the process
+    (start or resume), then every n-th (1 = every sync). A check costs a readback round trip per
+    engine: 0.46 s per sync for the Qwen2.5-0.5B shape over 4 vLLM engine processes on the H200
+    (benchmarks/results/e2e_vs_trl_h200.md), more than the load itself; a sync path that works
+    once keeps working, so 100 keeps the cost under 1 %."""
 
     backend: str = "auto"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     hf: HFRolloutConfig = field(default_factory=HFRolloutConfig)
     vllm: VLLMRolloutConfig = field(default_factory=VLLMRolloutConfig)
     verify_sync: bool = True
+    verify_sync_every: int = 100
 
     def __post_init__(self) -> None:
+        if self.verify_sync_every < 1:
+            raise ValueError(f"rollout.verify_sync_every must be >= 1, got {self.verify_sync_every}")
         if self.backend not in ROLLOUT_BACKENDS and self.backend != "auto":
             raise ValueError(f"rollout.backend must be auto or one of {sorted(ROLLOUT_BACKENDS)}, "
                              f"got {self.backend!r}")

@@ -11,8 +11,11 @@ sync carries the whole VLM, language model and frozen vision tower, under vLLM's
 (after loading a new model, the trainer with the *old* vision tower disagrees). The model is
 peaked (``initializer_range=0.5``: logits of tens of nats, measured with HF on CPU: the old
 vision tower moves logprobs by 2.8 nats per token, blank pictures by 1.5, fp32 HF vs HF 4e-6), so
-each wrong input shows far above fp32 noise. Bounds: fresh mean < 1e-3 and max < 5e-2 nats
-(fp32 kernels on both sides; not measured on the GPU yet); a wrong input > 0.2 nats mean.
+each wrong input shows far above fp32 noise. Bounds: fresh mean < 5e-3 and max < 5e-2 nats; a
+wrong input > 0.2 nats mean. Measured on the H200 (a8aeb7d, vLLM 0.26): fresh means of 1.05e-3
+(in process) and 1.13e-3 (two engine processes), against the 1e-3 first guessed here. fp32 on both
+sides; the gap is the size of TF32 rounding (~1e-3 relative), which Triton kernels use for fp32
+dot products by default (a likely cause, not isolated); still 40x under the wrong-input bound.
 
 Product check: ``flowrl train model=tiny_vl data=visual graph=grpo_vl rollout=vllm trainer=smoke``
 with the machine's GPU defaults (bf16 rollout copy), under test_train_gpu's bf16 bounds.
@@ -49,7 +52,7 @@ pytestmark = [
     ),
 ]
 
-FRESH_MEAN, FRESH_MAX, WRONG_MEAN = 1e-3, 5e-2, 0.2
+FRESH_MEAN, FRESH_MAX, WRONG_MEAN = 5e-3, 5e-2, 0.2
 
 
 def peaked() -> dict:
@@ -120,8 +123,9 @@ def test_vllm_rollout_with_images_is_the_trainers_and_syncs_the_whole_vlm(procs)
         out, rmask = rollout()
         lp = trainer_lp(model, out, images)
         rl = out.rollout_logprobs.cuda()
-        assert mean_gap(rl, lp, rmask) < FRESH_MEAN
-        assert float((rl - lp).abs()[rmask].max()) < FRESH_MAX
+        gap_max = float((rl - lp).abs()[rmask].max())
+        assert mean_gap(rl, lp, rmask) < FRESH_MEAN, f"max gap {gap_max:.3e}"
+        assert gap_max < FRESH_MAX
         blank = {**images, "pixel_values": torch.zeros_like(images["pixel_values"])}
         assert mean_gap(rl, trainer_lp(model, out, blank), rmask) > WRONG_MEAN
 

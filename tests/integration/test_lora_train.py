@@ -76,9 +76,12 @@ def test_fsdp_rollout_copy_gets_every_update(tmp_path, varied_reward, one_rank_g
         assert m[2]["perf/weight_sync_bytes"] == SYNC_BYTES
         assert m[2]["rollout/logprob_mismatch"] < 1e-5
         assert m[2]["actor/kl_loss"] > 0  # the reference (adapters off) differs from the actor
-        assert m[2]["perf/weight_sync/verify_s"] > 0
+        assert m[1]["perf/weight_sync/verify_s"] > 0  # the process's first sync is checked
         # q, k, v, o, gate, up, down of 2 layers: each sent tensor matched the trainer's forward
-        assert m[2]["perf/weight_sync_effective_checked"] == 14.0
+        assert m[1]["perf/weight_sync_effective_checked"] == 14.0
+        # the second is not (rollout.verify_sync_every=100)
+        assert m[2]["perf/weight_sync_checked"] == m[2]["perf/weight_sync_effective_checked"] == 0
+        assert "perf/weight_sync/verify_s" not in m[2]
 
 
 def _base_weights(model, adapter="default", full=False):

@@ -375,7 +375,8 @@ class _Job:
         executor = self.executor = Executor(
             place.plan, self.engines, resources.for_ops(),
             seed=cfg.trainer.seed + 1_000_003 * place.dist.rank, dist=place.dist,
-            sends=place.sends, swap=swap, verify_sync=cfg.rollout.verify_sync)
+            sends=place.sends, swap=swap, verify_sync=cfg.rollout.verify_sync,
+            verify_sync_every=cfg.rollout.verify_sync_every)
 
         # ---- resume
         start, earlier = 1, dict[str, Any]()

@@ -218,9 +218,10 @@ class RolloutPool:
         if self.version >= 0 and version != self.version + 1:
             raise RuntimeError(f"rollout pool rank {self.ctx.rank}: received weight version "
                                f"{version} after {self.version}")
+        verify = self.executor.verify_now()  # one decision per version, for every role
         for role in self.sync_roles:
             sink = self.executor.engines.weight_sink(role)
-            if not self.executor.verify_sync:
+            if not verify:
                 sink.load_weights(named)
                 continue
             from flowrl.runtime.step.weight_check import SyncProbe, check_sync
