@@ -67,3 +67,33 @@ def test_cpu_kv_cache_defaults_to_a_fixed_size(monkeypatch):
     assert VLLMRolloutConfig(kv_cache_memory_gb=0.25).kv_cache_gb_on(True) == 0.25
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     assert cfg.kv_cache_gb_on(True) is None  # vLLM's own knob wins
+
+
+def test_a_bucket_packs_into_one_flat_buffer_and_comes_back_exactly():
+    """Weight sync to engine processes: a bucket crosses as ONE buffer (torch's IPC costs per
+    tensor); every tensor comes back bit-exact with its dtype and shape, as a view of the buffer,
+    at an aligned offset; the sender's tensors are copied, never shared."""
+    import torch
+
+    from flowrl.engines.rollout.vllm_proc import pack_bucket, unpack_bucket
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 5, generator=g)
+    bucket = [("w", w.to(torch.bfloat16)), ("t", w.t()),  # a non-contiguous view
+              ("b", torch.randn(7, generator=g, dtype=torch.float64)),
+              ("i", torch.arange(3, dtype=torch.int32)), ("s", torch.tensor(2.5)),
+              ("m", torch.tensor([True, False, True]))]
+    flat, metas = pack_bucket(bucket)
+    # 30, 60, 56, 12, 4, 3 bytes, each rounded up to 64
+    assert flat.dtype == torch.uint8 and flat.shape == (6 * 64,)
+    assert [(n, off) for n, _, _, off in metas] == [("w", 0), ("t", 64), ("b", 128), ("i", 192),
+                                                     ("s", 256), ("m", 320)]
+    out = list(unpack_bucket(flat, metas))
+    assert [n for n, _ in out] == ["w", "t", "b", "i", "s", "m"]
+    for (_, a), (_, b) in zip(bucket, out):
+        assert b.dtype == a.dtype and b.shape == a.shape and torch.equal(a, b)
+        assert b.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    flat.zero_()  # the sender's tensors are not the buffer
+    assert torch.equal(bucket[0][1], w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="one device per bucket"):
+        pack_bucket([("a", torch.ones(1)), ("b", torch.ones(1, device="meta"))])

@@ -133,8 +133,9 @@ def _serve(conn, exported: PolicyExport, cfg: VLLMRolloutConfig, env: dict[str, 
             if msg[0] == "end":
                 ended[0] = True
                 return
-            for name, t in msg[1]:
-                yield name, t.tensor() if isinstance(t, _CudaHandle) else t
+            flat, metas = msg[1], msg[2]
+            yield from unpack_bucket(flat.tensor() if isinstance(flat, _CudaHandle) else flat,
+                                     metas)
 
     while True:
         try:
@@ -384,10 +385,12 @@ class VLLMProcessEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Load a full set of HF-named weights into every engine; their prefix caches are reset.
 
-        The tensors travel as handles (CUDA IPC on GPU, shared memory on CPU; CPU tensors are
-        copied first, so the caller's own parameters are never moved to shared memory) in buckets,
-        and stay referenced here until every engine confirmed the load: peak extra memory is one
-        full copy of the weights on the sending side.
+        The tensors travel in buckets of ~64 MiB, each copied into one flat buffer
+        (:func:`pack_bucket`) that crosses as one handle (CUDA IPC on GPU, shared memory on CPU):
+        torch's IPC costs per tensor (an event, a reference counter, a mapping in each engine),
+        and a model has hundreds. The caller's own tensors are never shared. The buffers stay
+        referenced here until every engine confirmed the load: peak extra memory is one full copy
+        of the weights on the sending side.
 
         Raises:
             KeyError: a name the exported model does not have (the engines then hold an incomplete
@@ -397,7 +400,7 @@ class VLLMProcessEngine:
         t0 = time.perf_counter()
         for i in range(len(self._conns)):
             self._send(i, ("load",))
-        kept: list[list[tuple[str, Tensor]]] = []
+        kept: list[Tensor] = []  # the flat buffers sent, until every engine has loaded them
         bucket: list[tuple[str, Tensor]] = []
         size, bad = 0, None
         counts = {"tensors": 0, "bytes": 0}
@@ -406,8 +409,7 @@ class VLLMProcessEngine:
                 if name not in self.weight_names:
                     bad = KeyError(f"load_weights: the rollout model has no tensor named {name!r}")
                     break
-                t = t.detach()
-                t = t.contiguous() if t.is_cuda else t.clone()
+                t = t.detach()  # copied into the bucket's flat buffer by _send_bucket
                 bucket.append((name, t))
                 n = t.numel() * t.element_size()
                 size += n
@@ -428,7 +430,7 @@ class VLLMProcessEngine:
                 raise
             replies = []  # the engines' "incomplete load" follows from the bad name: report that
         finally:
-            sent_cuda = any(t.is_cuda for b in kept for _, t in b)
+            sent_cuda = any(flat.is_cuda for flat in kept)
             kept.clear()
             t_ipc = time.perf_counter()
             if sent_cuda:
@@ -448,11 +450,12 @@ class VLLMProcessEngine:
                              "ipc_collect_s": ipc_s, "load_weights_s": time.perf_counter() - t0}
         self.last_load_counts = counts
 
-    def _send_bucket(self, bucket: list[tuple[str, Tensor]], kept: list) -> None:
-        payload = [(name, _CudaHandle.of(t) if t.is_cuda else t) for name, t in bucket]
+    def _send_bucket(self, bucket: list[tuple[str, Tensor]], kept: list[Tensor]) -> None:
+        flat, metas = pack_bucket(bucket)
+        handle = _CudaHandle.of(flat) if flat.is_cuda else flat
         for i in range(len(self._conns)):
-            self._send(i, ("bucket", payload))
-        kept.append(bucket)
+            self._send(i, ("bucket", handle, metas))
+        kept.append(flat)
 
     def sleep(self, level: int | None = None) -> None:
         """Every engine sleeps (``VLLMRolloutEngine.sleep``: level 1, 2, or None = cfg)."""
@@ -474,6 +477,50 @@ class VLLMProcessEngine:
     def close(self) -> None:
         """Stop the engine processes and delete a temporary export directory (once)."""
         self._finalizer()
+
+
+_ALIGN = 64  # bytes: every tensor of a flat bucket starts at a multiple (any dtype's alignment)
+BucketMeta = tuple[str, torch.dtype, tuple[int, ...], int]  # name, dtype, shape, byte offset
+
+
+def pack_bucket(bucket: list[tuple[str, Tensor]]) -> tuple[Tensor, list[BucketMeta]]:
+    """Copy ``bucket``'s tensors into one flat uint8 buffer on their device.
+
+    Args:
+        bucket: ``(name, tensor)`` pairs, one device, any dtypes, shapes (0-d included) and
+            strides.
+
+    Returns:
+        ``(flat, metas)``: ``flat`` a (total bytes,) uint8 tensor on the bucket's device; per
+        tensor ``(name, dtype, shape, offset)``, offsets multiples of 64 bytes.
+        :func:`unpack_bucket` gives the tensors back, exactly, as views of ``flat``.
+
+    Raises:
+        ValueError: tensors on more than one device.
+    """
+    devices = {t.device for _, t in bucket}
+    if len(devices) > 1:
+        raise ValueError(f"pack_bucket: one device per bucket, got {sorted(map(str, devices))}")
+    metas: list[BucketMeta] = []
+    total = 0
+    for name, t in bucket:
+        metas.append((name, t.dtype, tuple(t.shape), total))
+        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    flat = torch.empty(total, dtype=torch.uint8, device=next(iter(devices)) if devices else "cpu")
+    for (_, t), (_, dtype, shape, off) in zip(bucket, metas):
+        _view(flat, dtype, shape, off).copy_(t)
+    return flat, metas
+
+
+def unpack_bucket(flat: Tensor, metas: list[BucketMeta]) -> Iterator[tuple[str, Tensor]]:
+    """The tensors :func:`pack_bucket` packed, in order: views of ``flat`` (no copy)."""
+    for name, dtype, shape, off in metas:
+        yield name, _view(flat, dtype, shape, off)
+
+
+def _view(flat: Tensor, dtype: torch.dtype, shape: tuple[int, ...], off: int) -> Tensor:
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return flat[off:off + nbytes].view(dtype).view(shape)
 
 
 class _CudaHandle:
