@@ -182,16 +182,24 @@ def test_cli_train_resume_export(tmp_path, backend):
 LORA = ["+model.lora.rank=8", "+model.lora.alpha=16", "algorithm.kl_coef=0.01"]
 
 
-@pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=[
-    pytest.mark.vllm, pytest.mark.skipif(not has_vllm(), reason="needs vLLM")])])
+_VLLM_MARKS = [pytest.mark.vllm, pytest.mark.skipif(not has_vllm(), reason="needs vLLM")]
+
+
+@pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=_VLLM_MARKS),
+                                     pytest.param("vllm-adapter", marks=_VLLM_MARKS)])
 def test_lora_train(tmp_path, varied_rewards, backend):
     """LoRA under ``flowrl train`` on CUDA (issue 25): adapters train, the reference is the
-    adapter-disabled actor, the rollout engine gets the merged weights after every update (HF: the
-    changed tensors; vLLM: the merged set) and still agrees with the trainer under the bf16 bound,
-    so a sync that did not apply the adapters shows as a mismatch at step 2."""
-    extra = [*VLLM, "rollout.vllm.engine_procs=1"] if backend == "vllm" else ["rollout=hf"]
+    adapter-disabled actor, the rollout engine gets the policy after every update (HF: the changed
+    tensors; vLLM: the merged set; ``vllm-adapter``: ``rollout.vllm.lora_sync=adapter``, the A/B
+    tensors as a ``LoRARequest`` into an engine process that slept at level 1 in between, the case
+    that failed on the H200 before the weights were woken first) and still agrees with the
+    trainer under the bf16 bound, so a sync that did not apply the adapters shows as a mismatch
+    at step 2."""
+    extra = ["rollout=hf"] if backend == "hf" else [*VLLM, "rollout.vllm.engine_procs=1"]
+    if backend == "vllm-adapter":
+        extra.append("rollout.vllm.lora_sync=adapter")
     m = run_train(tmp_path, "graph=grpo", *LORA, *extra)
-    assert_gpu_run(tmp_path, m, backend)
-    assert m[2]["perf/weight_sync_bytes"] > 0  # the merged weights reached the engine
+    assert_gpu_run(tmp_path, m, backend.split("-")[0])
+    assert m[2]["perf/weight_sync_bytes"] > 0  # the policy's weights reached the engine
     plan = (tmp_path / "plan.txt").read_text()
     assert "ref served by the actor engine" in plan
