@@ -307,3 +307,31 @@ def load_graph(path: str | Path) -> Graph:
         return graph_from_yaml(p.read_text(), graph_dir=p.parent)
     except GraphError as e:
         raise e.with_source(p) from None
+
+
+def graph_main(argv: list[str]) -> int:
+    """``flowrl graph validate FILE...``: every problem of every file, one line each (``FILE:
+    stage 'x', field 'y': what to change``), exit 1 when any file is invalid; warnings (outputs
+    nobody reads, inputs a ``when`` can disable) do not fail it. Needs no run config."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="flowrl graph")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("validate", help="check graph YAML files").add_argument("files", nargs="+",
+                                                                          type=Path)
+    status = 0
+    for f in p.parse_args(argv).files:
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", GraphWarning)
+                validate_graph(load_graph(f))
+        except (GraphError, FileNotFoundError) as e:
+            print(str(e.with_source(f)) if isinstance(e, GraphError) else f"{f}: {e}",
+                  file=sys.stderr)
+            status = 1
+            continue
+        for w in caught:
+            print(f"{f}: warning: {w.message}")
+        print(f"{f}: ok")
+    return status
