@@ -4,7 +4,8 @@ ends with the lines that matter instead of a peer's ``Connection reset by peer``
 or went silent (rank, pid, host, exit signal, last step) and the command that continues the run.
 
     flowrl train launcher.nproc=2 model=tiny trainer=smoke
-      == torchrun --standalone --nproc_per_node=2 -m flowrl.train launcher.nproc=2 model=tiny trainer=smoke
+      == torchrun --standalone --nproc_per_node=2 -m flowrl.train launcher.nproc=2 model=tiny \
+             trainer=smoke
 
 Multi-node: the same command on every node (``launcher.nnodes``, ``launcher.rdzv_endpoint``,
 ``launcher.rdzv_id``: torchrun's c10d rendezvous pairs them up; on Slurm ``sbatch
