@@ -24,7 +24,7 @@ suite's 20-minute budget; start-up is still measured once per process ("engine b
 Reported per framework: the median over rounds with min–max; per pair the ratio of the medians
 with the min and max of the per-round ratios (``ratio_of_medians``).
 
-Both runs of a pair are built from ONE flowrl config (``flowrl.cli.compose`` of the overrides below):
+Both runs of a pair are built from ONE flowrl config (``flowrl.config.compose`` of the overrides below):
 flowrl trains it through its public API (``flowrl.train.train``); the TRL child maps the same
 TrainConfig onto a ``GRPOConfig`` (``trl_kwargs``), loads the same model with
 ``flowrl.models.load_model``, gets the same prompts, in the same order, from flowrl's
@@ -220,7 +220,7 @@ def flowrl_overrides(bc: BenchConfig, out_dir: str) -> list[str]:
 def prepare_run(bc: BenchConfig, out_dir: str):
     """(TrainConfig, ExecutionPlan) of the shared run; raises when the graph holds a stage or an
     algorithm setting TRL's GRPOTrainer has no equivalent for."""
-    from flowrl.cli import compose
+    from flowrl.config import compose
     from flowrl.train import prepare
 
     spec = prepare(compose(flowrl_overrides(bc, out_dir)))
@@ -357,8 +357,7 @@ def prepare_model_dir(model: str, device: str, path: Path, seed: int = 0) -> dic
     facts ``train_flops`` needs."""
     import torch
 
-    from flowrl.cli import compose
-    from flowrl.config import to_train_config
+    from flowrl.config import compose, to_train_config
     from flowrl.models.loading import load_model, load_tokenizer
 
     mc = to_train_config(compose([*MODELS[model], "model.dtype=float32", f"model.seed={seed}",
@@ -516,7 +515,7 @@ def child_flowrl(bc: BenchConfig, out_dir: str) -> dict:
     read when train() closes its engines."""
     import flowrl.models.loading as loading
     import flowrl.train as ftrain
-    from flowrl.cli import compose
+    from flowrl.config import compose
 
     seen: dict = {}
     engine: dict = {}

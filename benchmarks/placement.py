@@ -82,8 +82,9 @@ def summarize(name: str, out: Path, warmup: int) -> dict:
 def auto_choice(args) -> str:
     """What placement=auto picks for the colocated job's config on 2 ranks, with its notes."""
     try:
-        from flowrl.cli import compose
-        from flowrl.train import prepare, prepare_placement
+        from flowrl.config import compose
+        from flowrl.runtime.control.preflight import prepare_placement
+        from flowrl.train import prepare
 
         spec = prepare(compose(overrides(args, "colocated", Path(tempfile.mkdtemp()))
                                     [:-1] + ["placement=auto", "launcher.nproc=2"]))

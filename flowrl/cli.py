@@ -15,60 +15,10 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
-from pathlib import Path
 
 
 # Every import below is inside a function: a command pays only for what it uses (graph
 # validation never loads torch; a rejected config answers before the model code is imported).
-def compose(overrides: list[str]):
-    """The run config Hydra would build for ``flowrl train <overrides>`` (``flowrl.config.compose``)."""
-    from flowrl.config import compose as compose_config
-
-    return compose_config(overrides)
-
-
-def one_line(e: BaseException) -> str:
-    """A Hydra/OmegaConf error as one line (``flowrl.config.one_line``)."""
-    from flowrl.config import one_line as config_one_line
-
-    return config_one_line(e)
-
-
-def graph_main(argv: list[str]) -> int:
-    """``flowrl graph validate FILE...``: every problem of every file, one line each (``FILE:
-    stage 'x', field 'y': what to change``), exit 1 when any file is invalid; warnings (outputs
-    nobody reads, inputs a ``when`` can disable) do not fail it. Needs no run config."""
-    import argparse
-
-    from flowrl.graph import GraphError, GraphWarning, validate_graph
-    from flowrl.graph.validate import load_graph
-
-    p = argparse.ArgumentParser(prog="flowrl graph")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    v = sub.add_parser("validate", help="check graph YAML files")
-    v.add_argument("files", nargs="+", type=Path)
-    args = p.parse_args(argv)
-    status = 0
-    for f in args.files:
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", GraphWarning)
-                validate_graph(load_graph(f))
-        except GraphError as e:
-            print(str(e.with_source(f)), file=sys.stderr)
-            status = 1
-            continue
-        except FileNotFoundError as e:
-            print(f"{f}: {e}", file=sys.stderr)
-            status = 1
-            continue
-        for w in caught:
-            print(f"{f}: warning: {w.message}")
-        print(f"{f}: ok")
-    return status
-
-
 def cwd_importable() -> None:
     """Put the working directory first on ``sys.path``, as ``python -m`` does: the reward
     functions, tools and ops of a run are importable from where ``flowrl`` runs (the console
@@ -97,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return plan_main(rest)
         if cmd == "graph":
+            from flowrl.graph.validate import graph_main
+
             return graph_main(rest)
         if cmd == "export":
             from flowrl.export import export_main

@@ -33,6 +33,7 @@ import importlib.util
 import os
 
 # trainer.offload=auto is decided where the engines are built (runtime/step/resources.py)
+from flowrl.runtime.control.preflight import ConfigError
 from flowrl.runtime.control.spec import Resolved
 
 # the token budget of a GPU micro-batch: the scaling benchmark's bins (benchmarks/results/scaling.md)
@@ -154,3 +155,15 @@ def machine_problems(cfg, *, cuda: bool | None = None, vllm: bool | None = None,
         out.append("model.attn_implementation=flex_attention runs on CUDA only (on CPU its kernels "
                    "fail to compile); use auto or sdpa")
     return out
+
+
+def check_machine(cfg) -> None:
+    """Refuse a resolved ``cfg`` this machine cannot run (``flowrl train``, before anything
+    loads; ``flowrl plan`` only prints :func:`machine_problems`).
+
+    Raises:
+        ConfigError: naming the first problem (vLLM missing, no CUDA, ...).
+    """
+    problems = machine_problems(cfg)
+    if problems:
+        raise ConfigError(problems[0])

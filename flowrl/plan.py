@@ -18,7 +18,8 @@ def plan_main(argv: list[str]) -> int:
     from flowrl.compiler.modes import format_placement
     from flowrl.compiler.render import FORMATS
     from flowrl.config import compose, task_section
-    from flowrl.train import prepare, role_parallelism, world_size
+    from flowrl.runtime.control.preflight import role_parallelism, world_size
+    from flowrl.train import prepare
 
     fmt, rest = "text", []
     it = iter(argv)

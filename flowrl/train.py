@@ -17,13 +17,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from flowrl.config import REPO_ROOT
-from flowrl.runtime.control.preflight import (
-    ConfigError,
-    prepare_placement,
-    role_parallelism,
-    world_size,
-)
+from flowrl.config import REPO_ROOT, compose, task_section, to_train_config
+from flowrl.machine import check_machine, resolve_machine_defaults
+from flowrl.runtime.control.preflight import ConfigError, check_run
 from flowrl.runtime.control.spec import RunSpec
 
 if TYPE_CHECKING:
@@ -42,10 +38,6 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
         ConfigError: naming the field, stage, file or row. HydraException /
             OmegaConfBaseException: overrides that do not compose (``config_errors.explain``).
     """
-    from flowrl.config import compose, task_section, to_train_config
-    from flowrl.machine import resolve_machine_defaults
-    from flowrl.runtime.control.preflight import check_run
-
     if isinstance(source, (list, tuple)):
         overrides = list(source) if overrides is None else overrides
         source = compose(list(source), with_hydra=True)
@@ -61,28 +53,19 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
                    None if given is None else tuple(given))
 
 
-def check_machine(cfg) -> None:
-    """Raises ConfigError naming the first thing this machine cannot run (vLLM missing, no CUDA;
-    ``flowrl plan`` only prints them: a GPU job may be planned anywhere)."""
-    from flowrl.machine import machine_problems
-
-    problems = machine_problems(cfg)
-    if problems:
-        raise ConfigError(problems[0])
-
-
 def train(source: "RunSpec | DictConfig | dict") -> dict[str, Any]:
     """Run a whole training job (``source``: a prepared run, or a composed config to
     :func:`prepare`); returns the summary also written to ``summary.json``.
 
     Raises:
-        ConfigError: rejected before any model loaded. RunDirError: the run directory holds a
-            previous run (``trainer.resume`` / ``trainer.overwrite``) or another run.
+        ConfigError: rejected before any model loaded (also what this machine cannot run:
+            ``machine.check_machine``). RunDirError: the run directory holds a previous run
+            (``trainer.resume`` / ``trainer.overwrite``) or another run.
     """
     from flowrl.runtime.control.job import run_job
 
     spec = source if isinstance(source, RunSpec) else prepare(source)
-    check_machine(spec.config)  # what this machine cannot run: refused before anything loads
+    check_machine(spec.config)
     return run_job(spec)
 
 
@@ -110,9 +93,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except (HydraException, OmegaConfBaseException) as e:  # Hydra's own report takes 6-15 lines
         sys.exit(_refused(explain(e, args)))
     if spec.config.launcher.distributed and "LOCAL_RANK" not in os.environ:
-        from flowrl.launch import exec_torchrun
+        from flowrl.runtime.control import supervise
 
-        exec_torchrun(spec.config.launcher, args)  # every rank prepares its own; never returns
+        sys.stdout.flush()
+        # torchrun's agent in this process: every rank prepares the same overrides; a failed
+        # group ends naming the rank and the resume command
+        sys.exit(supervise.supervise(supervise.torchrun_args(spec.config.launcher, args), args))
     _hydra_job(spec)
 
 
@@ -148,8 +134,8 @@ def _refused(line: str) -> int:
 
 
 def _run(source: "RunSpec | DictConfig") -> None:
-    """The job inside Hydra's (its run dir exists): a crash, Ctrl-C or SIGTERM ends in one
-    report with the command that continues the run; a multirun job is prepared here."""
+    """The job inside Hydra's (its run dir exists): :func:`train`; a crash, Ctrl-C or SIGTERM
+    ends in one report with the command that continues the run."""
     from hydra.core.hydra_config import HydraConfig
 
     from flowrl.runtime.control.recovery import report_crash, stop_on_sigterm
@@ -159,14 +145,7 @@ def _run(source: "RunSpec | DictConfig") -> None:
     stop_on_sigterm()  # torchrun stops the survivors of a dead rank with SIGTERM
     out_dir = (source.config if isinstance(source, RunSpec) else source).trainer.output_dir
     try:
-        if isinstance(source, RunSpec):  # checked before Hydra wrote anything (main)
-            spec = source
-        else:
-            spec = prepare(source)
-            check_machine(spec.config)
-        from flowrl.runtime.control.job import run_job
-
-        run_job(spec)
+        train(source)  # a multirun job (a DictConfig) is prepared here
     except (ConfigError, rundir.RunDirError) as e:  # rejected before any model loaded: one line
         if isinstance(e, ConfigError):  # a multirun job's directory: Hydra's files only
             rundir.remove_hydra_leftovers(Path(hydra_dir))
@@ -197,8 +176,7 @@ def _hydra_app() -> None:
                config_name="train")(_run)()
 
 
-__all__ = ["ConfigError", "RunSpec", "check_machine", "main", "prepare", "prepare_placement",
-           "role_parallelism", "train", "world_size"]
+__all__ = ["ConfigError", "RunSpec", "main", "prepare", "train"]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Static validation of a Graph against the op registry, with networkx for the DAG checks.
 
 Every problem names the stage and the field. Nothing here loads a model or calls an op.
+``flowrl graph validate FILE...`` is :func:`graph_main` (needs no run config).
 """
 from __future__ import annotations
 
@@ -307,3 +308,36 @@ def load_graph(path: str | Path) -> Graph:
         return graph_from_yaml(p.read_text(), graph_dir=p.parent)
     except GraphError as e:
         raise e.with_source(p) from None
+
+
+
+def graph_main(argv: list[str]) -> int:
+    """``flowrl graph validate FILE...``: every problem of every file, one line each (``FILE:
+    stage 'x', field 'y': what to change``), exit 1 when any file is invalid; warnings (outputs
+    nobody reads, inputs a ``when`` can disable) do not fail it. Needs no run config."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="flowrl graph")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("validate", help="check graph YAML files")
+    v.add_argument("files", nargs="+", type=Path)
+    args = p.parse_args(argv)
+    status = 0
+    for f in args.files:
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", GraphWarning)
+                validate_graph(load_graph(f))
+        except GraphError as e:
+            print(str(e.with_source(f)), file=sys.stderr)
+            status = 1
+            continue
+        except FileNotFoundError as e:
+            print(f"{f}: {e}", file=sys.stderr)
+            status = 1
+            continue
+        for w in caught:
+            print(f"{f}: warning: {w.message}")
+        print(f"{f}: ok")
+    return status

@@ -11,10 +11,12 @@ validation error before any model loads. A distillation estimator (``needs_logpr
 ``teacher_logprobs`` (B, R) float32 (the ``teacher`` role's ``logprobs`` stage), both required,
 plus an optional task estimator's ``advantages`` (B, R) to add to; it logs ``distill/*``.
 
-Outputs: ``advantages`` (B, R) float32, 0 at masked positions; estimators flagged
-``produces_returns`` (GAE, REINFORCE++ and its baseline variant) also output ``returns`` (B, R)
-float32 (GAE: the critic's regression target A + V; REINFORCE++: the return-to-go). The others'
-"returns" would only repeat the advantages, so they do not declare the output at all.
+Outputs (the op's return ``TypedDict``, its output contract): :class:`Advantages`,
+``advantages`` (B, R) float32, 0 at masked positions; estimators flagged ``produces_returns``
+(GAE, REINFORCE++ and its baseline variant) return :class:`AdvantagesAndReturns`, also
+``returns`` (B, R) float32 (GAE: the critic's regression target A + V; REINFORCE++: the
+return-to-go). The others' "returns" would only repeat the advantages, so they do not declare
+the output at all.
 
 Group estimators reject ``algorithm.n < 2`` in ``flowrl.train.prepare`` (``validate_estimator``),
 before any model loads. The config each estimator reads (``adv_eps``,
@@ -24,7 +26,7 @@ estimator functions of ``algorithms/advantages.py`` (imported on the first call)
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, TypedDict
 
 from flowrl.algorithms.variants import ESTIMATORS, EstimatorSpec
 from flowrl.ops.registry import register_op
@@ -36,6 +38,21 @@ if TYPE_CHECKING:
     from flowrl.ops.spec import NoConfig
 
 _CRITIC_INPUTS = ("token_rewards", "values")
+
+
+class Advantages(TypedDict):
+    """``advantage.<estimator>``: ``advantages`` (B, R) float32, one per response token, 0 at
+    masked positions."""
+
+    advantages: Tensor
+
+
+class AdvantagesAndReturns(Advantages):
+    """An estimator flagged ``produces_returns``: :class:`Advantages` plus ``returns`` (B, R)
+    float32, 0 at masked positions (GAE: A + V, the critic's regression target; REINFORCE++:
+    the discounted return-to-go)."""
+
+    returns: Tensor
 
 
 def log_advantage_metrics(ctx: StageContext, advantages: Tensor, response_mask: Tensor,
@@ -71,9 +88,11 @@ def log_distill_metrics(ctx: StageContext, student: Tensor, teacher: Tensor, res
         ctx.log(**{"distill/clip_frac": ((kl.abs() > clip) & mask).sum() / n})
 
 
-def make_advantage_op(spec: EstimatorSpec) -> Callable[..., dict]:
+def make_advantage_op(spec: EstimatorSpec) -> Callable[..., Advantages]:
     """The op function of estimator ``spec``: it calls the estimator function registered under
-    its name (``algorithms.advantages.ADVANTAGE_ESTIMATORS``) with the run's AlgorithmConfig.
+    its name (``algorithms.advantages.ADVANTAGE_ESTIMATORS``) with the run's AlgorithmConfig and
+    returns :class:`AdvantagesAndReturns` when ``spec.produces_returns``, else
+    :class:`Advantages` (``register_op`` takes the op's outputs from that type).
 
     Raises (on a call): LookupError when ``algorithms/advantages.py`` registers no function for
     an estimator ``algorithms/variants.py`` declares.
@@ -82,8 +101,8 @@ def make_advantage_op(spec: EstimatorSpec) -> Callable[..., dict]:
 
     # **inputs: the op's declared inputs besides response_mask (the executor passes each, None
     # for an unbound optional one); a distillation op's differ from a reward estimator's
-    def op(ctx: StageContext, cfg: NoConfig, *, response_mask: Tensor,
-           **inputs: Tensor | None) -> dict[str, Tensor]:
+    def estimate(ctx: StageContext, response_mask: Tensor,
+                 inputs: dict[str, Tensor | None]) -> tuple[Tensor, Tensor]:
         from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 
         if spec.name not in ADVANTAGE_ESTIMATORS:
@@ -101,37 +120,46 @@ def make_advantage_op(spec: EstimatorSpec) -> Callable[..., dict]:
             student, teacher = inputs["old_logprobs"], inputs["teacher_logprobs"]
             assert student is not None and teacher is not None  # required inputs
             log_distill_metrics(ctx, student, teacher, response_mask, algo.distill_clip)
-        return {"advantages": adv, "returns": ret} if spec.produces_returns else {"advantages": adv}
+        return adv, ret
 
-    op.__name__ = f"advantage_{spec.name}"
-    op.__doc__ = (f"Advantages from estimator {spec.name!r} (``algorithms.advantages``): "
+    def op(ctx: StageContext, cfg: NoConfig, *, response_mask: Tensor,
+           **inputs: Tensor | None) -> Advantages:
+        return {"advantages": estimate(ctx, response_mask, inputs)[0]}
+
+    def op_with_returns(ctx: StageContext, cfg: NoConfig, *, response_mask: Tensor,
+                        **inputs: Tensor | None) -> AdvantagesAndReturns:
+        adv, ret = estimate(ctx, response_mask, inputs)
+        return {"advantages": adv, "returns": ret}
+
+    fn: Callable[..., Advantages] = op_with_returns if spec.produces_returns else op
+    fn.__name__ = f"advantage_{spec.name}"
+    fn.__doc__ = (f"Advantages from estimator {spec.name!r} (``algorithms.advantages``): "
                   f"advantages (B, R) float32"
                   f"{' and returns (B, R) float32' if spec.produces_returns else ''}, 0 at masked "
                   "positions.")
-    return op
+    return fn
 
 
 def _register_all() -> None:
     """One op per estimator of ``algorithms/variants.py``: estimators that read the critic
     (GAE) require ``token_rewards`` and ``values`` (an unbound one is a validation error before
-    any model loads), the others take them optionally; only estimators whose returns differ from
-    the advantages output ``returns``. A distillation estimator (``needs_logprobs``) reads the
-    student's and the teacher's logprobs of the sampled tokens, and optionally a task
-    estimator's ``advantages`` to add its own to (GRPO + distillation)."""
+    any model loads), the others take them optionally; the outputs are the keys of the op's
+    return type (``returns`` only where it differs from the advantages:
+    :func:`make_advantage_op`). A distillation estimator (``needs_logprobs``) reads the student's
+    and the teacher's logprobs of the sampled tokens, and optionally a task estimator's
+    ``advantages`` to add its own to (GRPO + distillation)."""
     for name, spec in ESTIMATORS.items():
         doc = f"Advantages from estimator {name!r}"
         if spec.needs_logprobs:
             register_op(f"advantage.{name}", inputs=("response_mask", "old_logprobs",
                                                      "teacher_logprobs"),
-                        optional_inputs=("advantages",), outputs=("advantages",),
-                        doc=doc)(make_advantage_op(spec))
+                        optional_inputs=("advantages",), doc=doc)(make_advantage_op(spec))
             continue
         register_op(
             f"advantage.{name}",
             inputs=("rewards", "group_id", "response_mask")
             + (_CRITIC_INPUTS if spec.needs_values else ()),
             optional_inputs=() if spec.needs_values else _CRITIC_INPUTS,
-            outputs=("advantages", "returns") if spec.produces_returns else ("advantages",),
             doc=doc)(make_advantage_op(spec))
 
 

@@ -10,7 +10,7 @@ stages in the plan (``flowrl plan``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from flowrl.errors import RunStopped
 from flowrl.ops.fields import PROMPT, RESPONSE
@@ -23,6 +23,23 @@ if TYPE_CHECKING:
 
 # (B, ...) batch fields dynamic sampling carries through; any may be left unbound (output None)
 CARRIED = PROMPT + RESPONSE + ("rollout_logprobs", "truncated")
+
+
+class KeptRows(TypedDict):
+    """``filter.dynamic_sampling``: its inputs restricted to the rows of the kept groups, order
+    preserved, B' <= B rows: ``rewards`` (B',) float32, ``group_id`` (B',) int64, and the carried
+    fields of ``CARRIED`` (``prompt_ids`` / ``prompt_mask`` (B', P) int64 / bool,
+    ``response_ids`` / ``response_mask`` (B', R) int64 / bool, ``rollout_logprobs`` (B', R)
+    float32, ``truncated`` (B',) bool), each None when its input is unbound."""
+
+    rewards: Tensor
+    group_id: Tensor
+    prompt_ids: Tensor | None
+    prompt_mask: Tensor | None
+    response_ids: Tensor | None
+    response_mask: Tensor | None
+    rollout_logprobs: Tensor | None
+    truncated: Tensor | None
 
 
 @dataclass
@@ -82,11 +99,10 @@ def informative_groups(scores: Tensor, group_id: Tensor, min_std: float = 0.0) -
 
 
 @register_op("filter.dynamic_sampling", inputs=("rewards", "group_id"),
-             optional_inputs=("filter_by",) + CARRIED, outputs=("rewards", "group_id") + CARRIED,
-             config=DynamicSamplingConfig)
+             optional_inputs=("filter_by",) + CARRIED, config=DynamicSamplingConfig)
 def dynamic_sampling(ctx: StageContext, cfg: DynamicSamplingConfig, *, rewards: Tensor,
                      group_id: Tensor, filter_by: Tensor | None = None,
-                     **carried: Tensor | None) -> dict[str, Tensor | None]:
+                     **carried: Tensor | None) -> KeptRows:
     """Keep the rows of groups with reward variance.
 
     The kept groups are the informative ones (see :func:`informative_groups`).
@@ -94,7 +110,8 @@ def dynamic_sampling(ctx: StageContext, cfg: DynamicSamplingConfig, *, rewards: 
     Inputs: rewards (B,) float32 (passed through); filter_by (B,) optional criterion (DAPO filters
     on accuracy, i.e. the rule reward, while training on the shaped reward; default rewards);
     group_id (B,) int64; the carried batch fields of ``CARRIED``.
-    Outputs: the same fields restricted to kept rows, order preserved (None for unbound ones).
+    Outputs (:class:`KeptRows`): the same fields restricted to kept rows, order preserved (None
+    for unbound ones).
     Logged (counts of this attempt; summed over refill attempts): ``filter/kept_groups``,
     ``filter/filtered_groups``, ``filter/zero_std_groups``, ``filter/too_few_valid_groups``.
 
@@ -112,8 +129,12 @@ def dynamic_sampling(ctx: StageContext, cfg: DynamicSamplingConfig, *, rewards: 
         raise RunStopped(f"stage '{ctx.stage}': dynamic sampling dropped all {filtered} groups "
                          "(zero reward variance) and refill is off; set params.refill: true of "
                          f"stage '{ctx.stage}' in the graph file, or raise algorithm.n")
-    out: dict[str, Tensor | None] = {"rewards": rewards[keep], "group_id": group_id[keep]}
-    for name in CARRIED:
+
+    def kept(name: str) -> Tensor | None:
         v = carried.get(name)
-        out[name] = None if v is None else v[keep]
-    return out
+        return None if v is None else v[keep]
+
+    return {"rewards": rewards[keep], "group_id": group_id[keep],
+            "prompt_ids": kept("prompt_ids"), "prompt_mask": kept("prompt_mask"),
+            "response_ids": kept("response_ids"), "response_mask": kept("response_mask"),
+            "rollout_logprobs": kept("rollout_logprobs"), "truncated": kept("truncated")}

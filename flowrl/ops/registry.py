@@ -10,9 +10,10 @@ An op is a plain function ``fn(ctx, cfg, *, <inputs>) -> <outputs>``; its return
 ``TypedDict`` (``ops/fields.py`` has the shared ones: ``Rewards``, ``Rollout``, ...), is its
 output contract: ``register_op`` takes the op's ``outputs`` from its keys (or, where both are
 given, refuses a declaration that disagrees with it), so the names a graph wires and the keys
-mypy checks in the function's ``return`` are one list. An op whose outputs depend on how it is
-registered (one per advantage estimator, the filter's carried fields) returns a plain
-``dict[str, ...]`` and declares ``outputs=``; the executor checks the keys of every call.
+mypy checks in the function's ``return`` are one list (every built-in op has one; an op made
+per registration, such as one per advantage estimator, picks its function's return type when it
+is made). An op of your own may still return a plain ``dict[str, ...]`` and declare
+``outputs=``; the executor checks the keys of every call.
 """
 from __future__ import annotations
 

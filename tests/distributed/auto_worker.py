@@ -4,7 +4,7 @@ colocated checkpoint -> partitioned resume. Usage: torchrun --nproc_per_node=2 a
 import sys
 
 import flowrl.runtime.control.auto as auto
-from flowrl.cli import compose
+from flowrl.config import compose
 from flowrl.runtime.io.distributed import teardown
 from flowrl.train import train
 

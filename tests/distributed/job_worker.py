@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import flowrl.runtime.control.auto as auto
-from flowrl.cli import compose
+from flowrl.config import compose
 from flowrl.runtime.io.checkpoint import CheckpointManager
 from flowrl.runtime.io.distributed import teardown
 from flowrl.train import train

@@ -1,12 +1,11 @@
 """Single-process behaviour of the distributed helpers, the launcher argv and metric rules."""
-import sys
 
 import pytest
 import torch
 
 from flowrl.config import LauncherConfig
-from flowrl.launch import torchrun_argv
 from flowrl.ops import collectives as coll
+from flowrl.runtime.control.supervise import torchrun_args
 from flowrl.runtime.io import distributed as fdist
 
 
@@ -37,12 +36,11 @@ def test_metric_rules():
 
 
 def test_launcher_argv_and_validation():
-    single = torchrun_argv(LauncherConfig(nproc=2), ["model=tiny"])
-    assert single == [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                      "--standalone", "-m", "flowrl.train", "model=tiny"]
-    multi = torchrun_argv(LauncherConfig(nproc=4, nnodes=2, rdzv_endpoint="h0:29400",
+    single = torchrun_args(LauncherConfig(nproc=2), ["model=tiny"])
+    assert single == ["--nproc_per_node=2", "--standalone", "-m", "flowrl.train", "model=tiny"]
+    multi = torchrun_args(LauncherConfig(nproc=4, nnodes=2, rdzv_endpoint="h0:29400",
                                          rdzv_id="j1", max_restarts=1), [])
-    assert multi[3:] == ["--nproc_per_node=4", "--nnodes=2", "--rdzv_backend=c10d",
+    assert multi == ["--nproc_per_node=4", "--nnodes=2", "--rdzv_backend=c10d",
                          "--rdzv_endpoint=h0:29400", "--rdzv_id=j1", "--max_restarts=1",
                          "-m", "flowrl.train"]
     assert not LauncherConfig().distributed

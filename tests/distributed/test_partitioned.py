@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.cli import compose
+from flowrl.config import compose
 from flowrl.runtime.io.metrics import read_metrics
 from flowrl.train import train
 

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.cli import compose
+from flowrl.config import compose
 from flowrl.runtime.control.partitioned import check_partitioned, pool_peers, split_batch
-from flowrl.train import prepare, prepare_placement, train
+from flowrl.runtime.control.preflight import prepare_placement
+from flowrl.train import prepare, train
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_partitioned import ARGS, ENV, REPO, actor_weights, metrics  # noqa: E402

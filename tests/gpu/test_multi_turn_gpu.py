@@ -44,7 +44,7 @@ def forced_graph(tmp: Path) -> Path:
 
 
 def run(tmp: Path, *extra: str) -> dict[int, dict]:
-    from flowrl.cli import compose
+    from flowrl.config import compose
     from flowrl.runtime.io.distributed import teardown
     from flowrl.runtime.io.metrics import read_metrics
     from flowrl.train import train

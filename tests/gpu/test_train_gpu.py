@@ -76,7 +76,7 @@ def varied_rewards(monkeypatch):
 def run_train(out: Path, *extra: str) -> dict[int, dict]:
     """``flowrl train`` in this process (the stand-in reward is patched in), then the process group
     and engines are torn down as ``flowrl train``'s main does."""
-    from flowrl.cli import compose
+    from flowrl.config import compose
     from flowrl.runtime.io.distributed import teardown
     from flowrl.train import train
 
@@ -121,7 +121,7 @@ def test_every_graph_hf(tmp_path, varied_rewards, graph):
 def test_vision_language_grpo_hf(tmp_path, varied_rewards):
     """model=tiny_vl on the visual task: images through HF rollout, logprobs and the FSDP update
     on the GPU (rollout=auto resolves to hf for image prompts)."""
-    from flowrl.cli import compose
+    from flowrl.config import compose
     from flowrl.runtime.io.distributed import teardown
     from flowrl.train import train
 

@@ -148,7 +148,7 @@ def test_flowrl_train_vision_language_grpo_on_vllm(tmp_path, varied_rewards):  #
     """``flowrl train model=tiny_vl data=visual graph=grpo_vl rollout=vllm trainer=smoke``: two
     steps in an engine process, the step-2 rollout from synced weights, mismatch under the bf16
     bounds (the in-process engine with images: the test above)."""
-    from flowrl.cli import compose
+    from flowrl.config import compose
     from flowrl.runtime.io.distributed import teardown
     from flowrl.runtime.io.metrics import read_metrics
     from flowrl.train import train

@@ -4,7 +4,7 @@ fixed test split; `trainer=gsm8k` switches to GSM8K with one override."""
 import json
 from pathlib import Path
 
-from flowrl.cli import compose
+from flowrl.config import compose
 from flowrl.data import load_arith
 from flowrl.train import train
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from flowrl.cli import compose
+from flowrl.config import compose
 from flowrl.runtime.io.metrics import read_metrics
 from flowrl.train import train
 

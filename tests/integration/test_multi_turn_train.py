@@ -4,7 +4,7 @@ answers every turn (ForcedTurns) and a stop set that ends turns early: real mult
 through logprobs and the update, and the rollout-vs-trainer mismatch stays at fp32 noise."""
 from pathlib import Path
 
-from flowrl.cli import compose
+from flowrl.config import compose
 from flowrl.envs.base import StepResult
 from flowrl.runtime.io.metrics import read_metrics
 from flowrl.train import train

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.cli import compose
+from flowrl.config import compose
 from flowrl.train import prepare, train
 
 BASE = ["model=tiny", "trainer=smoke", "data.limit=64", "logger.progress=false",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.cli import compose
+from flowrl.config import compose
 from flowrl.train import train
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.cli import compose
+from flowrl.config import compose
 from flowrl.runtime.io.metrics import read_metrics
 from flowrl.train import ConfigError, train
 

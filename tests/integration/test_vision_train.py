@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.cli import compose
+from flowrl.config import compose
 from flowrl.data import DataConfig, PromptSource
 from flowrl.data.images import ImageEncoder
 from flowrl.data.visual import VisualConfig

@@ -80,8 +80,7 @@ def test_data_name_arith_loads_the_task_with_its_instruction():
 
 
 def test_data_option_selects_the_task_on_the_command_line(tmp_path):
-    from flowrl.cli import compose
-    from flowrl.config import to_train_config
+    from flowrl.config import compose, to_train_config
 
     cfg = to_train_config(compose(["trainer.output_dir=/tmp/x"]))
     assert (cfg.data.name, cfg.data.arith.num_operands) == ("arith", ArithConfig().num_operands)

@@ -136,7 +136,7 @@ def test_a_real_index_needs_only_the_allow_list(tmp_path):
 
 
 def test_resume_refuses_a_tampered_index_before_anything_is_written(tmp_path):
-    from flowrl.cli import compose
+    from flowrl.config import compose
     from flowrl.train import ConfigError, train
 
     saved(tmp_path / "checkpoints", 1)
@@ -154,8 +154,7 @@ def test_resume_refuses_a_tampered_index_before_anything_is_written(tmp_path):
 
 
 def test_export_refuses_a_tampered_index_without_connecting_or_writing(tmp_path):
-    from flowrl.cli import compose
-    from flowrl.config import to_train_config
+    from flowrl.config import compose, to_train_config
 
     model = dataclasses.asdict(to_train_config(compose(["model=tiny",
                                                         f"trainer.output_dir={tmp_path}"])).model)

@@ -149,8 +149,7 @@ def test_stage_metrics_are_read_once_as_floats():
 # ----------------------------------------------------------------------------- machine defaults
 
 def _cfg(*overrides):
-    from flowrl.cli import compose
-    from flowrl.config import to_train_config
+    from flowrl.config import compose, to_train_config
 
     return to_train_config(compose(["model=tiny", "trainer.output_dir=/tmp/unused", *overrides]))
 
@@ -223,7 +222,7 @@ def test_machine_problems_name_what_cannot_run():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 def test_train_refuses_cuda_without_a_device(tmp_path):
-    from flowrl.cli import compose
+    from flowrl.config import compose
     from flowrl.train import ConfigError, train
 
     # ...but a run refuses it before anything loads, and writes no run directory content

@@ -13,7 +13,8 @@ import torch
 
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, reverse_kl_advantages
 from flowrl.algorithms.config import AlgorithmConfig
-from flowrl.cli import compose, main
+from flowrl.cli import main
+from flowrl.config import compose
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import NoConfig, get_op, load_builtin_ops
 from flowrl.runtime.control.preflight import ConfigError
@@ -153,7 +154,8 @@ def test_grpo_distill_adds_the_task_advantage(no_model):
 
 
 def test_partitioned_teacher_lives_in_its_pool(no_model):
-    from flowrl.train import prepare, prepare_placement
+    from flowrl.runtime.control.preflight import prepare_placement
+    from flowrl.train import prepare
 
     base = ("model=tiny", "graph=distill", "teacher=tiny", "launcher.nproc=2", "placement=partitioned")
     spec = prepare(cfg_for(*base))

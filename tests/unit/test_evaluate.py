@@ -93,7 +93,7 @@ def test_eval_config_limit_null_means_all():
 
 
 def test_gpu_recipe_evaluates_the_whole_split():
-    from flowrl.cli import compose
+    from flowrl.config import compose
 
     cfg = to_train_config(compose(["trainer=gsm8k_gpu", "rollout=vllm", "trainer.output_dir=/tmp/x"]))
     assert cfg.trainer.eval.limit is None and cfg.trainer.eval.before and cfg.trainer.eval.after

@@ -9,7 +9,8 @@ import torch
 
 from flowrl.algorithms.advantages import ADVANTAGE_ESTIMATORS, grpo_advantages
 from flowrl.algorithms.config import AlgorithmConfig
-from flowrl.cli import compose, main
+from flowrl.cli import main
+from flowrl.config import compose
 from flowrl.graph import Graph, UnusedOutputWarning, validate_graph
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import OPS, NoConfig, get_op, load_builtin_ops

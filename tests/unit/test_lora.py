@@ -8,8 +8,8 @@ import pytest
 import torch
 from test_engines import PROMPT_MASK, PROMPTS, _train_batch, tiny_llama, token_mean_loss
 
-from flowrl.cli import compose
 from flowrl.compiler.render import format_plan
+from flowrl.config import compose
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.config import HFRolloutConfig, TrainEngineConfig
 from flowrl.engines.rollout.hf import HFRolloutEngine

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flowrl.cli import compose
-from flowrl.config import to_train_config
+from flowrl.config import compose, to_train_config
 from flowrl.graph import Graph, GraphError
 
 STAGE = {"name": "sample", "op": "data.sample"}

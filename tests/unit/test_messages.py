@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.cli import compose
+from flowrl.config import compose
 from flowrl.train import ConfigError, prepare
 
 REPO = Path(__file__).resolve().parents[2]

@@ -420,7 +420,7 @@ def test_config_errors_name_the_field():
 
 
 def _compose(*overrides):
-    from flowrl.cli import compose
+    from flowrl.config import compose
 
     return compose([*overrides, "trainer.output_dir=/tmp/flowrl-plan-only"])
 

@@ -3,14 +3,15 @@ batch concatenation across rollout ranks, per-pool metric names."""
 import pytest
 import torch
 
-from flowrl.cli import compose
+from flowrl.config import compose
 from flowrl.runtime.control.partitioned import (
     check_partitioned,
     concat_batches,
     merge_rank_metrics,
     pool_metrics,
 )
-from flowrl.train import ConfigError, prepare, prepare_placement
+from flowrl.runtime.control.preflight import prepare_placement
+from flowrl.train import ConfigError, prepare
 
 BASE = ["model=tiny", "trainer=smoke", "trainer.output_dir=/tmp/unused", "placement=partitioned"]
 

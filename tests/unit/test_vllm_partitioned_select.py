@@ -5,14 +5,14 @@ replaced by recorders."""
 import pytest
 import torch
 
-from flowrl.cli import compose
-from flowrl.config import to_train_config
+from flowrl.config import compose, to_train_config
 from flowrl.engines import rollout as rollout_pkg
 from flowrl.engines.rollout import build_rollout_engine, vllm_proc
 from flowrl.engines.rollout import hf as hf_mod
 from flowrl.engines.rollout import vllm as vllm_mod
+from flowrl.runtime.control.preflight import prepare_placement
 from flowrl.runtime.step.resources import build_engines
-from flowrl.train import prepare, prepare_placement
+from flowrl.train import prepare
 
 PARTITIONED_VLLM = ["rollout=vllm", "placement=partitioned", "launcher.nproc=2", "model=tiny",
                     "trainer=smoke", "model.tiny.num_attention_heads=2",

@@ -6,7 +6,7 @@ import pytest
 import torch
 from vllm_helpers import PROMPTS, TINY_VLLM, TOL, max_mismatch, trainer_logprobs
 
-from flowrl.cli import compose
+from flowrl.config import compose
 from flowrl.data.chat import apply_chat_template_with_tools
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.rollout.vllm import VLLMRolloutEngine

@@ -12,8 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flowrl.cli import compose
-from flowrl.config import to_train_config
+from flowrl.config import compose, to_train_config
 from flowrl.models.loading import load_model
 from flowrl.runtime.io.metrics import read_metrics
 

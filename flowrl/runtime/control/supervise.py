@@ -3,6 +3,15 @@
 ends with the lines that matter instead of a peer's ``Connection reset by peer``: which rank died
 or went silent (rank, pid, host, exit signal, last step) and the command that continues the run.
 
+    flowrl train launcher.nproc=2 model=tiny trainer=smoke
+      == torchrun --standalone --nproc_per_node=2 -m flowrl.train launcher.nproc=2 model=tiny \
+             trainer=smoke
+
+Multi-node: the same command on every node (``launcher.nnodes``, ``launcher.rdzv_endpoint``,
+``launcher.rdzv_id``: torchrun's c10d rendezvous pairs them up; on Slurm ``sbatch
+scripts/slurm.sbatch``), with a ``trainer.output_dir`` every node sees (DCP checkpoints are
+written by all ranks into one folder).
+
 The ranks talk to it through files in a private folder (``FLOWRL_SUPERVISOR_DIR`` in their
 environment; nothing is written without it, e.g. under a plain ``torchrun``):
 
@@ -23,9 +32,12 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from flowrl.runtime.io.supervisor_dir import ENV
+
+if TYPE_CHECKING:
+    from flowrl.config import LauncherConfig
 
 
 @dataclass
@@ -134,10 +146,27 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def supervise(torchrun_args: list[str], overrides: list[str]) -> int:
-    """Run ``torchrun <torchrun_args>`` (its argv without the program) in this process; returns
-    the exit status (0, or 1 with the ``flowrl train: stopped: ...`` line and the resume
-    command on stderr once the group failed)."""
+def torchrun_args(cfg: "LauncherConfig", overrides: list[str]) -> list[str]:
+    """torchrun's arguments (its argv without the program) that run ``python -m flowrl.train
+    <overrides>`` on ``cfg``'s processes: ``--standalone`` on one node (a free local port),
+    else the c10d rendezvous of ``cfg``."""
+    args = [f"--nproc_per_node={cfg.nproc}"]
+    if cfg.nnodes == 1:
+        args.append("--standalone")
+    else:
+        args += [f"--nnodes={cfg.nnodes}", f"--rdzv_backend={cfg.rdzv_backend}",
+                 f"--rdzv_endpoint={cfg.rdzv_endpoint}", f"--rdzv_id={cfg.rdzv_id}"]
+        if cfg.node_rank is not None:
+            args.append(f"--node_rank={cfg.node_rank}")
+    if cfg.max_restarts:
+        args.append(f"--max_restarts={cfg.max_restarts}")
+    return args + ["-m", "flowrl.train", *overrides]
+
+
+def supervise(args: list[str], overrides: list[str]) -> int:
+    """Run ``torchrun <args>`` (its argv without the program: :func:`torchrun_args`) in this
+    process; returns the exit status (0, or 1 with the ``flowrl train: stopped: ...`` line and
+    the resume command on stderr once the group failed)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -149,7 +178,7 @@ def supervise(torchrun_args: list[str], overrides: list[str]) -> int:
         watcher = _Watcher(folder)
         watcher.start()
         try:
-            run(parse_args(torchrun_args))
+            run(parse_args(args))
             return 0
         except ChildFailedError as e:
             failures = {int(r): Failure(int(r), int(f.pid), int(f.exitcode))

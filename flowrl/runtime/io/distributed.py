@@ -6,7 +6,7 @@ returns its input unchanged, so single-process code never branches on "distribut
 Launch (one node, N processes)::
 
     torchrun --nproc_per_node=N -m flowrl.train model=tiny trainer=smoke
-    flowrl train launcher.nproc=N model=tiny trainer=smoke        # the same, via flowrl.launch
+    flowrl train launcher.nproc=N model=tiny trainer=smoke        # the same (runtime/control/supervise.py)
 
 Multi-node: the same command on every node with torchrun's c10d rendezvous
 (``--nnodes=2 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 --rdzv_id=JOB``; ``launcher.nnodes``,
