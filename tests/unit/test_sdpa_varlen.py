@@ -22,7 +22,12 @@ from flowrl.algorithms.packing import pack
 from flowrl.engines.config import TrainEngineConfig
 from flowrl.engines.train.local import LocalTrainEngine, _resolve_padding_free
 from flowrl.models import attention
-from flowrl.models.attention import SDPA_VARLEN, Documents, packed_attention, varlen_causal_attention
+from flowrl.models.attention import (
+    SDPA_VARLEN,
+    Documents,
+    packed_attention,
+    varlen_causal_attention,
+)
 from flowrl.models.loading import ModelConfig, build_tiny, tiny_model_config
 
 TOL = dict(atol=1e-5, rtol=1e-5)
