@@ -74,8 +74,17 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-def test_bf16_packed_varlen_logprobs_match_padded(kernel_calls):
-    torch.backends.cuda.matmul.allow_tf32 = False
+@pytest.fixture
+def no_tf32():
+    """An fp32 reference in fp32 (TF32 matmuls off), restored after the test."""
+    matmul = torch.backends.cuda.matmul
+    old = getattr(matmul, "allow_tf32", False)
+    matmul.allow_tf32 = False
+    yield
+    matmul.allow_tf32 = old
+
+
+def test_bf16_packed_varlen_logprobs_match_padded(kernel_calls, no_tf32):
     ref_model = _model("sdpa_varlen")
     b = _batch()
     mask = b["response_mask"].cuda()
