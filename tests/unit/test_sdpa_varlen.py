@@ -145,8 +145,10 @@ def test_pack_builds_cu_seqlens_on_the_host():
     assert pk.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1]]
 
 
-def test_outside_packing_sdpa_varlen_is_sdpa(reference_kernel):
+def test_outside_packing_sdpa_varlen_is_sdpa(monkeypatch):
     """Padded forwards and generate run SDPA unchanged (bit for bit), the kernel never."""
+    CALLS.clear()
+    monkeypatch.setattr(attention, "_varlen_kernel", lambda device: varlen_211)
     sdpa, mine = _tiny("sdpa"), _tiny()
     assert mine.config._attn_implementation == SDPA_VARLEN
     b = _batch(512)
