@@ -153,7 +153,8 @@ def resolve_machine_defaults(cfg, *, cuda: bool | None = None, vllm: bool | None
             why = ("CPU" if not on_gpu else "flash-attn not installed; " + (
                 "fp32 compute (varlen_attn takes bf16/fp16)" if not half else
                 "prompts with images" if images else
-                "no torch varlen_attn or an sm80+ GPU"))
+                "no torch varlen_attn or an sm80+ GPU" if cuda else
+                "no CUDA device here to check for varlen_attn"))
         out.append(Resolved("model.attn_implementation", m.attn_implementation, why))
     return out
 
