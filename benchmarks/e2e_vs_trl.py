@@ -309,7 +309,7 @@ def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, 
         ("device", f"trainer.device={tc.trainer.device}", f"use_cpu={kw['use_cpu']}"),
         ("attention", f"model.attn_implementation={tc.model.attn_implementation}, "
          f"trainer.engine.padding_free={e.padding_free} (packed micro-batches: on CUDA with "
-         "flash_attention_*, flex_attention or sdpa_flex)",
+         "flash_attention_*, flex_attention, sdpa_flex or sdpa_varlen)",
          "the same loaded model, padded batches (padding_free=False, TRL's default)"),
         ("rollout", rollout, trl_rollout),
         ("batch", f"prompts_per_step={tc.trainer.prompts_per_step} × n={a.n}",

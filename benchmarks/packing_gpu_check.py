@@ -1,4 +1,4 @@
-"""Packed micro-batches under ``sdpa_flex`` on one GPU: equal to padded, and how much faster.
+"""Packed micro-batches under ``sdpa_varlen`` / ``sdpa_flex`` on one GPU: equal to padded, and how much faster.
 
 Run (one H200, about 2-3 minutes, most of it flex_attention's first compile):
     python benchmarks/packing_gpu_check.py --out benchmarks/results/packing_h200.md
@@ -7,12 +7,16 @@ Run (one H200, about 2-3 minutes, most of it flex_attention's first compile):
    engine's packed layout (``padding_free=true``: flex_attention over a BlockMask on CUDA) against
    the padded one (SDPA with a padding mask): max |Δ| of per-token logprobs and of every gradient
    (pass: ≤ 1e-4; the CPU tests hold 1e-5 for the dense-mask path, tests/unit/test_sdpa_flex.py).
+   ``sdpa_varlen`` (torch's ``varlen_attn``: FlashAttention, bf16 only) in bf16: the packed layout's
+   and the padded SDPA layout's max |Δ logprob| from an fp32 padded reference of the same weights
+   (pass: packed ≤ 2 × padded + 1e-2), and the cosine of their gradients (pass: ≥ 0.99).
 2. Speed (bf16 weights, the e2e benchmark's Qwen2.5-0.5B shape): one update-sized micro-batch of
    50 sequences, ragged prompts of 60-200 tokens and responses of 128-256 (~16k valid tokens, about the
    GPU default ``max_tokens_per_micro_batch``), forward + backward of the token-mean logprob
    loss, four layouts: padded SDPA (what every GPU number so far ran), packed with SDPA's dense
-   (T, T) mask (``attn=sdpa``, ``padding_free=true``), packed ``sdpa_flex`` (the new GPU
-   default), and that with ``trainer.engine.logprob_compile=true`` (the chunked LM-head logprobs
+   (T, T) mask (``attn=sdpa``, ``padding_free=true``), packed ``sdpa_varlen`` (torch's
+   ``varlen_attn``, the GPU default: nothing compiled), packed ``sdpa_flex`` (flex_attention), and
+   that with ``trainer.engine.logprob_compile=true`` (the chunked LM-head logprobs
    compiled; off by default until it measures faster). Median of 5 timed
    iterations after 2 warm-ups; the first call's seconds (compile) reported apart; MFU against
    989 TFLOP/s with the e2e benchmark's FLOP count (valid tokens only); the stream syncs the host
@@ -98,6 +102,31 @@ def equivalence() -> list[list]:
     return rows
 
 
+def varlen_equivalence() -> list[list]:
+    """bf16 packed sdpa_varlen and bf16 padded SDPA against an fp32 padded reference."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = []
+    for kind in ("llama", "qwen2"):
+        model = _tiny(kind, "sdpa_varlen", torch.float32, vocab_size=1024, num_attention_heads=4,
+                      num_key_value_heads=2)
+        b = _batch(6, (2, 9), (1, 12), 1024, seed=1)
+        m = b["response_mask"].to(DEVICE)
+        ref = _loss_backward(_engine(copy.deepcopy(model), "false"), b).detach()
+        out = {}
+        for pf in ("false", "true"):
+            eng = _engine(copy.deepcopy(model).to(torch.bfloat16), pf)
+            lp = _loss_backward(eng, b).detach().float()
+            g = torch.cat([p.grad.float().flatten() for p in eng.model.parameters()])
+            out[pf] = ((lp - ref)[m].abs().max().item(), g)
+        (e_pad, g_pad), (e_pk, g_pk) = out["false"], out["true"]
+        cos = torch.nn.functional.cosine_similarity(g_pk, g_pad, dim=0).item()
+        ok = e_pk <= 2 * e_pad + 1e-2 and cos >= 0.99
+        rows.append([kind, f"{e_pad:.2e}", f"{e_pk:.2e}", f"{cos:.5f}", "pass" if ok else "FAIL"])
+    return rows
+
+
 QWEN05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                intermediate_size=4864, tie_word_embeddings=True, vocab_size=49152)
 
@@ -115,6 +144,7 @@ def speed(iters: int = 5) -> list[list]:
     for label, attn, pf, comp in (
             ("padded, SDPA", "sdpa", "false", False),
             ("packed, SDPA dense mask", "sdpa", "true", False),
+            ("packed, sdpa_varlen (varlen_attn)", "sdpa_varlen", "true", False),
             ("packed, sdpa_flex (flex_attention)", "sdpa_flex", "true", False),
             ("packed, sdpa_flex + logprob_compile", "sdpa_flex", "true", True)):
         model = _tiny("qwen2", attn, torch.bfloat16, **shape)
@@ -174,6 +204,10 @@ def main() -> int:
     eq_head = ["model", "max |Δ logprob|", "max |Δ grad|", "≤ 1e-4"]
     eq = equivalence()
     print(text_table(eq_head, eq), flush=True)
+    vq_head = ["model", "padded bf16: max |Δ logprob| vs fp32", "packed sdpa_varlen bf16: same",
+               "gradient cosine", "pass"]
+    vq = varlen_equivalence()
+    print(text_table(vq_head, vq), flush=True)
     sp_head = ["layout", "first call s", "median ms (fwd+bwd)", "valid tokens/s", "MFU", "peak GiB",
                "host syncs in the micro-batch"]
     sp = speed(args.iters)
@@ -181,15 +215,17 @@ def main() -> int:
     if args.out:
         v = versions(["torch", "transformers", "triton"])
         args.out.write_text("\n".join([
-            "# Packed micro-batches under sdpa_flex on one GPU", "",
+            "# Packed micro-batches under sdpa_varlen / sdpa_flex on one GPU", "",
             "Produced by `benchmarks/packing_gpu_check.py` (see its docstring).", "",
             f"- command: `{command_line()}`", f"- date: {utc_now()}; flowrl commit {git_revision()}",
             f"- device: {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}; " + ", ".join(f"{k} {x}" for k, x in v.items()),
             "", "## Packed = padded (fp32, TF32 off)", "", markdown_table(eq_head, eq), "",
+            "## sdpa_varlen (bf16) against an fp32 padded reference", "",
+            markdown_table(vq_head, vq), "",
             "## One 16k-token micro-batch, Qwen2.5-0.5B shape, bf16" if DEVICE == "cuda" else
             "## Smoke run: 4 rows, a 2-layer shape, bf16 on CPU", "", markdown_table(sp_head, sp), ""]))
         print(f"wrote {args.out}")
-    return 0 if all(r[-1] == "pass" for r in eq) else 1
+    return 0 if all(r[-1] == "pass" for r in eq + vq) else 1
 
 
 if __name__ == "__main__":

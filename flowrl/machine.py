@@ -18,8 +18,11 @@ setting (``auto``)                    CUDA visible                          / CP
                                                                             / ``hf``
 ``rollout.hf.dtype``, ``.vllm.dtype`` ``bfloat16`` (the trainer's compute dtype) / the model's
 ``model.attn_implementation``         ``flash_attention_2`` when ``flash_attn`` imports, else
-                                      ``sdpa`` (``sdpa_flex``, packed micro-batches under flex_attention, is opt-in:
-                                      ``flowrl/models/attention.py``)       / ``sdpa``
+                                      ``sdpa_varlen`` (SDPA; packed micro-batches under torch's
+                                      varlen_attn, nothing compiled: ``flowrl/models/attention.py``)
+                                      when torch has varlen_attn, the GPU is sm80+, compute is
+                                      bf16/fp16 and the prompts have no images, else ``sdpa``
+                                                                            / ``sdpa``
 ``trainer.engine.max_tokens_per_      16384 valid tokens per micro-batch (token-budget bins)
 micro_batch`` (null)                                                        / null (rows)
 ====================================  ===========================================================
@@ -64,12 +67,22 @@ def flash_attn_importable() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+def varlen_attn_usable() -> bool:
+    """torch's variable-length FlashAttention (``torch.nn.attention.varlen.varlen_attn``) runs on
+    this machine's CUDA device: torch has it and the GPU is sm80+ (imports torch)."""
+    from flowrl.models.attention import varlen_attn_supported
+
+    return varlen_attn_supported()
+
+
 def resolve_machine_defaults(cfg, *, cuda: bool | None = None, vllm: bool | None = None,
-                             flash_attn: bool | None = None) -> list[Resolved]:
+                             flash_attn: bool | None = None,
+                             varlen: bool | None = None) -> list[Resolved]:
     """Replace every ``auto`` of ``cfg`` (a ``flowrl.config.TrainConfig``) by its value on this
     machine, in place; returns what was resolved and why (explicit settings are left alone).
 
-    ``cuda`` / ``vllm`` / ``flash_attn`` override what is detected (tests; None = detect).
+    ``cuda`` / ``vllm`` / ``flash_attn`` / ``varlen`` (:func:`varlen_attn_usable`, asked only with
+    a CUDA device visible) override what is detected (tests; None = detect).
 
     An explicit ``trainer.device=cuda`` resolves as a GPU run even without a visible device (so a
     GPU job can be planned anywhere); ``flowrl train`` refuses to start it.
@@ -121,19 +134,34 @@ def resolve_machine_defaults(cfg, *, cuda: bool | None = None, vllm: bool | None
             if name.split(".")[1] == r.backend:
                 out.append(Resolved(name, compute, "the trainer's compute dtype"))
     if m.attn_implementation == "auto":
-        # not sdpa_flex (packed micro-batches under flex_attention) by default: on the H200 its
-        # first compile made step 1 of the default job take 50-70 s (benchmarks/results/
-        # first_step_h200.md); opt in with model.attn_implementation=sdpa_flex for long jobs
-        m.attn_implementation = "flash_attention_2" if on_gpu and flash_attn else "sdpa"
-        out.append(Resolved("model.attn_implementation", m.attn_implementation,
-                            "flash-attn installed" if m.attn_implementation != "sdpa" else
-                            ("flash-attn not installed (sdpa_flex packs micro-batches: opt in)"
-                             if on_gpu else "CPU")))
+        # sdpa_varlen packs micro-batches (padding_free=auto) with nothing to compile; not
+        # sdpa_flex: on the H200 its first compile made step 1 of the default job take 50-70 s
+        # (benchmarks/results/first_step_h200.md). varlen_attn is FlashAttention: bf16/fp16 only;
+        # a vision-language model's micro-batches run padded anyway (engines/train/local.py)
+        # the train engine's compute dtype: bf16/fp16 weights, or fp32 ones under FSDP's bf16
+        # mixed precision (a local engine computes in its weights' dtype)
+        half = m.dtype in ("bfloat16", "float16") or (bf16 and e.strategy == "fsdp")
+        images = cfg.data.has_images
+        if on_gpu and not flash_attn and half and not images and varlen is None:
+            varlen = cuda and varlen_attn_usable()
+        if on_gpu and flash_attn:
+            m.attn_implementation, why = "flash_attention_2", "flash-attn installed"
+        elif on_gpu and half and not images and varlen:
+            m.attn_implementation, why = "sdpa_varlen", ("flash-attn not installed; torch's "
+                                                         "varlen_attn packs micro-batches")
+        else:
+            m.attn_implementation = "sdpa"
+            why = ("CPU" if not on_gpu else "flash-attn not installed; " + (
+                "fp32 compute (varlen_attn takes bf16/fp16)" if not half else
+                "prompts with images" if images else
+                "no torch varlen_attn or an sm80+ GPU" if cuda else
+                "no CUDA device here to check for varlen_attn"))
+        out.append(Resolved("model.attn_implementation", m.attn_implementation, why))
     return out
 
 
 def machine_problems(cfg, *, cuda: bool | None = None, vllm: bool | None = None,
-                     flash_attn: bool | None = None) -> list[str]:
+                     flash_attn: bool | None = None, varlen: bool | None = None) -> list[str]:
     """What a resolved ``cfg`` asks that this machine cannot run, one line each (empty: runnable).
     ``flowrl train`` refuses to start on any (before anything loads); ``flowrl plan`` prints them,
     since a GPU job may be planned from a laptop."""
@@ -151,6 +179,11 @@ def machine_problems(cfg, *, cuda: bool | None = None, vllm: bool | None = None,
     if attn == "flash_attention_2" and not (on_gpu and flash_attn):
         out.append("model.attn_implementation=flash_attention_2 needs CUDA and the flash-attn "
                    "package; use auto or sdpa")
+    if attn == "sdpa_varlen" and on_gpu and not (
+            (cuda and varlen_attn_usable()) if varlen is None else varlen):
+        out.append("model.attn_implementation=sdpa_varlen on CUDA needs torch's "
+                   "torch.nn.attention.varlen.varlen_attn (torch >= 2.10) and an sm80+ GPU; use "
+                   "auto, sdpa_flex or sdpa")
     if attn == "flex_attention" and not on_gpu:
         out.append("model.attn_implementation=flex_attention runs on CUDA only (on CPU its kernels "
                    "fail to compile); use auto or sdpa")

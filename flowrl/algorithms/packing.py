@@ -26,11 +26,17 @@ class PackedBatch:
         position_ids: (1, T) int64, 0.. per sequence.
         predictor_index: (N,) int64, N = valid response tokens, in row-major order of the response
             mask: the packed position whose output predicts each of them (the token before it).
+        cu_seqlens: (D+1,) int32, D = sequences with an attended token: 0, then the cumulative
+            sequence lengths (the document boundaries of a varlen attention kernel; the last
+            entry is T).
+        max_seqlen: the longest sequence's attended tokens (0 for an empty row).
     """
 
     input_ids: Tensor
     position_ids: Tensor
     predictor_index: Tensor
+    cu_seqlens: Tensor
+    max_seqlen: int
 
 
 def packable(prompt_mask: Tensor, response_mask: Tensor) -> bool:
@@ -56,7 +62,8 @@ def pack(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
          response_mask: Tensor) -> PackedBatch:
     """Pack the valid tokens of (B, P) left-padded prompts and (B, R) right-padded responses.
 
-    Requires :func:`packable`; tensors on one device, and the result is on it.
+    Requires :func:`packable`; tensors on one device, and the result is on it (on the host, as the
+    train engine calls it, nothing waits for a GPU: ``max_seqlen`` is read off a host tensor).
     """
     p_mask, r_mask = prompt_mask.bool(), response_mask.bool()
     attn = torch.cat([p_mask, response_attention_mask(r_mask)], dim=1)
@@ -66,7 +73,13 @@ def pack(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
     # attended position before it
     packed_idx = attn.flatten().long().cumsum(0).view_as(attn) - 1
     pred = packed_idx[:, p_mask.shape[1]:][r_mask] - 1
-    return PackedBatch(ids[attn].unsqueeze(0), pos[attn].unsqueeze(0), pred)
+    # rows are packed in order, each one contiguous run (packable): its length is its count; a
+    # row with no attended token is no document (position ids mark none either)
+    lengths = attn.sum(1)
+    lengths = lengths[lengths > 0]
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    longest = int(lengths.max()) if lengths.numel() else 0
+    return PackedBatch(ids[attn].unsqueeze(0), pos[attn].unsqueeze(0), pred, cu, longest)
 
 
 def unpack(values: Tensor, response_mask: Tensor) -> Tensor:

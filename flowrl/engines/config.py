@@ -103,7 +103,8 @@ class TrainEngineConfig:
             ids and document-masked attention (``algorithms/packing.py``), so no padding token is
             computed. ``auto`` = on for transformers models on CUDA whose attention implementation
             handles packed rows without a dense mask (``flash_attention_*``, ``flex_attention``,
-            ``sdpa_flex``, the GPU default without flash-attn;
+            ``sdpa_flex``, ``sdpa_varlen``: the GPU default without flash-attn, so packing is on
+            by default on an sm80+ GPU with bf16 compute, ``flowrl/machine.py``;
             under ``sdpa``/``eager`` transformers builds a dense (T, T) mask over the packed row
             and attention cost grows with the square of the micro-batch's tokens); ``true`` /
             ``false`` force it (``true`` needs a transformers model). A micro-batch whose rows are

@@ -1,4 +1,4 @@
-"""``sdpa_flex``: SDPA everywhere, document-masked ``flex_attention`` for packed micro-batches.
+"""``sdpa_varlen`` and ``sdpa_flex``: SDPA everywhere, a per-document kernel for packed micro-batches.
 
 Padding-free training packs a micro-batch's sequences back to back in one row
 (:mod:`flowrl.algorithms.packing`); attention must then stay inside each sequence. Under
@@ -22,29 +22,71 @@ packed row costs what its documents cost.
 On CUDA both the mask construction and the kernel are compiled (``torch.compile``: Triton). On
 CPU, where flex_attention has no backward, a packed forward takes SDPA's dense block-diagonal
 mask instead (same values; the CPU equivalence tests run both, flex without grad).
+
+``sdpa_varlen`` (the CUDA default when torch has it and the GPU is sm80+: ``flowrl/machine.py``)
+runs a packed row through PyTorch's own variable-length FlashAttention,
+``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10; Dao 2023, "FlashAttention-2"), with
+nothing to compile: its mask function returns a :class:`VarlenMask` holding the row's document
+boundaries (``cu_seqlens``, built on the host by :func:`flowrl.algorithms.packing.pack` and handed
+in through :func:`packed_attention`), and its attention function runs the kernel on it, causal
+inside each document. The torch releases differ (``is_causal`` in 2.10, ``window_size`` from 2.11,
+``enable_gqa`` later): :func:`varlen_causal_attention` reads the signature once and repeats the
+key/value heads itself where the kernel takes no grouped-query heads. On CPU (no varlen kernel) a
+packed forward takes SDPA's dense block-diagonal mask, as under ``sdpa_flex``.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator, Optional
+import functools
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+from torch import Tensor
 
 SDPA_FLEX = "sdpa_flex"
+SDPA_VARLEN = "sdpa_varlen"
 
-# "" outside a packed forward; inside: "flex", "dense" or "auto" (flex on CUDA, dense elsewhere)
-_PACKED: contextvars.ContextVar[str] = contextvars.ContextVar("flowrl_packed_attention", default="")
+
+@dataclass(frozen=True)
+class Documents:
+    """The document boundaries of a packed row (:class:`flowrl.algorithms.packing.PackedBatch`).
+
+    Attributes:
+        cu_seqlens: (N+1,) int32 on the model's device: 0, then the cumulative document lengths
+            (the last entry is the row's length T).
+        max_seqlen: the longest document, in tokens (a host int: the kernel takes it as one).
+    """
+
+    cu_seqlens: Tensor
+    max_seqlen: int
+
+
+@dataclass(frozen=True)
+class _Packed:
+    kernel: Optional[bool]  # True: the per-document kernel, False: SDPA's dense mask, None: on CUDA
+    documents: Optional[Documents]
+
+
+# None outside a packed forward
+_PACKED: contextvars.ContextVar[Optional[_Packed]] = contextvars.ContextVar(
+    "flowrl_packed_attention", default=None)
 _compiled: dict[str, Any] = {}
-_registered = False
+_registered: set[str] = set()
 
 
 @contextlib.contextmanager
-def packed_attention(flex: Optional[bool] = None) -> Iterator[None]:
-    """Inside: the forward of a packed row. A ``sdpa_flex`` model then masks per document with a
-    flex BlockMask when ``flex`` (None: on CUDA), else with SDPA's dense (T, T) block-diagonal
-    mask (on CPU: torch's flex_attention has no CPU backward)."""
-    token = _PACKED.set("auto" if flex is None else ("flex" if flex else "dense"))
+def packed_attention(kernel: Optional[bool] = None, *,
+                     documents: Optional[Documents] = None) -> Iterator[None]:
+    """Inside: the forward of a packed row. A ``sdpa_flex`` / ``sdpa_varlen`` model then attends
+    per document with its kernel (a flex BlockMask / ``varlen_attn`` over ``documents``) when
+    ``kernel`` (None: on CUDA), else with SDPA's dense (T, T) block-diagonal mask (on CPU: torch's
+    flex_attention has no CPU backward, varlen_attn no CPU kernel). ``sdpa_varlen``'s kernel needs
+    ``documents``; ``sdpa_flex`` reads the documents from the position ids instead."""
+    token = _PACKED.set(_Packed(kernel, documents))
     try:
         yield
     finally:
@@ -73,10 +115,10 @@ def sdpa_flex_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
 
     if mask_function is None:
         mask_function = mu.causal_mask_function
-    mode = _PACKED.get()
-    if mode == "auto":
-        mode = "flex" if torch.device(device).type == "cuda" else "dense"
-    if mode != "flex":  # outside a packed forward, or its dense SDPA mask
+    state = _PACKED.get()
+    flex = state is not None and (state.kernel if state.kernel is not None
+                                  else torch.device(device).type == "cuda")
+    if not flex:  # outside a packed forward, or its dense SDPA mask
         return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                             q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
                             attention_mask=attention_mask, device=device, **kwargs)
@@ -115,15 +157,181 @@ def sdpa_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     return out.transpose(1, 2).contiguous(), None
 
 
-def register_sdpa_flex() -> None:
-    """Register ``sdpa_flex`` with transformers (idempotent); call before a model is built with
-    ``attn_implementation="sdpa_flex"``."""
-    global _registered
-    if _registered:
+def varlen_attn_supported() -> bool:
+    """torch's ``varlen_attn`` can run here: ``torch.nn.attention.varlen`` has it (torch >= 2.10)
+    and the current CUDA device is sm80 or newer (FlashAttention-2's minimum)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return tuple(torch.cuda.get_device_capability()) >= (8, 0)
+
+
+def _varlen_kernel(device: torch.device) -> Optional[Callable[..., Any]]:
+    """torch's ``varlen_attn`` for tensors on ``device``; None off CUDA (it has no CPU kernel).
+
+    Raises:
+        RuntimeError: on CUDA, a torch without ``torch.nn.attention.varlen.varlen_attn``.
+    """
+    if device.type != "cuda":
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as e:
+        raise RuntimeError(
+            f"sdpa_varlen needs torch.nn.attention.varlen.varlen_attn (torch >= 2.10), torch "
+            f"{torch.__version__} has none: use model.attn_implementation=sdpa_flex or sdpa") from e
+    return varlen_attn
+
+
+@functools.lru_cache(maxsize=8)
+def _parameters(fn: Callable[..., Any]) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def varlen_causal_attention(fn: Callable[..., Any], query: Tensor, key: Tensor, value: Tensor,
+                            documents: Documents, scale: Optional[float] = None) -> Tensor:
+    """Causal attention inside each document of a packed row through ``fn`` (torch's
+    ``varlen_attn``), whichever of its signatures this torch has: causal by ``window_size=(-1, 0)``
+    (torch >= 2.11) or ``is_causal=True`` (2.10); grouped-query heads by ``enable_gqa`` where it
+    exists, else by repeating each key/value head (``repeat_interleave``, as SDPA's
+    ``enable_gqa`` does); ``scale`` folded into the query where ``fn`` takes none.
+
+    Args:
+        query: (T, H, D); key, value: (T, H_kv, D), H a multiple of H_kv; bf16/fp16 on CUDA.
+        documents: the row's boundaries (``cu_seqlens[-1] == T``).
+        scale: the score scale (None: 1/sqrt(D)).
+    Returns:
+        (T, H, D), the dtype of ``query``.
+
+    Raises:
+        ValueError: ``fn`` takes neither ``window_size`` nor ``is_causal``; H not a multiple of H_kv.
+    """
+    params = _parameters(fn)
+    H, H_kv = query.shape[1], key.shape[1]
+    if H % H_kv:
+        raise ValueError(f"sdpa_varlen: {H} query heads are not a multiple of {H_kv} key/value heads")
+    kw: dict[str, Any] = {}
+    if "window_size" in params:
+        kw["window_size"] = (-1, 0)
+    elif "is_causal" in params:
+        kw["is_causal"] = True
+    else:
+        raise ValueError("sdpa_varlen: this torch's varlen_attn takes neither window_size nor "
+                         "is_causal (no causal mode)")
+    if H != H_kv:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            key = key.repeat_interleave(H // H_kv, dim=1)
+            value = value.repeat_interleave(H // H_kv, dim=1)
+    if "scale" in params:
+        kw["scale"] = scale
+    elif scale is not None:
+        query = query * (scale * math.sqrt(query.shape[-1]))  # the kernel scales by 1/sqrt(D)
+    cu, n = documents.cu_seqlens, documents.max_seqlen
+    return fn(query, key, value, cu, cu, n, n, **kw)
+
+
+@dataclass(frozen=True)
+class VarlenMask:
+    """``sdpa_varlen``'s mask of a packed row: the kernel and the row's document boundaries. It
+    reaches every layer as its ``attention_mask`` (so an activation-checkpoint recompute runs the
+    kernel the forward ran)."""
+
+    kernel: Callable[..., Any]
+    documents: Documents
+
+
+def sdpa_varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
+                     kv_offset: int = 0, mask_function: Any = None, attention_mask: Any = None,
+                     device: "torch.device | str" = "cpu", **kwargs: Any) -> Any:
+    """transformers' mask interface of ``sdpa_varlen``: a :class:`VarlenMask` inside a kernel
+    :func:`packed_attention` (auto: on CUDA), ``sdpa_mask`` otherwise (arguments passed on).
+
+    Raises:
+        ValueError: a packed forward with no ``documents``, with a padding mask, or not one row
+            without a KV cache; ``kernel=True`` off CUDA.
+        RuntimeError: on CUDA, a torch without ``varlen_attn``.
+    """
+    from transformers import masking_utils as mu
+
+    if mask_function is None:
+        mask_function = mu.causal_mask_function
+    state = _PACKED.get()
+    wants = state is not None and state.kernel is not False
+    fn = _varlen_kernel(torch.device(device)) if wants else None
+    if state is None or not wants or (fn is None and state.kernel is None):
+        # outside a packed forward, or its dense SDPA mask (asked for, or off CUDA)
+        return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                            q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                            attention_mask=attention_mask, device=device, **kwargs)
+    if fn is None:
+        raise ValueError(f"sdpa_varlen: varlen_attn runs on CUDA only, not on {device}")
+    if state.documents is None:
+        raise ValueError("sdpa_varlen: a packed forward needs its document boundaries "
+                         "(packed_attention(documents=...))")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("a packed forward takes no padding mask (one row, position ids per document)")
+    if batch_size != 1 or q_length != kv_length or q_offset or kv_offset:
+        raise ValueError(f"sdpa_varlen: a packed forward is one row without a KV cache, got "
+                         f"{batch_size} rows, q_length {q_length}, kv_length {kv_length}")
+    return VarlenMask(fn, state.documents)
+
+
+def sdpa_varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, attention_mask: Any, scaling: Optional[float] = None,
+                          dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface of ``sdpa_varlen``: query (1, H, T, D), key/value
+    (1, H_kv, T, D) → (1, T, H, D). A :class:`VarlenMask` runs :func:`varlen_causal_attention`;
+    any other mask runs transformers' SDPA function unchanged.
+
+    Raises:
+        ValueError: a packed forward with attention dropout, a soft-cap, sink tokens, a sliding
+            window or a non-causal layer (what the flowrl packed path does not implement), or a
+            float32 query on CUDA (FlashAttention takes bf16/fp16).
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not isinstance(attention_mask, VarlenMask):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    if dropout > 0 or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None \
+            or kwargs.get("sliding_window") is not None or not getattr(module, "is_causal", True):
+        raise ValueError("sdpa_varlen: a packed forward supports no attention dropout, soft-cap, "
+                         "sink tokens, sliding window or non-causal layer (set "
+                         "trainer.engine.padding_free=false)")
+    if query.is_cuda and query.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"sdpa_varlen: varlen_attn takes bf16/fp16, got {query.dtype} (set "
+                         "trainer.engine.mixed_precision=bf16, or padding_free=false)")
+    out = varlen_causal_attention(attention_mask.kernel, query[0].transpose(0, 1),
+                                  key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                  attention_mask.documents, scale=scaling)
+    return out.unsqueeze(0), None
+
+
+_IMPLEMENTATIONS = {SDPA_FLEX: (sdpa_flex_attention, sdpa_flex_mask),
+                    SDPA_VARLEN: (sdpa_varlen_attention, sdpa_varlen_mask)}
+
+
+def register_attention(name: str) -> None:
+    """Register ``name`` (``sdpa_flex`` or ``sdpa_varlen``) with transformers' attention and mask
+    interfaces (idempotent); call before a model is built with ``attn_implementation=name``.
+
+    Raises:
+        ValueError: another name.
+    """
+    if name not in _IMPLEMENTATIONS:
+        raise ValueError(f"register_attention: {name!r} is not one of {sorted(_IMPLEMENTATIONS)}")
+    if name in _registered:
         return
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(SDPA_FLEX, sdpa_flex_attention)
-    AttentionMaskInterface.register(SDPA_FLEX, sdpa_flex_mask)
-    _registered = True
+    attention, mask = _IMPLEMENTATIONS[name]
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, mask)
+    _registered.add(name)
+

@@ -33,8 +33,10 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")  # torch dtypes by name (ModelC
 # "auto" is resolved from the machine before a run loads anything (flowrl/machine.py); a config
 # loaded outside a run (a reward model, a test) reads it as fp32 / SDPA
 MODEL_DTYPES = ("auto", *DTYPE_NAMES)
-# sdpa_flex: SDPA, with flex_attention for the train engine's packed rows (models/attention.py)
-ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention", "sdpa_flex")
+# sdpa_flex / sdpa_varlen: SDPA, with flex_attention / torch's varlen_attn for the train engine's
+# packed rows (models/attention.py)
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention", "sdpa_flex",
+                        "sdpa_varlen")
 
 
 def tiny_model_config(kind: str = "llama") -> dict[str, Any]:
@@ -71,12 +73,15 @@ class ModelConfig:
         dtype: parameter (master-weight) dtype: ``auto`` (default: ``float32``, with bf16 compute
             on CUDA through the train engine's mixed precision; ``flowrl/machine.py``),
             ``float32``, ``bfloat16`` (pure bf16 weights and optimizer), ``float16``.
-        attn_implementation: ``auto`` (default: ``flash_attention_2`` on CUDA when flash-attn is
-            installed, else ``sdpa``; ``flowrl/machine.py``), ``sdpa``, ``eager``,
-            ``flash_attention_2``, ``flex_attention`` (torch flex_attention everywhere) or
-            ``sdpa_flex`` (SDPA, except the train engine's packed micro-batches: document-masked
-            flex_attention on CUDA, a dense block-diagonal SDPA mask on CPU;
-            ``flowrl/models/attention.py``).
+        attn_implementation: ``auto`` (default, ``flowrl/machine.py``: on CUDA
+            ``flash_attention_2`` when flash-attn is installed, else ``sdpa_varlen`` when torch
+            has ``varlen_attn``, the GPU is sm80+ and compute is bf16/fp16 (and the prompts have no
+            images), else ``sdpa``; ``sdpa`` on CPU), ``sdpa``, ``eager``, ``flash_attention_2``,
+            ``flex_attention`` (torch flex_attention everywhere), ``sdpa_flex`` or
+            ``sdpa_varlen`` (both SDPA, except the train engine's packed micro-batches: on CUDA
+            document-masked flex_attention (compiled on first use) / torch's variable-length
+            FlashAttention ``varlen_attn`` (nothing to compile); on CPU a dense block-diagonal
+            SDPA mask; ``flowrl/models/attention.py``).
         gradient_checkpointing: enable activation checkpointing on the loaded model.
         freeze_vision: a vision-language model (Qwen2-VL / Qwen2.5-VL, ``model=tiny_vl``) trains
             its language model only: the vision tower (and its merger) keeps
@@ -143,11 +148,11 @@ class ModelConfig:
     @property
     def attn(self) -> str:
         """The attention implementation handed to transformers (``auto`` unresolved: sdpa);
-        ``sdpa_flex`` is registered with transformers on first use."""
-        if self.attn_implementation == "sdpa_flex":
-            from flowrl.models.attention import register_sdpa_flex
+        ``sdpa_flex`` / ``sdpa_varlen`` is registered with transformers on first use."""
+        if self.attn_implementation in ("sdpa_flex", "sdpa_varlen"):
+            from flowrl.models.attention import register_attention
 
-            register_sdpa_flex()
+            register_attention(self.attn_implementation)
         return "sdpa" if self.attn_implementation == "auto" else self.attn_implementation
 
     @property

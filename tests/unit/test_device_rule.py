@@ -158,18 +158,22 @@ def test_gpu_machine_resolves_gpu_defaults():
     from flowrl.machine import resolve_machine_defaults
 
     cfg = _cfg()
-    got = resolve_machine_defaults(cfg, cuda=True, vllm=True, flash_attn=False)
+    got = resolve_machine_defaults(cfg, cuda=True, vllm=True, flash_attn=False, varlen=True)
     assert (cfg.trainer.device, cfg.model.dtype, cfg.trainer.engine.strategy, cfg.rollout.backend,
             cfg.rollout.vllm.dtype, cfg.rollout.hf.dtype, cfg.model.attn_implementation,
             cfg.trainer.engine.max_tokens_per_micro_batch) == (
-        "cuda", "float32", "fsdp", "vllm", "bfloat16", "bfloat16", "sdpa", 16384)
+        "cuda", "float32", "fsdp", "vllm", "bfloat16", "bfloat16", "sdpa_varlen", 16384)
     assert [r.field for r in got] == [
         "trainer.device", "model.dtype", "trainer.engine.strategy",
         "trainer.engine.max_tokens_per_micro_batch", "rollout.backend", "rollout.vllm.dtype",
         "model.attn_implementation"]
     assert str(got[0]) == "trainer.device=cuda (a CUDA device is visible)"
-    assert str(got[-1]) == ("model.attn_implementation=sdpa (flash-attn not installed (sdpa_flex "
-                            "packs micro-batches: opt in))")
+    assert str(got[-1]) == ("model.attn_implementation=sdpa_varlen (flash-attn not installed; "
+                            "torch's varlen_attn packs micro-batches)")
+    cfg = _cfg()
+    got = resolve_machine_defaults(cfg, cuda=True, vllm=True, flash_attn=False, varlen=False)
+    assert str(got[-1]) == ("model.attn_implementation=sdpa (flash-attn not installed; no torch "
+                            "varlen_attn or an sm80+ GPU)")
 
 
 def test_gpu_without_vllm_and_explicit_settings_win():

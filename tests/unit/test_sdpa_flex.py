@@ -80,7 +80,7 @@ def test_flex_kernel_packed_forward_equals_padded(tiny):
     p_mask, r_mask = b["prompt_mask"], b["response_mask"]
     pk = pack(b["prompt_ids"], p_mask, b["response_ids"], r_mask)
     with torch.no_grad():
-        with packed_attention(flex=True):
+        with packed_attention(kernel=True):
             packed = tiny(input_ids=pk.input_ids, position_ids=pk.position_ids,
                           use_cache=False).logits[0][pk.predictor_index]
         eng = LocalTrainEngine(tiny, TrainEngineConfig(logprob_chunk_size=None, padding_free="false"),
@@ -122,5 +122,5 @@ def test_packed_forward_refuses_attention_dropout():
     m.train()
     pk = pack(torch.tensor([[5, 6]]), torch.tensor([[True, True]]), torch.tensor([[7, 8]]),
               torch.tensor([[True, True]]))
-    with packed_attention(flex=True), torch.no_grad(), pytest.raises(ValueError, match="dropout"):
+    with packed_attention(kernel=True), torch.no_grad(), pytest.raises(ValueError, match="dropout"):
         m(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False)

@@ -22,7 +22,7 @@ from flowrl.algorithms.packing import pack, packable, unpack
 from flowrl.engines.base import LogprobOutput, LossFn
 from flowrl.engines.config import TrainEngineConfig
 from flowrl.engines.train.guard import guarded_step
-from flowrl.models.attention import SDPA_FLEX, packed_attention
+from flowrl.models.attention import SDPA_FLEX, SDPA_VARLEN, Documents, packed_attention
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +121,10 @@ def _host_sequences(batch: Mapping[str, Any]) -> dict[str, Tensor]:
 
 
 # attention implementations that run a packed row without a dense (T, T) mask
-# (sdpa_flex: flowrl/models/attention.py, flex_attention for packed rows only)
+# (sdpa_flex / sdpa_varlen: flowrl/models/attention.py, flex_attention / torch's varlen_attn for
+# packed rows only)
 _VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention",
-                     SDPA_FLEX)
+                     SDPA_FLEX, SDPA_VARLEN)
 
 
 def _output_head(model: nn.Module) -> Optional[tuple[nn.Module, nn.Linear]]:
@@ -231,10 +232,12 @@ class LocalTrainEngine:
                                        num_training_steps=self.cfg.total_steps)
 
     # ------------------------------------------------------------------ forward
-    def _model_inputs(self, mb: Mapping[str, Tensor]) -> tuple[dict[str, Any], Tensor, bool]:
+    def _model_inputs(self, mb: Mapping[str, Tensor]
+                      ) -> tuple[dict[str, Any], Tensor, Optional[Documents]]:
         """Model kwargs of a (trimmed) micro-batch, the flat index (into the rows x length
-        positions) of the output predicting each valid response token (row-major), and whether
-        the layout is packed (one row, ``TrainEngineConfig.padding_free``) or padded (b rows)."""
+        positions) of the output predicting each valid response token (row-major), and the
+        document boundaries of a packed layout (one row, ``TrainEngineConfig.padding_free``;
+        built on the host, copied without blocking) or None for a padded one (b rows)."""
         # the index work (packing, predictor positions) runs where the micro-batch is (the host,
         # as the stages hand it over): on the device its boolean indexing would sync the stream
         p_ids, p_mask = mb["prompt_ids"], mb["prompt_mask"].bool()
@@ -246,7 +249,8 @@ class LocalTrainEngine:
             pk = pack(p_ids, p_mask, r_ids, r_mask)
             # no attention_mask: transformers then reads the packing from the position ids
             kwargs: dict[str, Any] = dict(input_ids=pk.input_ids, position_ids=pk.position_ids)
-            pred, packed = pk.predictor_index, True
+            pred = pk.predictor_index
+            docs: Optional[Documents] = Documents(self._to_device(pk.cu_seqlens), pk.max_seqlen)
         else:
             P, R = p_ids.shape[1], r_ids.shape[1]
             # environment tokens between policy turns (mask False) are context: attended
@@ -260,11 +264,11 @@ class LocalTrainEngine:
                           position_ids=position_ids_from_mask(attn))
             cols = torch.arange(P - 1, P + R - 1, device=r_mask.device)[None, :] - shift[:, None]
             rows = torch.arange(r_ids.shape[0], device=r_mask.device)[:, None] * (P + R)
-            pred, packed = (rows + cols)[r_mask], False
+            pred, docs = (rows + cols)[r_mask], None
         kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
         if self._use_cache:
             kwargs["use_cache"] = False
-        return kwargs, self._to_device(pred), packed
+        return kwargs, self._to_device(pred), docs
 
     def _to_device(self, t: Tensor) -> Tensor:
         """``t`` on the engine's device. A host tensor goes to a CUDA device through pinned memory
@@ -276,14 +280,16 @@ class LocalTrainEngine:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    def _forward(self, kwargs: dict[str, Any], packed: bool, **extra: Any) -> Any:
-        """The model's forward; a packed row's under :func:`packed_attention`, so a ``sdpa_flex``
-        model masks it per document with flex_attention (CUDA) instead of a dense mask."""
-        with packed_attention() if packed else contextlib.nullcontext():
+    def _forward(self, kwargs: dict[str, Any], documents: Optional[Documents], **extra: Any) -> Any:
+        """The model's forward; a packed row's (``documents`` given) under
+        :func:`packed_attention`, so a ``sdpa_flex`` / ``sdpa_varlen`` model attends per document
+        with flex_attention / varlen_attn (CUDA) instead of a dense mask."""
+        with packed_attention(documents=documents) if documents is not None \
+                else contextlib.nullcontext():
             return self.model(**kwargs, **extra)
 
     def _vision_inputs(self, mb: Mapping[str, Tensor], p_ids: Tensor, p_mask: Tensor,
-                       r_ids: Tensor, r_mask: Tensor) -> tuple[dict[str, Any], Tensor, bool]:
+                       r_ids: Tensor, r_mask: Tensor) -> tuple[dict[str, Any], Tensor, None]:
         """:meth:`_model_inputs` of a micro-batch with ``pixel_values`` (b, N, D) and
         ``image_grid_thw`` (b, K, 3) (``flowrl.data.images``): padded rows, the images flattened
         as the model takes them, and no ``position_ids``: a Qwen2-VL-family model derives its
@@ -302,17 +308,17 @@ class LocalTrainEngine:
             kwargs["use_cache"] = False
         cols = torch.arange(P - 1, P + R - 1, device=self.device)
         rows = torch.arange(r_ids.shape[0], device=self.device)[:, None] * (P + R)
-        return kwargs, (rows + cols)[r_mask], False
+        return kwargs, (rows + cols)[r_mask], None
 
     def _response_logits(self, mb: Mapping[str, Tensor]) -> tuple[Tensor, bool]:
         """Logits predicting the response tokens (model output at the previous position) and
         whether the layout is packed: padded, (b, R, V) for every response column; packed,
         (N, V) for the valid response tokens (row-major)."""
-        kwargs, pred, packed = self._model_inputs(mb)
-        if packed:
+        kwargs, pred, docs = self._model_inputs(mb)
+        if docs is not None:
             if self._logits_to_keep:  # the LM head runs on the N predicting positions only
-                return self._forward(kwargs, True, logits_to_keep=pred).logits[0], True
-            return self._forward(kwargs, True).logits.flatten(0, 1)[pred], True
+                return self._forward(kwargs, docs, logits_to_keep=pred).logits[0], True
+            return self._forward(kwargs, docs).logits.flatten(0, 1)[pred], True
         P, R = mb["prompt_ids"].shape[1], mb["response_ids"].shape[1]
         # left-aligned rows (_model_inputs): row b's response predictors are at columns
         # P-1-s_b .. P+R-2-s_b, s_b its prompt padding; keep from the earliest of them (the LM
@@ -337,14 +343,14 @@ class LocalTrainEngine:
         from the model's own forward (so FSDP's hooks run); the LM head runs on one position per
         row only. None when that position's logits show the head is not a plain linear map (the
         caller then takes the plain path, from now on)."""
-        kwargs, pred, packed = self._model_inputs(mb)
+        kwargs, pred, docs = self._model_inputs(mb)
         last = kwargs["input_ids"].shape[1] - 1
         captured: list[Tensor] = []
         # the base model's output[0] is its last_hidden_state (a ModelOutput or a tuple)
         base, head = fused
         handle = base.register_forward_hook(lambda m, a, out: captured.append(out[0]))
         try:
-            logits = self._forward(kwargs, packed,
+            logits = self._forward(kwargs, docs,
                                    logits_to_keep=self._to_device(torch.tensor([last]))).logits
         finally:
             handle.remove()
