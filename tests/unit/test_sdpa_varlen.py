@@ -232,7 +232,7 @@ def test_varlen_attn_supported_false_without_cuda(monkeypatch):
 
 
 def _cfg(*overrides):
-    from flowrl.cli import compose
+    from flowrl.config import compose
     from flowrl.config import to_train_config
 
     return to_train_config(compose(["model=tiny", "trainer.output_dir=/tmp/unused", *overrides]))
