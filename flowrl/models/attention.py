@@ -235,6 +235,54 @@ def varlen_causal_attention(fn: Callable[..., Any], query: Tensor, key: Tensor, 
     return fn(query, key, value, cu, cu, n, n, **kw)
 
 
+# the probe's bound: bf16 attention of unit-scale inputs differs from SDPA's by ~1e-2 at most
+_PROBE_TOL = 5e-2
+
+
+@functools.lru_cache(maxsize=8)
+def varlen_probe(device: torch.device) -> Optional[str]:
+    """Run :func:`varlen_causal_attention` once on ``device`` (bf16, two documents of 5 and 3
+    tokens, 4 query and 2 key/value heads, forward and backward) against SDPA per document; None
+    when it agrees, else why not (the kernel raised, or outputs / gradients differ by more than
+    ``_PROBE_TOL``). Cached per device: a few milliseconds, once per process.
+
+    Why: ``sdpa_varlen`` is the CUDA default and packs every training micro-batch; a torch build
+    whose ``varlen_attn`` fails on this GPU (or takes arguments differently) then turns packing
+    off for the run with one warning (``engines/train/local.py``) instead of failing step 1.
+    """
+    try:
+        kernel = _varlen_kernel(device)
+        if kernel is None:
+            return f"no varlen_attn kernel on {device.type}"
+        g = torch.Generator(device=device).manual_seed(0)
+        lens, H, H_kv, D = (5, 3), 4, 2, 64
+        T = sum(lens)
+
+        def leaf(h: int) -> Tensor:
+            x = torch.randn(T, h, D, generator=g, device=device, dtype=torch.bfloat16)
+            return x.requires_grad_()
+
+        q, k, v = leaf(H), leaf(H_kv), leaf(H_kv)
+        cu = torch.tensor([0, lens[0], T], dtype=torch.int32, device=device)
+        out = varlen_causal_attention(kernel, q, k, v, Documents(cu, max(lens)))
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        ref_parts = []
+        for a, b in ((0, lens[0]), (lens[0], T)):  # (1, H, t, D) per document
+            qd, kd, vd = (x[a:b].float().transpose(0, 1)[None] for x in (q, k, v))
+            ref_parts.append(torch.nn.functional.scaled_dot_product_attention(
+                qd, kd, vd, is_causal=True, enable_gqa=True)[0].transpose(0, 1))
+        ref = torch.cat(ref_parts)
+        ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+        gap = max([float((out.float() - ref).abs().max())]
+                  + [float((a.float() - b.float()).abs().max() / (b.float().abs().max() + 1e-6))
+                     for a, b in zip(grads, ref_grads)])
+        if not math.isfinite(gap) or gap > _PROBE_TOL:
+            return f"varlen_attn disagrees with SDPA by {gap:.3g} (bound {_PROBE_TOL})"
+    except Exception as e:  # noqa: BLE001 (any failure of the kernel means: do not pack with it)
+        return f"varlen_attn failed: {type(e).__name__}: {e}".splitlines()[0][:300]
+    return None
+
+
 @dataclass(frozen=True)
 class VarlenMask:
     """``sdpa_varlen``'s mask of a packed row: the kernel and the row's document boundaries. It

@@ -202,11 +202,57 @@ def test_cuda_without_varlen_attn_is_a_clear_error(monkeypatch):
     assert attention._varlen_kernel(torch.device("cpu")) is None
 
 
-def test_padding_free_auto_turns_on_for_sdpa_varlen_on_cuda_only():
+def test_padding_free_auto_turns_on_for_sdpa_varlen_on_cuda_only(monkeypatch, caplog):
+    from flowrl.engines.train import local
+
+    probed: list[torch.device] = []
+    monkeypatch.setattr(local, "varlen_probe", lambda d: probed.append(d))  # None: it works
     m = _tiny()
     assert _resolve_padding_free(m, "auto", torch.device("cuda"))
+    assert probed == [torch.device("cuda")]  # checked on the device before it packs
     assert not _resolve_padding_free(m, "auto", torch.device("cpu"))
     assert not _resolve_padding_free(_tiny("sdpa"), "auto", torch.device("cuda"))
+    # a kernel that fails its probe: packing off for the run, one warning saying why
+    monkeypatch.setattr(local, "varlen_probe", lambda d: "varlen_attn failed: RuntimeError: x")
+    with caplog.at_level("WARNING"):
+        assert not _resolve_padding_free(m, "auto", torch.device("cuda"))
+    assert "packing off (varlen_attn failed: RuntimeError: x)" in caplog.text
+    assert _resolve_padding_free(m, "true", torch.device("cuda"))  # forced: not second-guessed
+
+
+def _non_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None,
+                window_size=(-1, -1), enable_gqa=False):
+    """A kernel that ignores the causal window: attends to the whole document."""
+    out = []
+    for a, b in zip(cu_seq_q.tolist()[:-1], cu_seq_q.tolist()[1:]):
+        q, k, v = (t[a:b].transpose(0, 1)[None] for t in (query, key, value))
+        out.append(F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa)[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+def _raises(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None,
+            window_size=(-1, -1), enable_gqa=False):
+    raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore")
+
+
+@pytest.mark.parametrize("kernel, want", [
+    (varlen_211, None), (varlen_210, None),
+    (_non_causal, "varlen_attn disagrees with SDPA by "),
+    (_raises, "varlen_attn failed: RuntimeError: FlashAttention only supports Ampere GPUs or newer."),
+])
+def test_varlen_probe_passes_a_right_kernel_and_names_a_wrong_one(monkeypatch, kernel, want):
+    """The one-time probe of ``sdpa_varlen`` (bf16, 2 documents, GQA, forward and backward)
+    against SDPA per document; run here on CPU with stand-in kernels."""
+    monkeypatch.setattr(attention, "_varlen_kernel", lambda device: kernel)
+    attention.varlen_probe.cache_clear()
+    try:
+        got = attention.varlen_probe(torch.device("cpu"))
+    finally:
+        attention.varlen_probe.cache_clear()
+    if want is None:
+        assert got is None
+    else:
+        assert got is not None and got.startswith(want) and "\n" not in got
 
 
 def _gpu(monkeypatch, capability, has_varlen=True):
@@ -232,8 +278,7 @@ def test_varlen_attn_supported_false_without_cuda(monkeypatch):
 
 
 def _cfg(*overrides):
-    from flowrl.config import compose
-    from flowrl.config import to_train_config
+    from flowrl.config import compose, to_train_config
 
     return to_train_config(compose(["model=tiny", "trainer.output_dir=/tmp/unused", *overrides]))
 

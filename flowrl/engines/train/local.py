@@ -22,7 +22,13 @@ from flowrl.algorithms.packing import pack, packable, unpack
 from flowrl.engines.base import LogprobOutput, LossFn
 from flowrl.engines.config import TrainEngineConfig
 from flowrl.engines.train.guard import guarded_step
-from flowrl.models.attention import SDPA_FLEX, SDPA_VARLEN, Documents, packed_attention
+from flowrl.models.attention import (
+    SDPA_FLEX,
+    SDPA_VARLEN,
+    Documents,
+    packed_attention,
+    varlen_probe,
+)
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +164,16 @@ def _resolve_padding_free(model: nn.Module, mode: str, device: torch.device) -> 
         return True
     if mode == "false" or not isinstance(model, PreTrainedModel):
         return False
-    return device.type == "cuda" and model.config._attn_implementation in _VARLEN_ATTENTION
+    attn = model.config._attn_implementation
+    if device.type != "cuda" or attn not in _VARLEN_ATTENTION:
+        return False
+    if attn == SDPA_VARLEN:  # the GPU default: checked on this device once before it packs
+        why = varlen_probe(device)
+        if why is not None:
+            log.warning("trainer.engine.padding_free=auto: packing off (%s); micro-batches run "
+                        "padded under SDPA", why)
+            return False
+    return True
 
 
 def _trim_padding(mb: Mapping[str, Tensor]) -> dict[str, Tensor]:
