@@ -103,7 +103,7 @@ phase_lora_sync() {  # ~4 min: LoRA sync into vLLM, merged weights vs vLLM's LoR
 }
 phase_tier() {  # ~5 min: the GPU tier (TIER_K: a -k selection)
   timeout -k 10 ${TIER_TIMEOUT_S:-540} python3 -m pytest ${TIER_K:+-k "$TIER_K"} -m "gpu or vllm" tests/gpu/test_train_gpu.py tests/gpu/test_multi_turn_gpu.py \
-    tests/gpu/test_vlm_vllm_gpu.py tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
+    tests/gpu/test_vlm_vllm_gpu.py tests/gpu/test_sdpa_varlen_gpu.py tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
     2>&1 | tee "$OUT/gpu_tier.log" | tail -n 60
 }
 
@@ -123,6 +123,9 @@ install)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/whl/*.whl 2>&1 | grep -v WARNING
   python3 -c "import vllm, hydra, trl, gguf, math_verify, flowrl; print('ready: vllm', vllm.__version__, 'trl', trl.__version__)" || exit 3
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+  # sdpa_varlen (the GPU's default attention for packed micro-batches) rests on this torch's kernel
+  python3 -c "import inspect, torch; from torch.nn.attention.varlen import varlen_attn; print('varlen_attn', torch.__version__, torch.cuda.get_device_capability(), inspect.signature(varlen_attn))" 2>&1 | tail -1
+  python3 -c "import torch; from flowrl.models.attention import varlen_probe; print('varlen probe:', varlen_probe(torch.device('cuda')) or 'ok')" 2>&1 | tail -1
   log "installed in $((SECONDS - t0)) s"
   ;;
 esac
