@@ -18,10 +18,10 @@ setting (``auto``)                    CUDA visible                          / CP
                                                                             / ``hf``
 ``rollout.hf.dtype``, ``.vllm.dtype`` ``bfloat16`` (the trainer's compute dtype) / the model's
 ``model.attn_implementation``         ``flash_attention_2`` when ``flash_attn`` imports, else
-                                      ``sdpa_varlen`` (SDPA; packed micro-batches under torch's
-                                      varlen_attn, nothing compiled: ``flowrl/models/attention.py``)
-                                      when torch has varlen_attn, the GPU is sm80+, compute is
-                                      bf16/fp16 and the prompts have no images, else ``sdpa``
+                                      ``sdpa`` (``sdpa_varlen``, packed micro-batches under torch's
+                                      varlen_attn, is opt-in: ``AUTO_SDPA_VARLEN``; with it on, it
+                                      is picked when torch has varlen_attn, the GPU is sm80+,
+                                      compute is bf16/fp16 and the prompts have no images)
                                                                             / ``sdpa``
 ``trainer.engine.max_tokens_per_      16384 valid tokens per micro-batch (token-budget bins)
 micro_batch`` (null)                                                        / null (rows)
@@ -41,6 +41,14 @@ from flowrl.runtime.control.spec import Resolved
 
 # the token budget of a GPU micro-batch: the scaling benchmark's bins (benchmarks/results/scaling.md)
 GPU_TOKENS_PER_MICRO_BATCH = 16384
+# whether model.attn_implementation=auto picks sdpa_varlen (packed micro-batches) on CUDA. Off:
+# on the H200 (torch 2.11, whose varlen_attn has no enable_gqa, so key/value heads are repeated)
+# the e2e benchmark's update took 1.22 s with it against 1.07-1.10 s padded under sdpa in the
+# earlier runs (update MFU 16.1 % vs 18-19 %; benchmarks/results/e2e_vs_trl_h200.md), on a job
+# whose responses nearly all reach max_new_tokens (little padding to remove). It passed the GPU
+# tier's mismatch bounds; opt in with model.attn_implementation=sdpa_varlen, and turn this on
+# once benchmarks/packing_gpu_check.py measures it faster on variable-length batches.
+AUTO_SDPA_VARLEN = False
 
 
 # device nodes a CUDA (or ROCm/HIP, which torch.cuda also drives) runtime needs: NVIDIA, WSL, AMD
@@ -142,16 +150,18 @@ def resolve_machine_defaults(cfg, *, cuda: bool | None = None, vllm: bool | None
         # mixed precision (a local engine computes in its weights' dtype)
         half = m.dtype in ("bfloat16", "float16") or (bf16 and e.strategy == "fsdp")
         images = cfg.data.has_images
-        if on_gpu and not flash_attn and half and not images and varlen is None:
+        wanted = AUTO_SDPA_VARLEN and on_gpu and not flash_attn and half and not images
+        if wanted and varlen is None:
             varlen = cuda and varlen_attn_usable()
         if on_gpu and flash_attn:
             m.attn_implementation, why = "flash_attention_2", "flash-attn installed"
-        elif on_gpu and half and not images and varlen:
+        elif wanted and varlen:
             m.attn_implementation, why = "sdpa_varlen", ("flash-attn not installed; torch's "
                                                          "varlen_attn packs micro-batches")
         else:
             m.attn_implementation = "sdpa"
             why = ("CPU" if not on_gpu else "flash-attn not installed; " + (
+                "sdpa_varlen measured no faster on the H200: opt-in" if not AUTO_SDPA_VARLEN else
                 "fp32 compute (varlen_attn takes bf16/fp16)" if not half else
                 "prompts with images" if images else
                 "no torch varlen_attn or an sm80+ GPU" if cuda else

@@ -103,8 +103,8 @@ class TrainEngineConfig:
             ids and document-masked attention (``algorithms/packing.py``), so no padding token is
             computed. ``auto`` = on for transformers models on CUDA whose attention implementation
             handles packed rows without a dense mask (``flash_attention_*``, ``flex_attention``,
-            ``sdpa_flex``, ``sdpa_varlen``: the GPU default without flash-attn, so packing is on
-            by default on an sm80+ GPU with bf16 compute, ``flowrl/machine.py``;
+            ``sdpa_flex``, ``sdpa_varlen``: opt-in, measured no faster than padded ``sdpa`` on the
+            H200's e2e benchmark, ``flowrl/machine.py`` ``AUTO_SDPA_VARLEN``;
             under ``sdpa``/``eager`` transformers builds a dense (T, T) mask over the packed row
             and attention cost grows with the square of the micro-batch's tokens); ``true`` /
             ``false`` force it (``true`` needs a transformers model). A micro-batch whose rows are

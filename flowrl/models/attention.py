@@ -23,7 +23,7 @@ On CUDA both the mask construction and the kernel are compiled (``torch.compile`
 CPU, where flex_attention has no backward, a packed forward takes SDPA's dense block-diagonal
 mask instead (same values; the CPU equivalence tests run both, flex without grad).
 
-``sdpa_varlen`` (the CUDA default when torch has it and the GPU is sm80+: ``flowrl/machine.py``)
+``sdpa_varlen`` (opt-in: ``flowrl/machine.py`` ``AUTO_SDPA_VARLEN`` says why it is not the default)
 runs a packed row through PyTorch's own variable-length FlashAttention,
 ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10; Dao 2023, "FlashAttention-2"), with
 nothing to compile: its mask function returns a :class:`VarlenMask` holding the row's document
@@ -246,7 +246,7 @@ def varlen_probe(device: torch.device) -> Optional[str]:
     when it agrees, else why not (the kernel raised, or outputs / gradients differ by more than
     ``_PROBE_TOL``). Cached per device: a few milliseconds, once per process.
 
-    Why: ``sdpa_varlen`` is the CUDA default and packs every training micro-batch; a torch build
+    Why: ``sdpa_varlen`` packs every training micro-batch; a torch build
     whose ``varlen_attn`` fails on this GPU (or takes arguments differently) then turns packing
     off for the run with one warning (``engines/train/local.py``) instead of failing step 1.
     """

@@ -74,9 +74,8 @@ class ModelConfig:
             on CUDA through the train engine's mixed precision; ``flowrl/machine.py``),
             ``float32``, ``bfloat16`` (pure bf16 weights and optimizer), ``float16``.
         attn_implementation: ``auto`` (default, ``flowrl/machine.py``: on CUDA
-            ``flash_attention_2`` when flash-attn is installed, else ``sdpa_varlen`` when torch
-            has ``varlen_attn``, the GPU is sm80+ and compute is bf16/fp16 (and the prompts have no
-            images), else ``sdpa``; ``sdpa`` on CPU), ``sdpa``, ``eager``, ``flash_attention_2``,
+            ``flash_attention_2`` when flash-attn is installed, else ``sdpa``
+            (``machine.AUTO_SDPA_VARLEN``: ``sdpa_varlen`` is opt-in); ``sdpa`` on CPU), ``sdpa``, ``eager``, ``flash_attention_2``,
             ``flex_attention`` (torch flex_attention everywhere), ``sdpa_flex`` or
             ``sdpa_varlen`` (both SDPA, except the train engine's packed micro-batches: on CUDA
             document-masked flex_attention (compiled on first use) / torch's variable-length

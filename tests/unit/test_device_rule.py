@@ -154,9 +154,16 @@ def _cfg(*overrides):
     return to_train_config(compose(["model=tiny", "trainer.output_dir=/tmp/unused", *overrides]))
 
 
-def test_gpu_machine_resolves_gpu_defaults():
+def test_gpu_machine_resolves_gpu_defaults(monkeypatch):
+    from flowrl import machine
     from flowrl.machine import resolve_machine_defaults
 
+    # the default: sdpa, sdpa_varlen opt-in (measured no faster on the H200: AUTO_SDPA_VARLEN)
+    cfg = _cfg()
+    got = resolve_machine_defaults(cfg, cuda=True, vllm=True, flash_attn=False, varlen=True)
+    assert str(got[-1]) == ("model.attn_implementation=sdpa (flash-attn not installed; "
+                            "sdpa_varlen measured no faster on the H200: opt-in)")
+    monkeypatch.setattr(machine, "AUTO_SDPA_VARLEN", True)  # the rule once it is turned on
     cfg = _cfg()
     got = resolve_machine_defaults(cfg, cuda=True, vllm=True, flash_attn=False, varlen=True)
     assert (cfg.trainer.device, cfg.model.dtype, cfg.trainer.engine.strategy, cfg.rollout.backend,

@@ -369,6 +369,7 @@ def test_an_asleep_engine_maps_its_weights_before_the_adapter_goes_in(tmp_path, 
     eng.cfg, eng.llm, eng.lora, eng._lora_root = VLLMRolloutConfig(sleep_level=1), LLM(), spec, tmp_path
     eng.weight_names, eng.lora_request, eng.sleep_supported = spec.tensor_names, None, True
     eng._asleep, eng._weights_awake, eng._weights_valid = 0, True, True
+    eng.vision = None  # a text model: no encoder cache to drop
     adapters = [(n, torch.zeros(4, 4)) for n in sorted(spec.tensor_names)]
 
     eng.sleep()

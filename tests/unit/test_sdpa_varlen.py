@@ -295,9 +295,11 @@ def _cfg(*overrides):
 ])
 def test_auto_attention_resolves_to_sdpa_varlen_on_cuda_sm80_only(monkeypatch, capability,
                                                                   has_varlen, overrides, want):
+    from flowrl import machine
     from flowrl.machine import resolve_machine_defaults
 
     _gpu(monkeypatch, capability, has_varlen)
+    monkeypatch.setattr(machine, "AUTO_SDPA_VARLEN", True)  # opt-in by default: the rule when on
     cfg = _cfg(*overrides)
     got = resolve_machine_defaults(cfg, cuda=True, vllm=False, flash_attn=False)
     assert cfg.model.attn_implementation == want

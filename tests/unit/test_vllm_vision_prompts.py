@@ -277,3 +277,33 @@ def test_the_export_is_content_addressed_written_once_and_shared(tmp_path, monke
     assert c.model_dir != a.model_dir and c.weight_names == a.weight_names
     assert sorted(p.name for p in root.iterdir()) == sorted({Path(a.model_dir).name,
                                                               Path(c.model_dir).name})
+
+
+def test_a_weight_load_drops_the_image_embeddings_of_the_old_weights(vl):
+    """vLLM caches the vision tower's output per image hash (its encoder cache), across requests
+    and weight loads: after a sync, a repeated picture was answered from the OLD tower's
+    embeddings (2.5-2.9 nats off the new model on the H200; vLLM #44910). A load must reset it,
+    with the prefix cache; a text model has none to reset."""
+    import types
+
+    calls: list[str] = []
+
+    class LLM:
+        llm_engine = types.SimpleNamespace(reset_encoder_cache=lambda: calls.append("encoder"))
+
+        def reset_prefix_cache(self):
+            calls.append("prefix")
+
+        def collective_rpc(self, method, kwargs):
+            assert method == "reload_weights"
+            calls.extend(n for n, _ in kwargs["weights_iterator"])
+
+    _, tok, proc, _ = vl
+    vl_export = VisionExport(ImageEncoder.for_model(proc, tok).image_token_id, PatchLayout.of(proc))
+    for vision, want in ((vl_export, ["w", "prefix", "encoder"]), (None, ["w", "prefix"])):
+        calls.clear()
+        eng = _engine(LLM(), vision)
+        eng.lora, eng.sleep_supported, eng.weight_load_path = None, False, "reload"
+        eng.weight_names = frozenset({"w"})
+        eng.load_weights(iter([("w", torch.ones(2))]))
+        assert calls == want and eng._weights_valid

@@ -11,7 +11,7 @@ per token), so a weight change moves logprobs by O(10) and not only by noise, an
 """
 import pytest
 import torch
-from vllm_helpers import mean_mismatch, trainer_logprobs
+from vllm_helpers import in_fresh_process, mean_mismatch, trainer_logprobs
 
 from flowrl.engines.base import SamplingConfig
 from flowrl.engines.config import TrainEngineConfig
@@ -28,6 +28,11 @@ MEAN_TOL = 0.25
 
 @pytest.mark.parametrize("weight_load", ["auto", "reload"])
 def test_bf16_sleep_levels_and_weight_load_on_cuda(weight_load):
+    # one sleep-mode engine per process (vLLM's CuMem allocator): each parameter in its own
+    in_fresh_process(_sleep_levels_and_weight_load, weight_load)
+
+
+def _sleep_levels_and_weight_load(weight_load):
     from flowrl.engines.rollout.vllm import VLLMRolloutEngine
     from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
 

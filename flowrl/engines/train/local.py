@@ -167,7 +167,7 @@ def _resolve_padding_free(model: nn.Module, mode: str, device: torch.device) -> 
     attn = model.config._attn_implementation
     if device.type != "cuda" or attn not in _VARLEN_ATTENTION:
         return False
-    if attn == SDPA_VARLEN:  # the GPU default: checked on this device once before it packs
+    if attn == SDPA_VARLEN:  # checked on this device once before it packs
         why = varlen_probe(device)
         if why is not None:
             log.warning("trainer.engine.padding_free=auto: packing off (%s); micro-batches run "
