@@ -66,7 +66,12 @@ def test_packed_equals_padded_logprobs_and_grads(tiny):
         _loss(batch)(batch, lp, None)[0].backward()
         out[pf] = (lp.detach(), {n: p.grad.clone() for n, p in eng.model.named_parameters()})
     (lp_pad, g_pad), (lp_pack, g_pack) = out["false"], out["true"]
-    mask = batch["response_mask"]
+    assert_packed_equals_padded(batch["response_mask"], lp_pad, g_pad, lp_pack, g_pack)
+
+
+def assert_packed_equals_padded(mask, lp_pad, g_pad, lp_pack, g_pack) -> None:
+    """Packed and padded forwards' logprobs (valid tokens negative, masked ones 0) and every
+    parameter's gradient agree within ``TOL``; the gradients are not all zero."""
     assert (lp_pad[mask] < 0).all() and (lp_pad[~mask] == 0).all()
     torch.testing.assert_close(lp_pack, lp_pad, **TOL)
     assert len(g_pad) == len(g_pack) and any(g.abs().max() > 0 for g in g_pad.values())
@@ -90,11 +95,9 @@ def test_flex_kernel_packed_forward_equals_padded(tiny):
     torch.testing.assert_close(lp, ref[r_mask], **TOL)
 
 
-def test_outside_packing_sdpa_flex_is_sdpa():
-    """Padded forwards (and so generate) run SDPA unchanged: equal logits, bit for bit."""
-    sdpa, mine = _tiny("qwen2", "sdpa"), _tiny("qwen2", SDPA_FLEX)
-    assert mine.config._attn_implementation == SDPA_FLEX
-    b = _batch(512)
+def assert_runs_as_sdpa(sdpa, mine, b) -> None:
+    """Padded forwards and greedy generate of ``mine`` equal ``sdpa``'s, bit for bit (``b``: a
+    batch of left-padded prompts and right-padded responses)."""
     ids = torch.cat([b["prompt_ids"], b["response_ids"]], 1)
     attn = torch.cat([b["prompt_mask"], b["response_mask"]], 1).long()
     with torch.no_grad():
@@ -103,6 +106,13 @@ def test_outside_packing_sdpa_flex_is_sdpa():
         gen = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
         assert torch.equal(sdpa.generate(input_ids=ids[:, :5], attention_mask=attn[:, :5], **gen),
                            mine.generate(input_ids=ids[:, :5], attention_mask=attn[:, :5], **gen))
+
+
+def test_outside_packing_sdpa_flex_is_sdpa():
+    """Padded forwards (and so generate) run SDPA unchanged: equal logits, bit for bit."""
+    sdpa, mine = _tiny("qwen2", "sdpa"), _tiny("qwen2", SDPA_FLEX)
+    assert mine.config._attn_implementation == SDPA_FLEX
+    assert_runs_as_sdpa(sdpa, mine, _batch(512))
 
 
 def test_padding_free_auto_turns_on_for_sdpa_flex_on_cuda_only():

@@ -80,15 +80,10 @@ def _tiny(attn: str = SDPA_VARLEN):
 
 
 def _batch(vocab: int) -> dict:
-    """Left-padded prompts of 2..5 tokens, right-padded responses of 1..7 tokens: sequences of
-    12, 5, 5 and 9 tokens."""
-    g = torch.Generator().manual_seed(1)
-    p_len, r_len = [5, 2, 4, 3], [7, 3, 1, 6]
-    p_mask = torch.tensor([[i >= 5 - n for i in range(5)] for n in p_len])
-    r_mask = torch.tensor([[i < n for i in range(7)] for n in r_len])
-    return dict(prompt_ids=torch.randint(3, vocab, (4, 5), generator=g), prompt_mask=p_mask,
-                response_ids=torch.randint(3, vocab, (4, 7), generator=g), response_mask=r_mask,
-                advantages=torch.tensor([1.0, -0.5, 2.0, -1.5])[:, None].expand(4, 7).clone())
+    """test_sdpa_flex's batch: sequences of 12, 5, 5 and 9 tokens."""
+    from test_sdpa_flex import _batch as flex_batch
+
+    return flex_batch(vocab)
 
 
 def _loss(lp, batch):
@@ -115,12 +110,9 @@ def test_packed_varlen_equals_padded_logprobs_and_grads(reference_kernel, checkp
     # boundaries of the 12-, 5-, 5- and 9-token sequences
     assert calls_pad == []
     assert calls_pack == [([0, 12, 17, 22, 31], 12)] * (4 if checkpointing else 2)
-    mask = batch["response_mask"]
-    assert (lp_pad[mask] < 0).all() and (lp_pad[~mask] == 0).all()
-    torch.testing.assert_close(lp_pack, lp_pad, **TOL)
-    assert len(g_pad) == len(g_pack) and any(g.abs().max() > 0 for g in g_pad.values())
-    for n, g in g_pad.items():
-        torch.testing.assert_close(g_pack[n], g, **TOL, msg=n)
+    from test_sdpa_flex import assert_packed_equals_padded
+
+    assert_packed_equals_padded(batch["response_mask"], lp_pad, g_pad, lp_pack, g_pack)
 
 
 def test_varlen_adapter_scale_and_gqa_in_both_signatures():
@@ -149,17 +141,11 @@ def test_outside_packing_sdpa_varlen_is_sdpa(monkeypatch):
     """Padded forwards and generate run SDPA unchanged (bit for bit), the kernel never."""
     CALLS.clear()
     monkeypatch.setattr(attention, "_varlen_kernel", lambda device: varlen_211)
+    from test_sdpa_flex import assert_runs_as_sdpa
+
     sdpa, mine = _tiny("sdpa"), _tiny()
     assert mine.config._attn_implementation == SDPA_VARLEN
-    b = _batch(512)
-    ids = torch.cat([b["prompt_ids"], b["response_ids"]], 1)
-    attn = torch.cat([b["prompt_mask"], b["response_mask"]], 1).long()
-    with torch.no_grad():
-        assert torch.equal(sdpa(input_ids=ids, attention_mask=attn).logits,
-                           mine(input_ids=ids, attention_mask=attn).logits)
-        gen = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
-        assert torch.equal(sdpa.generate(input_ids=ids[:, :5], attention_mask=attn[:, :5], **gen),
-                           mine.generate(input_ids=ids[:, :5], attention_mask=attn[:, :5], **gen))
+    assert_runs_as_sdpa(sdpa, mine, _batch(512))
     assert CALLS == []
 
 
