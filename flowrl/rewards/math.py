@@ -101,8 +101,10 @@ def math_verify_reward(response_text: str, ground_truth: str, **_: object) -> fl
     LAST number or expression of the text; ``verify`` then tests equivalence (``18.00`` = ``18``,
     ``1,000`` = ``1000``, ``1/2`` = ``0.5``). It credits a right number however it is written
     (``"#### 18"``, ``"so she makes $18."``, ``"\\boxed{18}"``), so on GSM8K the gap to the strict
-    ``#### n`` verifier is the answer format, not the arithmetic. Lenient by design: a response cut
-    off mid-way is scored on its last number (``"... 9 * 2 = "`` parses as ``9*2`` = 18).
+    ``#### n`` verifier is the answer format, not the arithmetic. A numeric reference needs a
+    numeric answer: math-verify would evaluate an extracted expression itself, so a response that
+    only repeats the question's sum (``"63 + 78 is a math problem"``, reference 141) or stops at
+    ``"... 9 * 2 = "`` scored 1 (found on the arith task's eval by a fresh-user check); it scores 0.
 
     Args:
         response_text: decoded RESPONSE tokens only.
@@ -122,4 +124,8 @@ def math_verify_reward(response_text: str, ground_truth: str, **_: object) -> fl
     if not gold:
         raise ValueError(f"math_verify ground_truth must parse as an expression, got {ground_truth!r}")
     pred = parse(response_text)
-    return 1.0 if pred and verify(gold, pred) else 0.0
+    if not pred:
+        return 0.0
+    if getattr(gold[0], "is_Number", False) and not getattr(pred[0], "is_Number", False):
+        return 0.0  # an unevaluated expression ("63 + 78") is the question, not an answer
+    return 1.0 if verify(gold, pred) else 0.0

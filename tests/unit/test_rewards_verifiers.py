@@ -108,6 +108,12 @@ def test_math_bad_ground_truth_is_a_data_error():
     ("The answer is -3.", "3", 0.0),
     ("I do not know", "5", 0.0),
     ("", "5", 0.0),
+    # the question's own sum, repeated, is no answer (math-verify would evaluate it to 141)
+    ("63 + 78 is a math problem that requires adding", "141", 0.0),
+    ("84 + 25 = 84 + 25 = ", "109", 0.0),
+    ("The sum is 9 * 2 = ", "18", 0.0),
+    (r"\boxed{\frac{1}{2}}", "0.5", 1.0),
+    (r"the product is $x^2$", "x^2", 1.0),              # a symbolic reference takes expressions
 ])
 def test_math_verify_reward_table(response, truth, reward):
     assert math_verify_reward(response, truth) == reward

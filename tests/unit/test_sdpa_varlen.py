@@ -204,6 +204,10 @@ def test_padding_free_auto_turns_on_for_sdpa_varlen_on_cuda_only(monkeypatch, ca
         assert not _resolve_padding_free(m, "auto", torch.device("cuda"))
     assert "packing off (varlen_attn failed: RuntimeError: x)" in caplog.text
     assert _resolve_padding_free(m, "true", torch.device("cuda"))  # forced: not second-guessed
+    caplog.clear()
+    with caplog.at_level("INFO"):  # forced on CPU: packed, under the dense mask, and it says so
+        assert _resolve_padding_free(m, "true", torch.device("cpu"))
+    assert "packed micro-batches take SDPA's dense block-diagonal mask (sdpa_varlen's" in caplog.text
 
 
 def _non_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None,

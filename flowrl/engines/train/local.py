@@ -161,6 +161,10 @@ def _resolve_padding_free(model: nn.Module, mode: str, device: torch.device) -> 
     if mode == "true":
         if not isinstance(model, PreTrainedModel):
             raise ValueError(f"padding_free=true needs a transformers model, got {type(model).__name__}")
+        if device.type != "cuda" and model.config._attn_implementation in (SDPA_VARLEN, SDPA_FLEX):
+            log.info("trainer.engine.padding_free=true on %s: packed micro-batches take SDPA's "
+                     "dense block-diagonal mask (%s's kernel runs on CUDA only); same values",
+                     device.type, model.config._attn_implementation)
         return True
     if mode == "false" or not isinstance(model, PreTrainedModel):
         return False
