@@ -112,6 +112,9 @@ def _hydra_job(spec: RunSpec) -> None:
 
     if spec.raw.hydra.mode is None:  # what Hydra's app records for a single run
         spec.raw.hydra.mode = RunMode.RUN
+    # Hydra's files (.hydra/, train.log) go with the run: a trainer.output_dir given on the
+    # command line used to leave them in a stray ./outputs/<date>/<time>/ of the working directory
+    spec.raw.hydra.run.dir = os.path.abspath(spec.config.trainer.output_dir)
     context = HydraContext(config_loader=cast(Any, None), callbacks=cast(Any, _NoCallbacks()))
     ret = run_job(task_function=lambda _: _run(spec), config=spec.raw,
                   job_dir_key="hydra.run.dir", job_subdir_key=None, hydra_context=context)

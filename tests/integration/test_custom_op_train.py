@@ -18,6 +18,8 @@ FLOWRL = Path(sys.executable).parent / "flowrl"  # the console script of this en
 def test_train_the_example_graph_with_its_own_op(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("PYTHONPATH", None)  # the op's module must come from the working directory
+    stray = EXAMPLE / "outputs"
+    before = sorted(stray.rglob("train.log")) if stray.exists() else []
     proc = subprocess.run(
         [str(FLOWRL), "train", "graph.path=grpo_brevity.yaml", "model=tiny", "trainer=smoke",
          "trainer.total_steps=2", "data.limit=32", "trainer.eval.before=false",
@@ -29,3 +31,6 @@ def test_train_the_example_graph_with_its_own_op(tmp_path):
     assert sorted(m) == [1, 2]
     assert all(0.0 <= m[s]["reward/brevity/bonus_mean"] <= 0.1 for s in (1, 2))
     assert "run     brevity        op=reward.brevity" in (tmp_path / "plan.txt").read_text()
+    # Hydra's files are the run's too: none left in the working directory's ./outputs
+    assert (tmp_path / "train.log").is_file() and (tmp_path / ".hydra" / "config.yaml").is_file()
+    assert (sorted(stray.rglob("train.log")) if stray.exists() else []) == before
