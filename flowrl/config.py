@@ -96,8 +96,11 @@ class GraphConfig:
         for cand in (p, REPO_ROOT / p):
             if cand.is_file():
                 return cand.resolve()
+        if p.is_absolute():
+            raise FileNotFoundError(f"graph.path: no graph file at {self.path!r}")
+        where = dict.fromkeys(str(d) for d in (Path.cwd(), REPO_ROOT))  # once each, in order
         raise FileNotFoundError(f"graph.path: no graph file at {self.path!r} "
-                                f"(looked in {Path.cwd()} and {REPO_ROOT})")
+                                f"(looked in {' and '.join(where)})")
 
 
 @dataclass

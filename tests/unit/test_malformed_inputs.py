@@ -453,3 +453,18 @@ def test_declared_outputs_that_match_the_op_pass():
     assert g["rollout"].outputs == ["response_ids", "response_mask", "rollout_logprobs",
                                     "truncated"]
     assert graph_from_yaml(g.to_yaml()).to_dict() == g.to_dict()
+
+
+def test_a_missing_graph_file_names_where_it_was_looked_for(tmp_path, monkeypatch):
+    from flowrl.config import REPO_ROOT, GraphConfig
+
+    with pytest.raises(FileNotFoundError) as e:
+        GraphConfig(path=str(tmp_path / "nope.yaml")).resolve()
+    assert str(e.value) == f"graph.path: no graph file at {str(tmp_path / 'nope.yaml')!r}"
+    monkeypatch.chdir(REPO_ROOT)  # the working directory is the checkout: named once
+    with pytest.raises(FileNotFoundError) as e:
+        GraphConfig(path="graphs/nope.yaml").resolve()
+    assert str(e.value) == f"graph.path: no graph file at 'graphs/nope.yaml' (looked in {REPO_ROOT})"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=rf"\(looked in {tmp_path} and {REPO_ROOT}\)$"):
+        GraphConfig(path="graphs/nope.yaml").resolve()
