@@ -15,7 +15,8 @@
 set -eu
 PY=${PYTHON:-python3}
 WHEELS=(hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 trl==1.16.0 datasets==5.2.0
-        dill==0.4.1 multiprocess==0.70.19 gguf==0.19.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0)
+        dill==0.4.1 multiprocess==0.70.19 gguf==0.19.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0
+        liger-kernel==0.8.5)
 exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file: ask git where it is
 mkdir -p "$(dirname "$exclude")" && { grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"; }
 rm -rf .whl && mkdir .whl

@@ -1,0 +1,334 @@
+"""One GRPO update of the e2e benchmark's workload, per train-engine variant: where the time goes.
+
+GPU run (one H200, ~4-5 min; the lead's command):
+    python benchmarks/update_step.py --out benchmarks/results/update_step_h200.md
+CPU smoke (2-layer model, numbers meaningless; tests/integration/test_bench_update_step_smoke.py):
+    python benchmarks/update_step.py --device cpu --variants base,mbt32k,fusedadam --rounds 1
+
+Why: in `benchmarks/e2e_vs_trl.py` flowrl's update (``time/update``) takes 1.07-1.22 s per step on
+the Qwen2.5-0.5B shape against TRL's 0.92 s for the same rows (e2e_vs_trl_h200_interleaved.md),
+16 % MFU against the issue's 35 % goal. This script times ``LocalTrainEngine.train_step`` alone
+on that step's batch, so each knob is measured without the rollout around it.
+
+Workload (``--shape qwen05b``, the e2e benchmark's model): Qwen2.5-0.5B-shaped random Qwen2
+(24 layers, hidden 896, 14/2 heads, MLP 4864, tied embeddings, the SmolLM2 vocabulary of 49,152)
+in bf16 on the device; one mini-batch of ``--rows`` (256 = 32 prompts x 8) rows, left-padded
+prompts of ``--prompt-len`` tokens (uniform in [lo, hi]), right-padded responses of 256 tokens
+(``--short-frac`` of them shorter, uniform in [16, 256]); random advantages; the update op's own
+loss (``ops.update.make_policy_loss_fn``: ppo_clip, token-mean, no old-logprob stage so the ratio
+is 1; entropy as a metric, T = 0.7), i.e. exactly what one flowrl e2e step asks of the engine.
+
+Variants (``--variants a,b,...``; ``x+y`` combines): ``base`` = the e2e benchmark's flowrl
+settings (``max_tokens_per_micro_batch=16384``, ``logprob_chunk_size=1024``, SDPA over padded
+rows, AdamW foreach); ``mbt32k``/``mbt64k`` = a 32,768 / 65,536-token micro-batch budget;
+``rows32`` = TRL's cut (32 rows per micro-batch, no token budget); ``chunk4k`` = 4,096-token
+LM-head chunks; ``lpcompile`` = ``trainer.engine.logprob_compile``; ``fusedadam`` =
+``torch.optim.AdamW(fused=True)``; ``noentropy`` = the step without
+the entropy metric; ``liger`` = liger-kernel's RMSNorm, SwiGLU and RoPE kernels
+patched into the model (``apply_liger_kernel_to_qwen2``; CUDA only); ``compile`` = each decoder
+layer through ``torch.compile`` (``nn.Module.compile``, dynamic shapes); ``varlen`` = packed
+micro-batches under ``sdpa_varlen``. Every variant gets its own engine over the same initial
+weights; the variants run in interleaved rounds (base, a, b, ..., base, a, b, ...), ``--steps``
+timed ``train_step`` calls each per round after ``--warmup`` untimed ones (the first of which
+carries any compile), so a drift of the machine hits all variants alike. Reported per variant:
+the median step seconds with min-max over all timed steps, the ratio to ``base``, MFU (the e2e
+benchmark's count: sum over rows of 6 N S + 6 L d S^2, S the row's valid tokens, against
+``--peak-tflops``), peak device memory, and for ``--profile`` variants one profiled step's GPU
+busy share and its kernel time by kind (matmul, attention, the rest) with the top kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _common import command_line, git_revision, machine_info, markdown_table, text_table, utc_now, versions  # noqa: E402
+
+SHAPES = {
+    "qwen05b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                    num_key_value_heads=2, intermediate_size=4864),
+    "qwen15b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                    num_key_value_heads=2, intermediate_size=8960),
+    "smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128),
+}
+VOCAB = 49152  # the SmolLM2 tokenizer's, as benchmarks/e2e_vs_trl.py's random shapes
+BASE_ENGINE = dict(lr=1e-5, max_tokens_per_micro_batch=16384, logprob_chunk_size=1024,
+                   padding_free="auto", max_grad_norm=1.0)
+# one knob per name: engine config overrides, and what the variant does to the model/engine
+KNOBS: dict[str, dict[str, Any]] = {
+    "base": {},
+    "mbt32k": {"engine": {"max_tokens_per_micro_batch": 32768}},
+    "mbt64k": {"engine": {"max_tokens_per_micro_batch": 65536}},
+    "rows32": {"engine": {"max_tokens_per_micro_batch": None, "micro_batch_size": 32}},
+    "chunk4k": {"engine": {"logprob_chunk_size": 4096}},
+    "lpcompile": {"engine": {"logprob_compile": True}},
+    "fusedadam": {"fused_adam": True},
+    "liger": {"liger": True, "cuda_only": True},
+    "compile": {"compile": True},
+    "varlen": {"attn": "sdpa_varlen", "engine": {"padding_free": "true"}, "cuda_only": True},
+    "noentropy": {"no_entropy": True},
+}
+
+
+def _batch(rows: int, p_lo: int, p_hi: int, r_len: int, short_frac: float, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    p_len = torch.randint(p_lo, p_hi + 1, (rows,), generator=g)
+    r = torch.full((rows,), r_len)
+    short = torch.rand(rows, generator=g) < short_frac
+    r[short] = torch.randint(16, r_len + 1, (int(short.sum()),), generator=g)
+    p_mask = torch.arange(p_hi)[None] >= (p_hi - p_len)[:, None]
+    r_mask = torch.arange(r_len)[None] < r[:, None]
+    adv = torch.randn(rows, 1, generator=g).expand(rows, r_len) * r_mask
+    return dict(prompt_ids=torch.randint(3, VOCAB, (rows, p_hi), generator=g), prompt_mask=p_mask,
+                response_ids=torch.randint(3, VOCAB, (rows, r_len), generator=g),
+                response_mask=r_mask, advantages=adv.float().contiguous())
+
+
+def _model(shape: str, attn: str, dtype, device):
+    from flowrl.models.loading import ModelConfig, build_tiny
+
+    tiny = {"model_type": "qwen2", **SHAPES[shape], "tie_word_embeddings": True,
+            "vocab_size": VOCAB, "max_position_embeddings": 4096}
+    return build_tiny(ModelConfig(tiny=tiny, attn_implementation=attn), dtype, device=device)
+
+
+class Variant:
+    """One engine of the comparison: its model (the shared initial weights), knobs and timings."""
+
+    def __init__(self, name: str, init_state: dict, shape: str, dtype, device) -> None:
+        import torch
+
+        from flowrl.engines.config import TrainEngineConfig
+        from flowrl.engines.train.local import LocalTrainEngine
+
+        self.name = name
+        knobs = [KNOBS[k] for k in name.split("+")]
+        attn = next((k["attn"] for k in knobs if "attn" in k), "sdpa")
+        model = _model(shape, attn, dtype, device)
+        model.load_state_dict(init_state)
+        if any(k.get("liger") for k in knobs):
+            from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+
+            apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                        fused_linear_cross_entropy=False, model=model)
+        if any(k.get("compile") for k in knobs):
+            for layer in model.model.layers:
+                layer.compile(dynamic=True)
+        engine_kw = dict(BASE_ENGINE)
+        for k in knobs:
+            engine_kw.update(k.get("engine", {}))
+        self.engine = LocalTrainEngine(model, TrainEngineConfig(**engine_kw))
+        if any(k.get("fused_adam") for k in knobs):
+            opt = self.engine.optimizer
+            assert opt is not None
+            g = opt.param_groups[0]
+            self.engine.optimizer = torch.optim.AdamW(
+                [p for p in model.parameters() if p.requires_grad], lr=g["lr"], betas=g["betas"],
+                eps=g["eps"], weight_decay=g["weight_decay"], fused=True)
+            from transformers import get_scheduler
+
+            cfg = self.engine.cfg
+            self.engine.scheduler = get_scheduler(cfg.lr_scheduler, self.engine.optimizer,
+                                                  num_warmup_steps=cfg.warmup_steps,
+                                                  num_training_steps=cfg.total_steps)
+        self.with_entropy = not any(k.get("no_entropy") for k in knobs)
+        self.times: list[float] = []
+        self.first_s: float | None = None
+        self.peak_gib: float | None = None
+        self.profile: dict | None = None
+
+
+def _loss_fn_factory(batch: dict):
+    from flowrl.algorithms.config import AlgorithmConfig
+    from flowrl.ops.update import make_policy_loss_fn
+
+    num_tokens = float(batch["response_mask"].sum())
+    return make_policy_loss_fn(AlgorithmConfig(), "ppo_clip", num_tokens=num_tokens,
+                               num_seqs=float(batch["response_mask"].shape[0]),
+                               max_response_len=batch["response_mask"].shape[1])
+
+
+def _step(v: Variant, batch: dict, loss_fn: Callable, sync: Callable[[], None]) -> float:
+    sync()
+    t0 = time.perf_counter()
+    v.engine.train_step(batch, loss_fn, temperature=0.7, with_entropy=v.with_entropy,
+                        entropy_grad=False)
+    sync()
+    return time.perf_counter() - t0
+
+
+def _profile(v: Variant, batch: dict, loss_fn: Callable, sync: Callable[[], None]) -> dict:
+    """One profiled step: wall s, GPU kernel s (busy), kernel s by kind, the top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        v.engine.train_step(batch, loss_fn, temperature=0.7, with_entropy=v.with_entropy,
+                            entropy_grad=False)
+        sync()
+        wall = time.perf_counter() - t0
+    kernels: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total / 1e6
+    kinds = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for name, s in kernels.items():
+        n = name.lower()
+        if any(x in n for x in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul")):
+            kinds["matmul"] += s
+        elif any(x in n for x in ("flash", "fmha", "attention", "attn")):
+            kinds["attention"] += s
+        else:
+            kinds["other"] += s
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    return dict(wall=wall, busy=sum(kernels.values()), kinds=kinds, top=top)
+
+
+def flops_of(batch: dict, shape: str) -> float:
+    s = SHAPES[shape]
+    H, L, I = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"]
+    heads, kv = s["num_attention_heads"], s["num_key_value_heads"]
+    hd = H // heads
+    per_layer = H * heads * hd + 2 * H * kv * hd + heads * hd * H + 3 * H * I
+    n = L * per_layer + VOCAB * H  # matmul parameters (the tied LM head counted once)
+    seqs = (batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)).tolist()
+    return float(sum(6 * n * x + 6 * L * H * x * x for x in seqs))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--shape", choices=tuple(SHAPES), default=None,
+                   help="model shape (default: qwen05b on cuda, smoke on cpu)")
+    p.add_argument("--variants", default="base,mbt32k,rows32,chunk4k,lpcompile,fusedadam,liger,"
+                   "compile,varlen,noentropy,liger+fusedadam+mbt32k")
+    p.add_argument("--rows", type=int, default=None, help="rows per step (default 256; cpu 16)")
+    p.add_argument("--prompt-len", default="80,220", help="lo,hi valid prompt tokens")
+    p.add_argument("--response-len", type=int, default=None, help="default 256 (cpu 32)")
+    p.add_argument("--short-frac", type=float, default=0.05)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--profile", default="base", help="variants to profile one step of ('' = none)")
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    import torch
+
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("needs a CUDA device (--device cpu: a smoke run)", file=sys.stderr)
+        return 2
+    shape = args.shape or ("qwen05b" if cuda else "smoke")
+    rows = args.rows or (256 if cuda else 16)
+    r_len = args.response_len or (256 if cuda else 32)
+    p_lo, p_hi = (int(x) for x in args.prompt_len.split(","))
+    if not cuda:
+        p_lo, p_hi = min(p_lo, 8), min(p_hi, 24)
+    names = [n for n in args.variants.split(",") if n]
+    unknown = [k for n in names for k in n.split("+") if k not in KNOBS]
+    if unknown:
+        p.error(f"unknown variant knob(s) {unknown}; known: {sorted(KNOBS)}")
+    skipped = [n for n in names if not cuda and any(KNOBS[k].get("cuda_only") for k in n.split("+"))]
+    names = [n for n in names if n not in skipped]
+    if "base" not in names:
+        names.insert(0, "base")
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    batch = _batch(rows, p_lo, p_hi, r_len, args.short_frac)
+    loss_fn = _loss_fn_factory(batch)
+    init = {k: t.clone() for k, t in _model(shape, "sdpa", dtype, device).state_dict().items()}
+    variants = []
+    for n in names:
+        v = Variant(n, init, shape, dtype, device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if cuda else 0
+        t0 = time.perf_counter()
+        for i in range(args.warmup):
+            s = _step(v, batch, loss_fn, sync)
+            if i == 0:
+                v.first_s = s
+        if cuda:
+            v.peak_gib = (torch.cuda.max_memory_allocated() - before) / 2**30
+        print(f"[update_step] {n}: built and warmed up in {time.perf_counter() - t0:.1f} s "
+              f"(first step {v.first_s:.2f} s)", flush=True)
+        variants.append(v)
+        if cuda:
+            torch.cuda.empty_cache()
+    for r in range(args.rounds):
+        for v in variants:
+            for _ in range(args.steps):
+                v.times.append(_step(v, batch, loss_fn, sync))
+        print(f"[update_step] round {r + 1}: " + ", ".join(
+            f"{v.name} {statistics.median(v.times[-args.steps:]):.3f}" for v in variants), flush=True)
+    for n in [x for x in args.profile.split(",") if x]:
+        v = next((x for x in variants if x.name == n), None)
+        if v is not None:
+            v.profile = _profile(v, batch, loss_fn, sync)
+
+    flops = flops_of(batch, shape)
+    base_med = statistics.median(variants[0].times)
+    valid = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
+    head = ["variant", "step s median [min-max]", "/ base", "MFU", "valid tokens/s", "first step s",
+            "peak GiB above the model"]
+    table = []
+    for v in variants:
+        med = statistics.median(v.times)
+        table.append([v.name, f"{med:.3f} [{min(v.times):.3f}-{max(v.times):.3f}]",
+                      f"{med / base_med:.2f}x", f"{flops / med / (args.peak_tflops * 1e12):.1%}" if cuda
+                      else "n/a", f"{valid / med:,.0f}", f"{v.first_s:.2f}",
+                      f"{v.peak_gib:.1f}" if v.peak_gib is not None else "n/a"])
+    for n in skipped:
+        table.append([n, "not run (CUDA only)", "", "", "", "", ""])
+    print(text_table(head, table), flush=True)
+    prof_lines: list[str] = []
+    for v in variants:
+        if v.profile is None:
+            continue
+        pr = v.profile
+        kinds = ", ".join(f"{k} {s:.3f} s ({s / max(pr['busy'], 1e-9):.0%})" for k, s in pr["kinds"].items())
+        prof_lines += [f"### Profile of one `{v.name}` step", "",
+                       f"wall {pr['wall']:.3f} s; GPU kernels {pr['busy']:.3f} s "
+                       f"({pr['busy'] / pr['wall']:.0%} of the wall: the rest the GPU waited for "
+                       f"the host); by kind: {kinds}", "",
+                       markdown_table(["kernel", "s"], [[f"`{k[:110]}`", f"{s:.4f}"] for k, s in pr["top"]]),
+                       ""]
+        print("\n".join(prof_lines[-4:-2]), flush=True)
+    if args.out:
+        v_ = versions(["torch", "transformers", "triton", "liger-kernel"])
+        m = machine_info()
+        gpu = torch.cuda.get_device_name() if cuda else "no GPU"
+        args.out.write_text("\n".join([
+            "# One GRPO update per train-engine variant (the e2e benchmark's step)", "",
+            "Produced by `benchmarks/update_step.py` (its docstring says what each variant is).", "",
+            f"- command: `{command_line()}`",
+            f"- date: {utc_now()}; flowrl commit {git_revision()}",
+            f"- machine: {gpu}; {m['cpu']}, {m['logical_cpus']} CPUs, {m['memory']}; "
+            + ", ".join(f"{k} {x}" for k, x in v_.items()),
+            f"- workload: shape {shape}, {rows} rows, prompts {p_lo}-{p_hi} tokens, responses {r_len} "
+            f"({args.short_frac:.0%} shorter), {valid:,} valid tokens, {flops / 1e12:.1f} TFLOP per step; "
+            f"{args.rounds} interleaved rounds x {args.steps} timed steps after {args.warmup} warm-up", "",
+            markdown_table(head, table), "", *prof_lines]) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
