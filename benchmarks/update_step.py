@@ -252,7 +252,8 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.synchronize()
 
-    batch = _batch(rows, p_lo, p_hi, r_len, args.short_frac)
+    # on the device, as the update op hands it over (the engine copies the ids/masks to the host)
+    batch = {k: t.to(device) for k, t in _batch(rows, p_lo, p_hi, r_len, args.short_frac).items()}
     loss_fn = _loss_fn_factory(batch)
     init = {k: t.clone() for k, t in _model(shape, "sdpa", dtype, device).state_dict().items()}
     variants = []
