@@ -244,6 +244,10 @@ def main(argv=None) -> int:
     names = [n for n in names if n not in skipped]
     if "base" not in names:
         names.insert(0, "base")
+    # liger-kernel patches transformers' Qwen2 module classes and RoPE function globally, not only
+    # the model it is given: every model built after it gets its kernels (and torch.compile fails
+    # on them), so the liger variants are built last
+    names.sort(key=lambda n: any(KNOBS[k].get("liger") for k in n.split("+")))
     device = torch.device(args.device)
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.backends.cuda.matmul.allow_tf32 = True
