@@ -62,7 +62,13 @@ def versions(packages: Iterable[str]) -> dict[str, str]:
 
 
 def git_revision(repo: Path = REPO_ROOT) -> str:
-    """Short commit of ``repo`` plus ``+dirty`` when the working tree has uncommitted changes."""
+    """Short commit of ``repo`` plus ``+dirty`` when the working tree has uncommitted changes.
+
+    ``FLOWRL_COMMIT`` in the environment wins (scripts/device/session.sh sets it from the carried
+    ``.flowrl_commit``): the lent GPU machine's copy of the tree carries a stale .git, so git
+    there names an old commit."""
+    if os.environ.get("FLOWRL_COMMIT"):
+        return os.environ["FLOWRL_COMMIT"] + " (FLOWRL_COMMIT)"
     try:
         rev = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, check=True).stdout.strip()

@@ -39,7 +39,6 @@ busy share and its kernel time by kind (matmul, attention, the rest) with the to
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import time
@@ -48,7 +47,15 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import command_line, git_revision, machine_info, markdown_table, text_table, utc_now, versions  # noqa: E402
+from _common import (  # noqa: E402
+    command_line,
+    git_revision,
+    machine_info,
+    markdown_table,
+    text_table,
+    utc_now,
+    versions,
+)
 
 SHAPES = {
     "qwen05b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,

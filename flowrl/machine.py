@@ -25,6 +25,10 @@ setting (``auto``)                    CUDA visible                          / CP
                                                                             / ``sdpa``
 ``trainer.engine.max_tokens_per_      16384 valid tokens per micro-batch (token-budget bins)
 micro_batch`` (null)                                                        / null (rows)
+``model.liger_kernel``                ``true`` when liger-kernel imports and the model is a
+                                      llama/qwen2/qwen3/mistral (fused Triton RMSNorm, SwiGLU,
+                                      RoPE: the update 0.85x on the H200,
+                                      ``benchmarks/results/update_step_h200.md``)  / ``false``
 ====================================  ===========================================================
 
 An explicit setting always wins. ``trainer.offload`` (``auto``) is resolved when the models are
@@ -36,6 +40,13 @@ import importlib.util
 import os
 
 # trainer.offload=auto is decided where the engines are built (runtime/step/resources.py)
+from flowrl.models.bundled import SMOLLM2
+from flowrl.models.kernels import (
+    AUTO_MODEL_TYPES,
+    liger_importable,
+    liger_supported_types,
+    model_type_of,
+)
 from flowrl.runtime.control.preflight import ConfigError
 from flowrl.runtime.control.spec import Resolved
 
@@ -84,13 +95,14 @@ def varlen_attn_usable() -> bool:
 
 
 def resolve_machine_defaults(cfg, *, cuda: bool | None = None, vllm: bool | None = None,
-                             flash_attn: bool | None = None,
-                             varlen: bool | None = None) -> list[Resolved]:
+                             flash_attn: bool | None = None, varlen: bool | None = None,
+                             liger: bool | None = None) -> list[Resolved]:
     """Replace every ``auto`` of ``cfg`` (a ``flowrl.config.TrainConfig``) by its value on this
     machine, in place; returns what was resolved and why (explicit settings are left alone).
 
     ``cuda`` / ``vllm`` / ``flash_attn`` / ``varlen`` (:func:`varlen_attn_usable`, asked only with
-    a CUDA device visible) override what is detected (tests; None = detect).
+    a CUDA device visible) / ``liger`` (liger-kernel installed) override what is detected (tests;
+    None = detect).
 
     An explicit ``trainer.device=cuda`` resolves as a GPU run even without a visible device (so a
     GPU job can be planned anywhere); ``flowrl train`` refuses to start it.
@@ -141,6 +153,17 @@ def resolve_machine_defaults(cfg, *, cuda: bool | None = None, vllm: bool | None
             sec.dtype = compute
             if name.split(".")[1] == r.backend:
                 out.append(Resolved(name, compute, "the trainer's compute dtype"))
+    if m.liger_kernel == "auto":
+        liger = liger_importable() if liger is None else liger
+        kind = model_type_of(m.path, m.tiny, SMOLLM2)
+        on = on_gpu and liger and kind in AUTO_MODEL_TYPES
+        m.liger_kernel = "true" if on else "false"
+        out.append(Resolved("model.liger_kernel", m.liger_kernel,
+                            "CPU: liger's Triton kernels need a GPU" if not on_gpu else
+                            "liger-kernel is not installed (pip install liger-kernel)" if not liger else
+                            f"fused RMSNorm/SwiGLU/RoPE for the {kind} model" if on else
+                            f"model type {kind!r}: not one auto turns liger on for "
+                            f"({', '.join(AUTO_MODEL_TYPES)}; model.liger_kernel=true tries it)"))
     if m.attn_implementation == "auto":
         # sdpa_varlen packs micro-batches (padding_free=auto) with nothing to compile; not
         # sdpa_flex: on the H200 its first compile made step 1 of the default job take 50-70 s
@@ -194,6 +217,18 @@ def machine_problems(cfg, *, cuda: bool | None = None, vllm: bool | None = None,
         out.append("model.attn_implementation=sdpa_varlen on CUDA needs torch's "
                    "torch.nn.attention.varlen.varlen_attn (torch >= 2.10) and an sm80+ GPU; use "
                    "auto, sdpa_flex or sdpa")
+    if cfg.model.liger_kernel == "true":
+        if not on_gpu:
+            out.append("model.liger_kernel=true needs trainer.device=cuda (liger-kernel's Triton "
+                       "kernels run on a GPU); use auto or false")
+        elif not liger_importable():
+            out.append("model.liger_kernel=true but liger-kernel is not installed here "
+                       "(pip install liger-kernel); use auto or false")
+        else:
+            kind = model_type_of(cfg.model.path, cfg.model.tiny, SMOLLM2)
+            if kind is not None and kind not in liger_supported_types():
+                out.append(f"model.liger_kernel=true: liger-kernel has no kernels for model type "
+                           f"{kind!r}; use auto or false")
     if attn == "flex_attention" and not on_gpu:
         out.append("model.attn_implementation=flex_attention runs on CUDA only (on CPU its kernels "
                    "fail to compile); use auto or sdpa")

@@ -26,6 +26,7 @@ set -uo pipefail
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false COLUMNS=200 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD:/tmp/vsite:/tmp/site:/tmp/smollm2_site${PYTHONPATH:+:$PYTHONPATH}
 COMMIT=$(cat .flowrl_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo "?")
+export FLOWRL_COMMIT=$COMMIT  # benchmarks/_common.git_revision reads it (the device .git is stale)
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 
 phase_first_step() {  # ~3 min: the default job twice: cold (fresh machine), then warm (GGUF + vLLM compile caches)

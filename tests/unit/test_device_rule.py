@@ -173,7 +173,7 @@ def test_gpu_machine_resolves_gpu_defaults(monkeypatch):
     assert [r.field for r in got] == [
         "trainer.device", "model.dtype", "trainer.engine.strategy",
         "trainer.engine.max_tokens_per_micro_batch", "rollout.backend", "rollout.vllm.dtype",
-        "model.attn_implementation"]
+        "model.liger_kernel", "model.attn_implementation"]
     assert str(got[0]) == "trainer.device=cuda (a CUDA device is visible)"
     assert str(got[-1]) == ("model.attn_implementation=sdpa_varlen (flash-attn not installed; "
                             "torch's varlen_attn packs micro-batches)")
@@ -181,6 +181,52 @@ def test_gpu_machine_resolves_gpu_defaults(monkeypatch):
     got = resolve_machine_defaults(cfg, cuda=True, vllm=True, flash_attn=False, varlen=False)
     assert str(got[-1]) == ("model.attn_implementation=sdpa (flash-attn not installed; no torch "
                             "varlen_attn or an sm80+ GPU)")
+
+
+def test_liger_kernel_auto_is_on_for_measured_model_types_on_a_gpu(tmp_path):
+    from flowrl.machine import resolve_machine_defaults
+
+    def liger(*overrides, cuda=True, installed=True):
+        cfg = _cfg(*overrides)
+        got = {r.field: str(r) for r in resolve_machine_defaults(
+            cfg, cuda=cuda, vllm=True, flash_attn=False, varlen=False, liger=installed)}
+        return cfg.model.liger_kernel, got.get("model.liger_kernel")
+
+    assert liger() == ("true", "model.liger_kernel=true (fused RMSNorm/SwiGLU/RoPE for the llama "
+                               "model)")
+    assert liger("model.tiny.model_type=qwen2") == (
+        "true", "model.liger_kernel=true (fused RMSNorm/SwiGLU/RoPE for the qwen2 model)")
+    assert liger(cuda=False) == ("false", "model.liger_kernel=false (CPU: liger's Triton kernels "
+                                          "need a GPU)")
+    assert liger(installed=False) == ("false", "model.liger_kernel=false (liger-kernel is not "
+                                               "installed (pip install liger-kernel))")
+    assert liger("model.tiny.model_type=gpt2")[0] == "false"
+    assert "not one auto turns liger on for" in liger("model.tiny.model_type=gpt2")[1]
+    # an HF directory: its config.json's model_type, read without loading the model
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "qwen3"}')
+    (d / "model.safetensors").write_bytes(b"")
+    (d / "tokenizer.json").write_text("{}")
+    from flowrl.models.kernels import model_type_of
+
+    assert model_type_of(str(d), None, "smollm2") == "qwen3"
+    assert model_type_of("smollm2", None, "smollm2") == "llama"
+    assert model_type_of(str(tmp_path), None, "smollm2") is None
+    # explicit settings win, YAML booleans included
+    assert liger("model.liger_kernel=false") == ("false", None)
+    assert liger("model.liger_kernel=true", cuda=False) == ("true", None)
+
+
+def test_liger_kernel_setting_is_checked_before_anything_loads():
+    from flowrl.machine import machine_problems
+
+    with pytest.raises(ValueError, match="model.liger_kernel must be one of"):
+        _cfg("model.liger_kernel=fast")
+    got = machine_problems(_cfg("trainer.device=cpu", "rollout=hf", "model.liger_kernel=true"),
+                           cuda=False, vllm=False, flash_attn=False)
+    assert got == ["model.liger_kernel=true needs trainer.device=cuda (liger-kernel's Triton "
+                   "kernels run on a GPU); use auto or false"]
 
 
 def test_gpu_without_vllm_and_explicit_settings_win():

@@ -1,0 +1,90 @@
+"""Fused Triton kernels for the policy's forward/backward: liger-kernel's RMSNorm, SwiGLU and RoPE.
+
+Why: in one GRPO update on the H200 (``benchmarks/update_step.py``, Qwen2.5-0.5B shape, 256 rows)
+55 % of the GPU's kernel time is elementwise and reduction kernels of eager PyTorch (RMSNorm's
+upcasts, SiLU x mul, RoPE's rotate-half, their backward), not matmuls; liger-kernel's fused
+kernels cut the step to 0.85x (0.5B) and 0.83x (1.5B: MFU 33.6 % -> 40.3 %) and lower the
+activation peak (benchmarks/results/update_step_h200.md).
+
+Only these three are used: the LM head and its log-softmax are flowrl's own chunked path
+(``algorithms/logprobs.linear_logprobs``), so liger's fused linear cross-entropy is left off.
+
+``model.liger_kernel`` (``ModelConfig``): ``auto`` = on with a CUDA device, the package installed
+and a model type in :data:`AUTO_MODEL_TYPES` (the ones measured and GPU-tested); ``true`` = any
+model type liger-kernel supports (refused before loading when the package, CUDA or the type is
+missing); ``false`` = never. Resolved in ``flowrl/machine.py``.
+
+Caveat (liger-kernel 0.8.5): besides the model instance it is given, ``apply_liger_kernel_to_*``
+replaces the transformers module's RMSNorm / MLP classes and its ``apply_rotary_pos_emb``
+function, so every model of that type built later in the process gets the kernels too (flowrl's
+reference / reward models of the same family, which is what a GPU run wants).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from torch import nn
+
+LIGER_MODES = ("auto", "true", "false")
+# model types `auto` turns liger on for: measured on the H200 (qwen2) or the same kernels on the
+# same module layout (llama: SmolLM2; mistral, qwen3), and covered by tests/gpu/test_liger_gpu.py
+AUTO_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def liger_importable() -> bool:
+    """liger-kernel is installed (found without importing it: it imports triton)."""
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def model_type_of(path: str, tiny: Optional[dict], smollm2: str) -> Optional[str]:
+    """The ``model_type`` a ``ModelConfig`` will load, without loading it: a tiny model's own,
+    ``llama`` for the bundled SmolLM2 GGUF, else the HF directory's ``config.json``; None when it
+    cannot be read (a GGUF in a directory of its own)."""
+    if tiny is not None:
+        return str(tiny.get("model_type"))
+    if path == smollm2:
+        return "llama"
+    try:
+        return str(json.loads((Path(path) / "config.json").read_text())["model_type"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def liger_supported_types() -> tuple[str, ...]:
+    """Every model type liger-kernel has a patch for (imports liger-kernel and triton)."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    return tuple(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))
+
+
+def apply_liger_kernels(model: "nn.Module") -> str:
+    """Swap the RMSNorm, SwiGLU MLP and RoPE of ``model`` (a transformers causal LM, on CUDA) for
+    liger-kernel's Triton kernels, in place; same parameters and state dict, same math up to bf16
+    rounding (tests/gpu/test_liger_gpu.py bounds the logprob and gradient differences).
+
+    Returns:
+        The model type patched (for the console).
+
+    Raises:
+        ValueError: liger-kernel has no patch for the model's type.
+        ImportError: liger-kernel is not installed.
+    """
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(str(model_type))
+    if fn is None:
+        raise ValueError(f"model.liger_kernel=true: liger-kernel has no kernels for model type "
+                         f"{model_type!r} (it has: {', '.join(liger_supported_types())}); use "
+                         "model.liger_kernel=false or auto")
+    import inspect
+
+    wanted = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                  fused_linear_cross_entropy=False)
+    params = inspect.signature(fn).parameters
+    fn(model=model, **{k: v for k, v in wanted.items() if k in params})
+    return str(model_type)

@@ -1,0 +1,98 @@
+"""GPU tier: liger-kernel's RMSNorm / SwiGLU / RoPE (``model.liger_kernel``) compute the model's math.
+
+Opt-in: ``pytest -m gpu tests/gpu/test_liger_gpu.py`` on a CUDA device with liger-kernel installed.
+What ``model.liger_kernel=auto`` turns on for a GPU run (flowrl/models/kernels.py) must not change
+what the trainer computes: per-token logprobs of a tiny random Llama and Qwen2 (grouped-query heads,
+tied embeddings) and one forward/backward's gradients, liger against eager PyTorch on the same
+weights. fp32 with TF32 off: max |Δ logprob| ≤ 1e-4 nats and gradient cosine ≥ 0.9999 (the kernels
+reorder sums; measured ~1e-6); bf16 (what a GPU run computes in): max |Δ logprob| ≤ 0.1 nats
+(bf16 rounding of 64-dim heads and a 1,024 vocabulary) and gradient cosine ≥ 0.99.
+liger patches transformers' module classes and RoPE function globally (kernels.py's caveat): each
+test restores them (``monkeypatch``) so later tests build eager models.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from flowrl.engines.config import TrainEngineConfig
+from flowrl.engines.train.local import LocalTrainEngine
+from flowrl.models.kernels import liger_importable
+from flowrl.models.loading import ModelConfig, build_tiny, load_model, tiny_model_config
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or not liger_importable(),
+                                 reason="needs a CUDA device and liger-kernel")]
+
+
+def _keep_transformers_modules(monkeypatch, kind: str) -> None:
+    """Restore what apply_liger_kernel_to_<kind> replaces in transformers' module at teardown."""
+    import importlib
+
+    mod = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    prefix = {"llama": "Llama", "qwen2": "Qwen2"}[kind]
+    for name in ("apply_rotary_pos_emb", f"{prefix}RMSNorm", f"{prefix}MLP"):
+        monkeypatch.setattr(mod, name, getattr(mod, name))
+
+
+def _tiny(kind: str, dtype: torch.dtype):
+    tiny = {**tiny_model_config("llama"), "model_type": kind, "hidden_size": 256,
+            "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 1024, "tie_word_embeddings": True}
+    return build_tiny(ModelConfig(tiny=tiny, attn_implementation="sdpa"), dtype,
+                      device=torch.device("cuda"))
+
+
+def _batch(n: int = 8, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    P, R = 40, 60
+    p_len = torch.randint(3, P + 1, (n,), generator=g)
+    r_len = torch.randint(1, R + 1, (n,), generator=g)
+    return dict(prompt_ids=torch.randint(3, 1024, (n, P), generator=g),
+                prompt_mask=torch.arange(P)[None] >= (P - p_len)[:, None],
+                response_ids=torch.randint(3, 1024, (n, R), generator=g),
+                response_mask=torch.arange(R)[None] < r_len[:, None])
+
+
+def _logprobs_and_grads(model, batch):
+    eng = LocalTrainEngine(model, TrainEngineConfig(lr=1e-5, micro_batch_size=len(batch["prompt_ids"])))
+    lp, _ = eng._logprobs(batch, 1.0, with_entropy=False)
+    m = batch["response_mask"].to(lp.device)
+    (-(lp * m).sum() / m.sum()).backward()
+    grads = torch.cat([p.grad.float().flatten() for p in eng.model.parameters()])
+    return lp.detach().float(), m, grads
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype,lp_tol,cos_min", [(torch.float32, 1e-4, 0.9999),
+                                                  (torch.bfloat16, 0.1, 0.99)])
+def test_liger_kernels_keep_logprobs_and_gradients(monkeypatch, kind, dtype, lp_tol, cos_min):
+    from flowrl.models.kernels import apply_liger_kernels
+
+    _keep_transformers_modules(monkeypatch, kind)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    eager = _tiny(kind, dtype)
+    fused = copy.deepcopy(eager)
+    assert apply_liger_kernels(fused) == kind
+    assert fused.model.layers[0].mlp._get_name() == "LigerSwiGLUMLP"
+    b = _batch()
+    lp_e, m, g_e = _logprobs_and_grads(eager, b)
+    lp_f, _, g_f = _logprobs_and_grads(fused, b)
+    d = (lp_f - lp_e)[m.bool()].abs().max().item()
+    cos = torch.nn.functional.cosine_similarity(g_f, g_e, dim=0).item()
+    assert d <= lp_tol, f"max |Δ logprob| {d:.2e} > {lp_tol}"
+    assert cos >= cos_min, f"gradient cosine {cos:.6f} < {cos_min}"
+    assert abs(g_f.norm().item() / g_e.norm().item() - 1) < 0.05
+
+
+def test_load_model_applies_liger_when_resolved_true(monkeypatch):
+    _keep_transformers_modules(monkeypatch, "llama")
+    tiny = {**tiny_model_config("llama"), "vocab_size": 1024}
+    # off first: once applied, liger's global patch gives every later Llama its classes
+    off = load_model(ModelConfig(tiny=tiny, liger_kernel="false"), "cuda")
+    assert off.model.layers[0].mlp._get_name() == "LlamaMLP"
+    on = load_model(ModelConfig(tiny=tiny, liger_kernel="true"), "cuda")
+    assert on.model.layers[0].mlp._get_name() == "LigerSwiGLUMLP"
