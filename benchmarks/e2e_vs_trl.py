@@ -311,6 +311,10 @@ def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, 
          f"trainer.engine.padding_free={e.padding_free} (packed micro-batches: on CUDA with "
          "flash_attention_*, flex_attention, sdpa_flex or sdpa_varlen)",
          "the same loaded model, padded batches (padding_free=False, TRL's default)"),
+        ("fused kernels", f"model.liger_kernel={tc.model.liger_kernel} (auto: liger-kernel's "
+         "RMSNorm/SwiGLU/RoPE on CUDA when installed)",
+         "use_liger_kernel=False (GRPOConfig's default; the model is loaded without liger: TRL "
+         "can patch it in with use_liger_kernel=True, which this benchmark does not measure)"),
         ("rollout", rollout, trl_rollout),
         ("batch", f"prompts_per_step={tc.trainer.prompts_per_step} × n={a.n}",
          f"num_generations={kw['num_generations']}, generation batch "
@@ -585,7 +589,9 @@ def child_trl(bc: BenchConfig, out_dir: str) -> dict:
     prompts, truths, _ = prompt_schedule(tc, bc, tok)
     dataset = Dataset.from_dict({"prompt": prompts, "ground_truth": truths})
     torch.manual_seed(tc.trainer.seed)
-    model = load_model(tc.model)
+    # TRL as its users run it: use_liger_kernel=False is GRPOConfig's default, so its model is
+    # loaded without flowrl's liger kernels (model.liger_kernel=auto turns them on for flowrl)
+    model = load_model(replace(tc.model, liger_kernel="false"))
     seen: dict = {}
     _observe_precision(model, seen)
     # flowrl stops on the tokenizer's EOS only; TRL also stops on the model's generation eos ids
