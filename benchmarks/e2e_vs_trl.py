@@ -104,8 +104,12 @@ GPU_SUITE = dict(device="cuda", model="qwen05b,smollm2,qwen15b", rollout="hf,vll
 # idles while the other runs a round), so each gets a budget that leaves room for the other at
 # the 1.5B shape: TRL's colocate engine 0.3 x 141 GiB, flowrl's engines a fixed 8 GiB KV cache
 # (a 256 x 512-token batch of the 1.5B shape needs 3.5 GiB of KV). Given by hand, an override of
-# the same key wins.
-GPU_SUITE_OVERRIDES = ["rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.kv_cache_memory_gb=8"]
+# the same key wins. torch_compile=true: the steady state this suite measures is a long job's, and
+# flowrl's job-sized rule turns vLLM's torch.compile on from 50,000 decode steps (a 7-step run has
+# 1,792, so auto would leave it off to save start-up); TRL's colocate engine runs vLLM's default,
+# which compiles: both sides compile
+GPU_SUITE_OVERRIDES = ["rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.kv_cache_memory_gb=8",
+                       "rollout.vllm.torch_compile=true"]
 # the CPU check of the round machinery (a tiny random model, a few minutes on 2 cores)
 CPU_SUITE = dict(device="cpu", model="tiny", rollout="hf", prompts_per_step=2, n=2,
                  max_new_tokens=8, steps=2, rounds=3, warmup=1, micro_batch_size=2,
