@@ -123,10 +123,9 @@ class Variant:
         model = _model(shape, attn, dtype, device)
         model.load_state_dict(init_state)
         if any(k.get("liger") for k in knobs):
-            from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+            from flowrl.models.kernels import apply_liger_kernels
 
-            apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                        fused_linear_cross_entropy=False, model=model)
+            apply_liger_kernels(model)  # what model.liger_kernel=true does
         if any(k.get("compile") for k in knobs):
             for layer in model.model.layers:
                 layer.compile(dynamic=True)
@@ -251,9 +250,8 @@ def main(argv=None) -> int:
     names = [n for n in names if n not in skipped]
     if "base" not in names:
         names.insert(0, "base")
-    # liger-kernel patches transformers' Qwen2 module classes and RoPE function globally, not only
-    # the model it is given: every model built after it gets its kernels (and torch.compile fails
-    # on them), so the liger variants are built last
+    # liger-kernel leaves its RoPE function in transformers' Qwen2 module (flowrl/models/kernels.py):
+    # the liger variants are built last, so no other variant runs it
     names.sort(key=lambda n: any(KNOBS[k].get("liger") for k in n.split("+")))
     device = torch.device(args.device)
     dtype = torch.bfloat16 if cuda else torch.float32

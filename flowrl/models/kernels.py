@@ -16,13 +16,17 @@ missing); ``false`` = never. Resolved in ``flowrl/machine.py``.
 
 Caveat (liger-kernel 0.8.5): besides the model instance it is given, ``apply_liger_kernel_to_*``
 replaces the transformers module's RMSNorm / MLP classes and its ``apply_rotary_pos_emb``
-function, so every model of that type built later in the process gets the kernels too (flowrl's
-reference / reward models of the same family, which is what a GPU run wants).
+function. :func:`apply_liger_kernels` puts the classes back (the instance keeps its patched
+modules), so a later ``model.liger_kernel=false`` model of that type is built with eager modules
+(found by the GPU tier: a test's eager model got liger's MLP after an earlier run in the same
+process); the RoPE function stays liger's, since the patched instance looks it up in that module
+at call time (same math: tests/gpu/test_liger_gpu.py).
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -86,5 +90,10 @@ def apply_liger_kernels(model: "nn.Module") -> str:
     wanted = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                   fused_linear_cross_entropy=False)
     params = inspect.signature(fn).parameters
+    module = sys.modules.get(type(model).__module__)
+    before = dict(vars(module)) if module is not None else {}
     fn(model=model, **{k: v for k, v in wanted.items() if k in params})
+    for name, old in before.items():  # the module's classes back (see the module docstring)
+        if isinstance(old, type) and getattr(module, name) is not old:
+            setattr(module, name, old)
     return str(model_type)

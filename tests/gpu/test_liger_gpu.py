@@ -91,8 +91,11 @@ def test_liger_kernels_keep_logprobs_and_gradients(monkeypatch, kind, dtype, lp_
 def test_load_model_applies_liger_when_resolved_true(monkeypatch):
     _keep_transformers_modules(monkeypatch, "llama")
     tiny = {**tiny_model_config("llama"), "vocab_size": 1024}
-    # off first: once applied, liger's global patch gives every later Llama its classes
-    off = load_model(ModelConfig(tiny=tiny, liger_kernel="false"), "cuda")
-    assert off.model.layers[0].mlp._get_name() == "LlamaMLP"
     on = load_model(ModelConfig(tiny=tiny, liger_kernel="true"), "cuda")
     assert on.model.layers[0].mlp._get_name() == "LigerSwiGLUMLP"
+    # liger replaced transformers' classes too; apply_liger_kernels put them back, so a model
+    # built afterwards with liger off is eager (the tier found the leak)
+    off = load_model(ModelConfig(tiny=tiny, liger_kernel="false"), "cuda")
+    assert off.model.layers[0].mlp._get_name() == "LlamaMLP"
+    assert type(off.model.norm).__name__ == "LlamaRMSNorm"
+    assert on.model.layers[0].mlp._get_name() == "LigerSwiGLUMLP"  # the patched one keeps it
