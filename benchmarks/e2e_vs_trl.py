@@ -1162,7 +1162,9 @@ STEP_S_GUESS = {("qwen05b", "hf", "flowrl"): 10.0, ("qwen05b", "hf", "trl"): 8.0
                 ("smollm2", "vllm", "flowrl"): 2.5, ("smollm2", "vllm", "trl"): 3.5,
                 ("qwen15b", "hf", "flowrl"): 16.0, ("qwen15b", "hf", "trl"): 12.5,
                 ("qwen15b", "vllm", "flowrl"): 8.0, ("qwen15b", "vllm", "trl"): 9.0}
-BUILD_S_GUESS = {("hf", "flowrl"): 5.0, ("hf", "trl"): 1.0, ("vllm", "flowrl"): 90.0, ("vllm", "trl"): 80.0}
+# vllm flowrl: 120 s measured at 3c9da7b with the suite's torch_compile=true (4 engines compiling
+# side by side; 58 s without compile at 1715798)
+BUILD_S_GUESS = {("hf", "flowrl"): 5.0, ("hf", "trl"): 1.0, ("vllm", "flowrl"): 120.0, ("vllm", "trl"): 80.0}
 PROCESS_S_GUESS = 35.0  # imports, data, model load, checkpoint and exit of one framework process
 PREPARE_S_GUESS = {"qwen05b": 15.0, "smollm2": 10.0, "qwen15b": 40.0, "tiny": 2.0}  # build + save
 
@@ -1250,8 +1252,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan", action="store_true", help="print the runs and their estimated H200 "
                    "time, run nothing")
     p.add_argument("--child-timeout", type=float, help="seconds before a framework process is "
-                   "killed (its process tree; it lives through all rounds of its pair); the next "
-                   "runs still go")
+                   "killed (its process tree; it lives through all rounds of its pair, the other "
+                   "framework's turns included, so give at least the pair's planned seconds: "
+                   "--plan); the next runs still go")
     p.add_argument("--out", type=Path)
     p.add_argument("--json-out", type=Path, help="also write every run's raw record (rewritten "
                    "after each pair) for --from-json")

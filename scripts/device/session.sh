@@ -51,7 +51,7 @@ phase_learning() {  # ~9 min: the arith task, full fine-tuning and LoRA side by 
   cp /tmp/learn_out/learning_h200.md /tmp/learn_out/learning_h200.png "$OUT/" 2>/dev/null
   (cd /tmp && tar czf "$OUT/learning_runs.tgz" learn_out arith_runs/*/console.log 2>/dev/null)
 }
-phase_e2e() {  # ~8 min: flowrl vs TRL, interleaved rounds
+phase_e2e() {  # ~6 min a model: flowrl vs TRL, interleaved rounds (E2E_ARGS --child-timeout >= the pair's --plan seconds: 240 s killed flowrl at 3c9da7b)
   python3 benchmarks/e2e_vs_trl.py --suite gpu ${E2E_ARGS:-} --out "$OUT/e2e_vs_trl_h200.md" \
     --json-out "$OUT/e2e_vs_trl_h200.json" ${X:-}
 }
