@@ -1169,16 +1169,29 @@ PROCESS_S_GUESS = 35.0  # imports, data, model load, checkpoint and exit of one 
 PREPARE_S_GUESS = {"qwen05b": 15.0, "smollm2": 10.0, "qwen15b": 40.0, "tiny": 2.0}  # build + save
 
 
+def pair_estimate_s(model: str, rollout: str, fws: list[str], bc: BenchConfig) -> float:
+    """Estimated H200 seconds of one pair: each framework's process start, engine build and steps
+    (both processes live through the whole pair, so this is also how long each one lives)."""
+    scale = bc.batch * bc.max_new_tokens / (256 * 256)
+    return sum(PROCESS_S_GUESS + BUILD_S_GUESS[(rollout, fw)]
+               + bc.total_steps * STEP_S_GUESS.get((model, rollout, fw), 10.0) * scale for fw in fws)
+
+
+def default_child_timeout_s(model: str, rollout: str, fws: list[str], bc: BenchConfig) -> float:
+    """``--child-timeout`` when none is given on CUDA: 1.5x the pair's estimate + 60 s, so a hung
+    process is killed but a slow start-up is not (a hand-given 240 s killed flowrl's process of a
+    322 s pair at 3c9da7b, losing its rounds)."""
+    return 1.5 * pair_estimate_s(model, rollout, fws, bc) + 60.0
+
+
 def plan_rows(models: list[str], rollouts: list[str], fws: list[str], bc: BenchConfig) -> list[list]:
     """(model, rollout, steps per framework, estimated H200 s) per pair, then the total (the same
     H200 figures for a CPU run, which says nothing of its own time). Step seconds scale with
     batch x max_new_tokens from the suite's shape."""
-    scale = bc.batch * bc.max_new_tokens / (256 * 256)
     rows, total = [], sum(PREPARE_S_GUESS.get(m, 30.0) for m in models)
     for m in models:
         for r in rollouts:
-            est = sum(PROCESS_S_GUESS + BUILD_S_GUESS[(r, fw)]
-                      + bc.total_steps * STEP_S_GUESS.get((m, r, fw), 10.0) * scale for fw in fws)
+            est = pair_estimate_s(m, r, fws, bc)
             total += est
             rows.append([m, r, f"{bc.warmup} + {bc.rounds} x {bc.steps}", f"{est:.0f}"])
     rows.append(["total (with model preparation)", "", "", f"{total:.0f} s = {total / 60:.1f} min"])
@@ -1369,9 +1382,21 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 pair_dir = Path(tmp) / model / rollout
                 monitors: dict[str, TreeMonitor] = {}
+                plan_s = pair_estimate_s(model, rollout, fws, base)
+                if args.child_timeout is None and base.device == "cuda":
+                    timeout_s = default_child_timeout_s(model, rollout, fws, base)
+                    print(f"   --child-timeout {timeout_s:.0f} s (1.5 x the pair's planned "
+                          f"{plan_s:.0f} s + 60)", flush=True)
+                else:
+                    timeout_s = args.child_timeout
+                    if timeout_s is not None and base.device == "cuda" and timeout_s < plan_s:
+                        print(f"   warning: --child-timeout {timeout_s:g} s is below the pair's "
+                              f"planned {plan_s:.0f} s: each process lives through the whole pair",
+                              flush=True)
 
                 def launch(fw: str, gate_dir: Path, model=model, rollout=rollout, mp=mp,
-                           pair_dir=pair_dir, monitors=monitors) -> threading.Thread:
+                           pair_dir=pair_dir, monitors=monitors,
+                           timeout_s=timeout_s) -> threading.Thread:
                     bc = replace(base, model=model, rollout=rollout, model_dir=mp["dir"],
                                  gate_dir=str(gate_dir))
                     run_dir = pair_dir / fw
@@ -1384,7 +1409,7 @@ def main(argv: list[str] | None = None) -> int:
                            "--result", str(run_dir / "result.json")]
                     th = threading.Thread(name=f"child-{fw}", daemon=True, target=lambda: setattr(
                         th, "result", run_child(cmd, env=env, cwd=REPO_ROOT,
-                                                timeout_s=args.child_timeout, monitor=monitors[fw])))
+                                                timeout_s=timeout_s, monitor=monitors[fw])))
                     th.start()
                     return th
 

@@ -156,3 +156,15 @@ def test_plan_rows_estimate():
     # 2 processes x 35 s + builds 5 + 1 + 7 steps x (10 + 8) s, plus 15 s of model preparation
     assert rows[0] == ["qwen05b", "hf", "1 + 3 x 2", f"{70 + 6 + 7 * 18:.0f}"]
     assert rows[-1][-1] == f"{15 + 70 + 6 + 7 * 18} s = {(15 + 70 + 6 + 7 * 18) / 60:.1f} min"
+
+
+def test_default_child_timeout_outlives_the_pair():
+    bc = bench.BenchConfig(device="cuda", steps=2, rounds=3, warmup=1, prompts_per_step=32, n=8,
+                           max_new_tokens=256, micro_batch_size=32)
+    # flowrl 35 + 120 (compiled engine build) + 7 x 4.0; TRL 35 + 80 + 7 x 5.5
+    est = 35 + 120 + 28 + 35 + 80 + 38.5
+    assert bench.pair_estimate_s("qwen05b", "vllm", ["flowrl", "trl"], bc) == pytest.approx(est)
+    assert bench.default_child_timeout_s("qwen05b", "vllm", ["flowrl", "trl"], bc) == \
+        pytest.approx(1.5 * est + 60)
+    # the hand-given 240 s that killed flowrl's process at 3c9da7b is below the pair's estimate
+    assert 240 < est
