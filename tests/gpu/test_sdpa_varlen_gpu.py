@@ -18,6 +18,7 @@ import copy
 
 import pytest
 import torch
+from gpu_helpers import ragged_batch
 
 from flowrl.engines.config import TrainEngineConfig
 from flowrl.engines.train.local import LocalTrainEngine
@@ -36,15 +37,7 @@ def _model(attn: str):
                       device=torch.device("cuda"))
 
 
-def _batch(n: int = 8, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    P, R = 40, 60
-    p_len = torch.randint(3, P + 1, (n,), generator=g)
-    r_len = torch.randint(1, R + 1, (n,), generator=g)
-    return dict(prompt_ids=torch.randint(3, 1024, (n, P), generator=g),
-                prompt_mask=torch.arange(P)[None] >= (P - p_len)[:, None],
-                response_ids=torch.randint(3, 1024, (n, R), generator=g),
-                response_mask=torch.arange(R)[None] < r_len[:, None])
+_batch = ragged_batch
 
 
 def _run(model, padding_free: str, batch: dict, backward: bool):
