@@ -150,7 +150,9 @@ def run_minibatches(ctx: StageContext[Trainable], batch: dict, make_loss_fn, *, 
     ranks), so the summed (not averaged) gradient equals one rank's on the global batch (C02).
     Returns metrics: keys ending in ``_sum`` become per-token means over everything trained on,
     the rest means over optimizer steps (bare engine keys get ``prefix/``), plus
-    ``<prefix>/optimizer_steps``.
+    ``<prefix>/optimizer_steps``; the engine's ``perf/update/*`` timings (seconds) and
+    micro-batch counts are this rank's totals over the whole update, as
+    ``perf/<prefix>_update/*`` (``prepare_s``, ``fwd_bwd_s``, ``optimizer_s``, ``micro_batches``).
     """
     import torch
 
@@ -188,12 +190,14 @@ def run_minibatches(ctx: StageContext[Trainable], batch: dict, make_loss_fn, *, 
                 sums[k] = sums.get(k, 0.0) + float(v)
     # each rank's loss terms and token sums are its share of global quantities: add the shares;
     # grad_norm / lr / skipped come from the engine and are already the same on every rank
-    shared = [k for k in sorted(sums) if k not in _RANK_INVARIANT]
+    shared = [k for k in sorted(sums) if k not in _RANK_INVARIANT and not k.startswith("perf/")]
     for k, v in zip(shared, all_reduce_floats([sums[k] for k in shared], "sum", group)):
         sums[k] = v
     out = {}
     for k, v in sums.items():
-        if k.endswith("_sum"):
+        if k.startswith("perf/"):  # this rank's engine timings and counts: totals of the update
+            out[k.replace("perf/update/", f"perf/{prefix}_update/")] = v
+        elif k.endswith("_sum"):
             out[k[: -len("_sum")]] = v / max(tokens_seen, 1.0)
         else:
             out[k if "/" in k else f"{prefix}/{k}"] = v / max(steps, 1)

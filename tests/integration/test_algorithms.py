@@ -282,4 +282,7 @@ def test_update_critic_op_regresses_towards_returns(tiny_lm):
                          generator=torch.Generator().manual_seed(step))
         assert get_op("update.critic").fn(c, NoConfig(), **batch, values=old, returns=returns) == {}
         assert c.metrics["critic/optimizer_steps"] == 4  # 2 epochs × 2 mini-batches of 1
+        # the engine's timings and counts are totals over the update: 4 steps × 1 micro-batch
+        assert c.metrics["perf/critic_update/micro_batches"] == 4
+        assert "perf/update/micro_batches" not in c.metrics
     assert losses[2] < losses[0]

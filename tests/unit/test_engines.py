@@ -220,6 +220,9 @@ def test_gradient_accumulation_sums_micro_batches():
         eng = LocalTrainEngine(tiny_llama(), TrainEngineConfig(lr=1e-4, micro_batch_size=mbs))
         m = eng.train_step(batch, token_mean_loss(batch), temperature=1.0)
         assert m["skipped"] == 0.0 and m["lr"] == 1e-4 and m["grad_norm"] > 0
+        # the step's time breakdown: 4 rows cut into micro-batches of mbs, parts non-negative
+        assert m["perf/update/micro_batches"] == 4 / mbs
+        assert min(m[f"perf/update/{k}_s"] for k in ("prepare", "fwd_bwd", "optimizer")) >= 0
         weights.append((m, [p.detach().clone() for p in eng.model.parameters()]))
     (m1, w1), (m4, w4) = weights
     assert m1["loss"] == pytest.approx(m4["loss"], abs=1e-6)

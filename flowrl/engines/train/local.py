@@ -542,6 +542,8 @@ class LocalTrainEngine:
             this step), ``skipped`` (0/1), plus loss_fn's metrics *summed* over micro-batches
             (they are globally normalised loss terms or token sums, so the sum is the
             mini-batch value however the batch was cut).
+            ``perf/update/prepare_s``, ``fwd_bwd_s``, ``optimizer_s`` (wall seconds of the
+            step's three parts) and ``perf/update/micro_batches``.
             When a loss or the grad norm is not finite, no parameter, optimizer or scheduler state
             changes, grads are zeroed, a warning is logged and ``skipped`` is 1.
 
@@ -549,6 +551,7 @@ class LocalTrainEngine:
             RuntimeError: the engine is frozen (``trainable=False``).
         """
         optimizer, scheduler = self._optim()
+        t0 = time.perf_counter()
         B = batch["response_ids"].shape[0]
         parts = self._partitions(batch)
         lr = float(optimizer.param_groups[0]["lr"])
@@ -558,6 +561,7 @@ class LocalTrainEngine:
         sums: dict[str, Tensor | float] = {}
         losses: list[Tensor] = []
         host = _host_sequences(batch)
+        t_loop = time.perf_counter()
         for j, rows in enumerate(parts):
             mb = self._micro_batch(batch, rows, B)
             lp, ent = self._logprobs(self._micro_batch(host, rows, B), temperature, with_entropy,
@@ -570,7 +574,10 @@ class LocalTrainEngine:
             losses.append(loss.detach().float().reshape(()))
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + (v.detach().float() if isinstance(v, Tensor) else v)
+        # the first read of the step: it waits for every queued forward/backward kernel, so
+        # the loop's host time up to here is the micro-batches' GPU time too
         loss_values = torch.stack(losses).tolist() if losses else []
+        t_optim = time.perf_counter()
         bad = [j for j, v in enumerate(loss_values) if not math.isfinite(v)]
         finite = not bad
         if bad:
@@ -594,9 +601,17 @@ class LocalTrainEngine:
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         out = _read_floats(sums)
+        t_end = time.perf_counter()
         total_loss = sum(loss_values)
         out.update(loss=total_loss if finite else float("nan"), grad_norm=grad_norm, lr=lr,
                    skipped=0.0 if finite else 1.0)
+        # where the step's wall time went (seconds; issue 24: the update's share of a GRPO step):
+        # partitioning and the host copy of the token ids, every micro-batch's forward + backward
+        # (through the loss readback, so the GPU's queue is drained), then grad clip + AdamW +
+        # scheduler (grad_norm's readback and the metrics' one sync included)
+        out.update({"perf/update/prepare_s": t_loop - t0, "perf/update/fwd_bwd_s": t_optim - t_loop,
+                    "perf/update/optimizer_s": t_end - t_optim,
+                    "perf/update/micro_batches": float(len(parts))})
         return out
 
     # ------------------------------------------------------------------ weights / memory / state
