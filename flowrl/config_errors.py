@@ -9,6 +9,10 @@ then refuses as an unknown key. :func:`explain` turns each kind into one line:
   of dapo, ...`` (every group: model, trainer, rollout, placement, cluster, teacher, data, ...);
 - an optional group given without ``+``: ``launcher=multinode: ... add it with +launcher=...``;
 - an unknown key: ``unknown key algorithm.kl_coeff (did you mean algorithm.kl_coef?)``;
+- a key under a section that is null until given: ``model.lora.rank=8: model.lora is null by
+  default (off); turn it on with +model.lora.rank=8``, or, where a group option set that section
+  (``teacher=tiny`` sets ``teacher.tiny``), ``teacher.tiny has no key vocab_size; add it with
+  +teacher.tiny.vocab_size=1000 (its keys: ...)``;
 - a value of the wrong type: ``algorithm.n=2.5: algorithm.n takes an integer, got 2.5``;
 - an override that does not parse: ``override 'trainer.total_steps' has no '='``;
 - ``placement.pools.*`` without ``placement=partitioned``.
@@ -136,6 +140,30 @@ def _is_null_section(full_key: str) -> bool:
     return _default(full_key, missing) is None
 
 
+def _composed_without(key: str, section: str, overrides: Sequence[str]) -> Optional[Any]:
+    """``section`` of the composition of ``overrides`` less those setting ``key`` (the one that
+    failed), or None when it is null there or that composition fails too."""
+    from omegaconf import OmegaConf
+
+    from flowrl.config import compose
+
+    rest = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != key]
+    try:
+        return OmegaConf.select(compose(rest), section, default=None)
+    except Exception:  # another bad override: nothing to tell from this composition
+        return None
+
+
+def _is_free_form(node: Any) -> bool:
+    """``node`` is a mapping section that takes any key (a ``dict`` field such as
+    ``model.tiny``), where Hydra's ``+key=value`` adds one; a dataclass section has fixed keys."""
+    import dataclasses
+
+    from omegaconf import DictConfig, OmegaConf
+
+    return isinstance(node, DictConfig) and not dataclasses.is_dataclass(OmegaConf.get_type(node))
+
+
 def _first_unparsable(overrides: Sequence[str]) -> tuple[str, str]:
     """The first override Hydra's grammar rejects, and the parser's reason."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -223,11 +251,22 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
                 return _pools_message(key, overrides)
             parent = key.rsplit(".", 1)[0] if "." in key else ""
             section_given = any(o.lstrip("+~").split("=", 1)[0] == parent for o in overrides)
-            if parent and not section_given and _is_null_section(parent):  # model.lora.rank=8, no '+'
+            if parent and not section_given and _is_null_section(parent):
                 value = next((o.split("=", 1)[1] for o in overrides
                               if o.split("=", 1)[0] == key), "VALUE")
-                return (f"{key}={value}: {parent} is null by default (off); turn it on with "
-                        f"+{key}={value} (or {parent}={{{key.rsplit('.', 1)[1]}: {value}}})")
+                # null in the schema, but a group option may have set it (teacher=tiny sets
+                # teacher.tiny): then the key is new to a set section, not under a null one
+                composed = _composed_without(key, parent, overrides)
+                if composed is not None and _is_free_form(composed):  # teacher=tiny, teacher.tiny.x
+                    name = key.rsplit(".", 1)[1]
+                    keys = [str(k) for k in composed.keys()]
+                    close = closest(name, keys)
+                    hint = f" (did you mean {parent}.{close}?)" if close else ""
+                    return (f"{key}={value}: {parent} has no key {name}{hint}; add it with "
+                            f"+{key}={value} (its keys: {', '.join(keys) or '(none)'})")
+                if composed is None:  # model.lora.rank=8, no '+'
+                    return (f"{key}={value}: {parent} is null by default (off); turn it on with "
+                            f"+{key}={value} (or {parent}={{{key.rsplit('.', 1)[1]}: {value}}})")
             return (f"unknown key {key}{key_hint(key)}: nothing reads it; `flowrl train --cfg job` "
                     "prints every key")
     from flowrl.config import one_line

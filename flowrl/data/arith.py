@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import random
 from dataclasses import dataclass
 from typing import Optional
 
 OPS = "+-*"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,7 +38,9 @@ class ArithConfig:
         num_operands: operands per expression (2: ``a + b``); >= 2.
         ops: the operators drawn from, a non-empty string over ``+-*`` (``"+"``: sums only;
             ``"+*"``: sums and products mixed).
-        train_size: items of the ``train`` split (fewer when the expression space is smaller).
+        train_size: items of the ``train`` split, at most: capped by the distinct expressions
+            the test split leaves (the defaults: 90 · 90 = 8,100 sums, 1,000 held out, so 7,100
+            train items); a warning names the realized count when it is fewer.
         test_size: items of the held-out ``test`` split.
         seed: generator seed (both splits); another seed is another task instance.
 
@@ -133,6 +138,13 @@ def _generate(key: tuple) -> dict[str, tuple[dict[str, str], ...]]:
             seen.add(expr)
             records.append(_record(expr, value))
         out[split] = tuple(records)
+        asked = cfg.train_size if split == "train" else cfg.test_size
+        if len(records) < asked:  # once per settings: this function's results are cached
+            log.warning("data.arith: the %s split has %d items, not %s_size=%d: %d-digit "
+                        "expressions of %d operands over %r number %d%s", split, len(records),
+                        split, asked, cfg.digits, cfg.num_operands, cfg.ops, cfg.space_size(),
+                        f" and the test split holds {cfg.test_size} of them"
+                        if split == "train" else "")
     return out
 
 

@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+# the roles of a chat message in a prompt (``tool``: a tool call's result, as the multi-turn
+# environments write them)
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 _MISSING = object()
 
 
@@ -182,6 +185,13 @@ def _prompt(value: Any, at: str, key: str) -> tuple[Any, str]:
                     and isinstance(m.get("content"), str)):
                 raise DataError(f"{at}: field {key!r} message {j} must be "
                                 f"{{'role': str, 'content': str}}, got {m!r:.80}")
+            if m["role"] not in CHAT_ROLES:  # a chat template renders an unknown role silently
+                import difflib
+
+                close = difflib.get_close_matches(m["role"], CHAT_ROLES, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise DataError(f"{at}: field {key!r} message {j} has role {m['role']!r}{hint}; "
+                                f"allowed roles: {', '.join(CHAT_ROLES)}")
             messages.append({"role": m["role"], "content": m["content"]})
         return messages, _text_of(messages)
     raise DataError(f"{at}: field {key!r} must be a string or a non-empty list of chat messages "

@@ -27,7 +27,7 @@ class ModelSize:
         dtype_bytes: bytes per parameter in the training dtype (``model.dtype``).
         hidden_size, n_heads, vocab_size, intermediate_size, tied_embeddings: the rest of the
             shape, for the cluster planner's FLOP and activation counts (0 / False where the
-            source does not say, e.g. a GGUF file's vocabulary).
+            source does not say).
     """
 
     n_params: int
@@ -88,6 +88,29 @@ def _size_from_hf_config(config: Any, dtype_bytes: int) -> ModelSize:
                      intermediate_size=int(inter), tied_embeddings=bool(tied))
 
 
+def gguf_vocab_size(reader: Any, path: str) -> int:
+    """Vocabulary size (rows of the token embedding = width of the logits) of the GGUF file
+    ``path`` open in ``reader`` (a ``gguf.GGUFReader``): ``<arch>.vocab_size`` when the file
+    has it, else the length of its ``tokenizer.ggml.tokens`` list (llama.cpp's own rule: neither
+    key is required), else the ``token_embd.weight`` tensor's vocabulary dimension.
+
+    Raises:
+        ValueError: a file with none of the three.
+    """
+    arch = reader.fields["general.architecture"].contents()
+    if f"{arch}.vocab_size" in reader.fields:
+        return int(reader.fields[f"{arch}.vocab_size"].contents())
+    if "tokenizer.ggml.tokens" in reader.fields:
+        # an array field's ``data`` holds one part index per element: its length is the count
+        return len(reader.fields["tokenizer.ggml.tokens"].data)
+    # gguf lists a tensor's dims fastest first: token_embd.weight is [hidden, vocab]
+    emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if emb is None:
+        raise ValueError(f"{path}: no {arch}.vocab_size, tokenizer.ggml.tokens or "
+                         "token_embd.weight: cannot tell the vocabulary size")
+    return int(emb.shape[-1])
+
+
 @lru_cache(maxsize=16)
 def _gguf_size(path: str, dtype_bytes: int) -> ModelSize:
     import gguf
@@ -104,6 +127,7 @@ def _gguf_size(path: str, dtype_bytes: int) -> ModelSize:
     names = {t.name for t in reader.tensors}
     return ModelSize(n, meta("block_count"), meta("attention.head_count_kv"),
                      hidden // heads, dtype_bytes, hidden_size=hidden, n_heads=heads,
+                     vocab_size=gguf_vocab_size(reader, path),
                      intermediate_size=meta("feed_forward_length"),
                      tied_embeddings="output.weight" not in names)
 
@@ -114,6 +138,7 @@ def model_size(cfg: Any) -> ModelSize:
 
     Raises:
         FileNotFoundError: the SmolLM2 package or GGUF file is missing.
+        ValueError: a GGUF file that does not tell its vocabulary size (:func:`gguf_vocab_size`).
     """
     nbytes = DTYPE_BYTES.get(cfg.dtype, 4)  # "auto" = fp32 master weights
     if cfg.tiny is not None:

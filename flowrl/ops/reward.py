@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from flowrl.ops.fields import PROMPT, RESPONSE, Rewards
 from flowrl.ops.registry import register_op
 from flowrl.rewards import REWARD_FUNCTIONS
-from flowrl.rewards.function import load_reward_function
+from flowrl.rewards.function import check_reward_signature, load_reward_function
 
 if TYPE_CHECKING:
     import torch
@@ -173,8 +173,9 @@ class FunctionRewardConfig:
     """A user reward function (contract: ``flowrl.rewards.function``).
 
     Attributes:
-        path: ``"package.module:function"``; imported when the graph is compiled, so a bad path
-            fails before any model loads.
+        path: ``"package.module:function"``; imported (and its signature checked against
+            the call ``fn(response_text, fields, metadata)``) when the graph is compiled, so a
+            bad path or signature fails before any model loads.
         num_workers: 0 = call in the trainer process; >= 1 = a process pool of that size.
         timeout_s: per-call limit in seconds (None or 0 = none); a call over it scores NaN.
         weights: component name → weight for functions returning a dict (absent names: 1.0).
@@ -190,7 +191,8 @@ class FunctionRewardConfig:
             raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
         if self.timeout_s is not None and self.timeout_s < 0:
             raise ValueError(f"timeout_s must be >= 0 or null, got {self.timeout_s}")
-        load_reward_function(self.path)
+        # a signature flowrl's call cannot bind is refused now, not as a TypeError per sample
+        check_reward_signature(load_reward_function(self.path), self.path)
         self.weights = dict(self.weights)
 
 

@@ -10,6 +10,9 @@
 - ``metadata``: ``group_id`` (int, the prompt instance), ``index`` (row in the batch), ``step``.
 - return: a float, or a dict of named float components (combined by weights in the op config).
 
+The call is always positional, ``fn(response_text, fields, metadata)``; a function it cannot bind
+to is refused when the graph is compiled, before any model loads (:func:`check_reward_signature`).
+
 Failures never stop the run: a raise, a non-number, a non-finite value (or one that overflows
 the float32 ``rewards`` tensor, |x| > 3.4e38), a call longer than ``timeout_s`` or a worker
 process that dies on the sample (``os._exit``, a segfault, an OOM kill) makes that sample's reward
@@ -82,6 +85,33 @@ def load_reward_function(path: str) -> Callable[..., Any]:
     if not callable(obj):
         raise ValueError(f"reward function {path!r} is not callable")
     return obj
+
+
+# how every call is made (``_call``): three positional arguments
+CALL = "fn(response_text, fields, metadata)"
+
+
+def check_reward_signature(fn: Callable[..., Any], path: str) -> None:
+    """Refuse a function flowrl's call :data:`CALL` cannot bind to (too few or too many
+    parameters, a required keyword-only one), which would otherwise fail on every sample at run
+    time. ``*args`` / ``**kwargs`` and parameters with defaults bind as Python binds them; a
+    callable ``inspect`` has no signature for (some builtins) is accepted (nothing to check).
+
+    Raises:
+        ValueError: naming ``path``, the function's signature and the reason it cannot bind.
+    """
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no introspectable signature: the call itself will tell
+        return
+    try:
+        sig.bind("", {}, {})
+    except TypeError as e:
+        raise ValueError(f"path: reward function {path!r} takes {sig}, but flowrl calls it as "
+                         f"{CALL} ({e}); define it as def f(response_text: str, fields: dict, "
+                         "metadata: dict) -> float | dict[str, float]") from None
 
 
 class _Timeout(BaseException):

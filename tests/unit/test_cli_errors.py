@@ -98,6 +98,41 @@ def test_a_key_of_a_null_section_says_to_add_it_with_plus(capsys):
         "with +model.lora.rank=8 (or model.lora={rank: 8})"]
 
 
+@pytest.mark.parametrize("group", ["teacher", "model"])
+def test_a_new_key_in_a_section_a_group_option_set_says_it_is_not_there(group, capsys):
+    """teacher=tiny sets teacher.tiny (null in the schema): `teacher.tiny.vocab_size=1000` said
+    "teacher.tiny is null by default (off)" (fresh-user report); the section is on, the key is
+    new to it and needs the '+'."""
+    from flowrl.cli import main
+
+    assert main(["plan", f"{group}=tiny", f"{group}.tiny.vocab_size=1000"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"flowrl plan: error: {group}.tiny.vocab_size=1000: {group}.tiny has no key vocab_size; "
+        f"add it with +{group}.tiny.vocab_size=1000 (its keys: model_type, hidden_size, "
+        "num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size)"]
+
+
+def test_a_misspelt_key_in_a_section_a_group_option_set_gets_the_close_key(capsys):
+    from flowrl.cli import main
+
+    assert main(["plan", "model=tiny", "model.tiny.hiden_size=32"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "flowrl plan: error: model.tiny.hiden_size=32: model.tiny has no key hiden_size (did you "
+        "mean model.tiny.hidden_size?); add it with +model.tiny.hiden_size=32 (its keys: "
+        "model_type, hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, "
+        "intermediate_size)"]
+
+
+def test_a_null_section_set_by_no_option_still_says_null(capsys):
+    """model=tiny sets model.tiny, not model.lora: that one is still null (off)."""
+    from flowrl.cli import main
+
+    assert main(["plan", "model=tiny", "model.lora.rank=8"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "flowrl plan: error: model.lora.rank=8: model.lora is null by default (off); turn it on "
+        "with +model.lora.rank=8 (or model.lora={rank: 8})"]
+
+
 def test_a_section_the_overrides_set_gets_no_plus_hint(capsys):
     """cluster=h200x8 sets the (null by default) cluster section: a misspelt key under it is an
     unknown key, not "cluster is null by default"."""

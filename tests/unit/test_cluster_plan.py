@@ -301,3 +301,53 @@ def test_plan_text_names_the_role_setting_each_pool_peak_and_aligns_columns(roun
                                                               "82.0 GiB"]
     # each size starts in one column though the labels differ in length by pool name
     assert len({len(line) - len(" ".join(line.split()[-2:])) for line in mem}) == 1
+
+
+def _write_shape_only_gguf(path, *, vocab_key=None, tokens=None, embd_vocab=96, hidden=32):
+    """A llama GGUF holding the metadata ``model_size`` reads and two fp32 tensors (token_embd
+    [vocab, hidden], output_norm [hidden]): ``vocab_key`` writes ``llama.vocab_size``, ``tokens``
+    a ``tokenizer.ggml.tokens`` list of that length (None: the key is left out)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_embedding_length(hidden)
+    w.add_block_count(2)
+    w.add_feed_forward_length(64)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    if vocab_key is not None:
+        w.add_vocab_size(vocab_key)
+    if tokens is not None:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"t{i}" for i in range(tokens)])
+    w.add_tensor("token_embd.weight", np.zeros((embd_vocab, hidden), dtype=np.float32))
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# the three sources disagree on purpose (real files agree), so each case shows which one is read
+@pytest.mark.parametrize("vocab_key, tokens, expected", [
+    (80, 88, 80),  # llama.vocab_size first
+    (None, 88, 88),  # else the tokenizer's token list (SmolLM2's GGUF has both)
+    (None, None, 96),  # else the token_embd.weight tensor's vocabulary dimension
+])
+def test_a_gguf_models_vocabulary_sizes_its_logits(tmp_path, round_cal, vocab_key, tokens,
+                                                   expected):
+    """_gguf_size left vocab_size 0 (fresh-user report: the SmolLM2 plan printed "vocab 0" and
+    its logits estimate was ~1.8 GiB too low)."""
+    from flowrl.models.loading import ModelConfig
+    from flowrl.models.size import model_size
+
+    _write_shape_only_gguf(tmp_path / "m.gguf", vocab_key=vocab_key, tokens=tokens)
+    m = model_size(ModelConfig(path=str(tmp_path), gguf_file="m.gguf"))
+    # 96 · 32 embedding + 32 norm = 3,104 parameters; tied (no output.weight)
+    assert (m.vocab_size, m.n_params, m.hidden_size, m.tied_embeddings) == \
+        (expected, 3104, 32, True)
+    c = ClusterCosts(ClusterConfig(**TOY), m, Workload(64, 100, 200), 4, dict(GRPO_STAGES))
+    # 34 · 16384 tokens · 32 hidden · 2 layers = 35,651,584 + logits of 16384 · 200/300 response
+    # tokens · vocab · 10 bytes (round_cal's logit_bytes)
+    assert c.activation_bytes() == pytest.approx(35_651_584 + 16384 * 200 / 300 * expected * 10)

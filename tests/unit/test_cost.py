@@ -63,8 +63,8 @@ def test_memory_and_bytes():
 
 def test_model_size_without_loading():
     s = model_size(ModelConfig())  # SmolLM2-135M: GGUF metadata only
-    assert (s.n_params, s.n_layers, s.n_kv_heads, s.head_dim, s.dtype_bytes) == \
-        (134515008, 30, 3, 64, 4)
+    assert (s.n_params, s.n_layers, s.n_kv_heads, s.head_dim, s.dtype_bytes, s.vocab_size) == \
+        (134515008, 30, 3, 64, 4, 49152)
     from flowrl.models.loading import load_model
 
     cfg = ModelConfig(tiny=tiny_model_config())

@@ -116,6 +116,31 @@ def test_a_bad_file_is_one_line_naming_file_line_and_field(tmp_path, name, text,
     assert str(e.value).startswith(str(path.parent) + "/" + message) and "\n" not in str(e.value)
 
 
+def test_an_unknown_chat_role_names_file_line_message_and_the_roles(tmp_path):
+    """A chat template renders an unknown role as it is (or drops it): `"usr"` reached the model
+    unchecked (fresh-user report)."""
+    ok = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+          {"role": "assistant", "content": "a"}, {"role": "tool", "content": "t"},
+          {"role": "user", "content": "q2"}]
+    bad = [{"role": "system", "content": "s"}, {"role": "usr", "content": "q"}]
+    jl = write_jsonl(tmp_path / "a.jsonl", [{"prompt": ok, "answer": "1"},
+                                            {"prompt": bad, "answer": "2"}])
+    with pytest.raises(DataError) as e:
+        load_records(cfg(jl))
+    assert str(e.value) == (f"{jl} line 2: field 'prompt' message 1 has role 'usr' (did you mean "
+                            "'user'?); allowed roles: system, user, assistant, tool")
+    pq = write_parquet(tmp_path / "a.parquet", [{"prompt": [{"role": "robot", "content": "q"}],
+                                                 "answer": "1"}])
+    with pytest.raises(DataError) as e:
+        load_records(cfg(pq))
+    assert str(e.value) == (f"{pq} row 0: field 'prompt' message 0 has role 'robot'; allowed "
+                            "roles: system, user, assistant, tool")
+    # every allowed role loads, in order, and the question is the last user turn
+    assert list(load_records(cfg(write_jsonl(tmp_path / "b.jsonl",
+                                             [{"prompt": ok, "answer": "1"}])))) == \
+        [{"prompt": ok, "question": "q2", "ground_truth": "1", "fields": {}}]
+
+
 def test_bad_rows_in_parquet_and_bad_bytes(tmp_path):
     p = write_parquet(tmp_path / "a.parquet", [{"prompt": "x", "answer": "1"},
                                                {"prompt": None, "answer": "2"}])

@@ -272,6 +272,50 @@ def test_op_dict_components_weighted_and_logged():
     assert m["reward/fn/correct"] == 0.75 and m["reward/fn/group"] == 0.5
 
 
+def two_args(response_text, ground_truth):
+    return 1.0
+
+
+def needs_keyword(response_text, fields, metadata, *, scale):
+    return scale
+
+
+def takes_kwargs(response_text, fields, metadata, **kwargs):
+    return 1.0
+
+
+def takes_anything(*args, **kwargs):
+    return 1.0
+
+
+def with_default(response_text, fields, metadata, scale=2.0):
+    return scale
+
+
+@pytest.mark.parametrize("name, sig, reason", [
+    ("two_args", "(response_text, ground_truth)", "too many positional arguments"),
+    ("needs_keyword", "(response_text, fields, metadata, *, scale)",
+     "missing a required argument: 'scale'"),
+])
+def test_op_refuses_a_signature_the_call_cannot_bind(name, sig, reason):
+    """A function flowrl's positional call cannot bind to made every sample a TypeError (NaN) at
+    run time (fresh-user report); now the graph's compile refuses it, naming stage and field."""
+    spec = get_op("reward.function")
+    with pytest.raises(ValueError) as e:
+        spec.make_config({"path": f"{MOD}:{name}"}, stage="fn")
+    assert str(e.value) == (
+        f"stage 'fn': params: path: reward function '{MOD}:{name}' takes {sig}, but flowrl calls "
+        f"it as fn(response_text, fields, metadata) ({reason}); define it as def "
+        "f(response_text: str, fields: dict, metadata: dict) -> float | dict[str, float]")
+
+
+@pytest.mark.parametrize("name", ["takes_kwargs", "takes_anything", "with_default",
+                                  "length_reward"])
+def test_op_accepts_every_signature_the_call_binds(name):
+    cfg = get_op("reward.function").make_config({"path": f"{MOD}:{name}"}, stage="fn")
+    assert cfg.path == f"{MOD}:{name}"
+
+
 def test_op_bad_config_names_the_stage():
     spec = get_op("reward.function")
     with pytest.raises(ValueError, match="stage 'fn': params: .*cannot import"):
