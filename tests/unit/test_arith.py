@@ -45,14 +45,14 @@ def test_a_train_split_capped_by_the_expression_space_says_its_size_once(caplog)
     from flowrl.data.arith import _generate
 
     _generate.cache_clear()  # the warning comes with the generation, which is cached
-    with caplog.at_level(logging.WARNING, logger="flowrl.data.arith"):
+    with caplog.at_level(logging.INFO, logger="flowrl.data.arith"):
         assert len(load_arith("train")) == 7100 and len(load_arith("test")) == 1000
         assert len(load_arith("train", 5)) == 5
     assert [r.getMessage() for r in caplog.records] == [
         "data.arith: the train split has 7100 items, not train_size=20000: 2-digit expressions "
         "of 2 operands over '+' number 8100 and the test split holds 1000 of them"]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="flowrl.data.arith"):
+    with caplog.at_level(logging.INFO, logger="flowrl.data.arith"):
         assert len(load_arith("train", None, ArithConfig(**SMALL))) == 200  # not capped: silent
     assert caplog.records == []
 
