@@ -142,10 +142,10 @@ def _generate(key: tuple) -> dict[str, tuple[dict[str, str], ...]]:
         # info, not a warning: the default settings are capped too (train_size is an upper bound)
         if len(records) < asked:  # once per settings: this function's results are cached
             log.info("data.arith: the %s split has %d items, not %s_size=%d: %d-digit "
-                        "expressions of %d operands over %r number %d%s", split, len(records),
-                        split, asked, cfg.digits, cfg.num_operands, cfg.ops, cfg.space_size(),
-                        f" and the test split holds {cfg.test_size} of them"
-                        if split == "train" else "")
+                     "expressions of %d operands over %r number %d%s", split, len(records),
+                     split, asked, cfg.digits, cfg.num_operands, cfg.ops, cfg.space_size(),
+                     f" and the test split holds {cfg.test_size} of them"
+                     if split == "train" else "")
     return out
 
 
