@@ -454,6 +454,12 @@ def compose(overrides: list[str], *, with_hydra: bool = False):
 
             # config_errors.explain turns it into one line (config_errors.null_group_override)
             raise ConfigCompositionException(f"override failed: {e}") from e
+        except AttributeError as e:  # OmegaConf: a whole dict set on a null Dict field
+            from hydra.errors import ConfigCompositionException
+
+            # ("model.tiny={model_type:llama}": 'NoneType' object has no attribute 'get');
+            # config_errors.null_dict_override turns it into one line
+            raise ConfigCompositionException(f"override failed: {e}") from e
 
 
 def output_dir_is_hydras(cfg: Any) -> bool:

@@ -100,6 +100,38 @@ def null_group_override(overrides: Sequence[str]) -> Optional[str]:
     return None
 
 
+def null_dict_override(overrides: Sequence[str]) -> Optional[str]:
+    """One line for a whole dict set on a section that is null in the schema
+    (``model.tiny={model_type:llama}``: OmegaConf cannot merge a dict into a null ``Dict``
+    field and fails with ``AttributeError: 'NoneType' object has no attribute 'get'``), naming
+    the group options that set the section, or None when no override does that."""
+    for o in overrides:
+        key, _, value = o.lstrip("+").partition("=")
+        if not value.lstrip().startswith("{") or "." not in key or _default(key, object()) is not None:
+            continue
+        group, sub = key.split(".", 1)
+        # the group's options whose file sets this section: starting from one, its keys can be set
+        options = [f for f in _group_files(group) if _option_sets(group, f, sub)]
+        start = (f"start from an option that sets it, e.g. {group}={options[0]} '{key}={value}' "
+                 f"(options that set {key}: {', '.join(options)})" if options else
+                 f"no {group}=<option> sets it: write it in a config file of conf/{group}/")
+        return (f"{key}={value}: {key} is null by default, and a whole section cannot be set "
+                f"over null from the command line; {start}")
+    return None
+
+
+def _option_sets(group: str, option: str, sub: str) -> bool:
+    """Whether conf/<group>/<option>.yaml sets ``sub`` (a dotted key below the group) to a
+    non-null value."""
+    from omegaconf import OmegaConf
+
+    from flowrl.config import REPO_ROOT
+
+    node = OmegaConf.load(REPO_ROOT / "conf" / group / f"{option}.yaml")
+    # a `# @package _global_` file (conf/model/*.yaml) nests its keys under the group's name
+    return any(OmegaConf.select(node, k, default=None) is not None for k in (sub, f"{group}.{sub}"))
+
+
 def key_hint(full_key: str) -> str:
     """`` (did you mean algorithm.kl_coef?)`` for a misspelt dotted key, from the schema."""
     from omegaconf import DictConfig, OmegaConf
@@ -202,6 +234,8 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
 
     if isinstance(e.__cause__, AssertionError) and (line := null_group_override(overrides)):
         return line  # config.compose re-raised Hydra's bare assert
+    if isinstance(e.__cause__, AttributeError) and (line := null_dict_override(overrides)):
+        return line  # config.compose re-raised OmegaConf's AttributeError on a null Dict field
     if isinstance(e, MissingConfigException) and e.missing_cfg_file and "/" in e.missing_cfg_file:
         group, name = e.missing_cfg_file.rsplit("/", 1)
         options = ", ".join(e.options or []) or "(none)"

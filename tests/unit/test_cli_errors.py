@@ -1,5 +1,6 @@
 """Config mistakes on the command line are one line and exit status 2, also with launcher.nproc > 1
 (validated here before torchrun starts)."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -131,6 +132,22 @@ def test_a_null_section_set_by_no_option_still_says_null(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "flowrl plan: error: model.lora.rank=8: model.lora is null by default (off); turn it on "
         "with +model.lora.rank=8 (or model.lora={rank: 8})"]
+
+
+@pytest.mark.parametrize("cmd", ["plan", "train"])
+def test_a_whole_dict_over_a_null_dict_section_names_the_options_that_set_it(cmd, capsys):
+    """OmegaConf cannot merge a dict into the null ``model.tiny`` (an ``Optional[Dict]``): it
+    raised a raw ``AttributeError: 'NoneType' object has no attribute 'get'`` traceback from
+    both commands; now one line naming the group options that set the section."""
+    from flowrl.cli import main
+
+    with pytest.raises(SystemExit) if cmd == "train" else contextlib.nullcontext():
+        assert main([cmd, "model.tiny={model_type:llama}"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"flowrl {cmd}: error: model.tiny={{model_type:llama}}: model.tiny is null by default, "
+        "and a whole section cannot be set over null from the command line; start from an option "
+        "that sets it, e.g. model=tiny 'model.tiny={model_type:llama}' (options that set "
+        "model.tiny: tiny, tiny_vl)")
 
 
 def test_a_section_the_overrides_set_gets_no_plus_hint(capsys):
