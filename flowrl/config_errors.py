@@ -107,14 +107,34 @@ def null_dict_override(overrides: Sequence[str]) -> Optional[str]:
     the group options that set the section, or None when no override does that."""
     for o in overrides:
         key, _, value = o.lstrip("+").partition("=")
-        if not value.lstrip().startswith("{") or "." not in key or _default(key, object()) is not None:
+        if "." not in key:
+            continue
+        if not value.lstrip().startswith("{"):  # a key under the section: the section's name
+            parts = key.split(".")
+            key = next((".".join(parts[:i]) for i in range(2, len(parts))
+                        if _default(".".join(parts[:i]), object()) is None), "")
+            if not key:
+                continue
+        elif _default(key, object()) is not None:
             continue
         group, sub = key.split(".", 1)
+        if any(x.lstrip("+").split("=", 1)[0] == group for x in overrides):
+            continue  # the group option is given (model=tiny): the section is set, not null
         # the group's options whose file sets this section: starting from one, its keys can be set
         options = [f for f in _group_files(group) if _option_sets(group, f, sub)]
         start = (f"start from an option that sets it, e.g. {group}={options[0]} '{key}={value}' "
                  f"(options that set {key}: {', '.join(options)})" if options else
                  f"no {group}=<option> sets it: write it in a config file of conf/{group}/")
+        given = o.lstrip("+")
+        if given.partition("=")[0] != key:  # a key under the null section
+            if not options:  # a null dataclass section (model.lora): later rules turn it on
+                continue
+            # a key the option's section lacks is new there: Hydra adds it with '+'
+            name, _, val = given.partition("=")
+            if not _option_sets(group, options[0], name.split(".", 1)[1]):
+                start = start.replace(repr(f"{key}={value}"), repr(f"+{name}={val}"))
+            return (f"{given}: {key} is null by default (unset), so nothing can be set under it "
+                    f"from the command line; {start.replace(repr(f'{key}={value}'), repr(given))}")
         return (f"{key}={value}: {key} is null by default, and a whole section cannot be set "
                 f"over null from the command line; {start}")
     return None
@@ -236,6 +256,8 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
         return line  # config.compose re-raised Hydra's bare assert
     if isinstance(e.__cause__, AttributeError) and (line := null_dict_override(overrides)):
         return line  # config.compose re-raised OmegaConf's AttributeError on a null Dict field
+    if isinstance(e.__cause__, AssertionError) and (line := null_dict_override(overrides)):
+        return line  # a key under a null Dict section (model.tiny.model_type=llama, no model=tiny)
     if isinstance(e, MissingConfigException) and e.missing_cfg_file and "/" in e.missing_cfg_file:
         group, name = e.missing_cfg_file.rsplit("/", 1)
         options = ", ".join(e.options or []) or "(none)"

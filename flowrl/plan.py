@@ -21,6 +21,9 @@ def plan_main(argv: list[str]) -> int:
     from flowrl.runtime.control.preflight import role_parallelism, world_size
     from flowrl.train import prepare
 
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.split("\n\nEvery import")[0])
+        return 0
     fmt, rest = "text", []
     it = iter(argv)
     for a in it:

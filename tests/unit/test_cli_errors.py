@@ -150,6 +150,32 @@ def test_a_whole_dict_over_a_null_dict_section_names_the_options_that_set_it(cmd
         "model.tiny: tiny, tiny_vl)")
 
 
+@pytest.mark.parametrize("override, fix", [
+    ("model.tiny.model_type=llama", "model=tiny 'model.tiny.model_type=llama' (options that set "
+     "model.tiny: tiny, tiny_vl)"),
+    ("teacher.tiny.vocab_size=3", "teacher=tiny '+teacher.tiny.vocab_size=3' (options that set "
+     "teacher.tiny: tiny)")])
+def test_a_key_under_a_null_dict_section_names_the_options_that_set_it(override, fix, capsys):
+    """Without model=tiny, Hydra's bare assert came out as "override failed: Unexpected type for
+    root: NoneType; Unexpected type for root: NoneType"; a key the option's section lacks gets
+    the '+' it needs there."""
+    from flowrl.cli import main
+
+    assert main(["plan", override]) == 2
+    section = override.rsplit(".", 1)[0]
+    assert capsys.readouterr().err.splitlines() == [
+        f"flowrl plan: error: {override}: {section} is null by default (unset), so nothing can "
+        f"be set under it from the command line; start from an option that sets it, e.g. {fix}"]
+
+
+def test_plan_help_prints_its_usage(capsys):
+    from flowrl.cli import main
+
+    assert main(["plan", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("``flowrl plan``: the compiled execution plan") and "cluster=<name>" in out
+
+
 def test_a_section_the_overrides_set_gets_no_plus_hint(capsys):
     """cluster=h200x8 sets the (null by default) cluster section: a misspelt key under it is an
     unknown key, not "cluster is null by default"."""
