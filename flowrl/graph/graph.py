@@ -450,7 +450,9 @@ class Graph:
             else:
                 break
         try:
-            d = yaml.safe_load(text)
+            d = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+        except DuplicateKeyError as e:
+            raise GraphError([("<graph>", "<yaml>", str(e))]) from e
         except yaml.YAMLError as e:
             raise GraphError([("<graph>", "<yaml>", yaml_problem(e))]) from e
         return cls._parse(d, description="\n".join(desc_lines))
@@ -535,6 +537,29 @@ def _expand_batch(label: str, raw: Any, inputs: dict[str, str], bundles: dict[st
             continue
         wired[arg] = ref
     return names, wired
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A key given twice in one mapping of a graph file: PyYAML keeps the last silently, so a
+    stage's second ``response_mask:`` wire (or a second stage of one name) would quietly replace
+    the first."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping with a repeated key (:class:`DuplicateKeyError`,
+    naming both lines)."""
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise DuplicateKeyError(
+                    f"duplicate key {key!r} at line {line} (first at line {seen[key]}): YAML "
+                    "would keep only the last one; remove or rename one of them")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def yaml_problem(e: "yaml.YAMLError") -> str:

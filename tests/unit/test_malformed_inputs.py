@@ -186,6 +186,11 @@ GRAPH_CASES = {
         "  op: data.sample", "  op: data.sample\n   - bad: ["),
         "not valid YAML at line 15, column 9: mapping values are not allowed here; check the "
         "indentation and quoting there"),
+    # PyYAML kept the last of two keys silently (fresh-user check): the first wire was lost
+    "duplicate_key": ((REPO / "graphs/grpo.yaml").read_text().replace(
+        "  op: data.sample", "  op: data.sample\n  op: data.sample", 1),
+        "duplicate key 'op' at line 15 (first at line 14): YAML would keep only the last one; "
+        "remove or rename one of them"),
 }
 
 # need the run config: `graph validate` passes them (with a warning), plan and train reject them
