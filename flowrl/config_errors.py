@@ -13,6 +13,9 @@ then refuses as an unknown key. :func:`explain` turns each kind into one line:
   default (off); turn it on with +model.lora.rank=8``, or, where a group option set that section
   (``teacher=tiny`` sets ``teacher.tiny``), ``teacher.tiny has no key vocab_size; add it with
   +teacher.tiny.vocab_size=1000 (its keys: ...)``;
+- a dict or a key set over a null ``Dict`` section no given option set: ``model.tiny.model_type=
+  llama: model.tiny is null by default (unset), ...; start from an option that sets it, e.g.
+  model=tiny ...``;
 - a value of the wrong type: ``algorithm.n=2.5: algorithm.n takes an integer, got 2.5``;
 - an override that does not parse: ``override 'trainer.total_steps' has no '='``;
 - ``placement.pools.*`` without ``placement=partitioned``.
@@ -101,42 +104,43 @@ def null_group_override(overrides: Sequence[str]) -> Optional[str]:
 
 
 def null_dict_override(overrides: Sequence[str]) -> Optional[str]:
-    """One line for a whole dict set on a section that is null in the schema
-    (``model.tiny={model_type:llama}``: OmegaConf cannot merge a dict into a null ``Dict``
-    field and fails with ``AttributeError: 'NoneType' object has no attribute 'get'``), naming
-    the group options that set the section, or None when no override does that."""
+    """One line for an override into a ``Dict`` section that is null in the schema, with no
+    group option given that sets it: a whole dict (``model.tiny={model_type:llama}``: OmegaConf
+    cannot merge a dict into a null ``Dict`` field and fails with ``AttributeError: 'NoneType'
+    object has no attribute 'get'``) or a key under it (``model.tiny.model_type=llama``: Hydra's
+    bare ``Unexpected type for root: NoneType``); it names the group options that set the
+    section. None when no override does that."""
     for o in overrides:
-        key, _, value = o.lstrip("+").partition("=")
-        if "." not in key:
+        given = o.lstrip("+")
+        name, _, value = given.partition("=")
+        parts = name.split(".")
+        whole = value.lstrip().startswith("{")
+        # the section: the override's key itself for a whole dict, else its first null prefix
+        candidates = [name] if whole else [".".join(parts[:i]) for i in range(2, len(parts))]
+        section = next((c for c in candidates if "." in c and _default(c, object()) is None), "")
+        if not section:
             continue
-        if not value.lstrip().startswith("{"):  # a key under the section: the section's name
-            parts = key.split(".")
-            key = next((".".join(parts[:i]) for i in range(2, len(parts))
-                        if _default(".".join(parts[:i]), object()) is None), "")
-            if not key:
-                continue
-        elif _default(key, object()) is not None:
-            continue
-        group, sub = key.split(".", 1)
+        group, sub = section.split(".", 1)
         if any(x.lstrip("+").split("=", 1)[0] == group for x in overrides):
             continue  # the group option is given (model=tiny): the section is set, not null
         # the group's options whose file sets this section: starting from one, its keys can be set
         options = [f for f in _group_files(group) if _option_sets(group, f, sub)]
-        start = (f"start from an option that sets it, e.g. {group}={options[0]} '{key}={value}' "
-                 f"(options that set {key}: {', '.join(options)})" if options else
-                 f"no {group}=<option> sets it: write it in a config file of conf/{group}/")
-        given = o.lstrip("+")
-        if given.partition("=")[0] != key:  # a key under the null section
+        if whole:
+            head = (f"{given}: {section} is null by default, and a whole section cannot be set "
+                    "over null from the command line")
+            example = given
+        else:
             if not options:  # a null dataclass section (model.lora): later rules turn it on
                 continue
+            head = (f"{given}: {section} is null by default (unset), so nothing can be set "
+                    "under it from the command line")
             # a key the option's section lacks is new there: Hydra adds it with '+'
-            name, _, val = given.partition("=")
-            if not _option_sets(group, options[0], name.split(".", 1)[1]):
-                start = start.replace(repr(f"{key}={value}"), repr(f"+{name}={val}"))
-            return (f"{given}: {key} is null by default (unset), so nothing can be set under it "
-                    f"from the command line; {start.replace(repr(f'{key}={value}'), repr(given))}")
-        return (f"{key}={value}: {key} is null by default, and a whole section cannot be set "
-                f"over null from the command line; {start}")
+            example = given if _option_sets(group, options[0], name.split(".", 1)[1]) \
+                else f"+{given}"
+        tail = (f"start from an option that sets it, e.g. {group}={options[0]} '{example}' "
+                f"(options that set {section}: {', '.join(options)})" if options else
+                f"no {group}=<option> sets it: write it in a config file of conf/{group}/")
+        return f"{head}; {tail}"
     return None
 
 
@@ -254,10 +258,9 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
 
     if isinstance(e.__cause__, AssertionError) and (line := null_group_override(overrides)):
         return line  # config.compose re-raised Hydra's bare assert
-    if isinstance(e.__cause__, AttributeError) and (line := null_dict_override(overrides)):
-        return line  # config.compose re-raised OmegaConf's AttributeError on a null Dict field
-    if isinstance(e.__cause__, AssertionError) and (line := null_dict_override(overrides)):
-        return line  # a key under a null Dict section (model.tiny.model_type=llama, no model=tiny)
+    if isinstance(e.__cause__, (AttributeError, AssertionError)) and \
+            (line := null_dict_override(overrides)):
+        return line  # config.compose re-raised OmegaConf's / Hydra's error on a null Dict field
     if isinstance(e, MissingConfigException) and e.missing_cfg_file and "/" in e.missing_cfg_file:
         group, name = e.missing_cfg_file.rsplit("/", 1)
         options = ", ".join(e.options or []) or "(none)"

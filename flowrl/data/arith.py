@@ -40,7 +40,7 @@ class ArithConfig:
             ``"+*"``: sums and products mixed).
         train_size: items of the ``train`` split, at most: capped by the distinct expressions
             the test split leaves (the defaults: 90 · 90 = 8,100 sums, 1,000 held out, so 7,100
-            train items); a warning names the realized count when it is fewer.
+            train items); the realized count is logged (INFO) when it is fewer.
         test_size: items of the held-out ``test`` split.
         seed: generator seed (both splits); another seed is another task instance.
 
