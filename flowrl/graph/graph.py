@@ -450,7 +450,7 @@ class Graph:
             else:
                 break
         try:
-            d = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+            d = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader that refuses repeated keys
         except DuplicateKeyError as e:
             raise GraphError([("<graph>", "<yaml>", str(e))]) from e
         except yaml.YAMLError as e:
