@@ -107,9 +107,13 @@ GPU_SUITE = dict(device="cuda", model="qwen05b,smollm2,qwen15b", rollout="hf,vll
 # the same key wins. torch_compile=true: the steady state this suite measures is a long job's, and
 # flowrl's job-sized rule turns vLLM's torch.compile on from 50,000 decode steps (a 7-step run has
 # 1,792, so auto would leave it off to save start-up); TRL's colocate engine runs vLLM's default,
-# which compiles: both sides compile
+# which compiles: both sides compile. rollout.hf.compile=true for the same reason: flowrl's rule
+# compiles transformers' decode (static KV cache) from 5,000 decode steps, a long job's default;
+# the warm-up step pays the first call's compile (~1 min on the H200), outside the timed rounds.
+# TRL's HF path runs generate with its defaults (GRPOConfig.cache_implementation=None: the dynamic
+# cache, which transformers does not compile)
 GPU_SUITE_OVERRIDES = ["rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.kv_cache_memory_gb=8",
-                       "rollout.vllm.torch_compile=true"]
+                       "rollout.vllm.torch_compile=true", "rollout.hf.compile=true"]
 # the CPU check of the round machinery (a tiny random model, a few minutes on 2 cores)
 CPU_SUITE = dict(device="cpu", model="tiny", rollout="hf", prompts_per_step=2, n=2,
                  max_new_tokens=8, steps=2, rounds=3, warmup=1, micro_batch_size=2,
@@ -284,6 +288,7 @@ def trl_kwargs(tc, bc: BenchConfig, out_dir: str) -> dict:
 
 
 def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, str, str]]:
+    from flowrl.engines.config import HF_COMPILE_MIN_DECODE_STEPS
     from flowrl.engines.rollout.vllm_config import TORCH_COMPILE_MIN_DECODE_STEPS
 
     e, a, s = tc.trainer.engine, tc.algorithm, tc.rollout.sampling
@@ -305,8 +310,11 @@ def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, 
                        "vllm_importance_sampling_correction=False")
     else:
         rollout = (f"HF generate, rollout.hf batch_size={tc.rollout.hf.batch_size} "
-                   f"cache_implementation={tc.rollout.hf.cache_implementation}")
-        trl_rollout = "use_vllm=False: transformers generate, one call for the generation batch"
+                   f"cache_implementation={tc.rollout.hf.cache_implementation} "
+                   f"compile={tc.rollout.hf.compile} (null = on CUDA from "
+                   f"{HF_COMPILE_MIN_DECODE_STEPS:,} decode steps in the job)")
+        trl_rollout = ("use_vllm=False: transformers generate, one call for the generation batch, "
+                       "cache_implementation=None (TRL's default: the dynamic cache, not compiled)")
     return [
         ("model", f"{MODEL_NAMES[bc.model]}, model.dtype={tc.model.dtype}, loaded from the saved "
          "initial model directory", f"the same `load_model` output, bf16={kw['bf16']} fp16=False"),
@@ -1163,8 +1171,8 @@ STEP_S_GUESS = {("qwen05b", "hf", "flowrl"): 10.0, ("qwen05b", "hf", "trl"): 8.0
                 ("qwen15b", "hf", "flowrl"): 16.0, ("qwen15b", "hf", "trl"): 12.5,
                 ("qwen15b", "vllm", "flowrl"): 8.0, ("qwen15b", "vllm", "trl"): 9.0}
 # vllm flowrl: 120 s measured at 3c9da7b with the suite's torch_compile=true (4 engines compiling
-# side by side; 58 s without compile at 1715798)
-BUILD_S_GUESS = {("hf", "flowrl"): 5.0, ("hf", "trl"): 1.0, ("vllm", "flowrl"): 120.0, ("vllm", "trl"): 80.0}
+# side by side; 58 s without compile at 1715798); hf flowrl: its warm-up step's decode compile
+BUILD_S_GUESS = {("hf", "flowrl"): 65.0, ("hf", "trl"): 1.0, ("vllm", "flowrl"): 120.0, ("vllm", "trl"): 80.0}
 PROCESS_S_GUESS = 35.0  # imports, data, model load, checkpoint and exit of one framework process
 PREPARE_S_GUESS = {"qwen05b": 15.0, "smollm2": 10.0, "qwen15b": 40.0, "tiny": 2.0}  # build + save
 

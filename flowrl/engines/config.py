@@ -7,13 +7,27 @@ import their section from here (``rollout.vllm``: ``engines/rollout/vllm_config.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from flowrl.models.bundled import SMOLLM2
 from flowrl.models.loading import ModelConfig
 
+if TYPE_CHECKING:
+    from flowrl.engines.rollout.vllm_config import RolloutJob
+
 _CACHE_IMPLEMENTATIONS = (None, "static", "dynamic")
+# decode steps of a whole job (RolloutJob.decode_steps) from which rollout.hf.compile=null turns
+# transformers' compiled decode on (CUDA). On the H200, 256 sequences of a 0.5B model: 24.3k tok/s
+# compiled over the static cache against 8.0k static and 10.7k with the default dynamic cache in
+# the e2e benchmark's HF pair (benchmarks/results/rollout_h200.md, e2e_vs_trl_h200.md), i.e. ~13 ms
+# saved per decode step, for a first call that compiles for ~1 min: it pays from ~5k decode steps.
+HF_COMPILE_MIN_DECODE_STEPS = 5_000
+# tokens: with the compiled decode, prompt + max_new_tokens is padded up to a multiple of this, so
+# the static cache (and the compiled graph) keep one shape across calls; transformers keeps the
+# largest cache length it has seen (its _previous_max_cache_length), so one bucket per job
+HF_CACHE_BUCKET = 256
 
 
 @dataclass
@@ -23,9 +37,14 @@ class HFRolloutConfig:
     Attributes:
         batch_size: most sequences per ``generate`` call; larger batches are cut into chunks.
         cache_implementation: KV cache kind handed to transformers ("static", "dynamic", or None for
-            the model's default).
-        compile: let transformers compile the decoding forward. Needs the static cache; transformers
-            only compiles on accelerators (on CPU it is silently a no-op).
+            the model's default; with ``compile`` on, None means "static").
+        compile: let transformers compile the decoding forward (``torch.compile``, its
+            "reduce-overhead" mode: CUDA graphs) over a static KV cache. None (default) = decided
+            for the job (:meth:`sized_for`): on CUDA from ``HF_COMPILE_MIN_DECODE_STEPS`` decode
+            steps, else off. transformers only compiles on accelerators (on CPU it is a no-op).
+            With it on, each chunk's prompt is left-padded so prompt + ``max_new_tokens`` is a
+            multiple of ``HF_CACHE_BUCKET`` tokens: the cache, and the compiled step with it,
+            keep one shape across calls (a longer call would otherwise recompile).
         dtype: weights dtype of an engine with its own copy (not ``shared``): ``auto`` (the
             module's own; a run resolves it to the trainer's compute dtype, bf16 on CUDA:
             ``flowrl/machine.py``), ``float32``, ``bfloat16``, ``float16``. Decoding is
@@ -38,7 +57,7 @@ class HFRolloutConfig:
 
     batch_size: int = 64
     cache_implementation: Optional[str] = None
-    compile: bool = False
+    compile: Optional[bool] = None
     dtype: str = "auto"
     logprobs_mode: str = "tempered"  # "tempered" | "processed" (OmegaConf has no Literal)
 
@@ -48,14 +67,44 @@ class HFRolloutConfig:
         if self.cache_implementation not in _CACHE_IMPLEMENTATIONS:
             raise ValueError(f"cache_implementation must be one of {_CACHE_IMPLEMENTATIONS}, "
                              f"got {self.cache_implementation!r}")
-        if self.compile and self.cache_implementation != "static":
-            raise ValueError("compile=True needs cache_implementation='static' "
-                             f"(got {self.cache_implementation!r})")
+        if self.compile and self.cache_implementation == "dynamic":
+            raise ValueError("rollout.hf.compile=true needs the static KV cache: set "
+                             "rollout.hf.cache_implementation=static (or null), not 'dynamic'")
+        if self.compile and self.cache_implementation is None:
+            self.cache_implementation = "static"  # what compiling needs; the docstring says so
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.logprobs_mode not in ("tempered", "processed"):
             raise ValueError(f"logprobs_mode must be 'tempered' or 'processed', "
                              f"got {self.logprobs_mode!r}")
+
+
+    def sized_for(self, job: "RolloutJob", on_cuda: bool) -> tuple["HFRolloutConfig", list[str]]:
+        """This engine's configuration for the job: ``compile`` filled in where it is None (one
+        reason per filled setting, for the console).
+
+        On CUDA ``compile`` is on from ``HF_COMPILE_MIN_DECODE_STEPS`` decode steps in the job
+        (with the static cache; a ``cache_implementation="dynamic"`` keeps it off), else off.
+        Off the GPU it is off: transformers does not compile there.
+
+        Args:
+            job: the run's rollout demand per rank (``flowrl.engines.rollout.vllm_config
+                .RolloutJob``; its ``decode_steps``).
+            on_cuda: the engine's model is on a CUDA device.
+        """
+        if self.compile is not None:
+            return self, []
+        on = on_cuda and self.cache_implementation != "dynamic" and \
+            job.decode_steps >= HF_COMPILE_MIN_DECODE_STEPS
+        cfg = dataclasses.replace(self, compile=on,
+                                  cache_implementation=self.cache_implementation or
+                                  ("static" if on else None))
+        why = ("not on CUDA: transformers compiles only on accelerators" if not on_cuda else
+               "rollout.hf.cache_implementation=dynamic" if self.cache_implementation == "dynamic"
+               else f"{job.decode_steps:,} decode steps in the job, "
+                    f"{'>=' if on else '<'} {HF_COMPILE_MIN_DECODE_STEPS:,}: the first call "
+                    f"compiles for about a minute")
+        return cfg, [f"rollout.hf.compile={str(on).lower()} ({why})"]
 
 
 _NO_TOTAL = ("constant", "constant_with_warmup", "reduce_lr_on_plateau", "inverse_sqrt")

@@ -294,8 +294,10 @@ def test_config_validation_names_the_field():
         TrainEngineConfig(lr_scheduler="cosine")
     with pytest.raises(ValueError, match="micro_batch_size"):
         TrainEngineConfig(micro_batch_size=0)
-    with pytest.raises(ValueError, match="cache_implementation"):
-        HFRolloutConfig(compile=True)
+    with pytest.raises(ValueError, match="rollout.hf.cache_implementation=static"):
+        HFRolloutConfig(compile=True, cache_implementation="dynamic")
+    # compile needs the static cache: an unset cache kind means static
+    assert HFRolloutConfig(compile=True).cache_implementation == "static"
     with pytest.raises(ValueError, match="batch_size"):
         HFRolloutConfig(batch_size=0)
 

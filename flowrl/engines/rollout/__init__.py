@@ -26,7 +26,13 @@ def _build_hf(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_pro
     # are merged tensors (`lora` does not apply)
     from flowrl.engines.rollout.hf import HFRolloutEngine
 
-    return HFRolloutEngine(model, tokenizer, rollout_cfg.hf, shared=shared)
+    cfg = rollout_cfg.hf
+    if job is not None:  # the job-sized default (compile), printed with its reason
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        cfg, why = cfg.sized_for(job, on_cuda)
+        for line in why:
+            log.info("  resolved %s", line)
+    return HFRolloutEngine(model, tokenizer, cfg, shared=shared)
 
 
 def _build_vllm(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_process: bool,
@@ -71,7 +77,8 @@ def build_rollout_engine(rollout_cfg, model: nn.Module, tokenizer, *, shared: bo
             (``VLLMRolloutConfig.engine_procs_for``); ``hf`` ignores it.
         job: the run's rollout demand on this rank; ``vllm`` sizes its ``None`` settings to it
             (``VLLMRolloutConfig.sized_for``: engine processes, eager or CUDA graphs and their
-            sizes, a fixed KV cache for side-by-side start). None = the rules without it.
+            sizes, a fixed KV cache for side-by-side start), ``hf`` its ``compile``
+            (``HFRolloutConfig.sized_for``). None = the rules without it.
         image_processor: a vision-language policy's image processor (``vllm`` exports it with
             the model and hands the prompts' images to vLLM); None for a text model.
         lora: a LoRA policy's ``LoraAdapterSpec`` (``flowrl.models.lora.adapter_spec``; ``model``

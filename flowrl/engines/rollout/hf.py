@@ -27,7 +27,7 @@ from transformers import (
 
 from flowrl.algorithms.masks import response_mask
 from flowrl.engines.base import RolloutBatch, SamplingConfig
-from flowrl.engines.config import HFRolloutConfig
+from flowrl.engines.config import HF_CACHE_BUCKET, HFRolloutConfig
 
 
 class _LogprobRecorder(LogitsProcessor):
@@ -63,6 +63,30 @@ class _LogprobRecorder(LogitsProcessor):
         self._score(sequences[:, -1])
         self.pending = None
         return torch.stack(self.logprobs, dim=1)
+
+
+def pad_to_cache_bucket(ids: Tensor, mask: Tensor, max_new_tokens: int, pad_token_id: int,
+                        bucket: int = HF_CACHE_BUCKET) -> tuple[Tensor, Tensor]:
+    """Left-pad a chunk's prompts so that prompt length + ``max_new_tokens`` is a multiple of
+    ``bucket``: the static KV cache transformers sizes to that sum then has one length for every
+    call of a job, and the compiled decode step (whose graph is specialised to it) is reused
+    instead of recompiled. Pad positions are masked out, and transformers derives the position
+    ids from the mask, so the generated tokens do not change.
+
+    Args:
+        ids: (B, P) int64 left-padded prompt ids. mask: (B, P) bool, True on real tokens.
+        max_new_tokens: the call's ``max_new_tokens``. pad_token_id: the id written in the pads.
+        bucket: tokens (``HF_CACHE_BUCKET``).
+
+    Returns:
+        (ids, mask) of shape (B, P') on their device, P' >= P the smallest with
+        (P' + max_new_tokens) % bucket == 0; the inputs themselves when P' == P.
+    """
+    extra = -(ids.shape[1] + max_new_tokens) % bucket
+    if extra == 0:
+        return ids, mask
+    return (torch.nn.functional.pad(ids, (extra, 0), value=pad_token_id),
+            torch.nn.functional.pad(mask, (extra, 0), value=False))
 
 
 def _module_device(model: nn.Module) -> torch.device:
@@ -214,7 +238,10 @@ class HFRolloutEngine:
                         ) -> tuple[Tensor, Tensor]:
         # columns that are padding in every row of this chunk only cost compute
         first = int(mask.any(dim=0).long().argmax())
-        ids, mask = ids[:, first:].to(self.device), mask[:, first:].to(self.device)
+        ids, mask = ids[:, first:], mask[:, first:]
+        if self.cfg.compile:
+            ids, mask = pad_to_cache_bucket(ids, mask, params.max_new_tokens, self.pad_token_id)
+        ids, mask = ids.to(self.device), mask.to(self.device)
         sample = params.temperature > 0
         recorder = _LogprobRecorder(params.temperature if sample else 1.0)
         processors = LogitsProcessorList([recorder] if self.cfg.logprobs_mode == "tempered" else [])
@@ -262,7 +289,7 @@ class HFRolloutEngine:
             max_new_tokens=params.max_new_tokens, min_new_tokens=0,
             eos_token_id=stops, pad_token_id=self.pad_token_id, use_cache=True,
             return_dict_in_generate=False, output_scores=False, output_logits=False,
-            disable_compile=not self.cfg.compile,
+            disable_compile=not self.cfg.compile,  # None (no job to size it for): off
         )
         if self.cfg.cache_implementation is not None:
             kwargs["cache_implementation"] = self.cfg.cache_implementation
