@@ -36,9 +36,14 @@ def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch
                      prefix: str = "") -> list[str]:
     """Text of the valid response tokens only (never the prompt), after ``prefix``: the
     pre-filled start of the response (``data.response_prefix``), which lives in the prompt ids
-    but is part of the answer a verifier reads."""
-    return [prefix + tokenizer.decode(ids[m].tolist(), skip_special_tokens=True)
-            for ids, m in zip(response_ids, response_mask)]
+    but is part of the answer a verifier reads.
+
+    response_ids (B, R) int64 and response_mask (B, R) bool, on any device: both are copied to
+    the host once (a per-row masked index of device tensors costs a device sync per row), and the
+    rows decode in one ``batch_decode`` call (the fast tokenizer's batch path)."""
+    ids, mask = response_ids.cpu().tolist(), response_mask.bool().cpu().tolist()
+    rows = [[t for t, keep in zip(r, m) if keep] for r, m in zip(ids, mask)]
+    return [prefix + text for text in tokenizer.batch_decode(rows, skip_special_tokens=True)]
 
 
 def response_prefix(ctx: StageContext) -> str:

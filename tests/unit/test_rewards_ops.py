@@ -261,3 +261,24 @@ def test_reward_model_config_rejects_a_causal_lm_path():
 
     with pytest.raises(ValueError, match="no reward head"):
         RewardModelConfig(model={"path": "smollm2"})
+
+
+# ----------------------------------------------------------------------------- decode
+def test_decode_responses_reads_only_the_masked_tokens_after_the_prefix():
+    """Exact texts: the valid tokens of each row (a mask need not be contiguous), special tokens
+    skipped, the response prefix in front; the same as decoding row by row."""
+    from pathlib import Path
+
+    import transformers
+
+    from flowrl.ops.reward import decode_responses
+
+    tok = transformers.AutoTokenizer.from_pretrained(
+        Path(__file__).resolve().parents[2] / "flowrl/models/assets/smollm2-tokenizer")
+    hello, world, eos = tok.encode("Hello")[0], tok.encode(" world")[0], tok.eos_token_id
+    ids = torch.tensor([[hello, world, eos, eos], [world, hello, world, hello]])
+    mask = torch.tensor([[True, True, True, False], [False, True, False, True]])
+    assert decode_responses(tok, ids, mask, prefix="A: ") == ["A: Hello world", "A: HelloHello"]
+    assert decode_responses(tok, ids, mask) == [
+        tok.decode(r[m].tolist(), skip_special_tokens=True) for r, m in zip(ids, mask)]
+    assert decode_responses(tok, ids[:0], mask[:0]) == []
