@@ -44,7 +44,9 @@ class HFRolloutConfig:
             steps, else off. transformers only compiles on accelerators (on CPU it is a no-op).
             With it on, each chunk's prompt is left-padded so prompt + ``max_new_tokens`` is a
             multiple of ``HF_CACHE_BUCKET`` tokens: the cache, and the compiled step with it,
-            keep one shape across calls (a longer call would otherwise recompile).
+            keep one shape across calls (a longer call would otherwise recompile), and a chunk
+            of fewer than ``batch_size`` rows is filled up with copies of its first row (their
+            samples are discarded).
         dtype: weights dtype of an engine with its own copy (not ``shared``): ``auto`` (the
             module's own; a run resolves it to the trainer's compute dtype, bf16 on CUDA:
             ``flowrl/machine.py``), ``float32``, ``bfloat16``, ``float16``. Decoding is

@@ -92,8 +92,9 @@ def test_bucketed_prompts_generate_what_unpadded_ones_do(tokenizer, temperature)
     params = SamplingConfig(temperature=temperature, max_new_tokens=7)
     outs = []
     for compile_ in (False, True):
-        eng = HFRolloutEngine(model, tokenizer, HFRolloutConfig(cache_implementation="static",
-                                                                compile=compile_))
+        # batch_size = the rows: no row fill (it would draw other samples), the bucket alone
+        eng = HFRolloutEngine(model, tokenizer, HFRolloutConfig(
+            batch_size=3, cache_implementation="static", compile=compile_))
         outs.append(eng.generate(ids, mask, params, generator=torch.Generator().manual_seed(3)))
     plain, bucketed = outs
     assert torch.equal(plain.response_ids, bucketed.response_ids)
@@ -118,12 +119,37 @@ def test_the_engine_pads_only_when_compiling(tokenizer, monkeypatch):
     assert seen == [11, HF_CACHE_BUCKET - 7]
 
 
+def test_a_short_chunk_runs_at_full_batch_size_and_returns_its_own_rows(tokenizer, monkeypatch):
+    """compile on, batch_size 4: a 3-row call generates 4 rows (the 4th a copy of the first) and
+    returns the 3 real rows, exactly what a 3-row call without the fill returns (greedy)."""
+    seen: list[int] = []
+    real = transformers.LlamaForCausalLM.generate
+
+    def spy(self, *a, **k):
+        seen.append(k["input_ids"].shape[0])
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "generate", spy)
+    model = tiny_llama()
+    ids, mask = _prompts(P=9)
+    params = SamplingConfig(temperature=0.0, max_new_tokens=6)
+    filled = HFRolloutEngine(model, tokenizer, HFRolloutConfig(batch_size=4, compile=True)
+                             ).generate(ids, mask, params)
+    plain = HFRolloutEngine(model, tokenizer, HFRolloutConfig(
+        batch_size=4, cache_implementation="static")).generate(ids, mask, params)
+    assert seen == [4, 3]
+    assert filled.response_ids.shape == (3, 6)
+    assert torch.equal(filled.response_ids, plain.response_ids)
+    torch.testing.assert_close(filled.rollout_logprobs, plain.rollout_logprobs, atol=1e-5, rtol=0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bucket, graphs", [(HF_CACHE_BUCKET, 1), (1, 2)])
 def test_the_bucket_keeps_one_compiled_graph(tokenizer, monkeypatch, bucket, graphs):
     """transformers' compile forced on CPU (its accelerator check patched): three calls whose
-    prompt + new tokens span 18-37 tokens compile the decode step once with the bucket; without it
-    (bucket 1) the second, longer call makes a second graph."""
+    prompt + new tokens span 18-37 tokens (the last of 2 rows, not 3) compile the decode step once
+    with the bucket and the row fill; without the bucket (1) the second, longer call makes a second
+    graph. Every call's tokens are eager's."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -134,11 +160,11 @@ def test_the_bucket_keeps_one_compiled_graph(tokenizer, monkeypatch, bucket, gra
     torch._dynamo.reset()
     counters.clear()
     model = tiny_llama()
-    eng = HFRolloutEngine(model, tokenizer, HFRolloutConfig(compile=True))
-    eager = HFRolloutEngine(model, tokenizer, HFRolloutConfig(compile=False))
+    eng = HFRolloutEngine(model, tokenizer, HFRolloutConfig(batch_size=3, compile=True))
+    eager = HFRolloutEngine(model, tokenizer, HFRolloutConfig(batch_size=3, compile=False))
     params = SamplingConfig(temperature=0.0, max_new_tokens=7)
-    for P in (11, 30, 19):
-        got = eng.generate(*_prompts(P), params)
-        assert torch.equal(got.response_ids, eager.generate(*_prompts(P), params).response_ids)
+    for P, B in ((11, 3), (30, 3), (19, 2)):  # a shorter, a longer, and a smaller call
+        got = eng.generate(*_prompts(P, B), params)
+        assert torch.equal(got.response_ids, eager.generate(*_prompts(P, B), params).response_ids)
     assert counters["stats"]["unique_graphs"] == graphs
     torch._dynamo.reset()

@@ -239,8 +239,15 @@ class HFRolloutEngine:
         # columns that are padding in every row of this chunk only cost compute
         first = int(mask.any(dim=0).long().argmax())
         ids, mask = ids[:, first:], mask[:, first:]
+        rows = ids.shape[0]
         if self.cfg.compile:
             ids, mask = pad_to_cache_bucket(ids, mask, params.max_new_tokens, self.pad_token_id)
+            if images is None and rows < self.cfg.batch_size:
+                # the compiled step is specialised to the batch size too: a short last chunk (an
+                # eval's remainder) runs at full size with copies of its first row, discarded
+                extra_rows = self.cfg.batch_size - rows
+                ids = torch.cat([ids, ids[:1].expand(extra_rows, -1)])
+                mask = torch.cat([mask, mask[:1].expand(extra_rows, -1)])
         ids, mask = ids.to(self.device), mask.to(self.device)
         sample = params.temperature > 0
         recorder = _LogprobRecorder(params.temperature if sample else 1.0)
@@ -277,7 +284,7 @@ class HFRolloutEngine:
             sequences = seqs
         else:
             sequences = seqs.sequences
-        return sequences[:, ids.shape[1]:], recorder.finish(sequences)
+        return sequences[:rows, ids.shape[1]:], recorder.finish(sequences)[:rows]
 
     def _generation_config(self, params: SamplingConfig, stops: list[int], sample: bool
                            ) -> GenerationConfig:
