@@ -211,6 +211,9 @@ class Tok:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(map(chr, ids))
 
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return [self.decode(r, skip_special_tokens) for r in rows]
+
 
 def encode(texts, width=8):
     ids = torch.zeros(len(texts), width, dtype=torch.long)
