@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         ValueEngine,
     )
     from flowrl.engines.rollout.vllm_config import RolloutJob
+    from flowrl.runtime.step.executor import Swap
 
 log = logging.getLogger("flowrl")
 
@@ -220,6 +221,8 @@ class BuildContext:
         ref_copy: a deep copy of the initial weights for a (non-LoRA) reference, taken before
             any engine is built. world_size / group: the pool's ranks and process group.
         engines: the engines built so far (a builder may read an earlier role's engine).
+        vllm_prefetch: vLLM model-info prefetches started before the model loaded
+            (``engines/rollout/vllm_prefetch.py``); a vLLM builder waits for them first.
     """
 
     cfg: "TrainConfig"
@@ -235,6 +238,28 @@ class BuildContext:
     group: Any
     engines: Engines
     kw: dict[str, Any] = field(default_factory=dict)
+    vllm_prefetch: list[Any] = field(default_factory=list)
+
+    def wait_for_vllm_prefetch(self) -> None:
+        """Let every prefetch started for this build finish (each is waited for once)."""
+        for p in self.vllm_prefetch:
+            p.wait()
+
+
+def _start_vllm_prefetch(cfg: "TrainConfig", roles: set[str]) -> list[Any]:
+    """vLLM's model-info inspection of the policy (and a teacher that generates) in the
+    background, while the model loads (``engines/rollout/vllm_prefetch.py`` says why)."""
+    if cfg.rollout.backend != "vllm" or not roles & {"rollout", "teacher_rollout"}:
+        return []
+    from flowrl.engines.rollout import vllm_prefetch
+    from flowrl.models.bundled import SMOLLM2
+    from flowrl.models.kernels import model_type_of
+
+    models = [cfg.model] + ([cfg.teacher] if "teacher_rollout" in roles and cfg.teacher.is_set else [])
+    archs = {vllm_prefetch.causal_lm_architecture(model_type_of(m.path, m.tiny, SMOLLM2))
+             for m in models}
+    started = [vllm_prefetch.start(a) for a in sorted(a for a in archs if a)]
+    return [p for p in started if p is not None]
 
 
 def _build_actor(b: BuildContext) -> "TrainEngine":
@@ -319,6 +344,7 @@ def _build_rollout(b: BuildContext) -> "RolloutEngine":
 
     # a pool's rank (group set) must keep vLLM off the job's torch world: child processes
     log.info("start-up: building the %s rollout engine", b.cfg.rollout.backend)
+    b.wait_for_vllm_prefetch()
     from flowrl.models.vision import image_processor, is_vision_config
 
     return rollout_engines.build_rollout_engine(
@@ -332,6 +358,7 @@ def _build_teacher_rollout(b: BuildContext) -> "RolloutEngine":
     from flowrl.engines import rollout as rollout_engines
     from flowrl.models.loading import load_model
 
+    b.wait_for_vllm_prefetch()
     return rollout_engines.build_rollout_engine(
         teacher_rollout_config(b.cfg.rollout), load_model(b.cfg.teacher, b.device), b.tokenizer,
         shared=False, own_process=b.group is not None, job=rollout_job(b.cfg, b.world_size))
@@ -383,9 +410,10 @@ def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
 
     device = run_device(cfg)
     t0 = time.perf_counter()
+    roles = set(plan.roles)
+    prefetch = _start_vllm_prefetch(cfg, roles)
     model = load_model(cfg.model, device)
     log.info("start-up: model loaded on %s in %.1f s", device, time.perf_counter() - t0)
-    roles = set(plan.roles)
     # a partitioned rollout pool trains nothing: no FSDP, no world collectives
     fsdp = bool(set(TRAINED_ROLES) & roles) and use_fsdp(cfg, world_size)
     kw: dict[str, Any] = {}
@@ -406,7 +434,7 @@ def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
     ref_copy = copy.deepcopy(model) if "ref" in roles and lora is None else None
     engines = Engines()
     ctx = BuildContext(cfg, model, device, tokenizer, roles, fsdp, train_cls, shared, ref_copy,
-                       world_size, group, engines, kw)
+                       world_size, group, engines, kw, prefetch)
     for role, builder in ENGINE_BUILDERS.items():
         if role in roles:
             t1 = time.perf_counter()
@@ -459,19 +487,22 @@ def rollout_job(cfg: "TrainConfig", world_size: int | None = None) -> "RolloutJo
                       decode_steps=decode, ranks=world_size or dist_info().world_size)
 
 
-def resolve_offload(cfg: "TrainConfig", engines: Engines) -> tuple[bool, str]:
-    """``trainer.offload`` → (move idle models to host memory at the swap points?, why).
+def resolve_offload(cfg: "TrainConfig", engines: Engines) -> tuple["Swap", str]:
+    """``trainer.offload`` → (which models move at the swap points, why): the Executor's
+    ``swap`` (``"all"``, ``"generate"`` or ``"none"``).
 
-    ``auto`` keeps everything resident when it fits (:func:`keep_resident`): the
-    training state counts 16 bytes per trainable parameter (fp32 weight, gradient, two AdamW
+    ``always`` → all, ``never`` → none, ``rollout`` → generate (only the generation engines
+    release the device). ``auto`` keeps everything resident when it fits (:func:`keep_resident`):
+    the training state counts 16 bytes per trainable parameter (fp32 weight, gradient, two AdamW
     moments) and 4 per frozen one; the rollout engine its share of the device (vLLM's
     ``gpu_memory_utilization``, an HF copy its weights)."""
     mode = cfg.trainer.offload
-    if mode != "auto":
-        return mode == "always", f"trainer.offload={mode}"
+    fixed: dict[str, Swap] = {"always": "all", "never": "none", "rollout": "generate"}
+    if mode in fixed:
+        return fixed[mode], f"trainer.offload={mode}"
     device = run_device(cfg)
     if device.type != "cuda":
-        return False, "CPU run: nothing to free"
+        return "none", "CPU run: nothing to free"
     import torch
 
     from flowrl.models.lora import AdapterDisabledReference
@@ -497,7 +528,7 @@ def resolve_offload(cfg: "TrainConfig", engines: Engines) -> tuple[bool, str]:
             total = torch.cuda.get_device_properties(device).total_memory
             rollout += int(cfg.rollout.vllm.gpu_memory_utilization * total)
     keep = keep_resident(state, rollout, device)
-    return not keep, (f"auto: training state {state / 2**30:.1f} GiB + rollout "
+    return "none" if keep else "all", (f"auto: training state {state / 2**30:.1f} GiB + rollout "
                       f"{rollout / 2**30:.1f} GiB {'fit' if keep else 'do not fit'} in 80% of the device")
 
 
