@@ -189,9 +189,12 @@ class TrainerConfig:
         engine: optimizer / micro-batching of the training engine (actor; the critic too).
         critic_lr: the critic's learning rate (PPO); None = ``engine.lr``. Every other critic
             optimizer setting is ``engine``'s: one set of defaults, one knob PPO recipes change.
-        offload: move idle models to host memory at the plan's swap points (train state while the
+        offload: move idle models off the device at the plan's swap points (train state while the
             rollout engine generates, the rollout copy while training): ``auto`` (only when the
-            models would not fit side by side: ``machine.keep_resident``), ``always``, ``never``.
+            models would not fit side by side: ``machine.keep_resident``), ``always``, ``never``,
+            or ``rollout``: only the generation engines release the device (vLLM sleeps at
+            ``rollout.vllm.sleep_level`` during the update: its KV cache, and at level 2 its
+            weights, which the next sync refills) while the training state stays resident.
         max_skipped_steps: optimizer steps a run may skip (non-finite loss or grad norm) before
             it stops with exit status 1 (``runtime/control/health.py``; counted in
             ``train/skipped_steps``).
@@ -239,8 +242,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.device must be cpu, cuda or auto, got {self.device!r}")
         if self.critic_lr is not None and self.critic_lr < 0:
             raise ValueError(f"trainer.critic_lr must be >= 0 or null, got {self.critic_lr}")
-        if self.offload not in ("auto", "always", "never"):
-            raise ValueError(f"trainer.offload must be auto, always or never, got {self.offload!r}")
+        if self.offload not in ("auto", "always", "never", "rollout"):
+            raise ValueError(f"trainer.offload must be auto, always, never or rollout, got {self.offload!r}")
         if self.save_every < 0 or self.keep_last < 1:
             raise ValueError("trainer.save_every must be >= 0 and trainer.keep_last >= 1")
 

@@ -140,3 +140,65 @@ def test_verify_sync_every_below_one_is_refused():
     assert RolloutConfig().verify_sync_every == 100
     with pytest.raises(ValueError, match="rollout.verify_sync_every must be >= 1, got 0"):
         RolloutConfig(verify_sync_every=0)
+
+
+class CountingRollout(FakeRollout):
+    def __init__(self):
+        super().__init__(shared=False)
+        self.calls = []
+
+    def offload(self, keep_weights=False):
+        self.calls.append(("offload", keep_weights))
+
+    def onload(self):
+        self.calls.append(("onload",))
+
+
+@pytest.mark.parametrize("swap, actor_calls, rollout_calls", [
+    # trainer.offload=always: every role moves at both swap points of the GRPO plan
+    ("all", [("offload", False), ("onload",)], [("onload",), ("offload", False)]),
+    # trainer.offload=rollout: the vLLM engine sleeps for the update, the actor never moves
+    ("generate", [], [("onload",), ("offload", False)]),
+    # trainer.offload=never / auto with room: nothing moves
+    ("none", [], []),
+])
+def test_swap_mode_decides_which_engines_move(swap, actor_calls, rollout_calls):
+    """One GRPO step's swap points (offload actor, onload rollout before the rollout; offload
+    rollout, onload actor before old_logprobs) under each ``swap`` mode."""
+    plan = compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": 0.0,
+                                                         "recompute_old_logprobs": True}})
+    actor, rollout = FakeTrain(), CountingRollout()
+    ex = Executor(plan, Engines(actor=actor, rollout=rollout), {}, swap=swap)
+    ex.ensure_resident("rollout")
+    assert ex.resident == ({"rollout"} if swap == "all" else {"actor", "rollout"})
+    ex.ensure_resident("actor")
+    assert actor.calls == actor_calls and rollout.calls == rollout_calls
+    # a role that moved is resident only while onloaded; a role that never moves stays resident
+    assert ex.resident == ({"actor"} if swap in ("all", "generate") else {"actor", "rollout"})
+
+
+def test_an_unknown_swap_mode_is_refused():
+    plan = compile_plan(Graph.load(GRPO), {"algorithm": {"kl_coef": 0.0,
+                                                         "recompute_old_logprobs": True}})
+    with pytest.raises(ValueError, match="swap must be one of"):
+        Executor(plan, Engines(actor=FakeTrain(), rollout=CountingRollout()), {}, swap=True)
+
+
+@pytest.mark.parametrize("offload, expected", [
+    ("always", "all"), ("never", "none"), ("rollout", "generate"), ("auto", "none")])
+def test_trainer_offload_resolves_to_the_executors_swap(offload, expected):
+    """On CPU ``auto`` is none (nothing to free); the explicit modes map one to one."""
+    from flowrl.config import TrainConfig, TrainerConfig
+    from flowrl.runtime.step.resources import resolve_offload
+
+    cfg = TrainConfig(trainer=TrainerConfig(offload=offload, device="cpu"))
+    swap, why = resolve_offload(cfg, Engines())
+    assert swap == expected
+    assert why == ("CPU run: nothing to free" if offload == "auto" else f"trainer.offload={offload}")
+
+
+def test_trainer_offload_names_its_choices():
+    from flowrl.config import TrainerConfig
+
+    with pytest.raises(ValueError, match="auto, always, never or rollout, got 'sometimes'"):
+        TrainerConfig(offload="sometimes")

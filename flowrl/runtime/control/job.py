@@ -59,6 +59,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flowrl")
 
+# the console's machine line: what trainer.offload resolved to (the Executor's swap)
+OFFLOAD_WORDS = {"all": "on", "generate": "rollout only", "none": "off"}
 OP_STATE_KEY = "op_state"  # trainer_state.json: every stateful op's state dict, by its key
 LEGACY_OP_STATE = ("kl_controller",)  # written at the top level before op_state existed
 HISTORY_KEYS = ("reward/mean", "reward/accuracy", "perf/step_s", "placement/version_lag",
@@ -404,7 +406,7 @@ class _Job:
         with logger:
             logger.print(f"machine: device={cfg.trainer.device} rollout={cfg.rollout.backend} "
                          f"dtype={cfg.model.dtype} strategy={cfg.trainer.engine.strategy} "
-                         f"offload={'on' if swap else 'off'} ({why_swap})")
+                         f"offload={OFFLOAD_WORDS[swap]} ({why_swap})")
             if evaluate is not None and ev.before and start == 1:
                 before = evaluate(out_dir / "eval_before.jsonl", logger.eval_progress("eval before"))
                 if before is not None:  # the rank that evaluated

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 
 import torch
 
@@ -49,6 +49,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+# which models the plan's offload/onload actions move (``trainer.offload``, resolved by
+# ``resources.resolve_offload``): every role's, only the generation engines' (vLLM sleeps while
+# the training state stays resident), or none (every model stays resident)
+Swap = Literal["all", "generate", "none"]
+SWAPS: tuple[Swap, ...] = ("all", "generate", "none")
 
 SEND = "_send"  # store release point of a partitioned pool's outgoing keys
 
@@ -91,9 +97,10 @@ class Executor:
             at the end of each step (``PoolPlan.sends``); freed from the store once sent.
         device: the store's home device; default :func:`~flowrl.runtime.step.devices.home_device`
             of ``engines`` (the trainer's device).
-        swap: run the plan's offload/onload actions (move idle models to host memory). False when
-            every model fits on the device side by side (``trainer.offload``): the actions are
-            skipped and cost nothing.
+        swap: which of the plan's offload/onload actions run (``trainer.offload``): ``"all"``
+            moves every idle model to host memory; ``"generate"`` only the generation engines
+            (roles of kind ``generate``: vLLM sleeps at its ``sleep_level`` while the training
+            state stays resident); ``"none"`` skips them (every model stays resident, no cost).
 
     The cross-step state of every op of the plan that declares one (``ops/state.py``) is created
     in ``resources`` at construction; :meth:`op_state_dict` / :meth:`load_op_state_dict` are what
@@ -106,7 +113,7 @@ class Executor:
     def __init__(self, plan: ExecutionPlan, engines: "Engines",
                  resources: Mapping[str, Any], *, seed: int = 0, dist: DistInfo | None = None,
                  sends: list[str] | tuple[str, ...] = (), device: torch.device | None = None,
-                 swap: bool = True, verify_sync: bool = False, verify_sync_every: int = 1):
+                 swap: Swap = "all", verify_sync: bool = False, verify_sync_every: int = 1):
         missing = [r for r in plan.roles if r not in engines]
         if missing:
             raise KeyError(f"plan needs engines for roles {missing}; have {sorted(engines.by_role())}")
@@ -120,7 +127,9 @@ class Executor:
         self.sends = list(sends)
         # the pseudo-stage SEND releases what was handed to the other pool
         self.device = device or home_device(self.engines.by_role())
-        self.swap = swap
+        if swap not in SWAPS:
+            raise ValueError(f"swap must be one of {SWAPS}, got {swap!r}")
+        self.swap: Swap = swap
         self.verify_sync = verify_sync  # rollout.verify_sync: runtime/step/weight_check.py
         # rollout.verify_sync_every: the readback costs a round trip per engine (0.46 s a sync for
         # the 0.5B shape over 4 engine processes on the H200, e2e_vs_trl_h200.md), so after the
@@ -147,8 +156,12 @@ class Executor:
         return sorted(set(self.op_states) - set(states))
 
     # ---- swap / sync points -----------------------------------------------------------------
+    def _swaps(self, role: str) -> bool:
+        """Whether ``role``'s engine really moves at a swap point (``trainer.offload``)."""
+        return self.swap == "all" or (self.swap == "generate" and ROLES[role].kind == "generate")
+
     def _offload(self, role: str, keep_weights: bool = False) -> None:
-        if not self.swap:  # everything stays resident (trainer.offload)
+        if not self._swaps(role):  # it stays resident (trainer.offload)
             return
         eng = self._engine(role)
         # the plan keeps the weights when the next role serves them; that saves a copy only if
@@ -161,7 +174,7 @@ class Executor:
         self._resident.discard(role)
 
     def _onload(self, role: str) -> None:
-        if not self.swap:
+        if not self._swaps(role):
             self._resident.add(role)
             return
         self._engine(role).onload()
@@ -180,12 +193,12 @@ class Executor:
 
     def ensure_resident(self, role: str) -> None:
         """Make ``role`` the resident model (offloading the others), as the plan's swap points
-        would; used when a refill stage re-runs its upstream stages."""
-        if role in self._resident:
-            return
-        for r in list(self._resident):
+        would; used when a refill stage re-runs its upstream stages. A role that never moves
+        (``swap``) stays resident beside it."""
+        for r in list(self._resident - {role}):
             self._offload(r, keep_weights=ROLES[role].weights_from == r)
-        self._onload(role)
+        if role not in self._resident:
+            self._onload(role)
 
     def verify_now(self) -> bool:
         """Whether this weight sync is checked (``rollout.verify_sync``): the first of the process
