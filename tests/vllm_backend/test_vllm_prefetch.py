@@ -2,7 +2,6 @@
 built after it inspects nothing itself (vLLM's registry subprocess is never started)."""
 import sys
 
-import pytest
 from vllm_helpers import TINY_VLLM
 
 from flowrl.engines.rollout import vllm_prefetch
