@@ -1,6 +1,6 @@
 """engines/rollout/vllm_prefetch.py without vLLM: where vLLM's model-info cache lives, when a
 prefetch starts, and that a prefetch that fails changes nothing (the vLLM tier runs a real one:
-tests/vllm_backend/test_vllm_prefetch.py)."""
+tests/vllm_backend/test_vllm_prefetch_engine.py)."""
 from __future__ import annotations
 
 import logging
