@@ -107,13 +107,12 @@ GPU_SUITE = dict(device="cuda", model="qwen05b,smollm2,qwen15b", rollout="hf,vll
 # the same key wins. torch_compile=true: the steady state this suite measures is a long job's, and
 # flowrl's job-sized rule turns vLLM's torch.compile on from 50,000 decode steps (a 7-step run has
 # 1,792, so auto would leave it off to save start-up); TRL's colocate engine runs vLLM's default,
-# which compiles: both sides compile. rollout.hf.compile=true for the same reason: flowrl's rule
-# compiles transformers' decode (static KV cache) from 5,000 decode steps, a long job's default;
-# the warm-up step pays the first call's compile (~1 min on the H200), outside the timed rounds.
-# TRL's HF path runs generate with its defaults (GRPOConfig.cache_implementation=None: the dynamic
-# cache, which transformers does not compile)
+# which compiles: both sides compile. The HF pair runs both sides' defaults: TRL's generate with
+# GRPOConfig.cache_implementation=None (the dynamic cache, which transformers does not compile),
+# flowrl's rollout.hf.compile=null (off: compiled it measured slower than eager in this pair,
+# 7.77 s against TRL's 5.85 s on 2026-12-06, where eager had 6.10 against 6.04 on 2026-12-04)
 GPU_SUITE_OVERRIDES = ["rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.kv_cache_memory_gb=8",
-                       "rollout.vllm.torch_compile=true", "rollout.hf.compile=true"]
+                       "rollout.vllm.torch_compile=true"]
 # the CPU check of the round machinery (a tiny random model, a few minutes on 2 cores)
 CPU_SUITE = dict(device="cpu", model="tiny", rollout="hf", prompts_per_step=2, n=2,
                  max_new_tokens=8, steps=2, rounds=3, warmup=1, micro_batch_size=2,
@@ -288,7 +287,6 @@ def trl_kwargs(tc, bc: BenchConfig, out_dir: str) -> dict:
 
 
 def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, str, str]]:
-    from flowrl.engines.config import HF_COMPILE_MIN_DECODE_STEPS
     from flowrl.engines.rollout.vllm_config import TORCH_COMPILE_MIN_DECODE_STEPS
 
     e, a, s = tc.trainer.engine, tc.algorithm, tc.rollout.sampling
@@ -311,8 +309,7 @@ def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, 
     else:
         rollout = (f"HF generate, rollout.hf batch_size={tc.rollout.hf.batch_size} "
                    f"cache_implementation={tc.rollout.hf.cache_implementation} "
-                   f"compile={tc.rollout.hf.compile} (null = on CUDA from "
-                   f"{HF_COMPILE_MIN_DECODE_STEPS:,} decode steps in the job)")
+                   f"compile={tc.rollout.hf.compile} (null = off)")
         trl_rollout = ("use_vllm=False: transformers generate, one call for the generation batch, "
                        "cache_implementation=None (TRL's default: the dynamic cache, not compiled)")
     return [
@@ -1160,19 +1157,20 @@ def _split(v: str, allowed: tuple[str, ...], name: str) -> list[str]:
 
 
 # seconds per step on one H200 of the GPU suite's shape (32 prompts x 8 x 256 new tokens), by
-# (model, rollout, framework): qwen05b measured (benchmarks/results/e2e_vs_trl_h200*.md at
-# cc93675), the other two scaled from it (smollm2: 30 thin layers, so HF generate costs about as
-# much; qwen15b: 28 wide layers, ~3.4x the update FLOPs); engine build s by (rollout, framework).
+# (model, rollout, framework), the mean over warm-up and timed steps: qwen05b and qwen15b (vLLM)
+# measured at 876beea (2026-12-06, benchmarks/results/e2e_vs_trl_h200.md; flowrl's HF from its
+# eager 2026-12-04 pair), smollm2 vLLM at 1c601bb, the rest scaled from them (smollm2: 30 thin
+# layers, so HF generate costs about as much as qwen05b's; qwen15b: 28 wide layers, ~3.4x the
+# update FLOPs); engine build s by (rollout, framework), measured at 876beea (flowrl's vLLM: 4
+# engine processes with the suite's torch_compile=true, 70-78 s).
 # Only for the plan printed before a run: the report has the measured numbers.
-STEP_S_GUESS = {("qwen05b", "hf", "flowrl"): 10.0, ("qwen05b", "hf", "trl"): 8.0,
-                ("qwen05b", "vllm", "flowrl"): 4.0, ("qwen05b", "vllm", "trl"): 5.5,
-                ("smollm2", "hf", "flowrl"): 8.0, ("smollm2", "hf", "trl"): 7.0,
-                ("smollm2", "vllm", "flowrl"): 2.5, ("smollm2", "vllm", "trl"): 3.5,
-                ("qwen15b", "hf", "flowrl"): 16.0, ("qwen15b", "hf", "trl"): 12.5,
-                ("qwen15b", "vllm", "flowrl"): 8.0, ("qwen15b", "vllm", "trl"): 9.0}
-# vllm flowrl: 120 s measured at 3c9da7b with the suite's torch_compile=true (4 engines compiling
-# side by side; 58 s without compile at 1715798); hf flowrl: its warm-up step's decode compile
-BUILD_S_GUESS = {("hf", "flowrl"): 65.0, ("hf", "trl"): 1.0, ("vllm", "flowrl"): 120.0, ("vllm", "trl"): 80.0}
+STEP_S_GUESS = {("qwen05b", "hf", "flowrl"): 7.5, ("qwen05b", "hf", "trl"): 7.0,
+                ("qwen05b", "vllm", "flowrl"): 3.0, ("qwen05b", "vllm", "trl"): 4.5,
+                ("smollm2", "hf", "flowrl"): 6.5, ("smollm2", "hf", "trl"): 6.0,
+                ("smollm2", "vllm", "flowrl"): 2.0, ("smollm2", "vllm", "trl"): 3.0,
+                ("qwen15b", "hf", "flowrl"): 12.0, ("qwen15b", "hf", "trl"): 11.0,
+                ("qwen15b", "vllm", "flowrl"): 4.5, ("qwen15b", "vllm", "trl"): 6.7}
+BUILD_S_GUESS = {("hf", "flowrl"): 5.0, ("hf", "trl"): 1.0, ("vllm", "flowrl"): 80.0, ("vllm", "trl"): 50.0}
 PROCESS_S_GUESS = 35.0  # imports, data, model load, checkpoint and exit of one framework process
 PREPARE_S_GUESS = {"qwen05b": 15.0, "smollm2": 10.0, "qwen15b": 40.0, "tiny": 2.0}  # build + save
 

@@ -18,12 +18,13 @@ if TYPE_CHECKING:
     from flowrl.engines.rollout.vllm_config import RolloutJob
 
 _CACHE_IMPLEMENTATIONS = (None, "static", "dynamic")
-# decode steps of a whole job (RolloutJob.decode_steps) from which rollout.hf.compile=null turns
-# transformers' compiled decode on (CUDA). On the H200, 256 sequences of a 0.5B model: 24.3k tok/s
-# compiled over the static cache against 8.0k static and 10.7k with the default dynamic cache in
-# the e2e benchmark's HF pair (benchmarks/results/rollout_h200.md, e2e_vs_trl_h200.md), i.e. ~13 ms
-# saved per decode step, for a first call that compiles for ~1 min: it pays from ~5k decode steps.
-HF_COMPILE_MIN_DECODE_STEPS = 5_000
+# rollout.hf.compile=null stays off: transformers' compiled decode over the static KV cache measured
+# 3x eager in isolation (24.3k against 8.0k tok/s static, 256 sequences of a 0.5B model on the H200,
+# benchmarks/results/rollout_h200.md), but inside the training loop it was slower than eager: the
+# e2e HF pair at 876beea (2026-12-06, rollout.hf.compile=true) generated 256 x 256 tokens in 7.77 s
+# [7.72-7.98] against TRL's 5.85 s in the same interleaved call, where eager had 6.10 s against
+# TRL's 6.04 s on 2026-12-04 (benchmarks/results/e2e_vs_trl_h200.md). Until an interleaved in-loop
+# run shows it faster, it is opt-in.
 # tokens: with the compiled decode, prompt + max_new_tokens is padded up to a multiple of this, so
 # the static cache (and the compiled graph) keep one shape across calls; transformers keeps the
 # largest cache length it has seen (its _previous_max_cache_length), so one bucket per job
@@ -39,14 +40,14 @@ class HFRolloutConfig:
         cache_implementation: KV cache kind handed to transformers ("static", "dynamic", or None for
             the model's default; with ``compile`` on, None means "static").
         compile: let transformers compile the decoding forward (``torch.compile``, its
-            "reduce-overhead" mode: CUDA graphs) over a static KV cache. None (default) = decided
-            for the job (:meth:`sized_for`): on CUDA from ``HF_COMPILE_MIN_DECODE_STEPS`` decode
-            steps, else off. transformers only compiles on accelerators (on CPU it is a no-op).
-            With it on, each chunk's prompt is left-padded so prompt + ``max_new_tokens`` is a
-            multiple of ``HF_CACHE_BUCKET`` tokens: the cache, and the compiled step with it,
-            keep one shape across calls (a longer call would otherwise recompile), and a chunk
-            of fewer than ``batch_size`` rows is filled up with copies of its first row (their
-            samples are discarded).
+            "reduce-overhead" mode: CUDA graphs) over a static KV cache. None (default) = off
+            (:meth:`sized_for` says why: measured slower than eager inside the training loop on
+            the H200); ``true`` opts in. transformers only compiles on accelerators (on CPU it is
+            a no-op). With it on, each chunk's prompt is left-padded so prompt +
+            ``max_new_tokens`` is a multiple of ``HF_CACHE_BUCKET`` tokens: the cache, and the
+            compiled step with it, keep one shape across calls (a longer call would otherwise
+            recompile), and a chunk of fewer than ``batch_size`` rows is filled up with copies of
+            its first row (their samples are discarded).
         dtype: weights dtype of an engine with its own copy (not ``shared``): ``auto`` (the
             module's own; a run resolves it to the trainer's compute dtype, bf16 on CUDA:
             ``flowrl/machine.py``), ``float32``, ``bfloat16``, ``float16``. Decoding is
@@ -85,28 +86,22 @@ class HFRolloutConfig:
         """This engine's configuration for the job: ``compile`` filled in where it is None (one
         reason per filled setting, for the console).
 
-        On CUDA ``compile`` is on from ``HF_COMPILE_MIN_DECODE_STEPS`` decode steps in the job
-        (with the static cache; a ``cache_implementation="dynamic"`` keeps it off), else off.
-        Off the GPU it is off: transformers does not compile there.
+        ``compile`` resolves to off on every device: off the GPU transformers does not compile;
+        on CUDA the compiled decode measured slower than eager inside the training loop (the
+        comment above ``HF_CACHE_BUCKET`` has the numbers), so it stays an opt-in.
 
         Args:
             job: the run's rollout demand per rank (``flowrl.engines.rollout.vllm_config
-                .RolloutJob``; its ``decode_steps``).
+                .RolloutJob``); kept so every engine's rule has one signature.
             on_cuda: the engine's model is on a CUDA device.
         """
         if self.compile is not None:
             return self, []
-        on = on_cuda and self.cache_implementation != "dynamic" and \
-            job.decode_steps >= HF_COMPILE_MIN_DECODE_STEPS
-        cfg = dataclasses.replace(self, compile=on,
-                                  cache_implementation=self.cache_implementation or
-                                  ("static" if on else None))
+        cfg = dataclasses.replace(self, compile=False)
         why = ("not on CUDA: transformers compiles only on accelerators" if not on_cuda else
-               "rollout.hf.cache_implementation=dynamic" if self.cache_implementation == "dynamic"
-               else f"{job.decode_steps:,} decode steps in the job, "
-                    f"{'>=' if on else '<'} {HF_COMPILE_MIN_DECODE_STEPS:,}: the first call "
-                    f"compiles for about a minute")
-        return cfg, [f"rollout.hf.compile={str(on).lower()} ({why})"]
+               "measured slower than eager inside the training loop on the H200, "
+               "benchmarks/results/e2e_vs_trl_h200.md; rollout.hf.compile=true opts in")
+        return cfg, [f"rollout.hf.compile=false ({why})"]
 
 
 _NO_TOTAL = ("constant", "constant_with_warmup", "reduce_lr_on_plateau", "inverse_sqrt")
