@@ -22,6 +22,7 @@ from flowrl.engines.rollout import ROLLOUT_BACKENDS
 from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
 from flowrl.models.loading import ModelConfig
 from flowrl.models.teacher import TeacherConfig
+from flowrl.runtime.io.profiling import ProfileConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -205,6 +206,9 @@ class TrainerConfig:
         max_unscorable_steps: steps in a row on which no sample could be scored (the reward
             function or verifier raised or timed out on all of them: ``train/unscorable_frac``
             = 1) before the run stops with exit status 1; 0 = never stop.
+        profile: torch.profiler over chosen steps (``trainer.profile.steps=[2,3]``): per step
+            and rank a text summary (each stage's seconds, the top operators) and a Chrome trace
+            under ``<run dir>/profile`` (``flowrl/runtime/io/profiling.py``).
     """
 
     total_steps: int = 10
@@ -225,6 +229,7 @@ class TrainerConfig:
     max_skipped_frac: float = 0.5
     constant_reward_steps: int = 5
     max_unscorable_steps: int = 3
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def __post_init__(self) -> None:
         if self.max_skipped_steps < 0 or not 0.0 <= self.max_skipped_frac <= 1.0:
@@ -246,6 +251,10 @@ class TrainerConfig:
             raise ValueError(f"trainer.offload must be auto, always, never or rollout, got {self.offload!r}")
         if self.save_every < 0 or self.keep_last < 1:
             raise ValueError("trainer.save_every must be >= 0 and trainer.keep_last >= 1")
+        late = sorted(s for s in self.profile.steps if s > self.total_steps)
+        if late:
+            raise ValueError(f"trainer.profile.steps {late} come after the last step "
+                             f"(trainer.total_steps={self.total_steps}): they would never run")
 
 
 def as_model_config(value: Any, name: str) -> Optional[ModelConfig]:

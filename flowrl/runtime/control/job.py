@@ -329,6 +329,7 @@ class _Job:
         from flowrl.models.loading import load_tokenizer
         from flowrl.runtime.io import distributed as fdist
         from flowrl.runtime.io.metrics import MetricsLogger
+        from flowrl.runtime.io.profiling import StepProfiler
         from flowrl.runtime.step.evaluate import eval_line
         from flowrl.runtime.step.executor import Executor
         from flowrl.runtime.step.resources import (
@@ -337,6 +338,7 @@ class _Job:
             image_encoder,
             peak_rss_gib,
             resolve_offload,
+            run_device,
             since_launch_s,
         )
 
@@ -415,9 +417,11 @@ class _Job:
                         logger.log(0, before)
                         logger.print(f"eval before: {eval_line(before)}")
             logger.set_progress(start - 1)
+            profiler = StepProfiler(cfg.trainer.profile, out_dir, dinfo.rank, run_device(cfg))
             for step in range(start, T + 1):
                 fdist.mark_step(step)  # the peer monitor names a rank that stops making progress
-                place.step(step, self)
+                with profiler.step(step):  # trainer.profile.steps; a no-op on the others
+                    place.step(step, self)
                 if step == start:  # time to first step: what a user waits before training shows
                     log.info("step %d done %.1f s since the command started", step,
                              since_launch_s())

@@ -33,6 +33,7 @@ import zlib
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 
 import torch
+from torch.profiler import record_function
 
 from flowrl.compiler.plan import ExecutionPlan
 from flowrl.graph.roles import ROLES
@@ -270,26 +271,29 @@ class Executor:
             if a.role is not None and a.role not in self.engines and a.kind != "run":
                 continue  # a role of the other pool: its weights arrive by broadcast
             t0 = time.perf_counter()
-            if a.kind == "offload":
-                self._offload(a.role_name, a.keep_weights)
-                swap_s += time.perf_counter() - t0
-                moved["offload"] += time.perf_counter() - t0
-            elif a.kind == "onload":
-                self._onload(a.role_name)
-                swap_s += time.perf_counter() - t0
-                moved["onload"] += time.perf_counter() - t0
-            elif a.kind == "sync":
-                src = self.plan.graph[a.stage_name]
-                if src.role is None:  # graph validation refuses a sync from a role-less stage
-                    raise ValueError(f"weight sync from role-less stage {src.name!r}")
-                metrics.update(self._sync(src.role, a.role_name, step))
-                sync_s += time.perf_counter() - t0
-            elif (stage := a.stage_name) in self.plan.refill:
-                metrics.update(run_refill(self, self.plan.refill[stage], step))
-                metrics[f"time/{stage}"] = time.perf_counter() - t0  # its re-runs included
-            else:
-                metrics.update(self.run_stage(stage, step))
-                metrics[f"time/{stage}"] = time.perf_counter() - t0
+            # a named range for trainer.profile (runtime/io/profiling.py); ~1 µs when off
+            label = a.stage_name if a.kind == "run" else a.role_name
+            with record_function(f"flowrl/{a.kind}/{label}"):
+                if a.kind == "offload":
+                    self._offload(a.role_name, a.keep_weights)
+                    swap_s += time.perf_counter() - t0
+                    moved["offload"] += time.perf_counter() - t0
+                elif a.kind == "onload":
+                    self._onload(a.role_name)
+                    swap_s += time.perf_counter() - t0
+                    moved["onload"] += time.perf_counter() - t0
+                elif a.kind == "sync":
+                    src = self.plan.graph[a.stage_name]
+                    if src.role is None:  # graph validation refuses a sync from a role-less stage
+                        raise ValueError(f"weight sync from role-less stage {src.name!r}")
+                    metrics.update(self._sync(src.role, a.role_name, step))
+                    sync_s += time.perf_counter() - t0
+                elif (stage := a.stage_name) in self.plan.refill:
+                    metrics.update(run_refill(self, self.plan.refill[stage], step))
+                    metrics[f"time/{stage}"] = time.perf_counter() - t0  # its re-runs included
+                else:
+                    metrics.update(self.run_stage(stage, step))
+                    metrics[f"time/{stage}"] = time.perf_counter() - t0
             if a.role == "rollout" and a.kind in ROLLOUT_TIMERS:  # sleep / wake / weight load
                 key = ROLLOUT_TIMERS[a.kind]
                 metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - t0

@@ -1,0 +1,67 @@
+"""``trainer.profile``: torch.profiler over the chosen steps of a tiny `flowrl train`, nothing on
+the others; the summary names every stage of the plan with its seconds, the trace is a
+Chrome/Perfetto file with the Executor's ranges."""
+import gzip
+import json
+import re
+
+import pytest
+
+from flowrl.config import TrainerConfig, compose
+from flowrl.runtime.io.profiling import ProfileConfig
+from flowrl.train import train
+
+BASE = ["model=tiny", "trainer=smoke", "data.limit=16", "logger.progress=false",
+        "logger.tensorboard=false", "trainer.eval.limit=0", "trainer.total_steps=3"]
+
+
+def test_profiled_step_writes_a_summary_and_a_trace(tmp_path):
+    train(compose(BASE + [f"trainer.output_dir={tmp_path}", "trainer.profile.steps=[2]"]))
+    root = tmp_path / "profile"
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002"]  # steps 1 and 3: nothing
+    assert sorted(p.name for p in (root / "step_000002").iterdir()) == ["rank0.trace.json.gz",
+                                                                        "rank0.txt"]
+    text = (root / "step_000002" / "rank0.txt").read_text()
+    wall = float(re.match(r"step 2, rank 0: wall ([0-9.]+) s \(CPU profile", text).group(1))
+    ranges = {m.group(1): float(m.group(2))
+              for m in re.finditer(r"^  (flowrl/\S+)\s+([0-9.]+)$", text, re.M)}
+    # every action of the GRPO plan, each once
+    assert set(ranges) == {"flowrl/run/sample", "flowrl/run/rollout", "flowrl/run/reward",
+                           "flowrl/run/advantage", "flowrl/run/old_logprobs", "flowrl/run/update",
+                           "flowrl/offload/actor", "flowrl/onload/rollout",
+                           "flowrl/offload/rollout", "flowrl/onload/actor", "flowrl/sync/rollout"}
+    assert ranges["flowrl/run/rollout"] > 0 and ranges["flowrl/run/update"] > 0
+    assert sum(ranges.values()) <= wall  # the ranges are disjoint parts of the step
+    assert list(ranges.values()) == sorted(ranges.values(), reverse=True)
+    assert "aten::mm" in text  # the operator table
+    with gzip.open(root / "step_000002" / "rank0.trace.json.gz", "rt") as f:
+        trace = json.load(f)
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"flowrl/run/rollout", "flowrl/run/update"} <= names
+
+
+def test_profile_dir_and_no_trace(tmp_path):
+    out = tmp_path / "elsewhere"
+    train(compose(BASE + [f"trainer.output_dir={tmp_path / 'run'}", "trainer.profile.steps=[1,3]",
+                          f"trainer.profile.dir={out}", "trainer.profile.trace=false",
+                          "trainer.profile.row_limit=5"]))
+    assert sorted(p.name for p in out.iterdir()) == ["step_000001", "step_000003"]
+    assert [p.name for p in (out / "step_000003").iterdir()] == ["rank0.txt"]
+    table = (out / "step_000003" / "rank0.txt").read_text().split("\n\n", 2)[2]
+    assert len([l for l in table.splitlines() if re.match(r"\s+\S.*\d+\s*$", l)]) == 5
+    assert not (tmp_path / "run" / "profile").exists()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"steps": [0]}, r"trainer.profile.steps takes training steps >= 1, got \[0\]"),
+    ({"row_limit": 0}, "trainer.profile.row_limit must be >= 1, got 0"),
+])
+def test_bad_profile_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ProfileConfig(**kwargs)
+
+
+def test_profile_steps_after_the_last_step_are_refused():
+    with pytest.raises(ValueError, match=r"trainer.profile.steps \[11, 12\] come after the last "
+                                         r"step \(trainer.total_steps=10\)"):
+        TrainerConfig(total_steps=10, profile=ProfileConfig(steps=[12, 2, 11]))
