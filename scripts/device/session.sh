@@ -18,7 +18,7 @@
 #   (.flowrl_commit: `git rev-parse --short HEAD > .flowrl_commit` here first; git-ignored, so it
 #   travels only when carried; the device copy's .git is stale and reports an old commit)
 # Phases: first_step, learning, e2e, tier, vlm, nan, hfgen, distill_teacher, distill_arms, gsm8k_mv,
-# tools, sync, lora_sync, neighbours (see each below);
+# tools, sync, lora_sync, neighbours, profile_vllm, profile_hf (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
 set -uo pipefail
@@ -108,6 +108,22 @@ phase_neighbours() {  # ~4 min: the update beside 4 idle vLLM engine processes, 
     --out "$OUT/update_neighbours_h200.md" > "$OUT/neighbours.log" 2>&1
   local rc=$?; tail -n 30 "$OUT/neighbours.log"; return $rc
 }
+# issue 24's two open questions, profiled (trainer.profile: per step a table of each stage and the
+# top kernels, back in $OUT/profile_*): why flowrl's update at step 2 takes 2.5-3.6 s beside 4
+# vLLM engine processes (0.82-1.0 s from step 3), and why the compiled HF decode is slower than
+# eager inside the loop (TORCH_LOGS names recompiles and skipped CUDA graphs)
+phase_profile_vllm() {  # ~2.5 min: flowrl alone, qwen05b, 4 engine processes, steps 2 and 3 profiled
+  python3 benchmarks/e2e_vs_trl.py --suite gpu --model qwen05b --rollout vllm --only flowrl \
+    --rounds 1 --steps 3 --out "$OUT/profile_vllm_e2e.md" "trainer.profile.steps=[2,3]" \
+    "trainer.profile.dir=$OUT/profile_vllm" trainer.profile.trace=false trainer.profile.row_limit=60 ${X:-}
+}
+phase_profile_hf() {  # ~3 min: flowrl alone, qwen05b, HF rollout compiled, steps 2 and 3 profiled
+  TORCH_LOGS=recompiles,cudagraphs python3 benchmarks/e2e_vs_trl.py --suite gpu --model qwen05b \
+    --rollout hf --only flowrl --rounds 1 --steps 3 --out "$OUT/profile_hf_e2e.md" \
+    rollout.hf.compile=true "trainer.profile.steps=[2,3]" "trainer.profile.dir=$OUT/profile_hf" \
+    trainer.profile.trace=false trainer.profile.row_limit=60 ${X:-} > "$OUT/profile_hf.log" 2>&1
+  local rc=$?; grep -iE "recompil|cudagraph|skipping" "$OUT/profile_hf.log" | head -40; tail -n 20 "$OUT/profile_hf.log"; return $rc
+}
 phase_tier() {  # ~5 min: the GPU tier (TIER_K: a -k selection)
   timeout -k 10 ${TIER_TIMEOUT_S:-540} python3 -m pytest ${TIER_K:+-k "$TIER_K"} -m "gpu or vllm" tests/gpu/test_train_gpu.py tests/gpu/test_multi_turn_gpu.py \
     tests/gpu/test_vlm_vllm_gpu.py tests/gpu/test_sdpa_varlen_gpu.py tests/gpu/test_liger_gpu.py tests/gpu/test_hf_compile_gpu.py tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
@@ -147,7 +163,7 @@ for p in "$@"; do
     log "phases $p done in $((SECONDS - t0)) s"
     continue
   fi
-  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools|sync|lora_sync|neighbours) ;;
+  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools|sync|lora_sync|neighbours|profile_vllm|profile_hf) ;;
   *) log "unknown phase $p"; rc=2; continue ;; esac
   log "phase $p"
   t0=$SECONDS
