@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 from torch.profiler import record_function
@@ -42,6 +42,7 @@ from flowrl.ops.registry import OPS
 from flowrl.ops.state import OpState, init_op_states
 from flowrl.runtime.step.devices import home_device, stage_device, to_device
 from flowrl.runtime.step.refill import run_refill
+from flowrl.runtime.step.resources import SWAPS, Swap
 from flowrl.runtime.step.store import TensorStore
 
 if TYPE_CHECKING:
@@ -50,12 +51,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
-# which models the plan's offload/onload actions move (``trainer.offload``, resolved by
-# ``resources.resolve_offload``): every role's, only the generation engines' (vLLM sleeps while
-# the training state stays resident), or none (every model stays resident)
-Swap = Literal["all", "generate", "none"]
-SWAPS: tuple[Swap, ...] = ("all", "generate", "none")
 
 SEND = "_send"  # store release point of a partitioned pool's outgoing keys
 

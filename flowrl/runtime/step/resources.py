@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, cast
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, cast
 
 from flowrl.graph.roles import ROLES, TRAINED_ROLES
 
@@ -34,7 +34,12 @@ if TYPE_CHECKING:
         ValueEngine,
     )
     from flowrl.engines.rollout.vllm_config import RolloutJob
-    from flowrl.runtime.step.executor import Swap
+
+# which models the plan's offload/onload actions move (``trainer.offload``, resolved by
+# :func:`resolve_offload`; the Executor's ``swap``): every role's, only the generation engines'
+# (vLLM sleeps while the training state stays resident), or none (every model stays resident)
+Swap = Literal["all", "generate", "none"]
+SWAPS: tuple[Swap, ...] = ("all", "generate", "none")
 
 log = logging.getLogger("flowrl")
 
@@ -562,6 +567,6 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-__all__ = ["BuildContext", "ENGINE_BUILDERS", "EngineBuilder", "Engines", "RunResources",
+__all__ = ["BuildContext", "ENGINE_BUILDERS", "EngineBuilder", "Engines", "RunResources", "SWAPS", "Swap",
            "TRAINABLE_ROLES", "build_engines", "keep_resident", "peak_rss_gib",
            "resolve_offload", "rollout_job", "run_device", "since_launch_s", "use_fsdp"]
