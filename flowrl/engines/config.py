@@ -88,13 +88,20 @@ class HFRolloutConfig:
 
         ``compile`` resolves to off on every device: off the GPU transformers does not compile;
         on CUDA the compiled decode measured slower than eager inside the training loop (the
-        comment above ``HF_CACHE_BUCKET`` has the numbers), so it stays an opt-in.
+        comment above ``HF_CACHE_BUCKET`` has the numbers), so it stays an opt-in. An explicit
+        ``true`` off the GPU is turned off too, with its reason: it would only pad the prompts
+        for a static cache that eager decoding reads slower.
 
         Args:
             job: the run's rollout demand per rank (``flowrl.engines.rollout.vllm_config
                 .RolloutJob``); kept so every engine's rule has one signature.
             on_cuda: the engine's model is on a CUDA device.
         """
+        if self.compile and not on_cuda:  # transformers would run eager over a padded static cache
+            return dataclasses.replace(self, compile=False, cache_implementation=None), [
+                "rollout.hf.compile=false (true has no effect off the GPU: transformers compiles "
+                "only on accelerators, and eager decoding over the padded static cache it needs "
+                "was 2-3x slower than the default cache on CPU: eager with the default cache)"]
         if self.compile is not None:
             return self, []
         cfg = dataclasses.replace(self, compile=False)

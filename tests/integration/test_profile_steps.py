@@ -47,7 +47,11 @@ def test_profile_dir_and_no_trace(tmp_path):
                           "trainer.profile.row_limit=5"]))
     assert sorted(p.name for p in out.iterdir()) == ["step_000001", "step_000003"]
     assert [p.name for p in (out / "step_000003").iterdir()] == ["rank0.txt"]
-    table = (out / "step_000003" / "rank0.txt").read_text().split("\n\n", 2)[2]
+    text = (out / "step_000003" / "rank0.txt").read_text()
+    # the last step saves the final checkpoint inside the profiled step: named, not hidden
+    assert re.search(r"^  flowrl/checkpoint/save\s+[0-9.]+$", text, re.M)
+    assert "flowrl/checkpoint/save" not in (out / "step_000001" / "rank0.txt").read_text()
+    table = text.split("\n\n", 2)[2]
     assert len([l for l in table.splitlines() if re.match(r"\s+\S.*\d+\s*$", l)]) == 5
     assert not (tmp_path / "run" / "profile").exists()
 
@@ -65,3 +69,43 @@ def test_profile_steps_after_the_last_step_are_refused():
     with pytest.raises(ValueError, match=r"trainer.profile.steps \[11, 12\] come after the last "
                                          r"step \(trainer.total_steps=10\)"):
         TrainerConfig(total_steps=10, profile=ProfileConfig(steps=[12, 2, 11]))
+
+
+def test_stage_seconds_reads_only_the_executors_ranges():
+    """with_stack=true adds Python frames whose names start with flowrl's own paths; grouped by
+    input shape, one range comes in several rows (summed)."""
+    from types import SimpleNamespace
+
+    from flowrl.runtime.io.profiling import stage_seconds
+
+    rows = [SimpleNamespace(key=k, cpu_time_total=us) for k, us in [
+        ("flowrl/run/update", 2_000_000), ("flowrl/run/update", 500_000),
+        ("flowrl/runtime/step/executor.py(345): call_op", 9_000_000),
+        ("flowrl/sync/rollout", 250_000), ("flowrl/checkpoint/save", 1_000_000),
+        ("aten::mm", 7_000_000), ("flowrl/run/", 1)]]
+    assert stage_seconds(rows) == {"flowrl/run/update": 2.5, "flowrl/checkpoint/save": 1.0,
+                                   "flowrl/sync/rollout": 0.25}
+    assert list(stage_seconds(rows)) == ["flowrl/run/update", "flowrl/checkpoint/save",
+                                         "flowrl/sync/rollout"]
+
+
+def test_overwrite_deletes_an_earlier_runs_profiles(tmp_path):
+    train(compose(BASE + [f"trainer.output_dir={tmp_path}", "trainer.total_steps=1",
+                          "trainer.profile.steps=[1]", "trainer.profile.trace=false"]))
+    assert (tmp_path / "profile" / "step_000001" / "rank0.txt").is_file()
+    train(compose(BASE + [f"trainer.output_dir={tmp_path}", "trainer.total_steps=1",
+                          "trainer.overwrite=true"]))
+    assert not (tmp_path / "profile").exists()
+
+
+def test_steps_before_a_resume_point_are_named(tmp_path, caplog):
+    import logging
+
+    import torch
+
+    from flowrl.runtime.io.profiling import StepProfiler
+
+    with caplog.at_level(logging.WARNING, logger="flowrl"):
+        prof = StepProfiler(ProfileConfig(steps=[1, 2, 5]), tmp_path, 0, torch.device("cpu"), start=3)
+    assert "trainer.profile.steps [1, 2] were done before this run resumed at step 3" in caplog.text
+    assert prof.root == (tmp_path / "profile").resolve()

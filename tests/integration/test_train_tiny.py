@@ -148,3 +148,12 @@ def test_resuming_a_finished_run_keeps_its_record(tmp_path, capsys):
                                        "raise trainer.total_steps to train further\n")
     assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines  # nothing re-run
     assert summary["eval_before"] == before and "eval_after" in summary
+
+
+def test_machine_line_names_what_was_resolved(tmp_path, capsys):
+    """The console's machine line gives the strategy the engines were built with (auto at one CPU
+    rank: local) and what trainer.offload resolved to, not the raw 'auto' (fresh-user check)."""
+    run(tmp_path, "trainer.total_steps=1", "trainer.eval.limit=0", "trainer.offload=rollout")
+    out = capsys.readouterr().out
+    assert ("machine: device=cpu rollout=hf dtype=float32 strategy=local offload=rollout only "
+            "(trainer.offload=rollout)") in out

@@ -286,3 +286,28 @@ def test_train_refuses_cuda_without_a_device(tmp_path):
     with pytest.raises(ConfigError, match="trainer.device=cuda but no CUDA device"):
         train(compose(["model=tiny", f"trainer.output_dir={tmp_path}/run", "trainer.device=cuda"]))
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("device, offload, expected", [
+    ("cpu", "auto", "trainer.offload=auto: off (CPU run: nothing to free; the timeline's "
+                    "offload/onload actions are skipped)"),
+    ("cuda", "auto", "trainer.offload=auto: decided at start-up from the built engines: every "
+                     "model stays resident (the offload/onload actions are skipped) when the "
+                     "training state and the rollout budget fit in 80% of the device, else they "
+                     "all run"),
+    ("cpu", "never", "trainer.offload=never: the timeline's offload/onload actions are skipped: "
+                     "every model stays resident"),
+    ("cuda", "rollout", "trainer.offload=rollout: only the generation engines' offload/onload run "
+                        "(vLLM sleeps through the update); the training state stays resident"),
+])
+def test_plan_says_what_offload_does_with_the_swap_actions(device, offload, expected):
+    """`flowrl plan` prints the timeline's offload/onload actions whatever trainer.offload says;
+    its machine-defaults block says which of them a run really performs (fresh-user check)."""
+    from flowrl.plan import start_up_resolutions
+
+    cfg = _cfg(f"trainer.device={device}", f"trainer.offload={offload}", "rollout=hf")
+    lines = start_up_resolutions(cfg)
+    assert lines[0] == expected
+    # the HF engine's compile rule, as flowrl train prints it at start-up
+    assert lines[1].startswith("rollout.hf.compile=false (")
+    assert len(lines) == 2

@@ -340,6 +340,7 @@ class _Job:
             resolve_offload,
             run_device,
             since_launch_s,
+            use_fsdp,
         )
 
         cfg, dinfo, out_dir, T = self.cfg, self.dinfo, self.out_dir, self.cfg.trainer.total_steps
@@ -405,9 +406,11 @@ class _Job:
         self.logger = logger = MetricsLogger(
             out_dir, cfg.logger, T, enabled=place.logs, first_step=start,
             run_config=run_config)
+        # the strategy the engines were built with (auto: fsdp above one rank, else local)
+        strategy = "fsdp" if use_fsdp(cfg, place.engine_ranks) else "local"
         with logger:
             logger.print(f"machine: device={cfg.trainer.device} rollout={cfg.rollout.backend} "
-                         f"dtype={cfg.model.dtype} strategy={cfg.trainer.engine.strategy} "
+                         f"dtype={cfg.model.dtype} strategy={strategy} "
                          f"offload={OFFLOAD_WORDS[swap]} ({why_swap})")
             if evaluate is not None and ev.before and start == 1:
                 before = evaluate(out_dir / "eval_before.jsonl", logger.eval_progress("eval before"))
@@ -417,7 +420,7 @@ class _Job:
                         logger.log(0, before)
                         logger.print(f"eval before: {eval_line(before)}")
             logger.set_progress(start - 1)
-            profiler = StepProfiler(cfg.trainer.profile, out_dir, dinfo.rank, run_device(cfg))
+            profiler = StepProfiler(cfg.trainer.profile, out_dir, dinfo.rank, run_device(cfg), start)
             for step in range(start, T + 1):
                 fdist.mark_step(step)  # the peer monitor names a rank that stops making progress
                 with profiler.step(step):  # trainer.profile.steps; a no-op on the others
@@ -495,7 +498,10 @@ class _Job:
 
     def reached(self, version: int) -> None:
         if version in self.save_steps:
-            self.save(version)
+            from torch.profiler import record_function
+
+            with record_function("flowrl/checkpoint/save"):  # its share of a profiled step
+                self.save(version)
 
     def save(self, step: int) -> None:
         """Checkpoint ``step`` (collective: every rank of the job calls it, in step order)."""

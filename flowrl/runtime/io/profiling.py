@@ -6,7 +6,8 @@ host sync inside the micro-batch loop, an NCCL wait. ``trainer.profile.steps=[2,
 2 and 3 of the run on every rank (the way torchtitan's ``profiling`` section does it). Nothing
 is recorded on the other steps. The Executor wraps every plan action in a
 ``torch.profiler.record_function`` range (``flowrl/<kind>/<name>``: ``flowrl/run/update``,
-``flowrl/sync/rollout``, ...), so the table gives each stage's share of the step.
+``flowrl/sync/rollout``, ...), and a checkpoint written inside the step is
+``flowrl/checkpoint/save``, so the table gives each part's share of the step.
 
 Written per profiled step and rank, under ``trainer.profile.dir`` (default ``<run dir>/profile``):
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import logging
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -32,7 +34,9 @@ from typing import Any, Iterator, Optional
 
 log = logging.getLogger("flowrl")
 
-RANGE_PREFIX = "flowrl/"  # the Executor's record_function ranges
+RANGE_PREFIX = "flowrl/"  # the Executor's record_function ranges: flowrl/<kind>/<name>
+# only those (with_stack=true adds Python frames such as "flowrl/runtime/step/executor.py(345)")
+_RANGE = re.compile(r"flowrl/(run|sync|offload|onload|checkpoint)/[^/()]+")
 
 
 @dataclass
@@ -44,7 +48,8 @@ class ProfileConfig:
         dir: where the files go; None = ``<run dir>/profile``.
         trace: also write the Chrome / Perfetto trace (``rank<R>.trace.json.gz``; a 0.5B GPU step
             is tens of MB before compression).
-        record_shapes: record operator input shapes (the table then groups by shape).
+        record_shapes: record operator input shapes (the table then has one row per operator
+            and input shapes).
         with_stack: record Python stacks (large traces; for "who called this kernel").
         row_limit: operators listed in the text summary.
     """
@@ -75,10 +80,15 @@ class StepProfiler:
             profiler stops, so the step's kernels are in the record.
     """
 
-    def __init__(self, cfg: ProfileConfig, run_dir: Path, rank: int, device: Any) -> None:
+    def __init__(self, cfg: ProfileConfig, run_dir: Path, rank: int, device: Any,
+                 start: int = 1) -> None:
         self.cfg, self.rank, self.device = cfg, rank, device
-        self.root = Path(cfg.dir) if cfg.dir else Path(run_dir) / "profile"
+        self.root = (Path(cfg.dir) if cfg.dir else Path(run_dir) / "profile").resolve()
         self.steps = set(cfg.steps)
+        done = sorted(s for s in self.steps if s < start)
+        if done and rank == 0:  # a resumed run: those steps ran before the checkpoint
+            log.warning("trainer.profile.steps %s were done before this run resumed at step %d: "
+                        "they are not profiled", done, start)
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -105,7 +115,7 @@ class StepProfiler:
     def _write(self, prof: Any, step: int, wall_s: float, cuda: bool) -> None:
         out = self.root / f"step_{step:06d}"
         out.mkdir(parents=True, exist_ok=True)
-        averages = prof.key_averages()
+        averages = prof.key_averages(group_by_input_shape=self.cfg.record_shapes)
         ranges = stage_seconds(averages)
         sort = "self_device_time_total" if cuda else "self_cpu_time_total"
         lines = [f"step {step}, rank {self.rank}: wall {wall_s:.3f} s "
@@ -122,13 +132,17 @@ class StepProfiler:
             raw.unlink()
         top = ", ".join(f"{n.removeprefix(RANGE_PREFIX)} {s:.2f} s" for n, s in
                         list(ranges.items())[:4])
-        log.info("profile: step %d (%.2f s; %s) written to %s", step, wall_s, top or "no ranges", out)
+        log.info("profile: step %d, rank %d (%.2f s; %s) written to %s", step, self.rank, wall_s,
+                 top or "no ranges", out)
 
 
 def stage_seconds(averages: Any) -> dict[str, float]:
     """Seconds of each ``flowrl/...`` range in ``averages`` (``prof.key_averages()``): host wall
     time with children (``cpu_time_total``, µs → s), the longest first."""
-    found = {e.key: e.cpu_time_total / 1e6 for e in averages if e.key.startswith(RANGE_PREFIX)}
+    found: dict[str, float] = {}
+    for e in averages:  # grouped by shape, a range may come in several rows: summed
+        if _RANGE.fullmatch(e.key):
+            found[e.key] = found.get(e.key, 0.0) + e.cpu_time_total / 1e6
     return dict(sorted(found.items(), key=lambda kv: -kv[1]))
 
 

@@ -27,7 +27,7 @@ from typing import Any, Optional
 # what a flowrl run writes into its directory (Hydra's .hydra/ and train.log are not counted:
 # Hydra writes them before the run starts)
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "tb", "plan.txt",
-               "eval_before.jsonl", "eval_after.jsonl", "placement_auto.json")
+               "eval_before.jsonl", "eval_after.jsonl", "placement_auto.json", "profile")
 LOCK_FILE = ".flowrl.lock"
 _HYDRA_FILES = (".hydra", "train.log")
 # the model fields that decide a checkpoint's tensors (their names and shapes); dtype, attention
@@ -35,7 +35,7 @@ _HYDRA_FILES = (".hydra", "train.log")
 _MODEL_IDENTITY = ("path", "gguf_file", "tiny", "lora")
 # overrides a resume may change: how long the run goes on, how it saves, evaluates, logs, launches
 _RESUME_MAY_CHANGE = ("trainer.total_steps", "trainer.save_every", "trainer.keep_last",
-                      "trainer.async_save", "trainer.eval", "logger", "launcher")
+                      "trainer.async_save", "trainer.eval", "trainer.profile", "logger", "launcher")
 # overrides that name the directory or what to do with it: a hint writes them itself
 _RUN_DIR_KEYS = ("trainer.resume", "trainer.overwrite", "trainer.output_dir")
 
