@@ -112,9 +112,11 @@ phase_neighbours() {  # ~4 min: the update beside 4 idle vLLM engine processes, 
 # top kernels, back in $OUT/profile_*): why flowrl's update at step 2 takes 2.5-3.6 s beside 4
 # vLLM engine processes (0.82-1.0 s from step 3), and why the compiled HF decode is slower than
 # eager inside the loop (TORCH_LOGS names recompiles and skipped CUDA graphs)
-phase_profile_vllm() {  # ~2.5 min: flowrl alone, qwen05b, 4 engine processes, steps 2 and 3 profiled
-  python3 benchmarks/e2e_vs_trl.py --suite gpu --model qwen05b --rollout vllm --only flowrl \
-    --rounds 1 --steps 3 --out "$OUT/profile_vllm_e2e.md" "trainer.profile.steps=[2,3]" \
+phase_profile_vllm() {  # ~4.5 min: the qwen05b vLLM pair with TRL beside it (the slow step 2 came
+  # only in pairs: flowrl alone at 12-04 had none), flowrl's steps 2 and 3 profiled (round 1: its
+  # figures carry the profiler's overhead; rounds 2-3 are clean)
+  python3 benchmarks/e2e_vs_trl.py --suite gpu --model qwen05b --rollout vllm \
+    --out "$OUT/profile_vllm_e2e.md" --json-out "$OUT/profile_vllm_e2e.json" "trainer.profile.steps=[2,3]" \
     "trainer.profile.dir=$OUT/profile_vllm" trainer.profile.trace=false trainer.profile.row_limit=60 ${X:-}
 }
 phase_profile_hf() {  # ~3 min: flowrl alone, qwen05b, HF rollout compiled, steps 2 and 3 profiled
