@@ -60,9 +60,15 @@ def test_reader_merges_old_files_and_skips_a_cut_last_line(tmp_path):
         read_metrics(tmp_path)
 
 
-def test_tensorboard_hides_the_redone_steps(tmp_path):
+@pytest.mark.parametrize("uid", [0, 9])
+def test_tensorboard_hides_the_redone_steps(tmp_path, monkeypatch, uid):
+    """uid 9: the two writers' files get the per-process counters 9 and 10, which TensorBoard's
+    name order reads 10 first when both are created in the same second (the suite's flake):
+    the resumed writer waits for the next second, so its file sorts last."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.summary.writer import event_file_writer
 
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(uid))
     cfg = LoggerConfig(console=False, progress=False, jsonl=False, tensorboard=True)
     with MetricsLogger(tmp_path, cfg, 4) as log:
         for step in (1, 2, 3):

@@ -111,3 +111,24 @@ def test_dead_sender_raises_pool_peer_error(tmp_path):
     _, text, waited = msgs["error"]
     assert text.startswith("rollout pool rank 1 stopped sending (")
     assert waited < 20  # the closed connection is reported, not the timeout
+
+
+def test_a_peer_dead_before_the_post_is_a_pool_peer_error(monkeypatch):
+    """gloo refuses to post an irecv / isend to a peer whose connection already closed (a race
+    the two-process test above loses under load: the RuntimeError came from the post, not the
+    wait). Both directions name the pool and rank."""
+    import pytest
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                           "[127.0.0.1]:21400. This is typically caused by a remote worker crashing.")
+
+    monkeypatch.setattr(dist, "irecv", closed)
+    monkeypatch.setattr(dist, "isend", closed)
+    with pytest.raises(PoolPeerError, match=r"^rollout pool rank 1 stopped sending \(\[gloo/"
+                                            r"transport/tcp/pair.cc:553\] Connection closed by peer "
+                                            r"\[127.0.0.1\]:21400\. This is typically"):
+        recv_batch(1, timeout_s=5)
+    with pytest.raises(PoolPeerError, match=r"^train pool \(rank 0\) stopped receiving \(.*"
+                                            r"Connection closed by peer"):
+        send_batch(_batch(), version=1, step=1, dst=0)

@@ -70,6 +70,24 @@ def _fmt(key: str, value: float, spec: str, row: dict | None = None) -> str:
     return spec.format(value) if math.isfinite(value) else str(value)
 
 
+def _after_the_newest_event_file(tb: Path) -> None:
+    """Wait, if needed, until the clock's second is past every event file's in ``tb``.
+
+    TensorBoard reads a directory's event files in name order, and the purge of redone steps
+    only works when the new file comes last. The name is ``events.out.tfevents.<second>.<host>.
+    <pid>.<n>`` with ``n`` a per-process counter that is not zero-padded: two writers of one
+    process in the same second sort 9 after 10 (seen in the test suite), and the new file's
+    events were then read first and hidden by the old one's. A later second sorts first, so at
+    most one second is waited, and only for a writer that purges."""
+    newest = 0
+    for f in tb.glob("events.out.tfevents.*"):
+        part = f.name.split(".")[3]
+        if part.isdigit():
+            newest = max(newest, int(part))
+    while int(time.time()) <= newest:
+        time.sleep(0.05)
+
+
 class MetricsLogger:
     """Per-step metrics: console lines, a progress display, ``metrics.jsonl``, TensorBoard, W&B
     and MLflow.
@@ -116,6 +134,8 @@ class MetricsLogger:
             tb = self.out_dir / "tb"
             # events an interrupted run wrote for the steps this one redoes are hidden
             purge = (first_step if first_step > 1 else 0) if tb.is_dir() and any(tb.iterdir()) else None
+            if purge is not None:
+                _after_the_newest_event_file(tb)
             self._tb = SummaryWriter(str(tb), purge_step=purge)
         if cfg.wandb:
             import wandb  # optional dependency: fail loudly when asked for and missing

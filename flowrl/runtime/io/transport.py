@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -29,26 +29,48 @@ class PoolPeerError(RuntimeError):
     """The other pool stopped sending or receiving (process died, or silent past the timeout)."""
 
 
+def _peer_error(what: str, e: RuntimeError) -> PoolPeerError:
+    return PoolPeerError(f"{what} ({str(e).splitlines()[0][:300]})")
+
+
+def _post(op: Callable[[], Any], what: str) -> Any:
+    """Post an async collective or p2p op. Posting can fail already: gloo refuses an isend /
+    irecv to a peer whose connection has closed ("Connection closed by peer"), a dead peer seen
+    before the wait."""
+    try:
+        return op()
+    except RuntimeError as e:
+        raise _peer_error(what, e) from e
+
+
 def _wait(work: Any, timeout_s: float, what: str) -> None:
     try:
         ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:  # gloo: "Connection closed by peer", "Timed out waiting ..."
-        raise PoolPeerError(f"{what} ({str(e).splitlines()[0][:300]})") from e
+        raise _peer_error(what, e) from e
     if ok is False:  # some backends report a timeout by returning False
         raise PoolPeerError(f"{what} (nothing within {timeout_s:.0f} s)")
 
 
-def _send_bytes(obj: Any, dst: int, group: Any, device: torch.device) -> list:
+def _isend(t: Tensor, dst: int, group: Any, what: str) -> tuple[Any, Tensor]:
+    return _post(lambda: dist.isend(t, dst, group=group), what), t
+
+
+def _recv_into(t: Tensor, src: int, group: Any, timeout_s: float, what: str) -> None:
+    _wait(_post(lambda: dist.irecv(t, src, group=group), what), timeout_s, what)
+
+
+def _send_bytes(obj: Any, dst: int, group: Any, device: torch.device, what: str) -> list:
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    return [(dist.isend(size, dst, group=group), size), (dist.isend(payload, dst, group=group), payload)]
+    return [_isend(size, dst, group, what), _isend(payload, dst, group, what)]
 
 
 def _recv_bytes(src: int, group: Any, device: torch.device, timeout_s: float, what: str) -> Any:
     size = torch.zeros(1, dtype=torch.int64, device=device)
-    _wait(dist.irecv(size, src, group=group), timeout_s, what)
+    _recv_into(size, src, group, timeout_s, what)
     payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    _wait(dist.irecv(payload, src, group=group), timeout_s, what)
+    _recv_into(payload, src, group, timeout_s, what)
     return pickle.loads(payload.cpu().numpy().tobytes())
 
 
@@ -116,9 +138,10 @@ def send_batch(data: Mapping[str, Any], *, version: int, step: int, dst: int,
             tensors.append(v.detach().to(device).contiguous())
         else:
             header["objects"][key] = v
-    works = _send_bytes(header, dst, group, device)
-    works += [(dist.isend(t, dst, group=group), t) for t in tensors]
-    return PendingSend(works, dst, timeout_s, f"{peer} (rank {dst}) stopped receiving")
+    what = f"{peer} (rank {dst}) stopped receiving"
+    works = _send_bytes(header, dst, group, device, what)
+    works += [_isend(t, dst, group, what) for t in tensors]
+    return PendingSend(works, dst, timeout_s, what)
 
 
 def recv_batch(src: int, *, group: Any = None, device: torch.device | str = "cpu",
@@ -135,7 +158,7 @@ def recv_batch(src: int, *, group: Any = None, device: torch.device | str = "cpu
     data: dict[str, Any] = dict(header["objects"])
     for key, dtype, shape in header["tensors"]:
         t = torch.empty(shape, dtype=dtype, device=device)
-        _wait(dist.irecv(t, src, group=group), timeout_s, what)
+        _recv_into(t, src, group, timeout_s, what)
         data[key] = t
     order = [k for k, _, _ in header["tensors"]] + list(header["objects"])
     return TaggedBatch({k: data[k] for k in order}, header["version"], header["step"],
@@ -188,7 +211,8 @@ class WeightBroadcaster:
         self.last_buckets = 0
 
     def _bcast(self, t: Tensor, what: str) -> None:
-        _wait(dist.broadcast(t, self.src, group=self.group, async_op=True), self.timeout_s, what)
+        work = _post(lambda: dist.broadcast(t, self.src, group=self.group, async_op=True), what)
+        _wait(work, self.timeout_s, what)
 
     def _header(self, obj: Any, what: str) -> Any:
         if dist.get_rank() == self.src:
