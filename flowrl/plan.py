@@ -70,7 +70,7 @@ OFFLOAD_PLAN = {
     "always": "every offload/onload of the timeline runs (idle models move off the device)",
     "never": "the timeline's offload/onload actions are skipped: every model stays resident",
     "rollout": "only the generation engines' offload/onload run (vLLM sleeps through the "
-               "update); the training state stays resident",
+               "update, an HF copy moves to host memory); the training state stays resident",
 }
 
 

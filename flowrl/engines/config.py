@@ -99,9 +99,9 @@ class HFRolloutConfig:
         """
         if self.compile and not on_cuda:  # transformers would run eager over a padded static cache
             return dataclasses.replace(self, compile=False, cache_implementation=None), [
-                "rollout.hf.compile=false (true has no effect off the GPU: transformers compiles "
-                "only on accelerators, and eager decoding over the padded static cache it needs "
-                "was 2-3x slower than the default cache on CPU: eager with the default cache)"]
+                "rollout.hf.compile=false (true has no effect off the GPU, where transformers "
+                "does not compile; eager decoding runs with the default cache instead of the "
+                "padded static one compiling needs, which was 2-3x slower on CPU)"]
         if self.compile is not None:
             return self, []
         cfg = dataclasses.replace(self, compile=False)

@@ -109,3 +109,24 @@ def test_steps_before_a_resume_point_are_named(tmp_path, caplog):
         prof = StepProfiler(ProfileConfig(steps=[1, 2, 5]), tmp_path, 0, torch.device("cpu"), start=3)
     assert "trainer.profile.steps [1, 2] were done before this run resumed at step 3" in caplog.text
     assert prof.root == (tmp_path / "profile").resolve()
+
+
+def test_a_profiler_failure_is_a_warning_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
+    """torch's kineto parser raised UnicodeDecodeError reading a with_stack=true record of a
+    step that saved a checkpoint (fresh-user check): the run must finish, say so, and leave no
+    empty step directory."""
+    import logging
+
+    from torch.profiler import profile
+
+    def broken(self, *args, **kwargs):
+        raise UnicodeDecodeError("utf-8", b"\xb6", 0, 1, "invalid start byte")
+
+    monkeypatch.setattr(profile, "key_averages", broken)
+    with caplog.at_level(logging.WARNING, logger="flowrl"):
+        summary = train(compose(BASE + [f"trainer.output_dir={tmp_path}", "trainer.total_steps=2",
+                                        "trainer.profile.steps=[2]"]))
+    assert "profile: step 2 could not be recorded (UnicodeDecodeError: 'utf-8' codec can't decode " \
+           "byte 0xb6 in position 0: invalid start byte); the run goes on without it" in caplog.text
+    assert summary["checkpoint"].endswith("step_000002")
+    assert not (tmp_path / "profile").exists()

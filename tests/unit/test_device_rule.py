@@ -298,7 +298,8 @@ def test_train_refuses_cuda_without_a_device(tmp_path):
     ("cpu", "never", "trainer.offload=never: the timeline's offload/onload actions are skipped: "
                      "every model stays resident"),
     ("cuda", "rollout", "trainer.offload=rollout: only the generation engines' offload/onload run "
-                        "(vLLM sleeps through the update); the training state stays resident"),
+                        "(vLLM sleeps through the update, an HF copy moves to host memory); the "
+                        "training state stays resident"),
 ])
 def test_plan_says_what_offload_does_with_the_swap_actions(device, offload, expected):
     """`flowrl plan` prints the timeline's offload/onload actions whatever trainer.offload says;

@@ -71,9 +71,9 @@ def test_explicit_compile_off_the_gpu_is_turned_off_and_says_why():
     cache (2-3x slower steps on CPU in the fresh-user check)."""
     cfg, why = HFRolloutConfig(compile=True, batch_size=8).sized_for(LONG, on_cuda=False)
     assert cfg == HFRolloutConfig(compile=False, batch_size=8)
-    assert why == ["rollout.hf.compile=false (true has no effect off the GPU: transformers compiles "
-                   "only on accelerators, and eager decoding over the padded static cache it needs "
-                   "was 2-3x slower than the default cache on CPU: eager with the default cache)"]
+    assert why == ["rollout.hf.compile=false (true has no effect off the GPU, where transformers "
+                   "does not compile; eager decoding runs with the default cache instead of the "
+                   "padded static one compiling needs, which was 2-3x slower on CPU)"]
 
 
 def test_the_builder_resolves_and_prints_compile(tokenizer, caplog):

@@ -50,7 +50,10 @@ class ProfileConfig:
             is tens of MB before compression).
         record_shapes: record operator input shapes (the table then has one row per operator
             and input shapes).
-        with_stack: record Python stacks (large traces; for "who called this kernel").
+        with_stack: record Python stacks (large traces; for "who called this kernel"). On CPU
+            with torch 2.13, a step that also writes a checkpoint could not be read back with
+            stacks (torch's parser raised UnicodeDecodeError): that step is then skipped with a
+            warning.
         row_limit: operators listed in the text summary.
     """
 
@@ -94,7 +97,8 @@ class StepProfiler:
     def step(self, step: int) -> Iterator[None]:
         """Run the body of training step ``step`` under the profiler when it is one of
         ``steps``; writes its files when the body returns (not when it raises: a failed step's
-        partial record would mislead)."""
+        partial record would mislead). A failure of the profiler itself is a warning: the run
+        goes on without that step's files."""
         if step not in self.steps:
             yield
             return
@@ -103,18 +107,29 @@ class StepProfiler:
 
         cuda = getattr(self.device, "type", str(self.device)) == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=activities, record_shapes=self.cfg.record_shapes,
-                     with_stack=self.cfg.with_stack) as prof:
-            t0 = time.perf_counter()
+        prof = profile(activities=activities, record_shapes=self.cfg.record_shapes,
+                       with_stack=self.cfg.with_stack)
+        prof.__enter__()
+        t0 = time.perf_counter()
+        try:
             yield
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            wall = time.perf_counter() - t0
-        self._write(prof, step, wall, cuda)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                prof.__exit__(None, None, None)
+            raise
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        wall = time.perf_counter() - t0
+        try:
+            prof.__exit__(None, None, None)
+            self._write(prof, step, wall, cuda)
+        except Exception as e:  # the profiler's own failure never stops the training run
+            # seen: torch's kineto parser raising UnicodeDecodeError on a with_stack=true record
+            # of a step that saved a checkpoint
+            log.warning("profile: step %d could not be recorded (%s: %s); the run goes on "
+                        "without it", step, type(e).__name__, str(e).splitlines()[0][:200])
 
     def _write(self, prof: Any, step: int, wall_s: float, cuda: bool) -> None:
-        out = self.root / f"step_{step:06d}"
-        out.mkdir(parents=True, exist_ok=True)
         averages = prof.key_averages(group_by_input_shape=self.cfg.record_shapes)
         ranges = stage_seconds(averages)
         sort = "self_device_time_total" if cuda else "self_cpu_time_total"
@@ -123,6 +138,8 @@ class StepProfiler:
                  "flowrl ranges (host wall s, children included):"]
         lines += [f"  {name:<40} {s:9.3f}" for name, s in ranges.items()]
         lines += ["", averages.table(sort_by=sort, row_limit=self.cfg.row_limit)]
+        out = self.root / f"step_{step:06d}"  # made once the record has been read
+        out.mkdir(parents=True, exist_ok=True)
         (out / f"rank{self.rank}.txt").write_text("\n".join(lines) + "\n")
         if self.cfg.trace:
             raw = out / f"rank{self.rank}.trace.json"
