@@ -65,32 +65,23 @@ def plan_main(argv: list[str]) -> int:
     return 0
 
 
-# what trainer.offload does with the timeline's offload/onload actions
-OFFLOAD_PLAN = {
-    "always": "every offload/onload of the timeline runs (idle models move off the device)",
-    "never": "the timeline's offload/onload actions are skipped: every model stays resident",
-    "rollout": "only the generation engines' offload/onload run (vLLM sleeps through the "
-               "update, an HF copy moves to host memory); the training state stays resident",
-}
-
-
 def start_up_resolutions(cfg) -> list[str]:
     """The settings ``flowrl train`` resolves only once its engines exist, as far as the config
-    decides them: what ``trainer.offload`` does with the timeline's swap actions, and (HF
-    rollout) ``rollout.hf.compile`` by ``HFRolloutConfig.sized_for``'s rule."""
+    decides them: what ``trainer.offload`` does with the timeline's swap actions
+    (``resolve_offload``; ``auto`` on CUDA waits for the engines' sizes), and (HF rollout)
+    ``rollout.hf.compile`` by ``HFRolloutConfig.sized_for``'s rule."""
     from flowrl.runtime.control.preflight import world_size
-    from flowrl.runtime.step.resources import rollout_job
+    from flowrl.runtime.step.resources import SWAP_MEANS, Engines, resolve_offload, rollout_job
 
     mode = cfg.trainer.offload
-    if mode in OFFLOAD_PLAN:
-        lines = [f"trainer.offload={mode}: {OFFLOAD_PLAN[mode]}"]
-    elif cfg.trainer.device != "cuda":
-        lines = ["trainer.offload=auto: off (CPU run: nothing to free; the timeline's "
-                 "offload/onload actions are skipped)"]
-    else:
+    if mode == "auto" and cfg.trainer.device == "cuda":
         lines = ["trainer.offload=auto: decided at start-up from the built engines: every model "
                  "stays resident (the offload/onload actions are skipped) when the training state "
                  "and the rollout budget fit in 80% of the device, else they all run"]
+    else:
+        swap, why = resolve_offload(cfg, Engines())
+        lines = [f"trainer.offload={mode}: {SWAP_MEANS[swap]}"
+                 + ("" if why == f"trainer.offload={mode}" else f" ({why})")]
     if cfg.rollout.backend == "hf":
         _, why = cfg.rollout.hf.sized_for(rollout_job(cfg, world_size(cfg)),
                                           on_cuda=cfg.trainer.device == "cuda")

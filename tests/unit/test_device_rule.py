@@ -289,8 +289,8 @@ def test_train_refuses_cuda_without_a_device(tmp_path):
 
 
 @pytest.mark.parametrize("device, offload, expected", [
-    ("cpu", "auto", "trainer.offload=auto: off (CPU run: nothing to free; the timeline's "
-                    "offload/onload actions are skipped)"),
+    ("cpu", "auto", "trainer.offload=auto: the timeline's offload/onload actions are skipped: "
+                    "every model stays resident (CPU run: nothing to free)"),
     ("cuda", "auto", "trainer.offload=auto: decided at start-up from the built engines: every "
                      "model stays resident (the offload/onload actions are skipped) when the "
                      "training state and the rollout budget fit in 80% of the device, else they "

@@ -34,12 +34,22 @@ if TYPE_CHECKING:
         ValueEngine,
     )
     from flowrl.engines.rollout.vllm_config import RolloutJob
+    from flowrl.engines.rollout.vllm_prefetch import ModelInfoPrefetch
 
 # which models the plan's offload/onload actions move (``trainer.offload``, resolved by
 # :func:`resolve_offload`; the Executor's ``swap``): every role's, only the generation engines'
 # (vLLM sleeps while the training state stays resident), or none (every model stays resident)
 Swap = Literal["all", "generate", "none"]
 SWAPS: tuple[Swap, ...] = ("all", "generate", "none")
+# trainer.offload's explicit values (auto is decided by resolve_offload)
+OFFLOAD_SWAP: dict[str, Swap] = {"always": "all", "never": "none", "rollout": "generate"}
+# what each Swap does with the plan's offload/onload actions (flowrl plan prints it)
+SWAP_MEANS: dict[Swap, str] = {
+    "all": "every offload/onload of the timeline runs (idle models move off the device)",
+    "none": "the timeline's offload/onload actions are skipped: every model stays resident",
+    "generate": "only the generation engines' offload/onload run (vLLM sleeps through the "
+                "update, an HF copy moves to host memory); the training state stays resident",
+}
 
 log = logging.getLogger("flowrl")
 
@@ -243,7 +253,7 @@ class BuildContext:
     group: Any
     engines: Engines
     kw: dict[str, Any] = field(default_factory=dict)
-    vllm_prefetch: list[Any] = field(default_factory=list)
+    vllm_prefetch: list["ModelInfoPrefetch"] = field(default_factory=list)
 
     def wait_for_vllm_prefetch(self) -> None:
         """Let every prefetch started for this build finish (each is waited for once)."""
@@ -251,7 +261,7 @@ class BuildContext:
             p.wait()
 
 
-def _start_vllm_prefetch(cfg: "TrainConfig", roles: set[str]) -> list[Any]:
+def _start_vllm_prefetch(cfg: "TrainConfig", roles: set[str]) -> list["ModelInfoPrefetch"]:
     """vLLM's model-info inspection of the policy (and a teacher that generates) in the
     background, while the model loads (``engines/rollout/vllm_prefetch.py`` says why)."""
     if cfg.rollout.backend != "vllm" or not roles & {"rollout", "teacher_rollout"}:
@@ -502,9 +512,8 @@ def resolve_offload(cfg: "TrainConfig", engines: Engines) -> tuple["Swap", str]:
     moments) and 4 per frozen one; the rollout engine its share of the device (vLLM's
     ``gpu_memory_utilization``, an HF copy its weights)."""
     mode = cfg.trainer.offload
-    fixed: dict[str, Swap] = {"always": "all", "never": "none", "rollout": "generate"}
-    if mode in fixed:
-        return fixed[mode], f"trainer.offload={mode}"
+    if mode in OFFLOAD_SWAP:
+        return OFFLOAD_SWAP[mode], f"trainer.offload={mode}"
     device = run_device(cfg)
     if device.type != "cuda":
         return "none", "CPU run: nothing to free"
@@ -567,6 +576,7 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-__all__ = ["BuildContext", "ENGINE_BUILDERS", "EngineBuilder", "Engines", "RunResources", "SWAPS", "Swap",
+__all__ = ["BuildContext", "ENGINE_BUILDERS", "EngineBuilder", "Engines", "RunResources", "OFFLOAD_SWAP",
+           "SWAPS", "SWAP_MEANS", "Swap",
            "TRAINABLE_ROLES", "build_engines", "keep_resident", "peak_rss_gib",
            "resolve_offload", "rollout_job", "run_device", "since_launch_s", "use_fsdp"]
