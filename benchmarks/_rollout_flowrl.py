@@ -107,24 +107,31 @@ def run_flowrl(args, variant: str, build_model, prompts_for, sync) -> list[dict]
             mask = torch.ones_like(ids, dtype=torch.bool)
             eng.generate(ids, mask, SamplingConfig(max_new_tokens=min(8, args.new_tokens)),
                          torch.Generator().manual_seed(1))
-            for rng in args.flowrl_rng:
-                gen = torch.Generator().manual_seed(0) if rng == "seeded" else None
+            # interleaved: round r times every (rng, logprobs) mode once, in the same order
+            modes = [(rng, lp) for rng in args.flowrl_rng for lp in args.flowrl_logprobs]
+            for r, (rng, lp) in ((r, m) for r in range(args.rounds) for m in modes):
+                gen = torch.Generator().manual_seed(r) if rng == "seeded" else None
                 sync()
                 t0 = time.perf_counter()
-                out = eng.generate(ids, mask, SamplingConfig(temperature=1.0,
-                                                             max_new_tokens=args.new_tokens), gen)
+                out = eng.generate(ids, mask, SamplingConfig(
+                    temperature=1.0, max_new_tokens=args.new_tokens, logprobs=lp), gen)
                 sync()
                 dt = time.perf_counter() - t0
                 n = int(out.response_mask.sum())
-                assert out.response_ids.shape[0] == B and bool(torch.isfinite(out.rollout_logprobs).all())
+                measured = ~torch.isnan(out.rollout_logprobs).any(dim=1)
+                assert out.response_ids.shape[0] == B and bool(torch.isfinite(
+                    out.rollout_logprobs[measured]).all())
+                assert bool(measured.all()) == (lp == "all") or B == 1
+                label = {"all": "lp-flat", "sampled": "lp-sampled", "none": "nolp"}[lp]
                 rows.append(dict(
-                    variant=variant, batch=B, sampling=f"lp-flat+gc-freeze+{rng}", tokens=n,
+                    variant=variant, batch=B, sampling=f"{label}+gc-freeze+{rng}", round=r + 1,
+                    tokens=n,
                     seconds=dt, tokens_per_s=n / dt, mean_response_len=n / B,
                     truncated_frac=float(out.truncated.float().mean()),
                     engine_generate_s=eng.last_timings["generate_s"],
                     settings=dataclasses.asdict(cfg), effective=effective))
-                print(f"{variant} B={B} {rng}: {n / dt:,.0f} tok/s ({dt:.2f} s, mean length "
-                      f"{n / B:.1f})", flush=True)
+                print(f"{variant} B={B} {rng} logprobs={lp} round {r + 1}: {n / dt:,.0f} tok/s "
+                      f"({dt:.2f} s, mean length {n / B:.1f})", flush=True)
         if args.switch:
             source = build_model(args.smoke, seed=1).to(next(model.parameters()).device)
             probe = prompts_for(min(256, max(args.batches)), args.prompt_len, model.config.vocab_size)

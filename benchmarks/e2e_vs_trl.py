@@ -300,12 +300,14 @@ def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, 
                    f"max_num_batched_tokens={v.max_num_batched_tokens}, sleep_level={v.sleep_level}, "
                    f"enforce_eager={v.enforce_eager}, torch_compile={v.torch_compile} (null = on from "
                    f"{TORCH_COMPILE_MIN_DECODE_STEPS:,} decode steps in the job), "
-                   f"logprobs_mode={v.logprobs_mode}")
+                   f"logprobs_mode={v.logprobs_mode}, rollout.sampling.logprobs={s.logprobs} "
+                   "(auto: sampled = one request group in 8 when nothing in the loss reads them)")
         trl_rollout = (f"use_vllm=True vllm_mode=colocate (in process), vllm_gpu_memory_utilization="
                        f"{kw['vllm_gpu_memory_utilization']}, vllm_max_model_length="
                        f"{kw['vllm_max_model_length']}, vllm_enable_sleep_mode=False (TRL "
                        "default), max_num_seqs=vLLM default, max_num_batched_tokens=4096 (TRL's), "
-                       "vllm_importance_sampling_correction=False")
+                       "vllm_importance_sampling_correction=False (its sampler still returns "
+                       "every token's logprob: logprobs=0 always)")
     else:
         rollout = (f"HF generate, rollout.hf batch_size={tc.rollout.hf.batch_size} "
                    f"cache_implementation={tc.rollout.hf.cache_implementation} "

@@ -331,6 +331,10 @@ def main(argv=None) -> None:
     p.add_argument("--sampling", default="lp", type=lambda s: s.split(","), help=f"of {list(SAMPLING)} (vLLM)")
     p.add_argument("--flowrl-rng", default="seeded", type=lambda s: s.split(","),
                    help=f"of {list(RNG)} (flowrl variants: generate with a torch.Generator or None)")
+    p.add_argument("--flowrl-logprobs", default="all", type=lambda s: s.split(","),
+                   help="of all,sampled,none (flowrl variants: rollout.sampling.logprobs)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="flowrl variants: interleaved rounds over the rng x logprobs modes")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--switch", action="store_true",
@@ -350,7 +354,8 @@ def main(argv=None) -> None:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     known = {**HF_VARIANTS, **VLLM_VARIANTS, **FLOWRL_VARIANTS}
     unknown = [v for v in args.variants if v not in known]
-    bad_s = [s for s in args.sampling if s not in SAMPLING] + [r for r in args.flowrl_rng if r not in RNG]
+    bad_s = ([s for s in args.sampling if s not in SAMPLING] + [r for r in args.flowrl_rng if r not in RNG]
+             + [m for m in args.flowrl_logprobs if m not in ("all", "sampled", "none")])
     if unknown or bad_s:
         p.error(f"unknown variants {unknown} / sampling or flowrl-rng {bad_s}")
     if args.worker:

@@ -24,6 +24,47 @@ if TYPE_CHECKING:  # the configs here are read before torch loads (flowrl/config
     from flowrl.engines.config import TrainEngineConfig
 
 
+# SamplingConfig.logprobs: which rows' rollout_logprobs an engine measures (NaN: not measured)
+LOGPROB_MODES = ("all", "sampled", "none")
+# ... under "sampled": one request group in this many (the first of each call included)
+LOGPROB_SAMPLE_EVERY = 8
+
+
+def prompt_groups(prompt_ids: Tensor, prompt_mask: Tensor) -> Tensor:
+    """(B,) int64: each row's request group, 0, 1, ...: a new group starts where a row's real
+    prompt tokens differ from the row before's (the ``n`` samples of one prompt are one group)."""
+    import torch
+
+    B = prompt_ids.shape[0]
+    if B == 0:
+        return torch.zeros(0, dtype=torch.long)
+    ids = torch.where(prompt_mask.bool(), prompt_ids, torch.full_like(prompt_ids, -1))
+    new = torch.ones(B, dtype=torch.bool, device=ids.device)
+    new[1:] = (ids[1:] != ids[:-1]).any(dim=1)
+    return new.long().cumsum(0) - 1
+
+
+def group_measured(groups: int, mode: str) -> list[bool]:
+    """Per request group of one generate call: does it get logprobs under ``mode``
+    (``SamplingConfig.logprobs``; ``auto`` = ``all``)."""
+    if mode == "none":
+        return [False] * groups
+    if mode == "sampled":
+        return [g % LOGPROB_SAMPLE_EVERY == 0 for g in range(groups)]
+    return [True] * groups
+
+
+def measured_rows(prompt_ids: Tensor, prompt_mask: Tensor, mode: str) -> Tensor:
+    """(B,) bool on the prompts' device: the rows whose ``rollout_logprobs`` an engine measures
+    under ``mode`` (``SamplingConfig.logprobs``), groups by :func:`prompt_groups`."""
+    import torch
+
+    g = prompt_groups(prompt_ids, prompt_mask)
+    n = int(g.max()) + 1 if g.numel() else 0
+    flags = torch.tensor(group_measured(n, mode), dtype=torch.bool)
+    return flags.to(g.device)[g] if n else torch.zeros(0, dtype=torch.bool, device=g.device)
+
+
 @dataclass
 class SamplingConfig:
     """Sampling parameters of one generate call.
@@ -31,6 +72,17 @@ class SamplingConfig:
     ``temperature == 0`` means greedy decoding (then ``rollout_logprobs`` are taken at T=1).
     ``stop_token_ids`` are stop ids in addition to the tokenizer's EOS; the stop token itself is kept
     in the response (and in ``response_mask``).
+
+    ``logprobs``: which rows of ``rollout_logprobs`` the engine measures (``LOGPROB_MODES``):
+    ``all``; ``sampled``: the rows of one request group (a run of identical consecutive prompts,
+    the ``n`` samples of one prompt) in ``LOGPROB_SAMPLE_EVERY``, the first group of each call
+    included, so the rollout-vs-trainer mismatch metric is still logged; ``none``. A row not
+    measured holds NaN where its mask is True (:func:`measured_rows`). ``auto`` is resolved
+    before the run (``flowrl/machine.py``: ``all`` when the loss reads them, i.e.
+    ``algorithm.rollout_is`` is set, or the backend is ``hf``, whose logprobs cost nothing;
+    else ``sampled``); an engine handed ``auto`` measures all. Why: vLLM's per-token logprobs
+    cost ~37 % of a 256-sequence generate on the H200 (2.09 s against 1.52 s without,
+    ``benchmarks/results/rollout_h200.md``) and in-process GRPO reads them for a metric only.
 
     Raises:
         ValueError: a value out of range, naming its key under ``rollout.sampling`` (the config
@@ -48,8 +100,12 @@ class SamplingConfig:
     # speed do so in their conf/trainer file
     max_new_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: str = "auto"  # auto | all | sampled | none (OmegaConf has no Literal)
 
     def __post_init__(self) -> None:
+        if self.logprobs not in LOGPROB_MODES + ("auto",):
+            raise ValueError(f"rollout.sampling.logprobs must be auto or one of {LOGPROB_MODES}, "
+                             f"got {self.logprobs!r}")
         if self.temperature < 0:
             raise ValueError(f"rollout.sampling.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -68,7 +124,8 @@ class RolloutBatch:
         response_ids: (B, R) int64, right-padded with the pad id after the response.
         response_mask: (B, R) bool; True up to and including the first stop token, False after.
         rollout_logprobs: (B, R) float32; log π_sampler(token) at the sampling temperature, 0 where
-            the mask is False.
+            the mask is False, NaN where it is True in a row the engine did not measure
+            (``SamplingConfig.logprobs``).
         truncated: (B,) bool; True when generation hit ``max_new_tokens`` without a stop token.
     """
 

@@ -93,7 +93,9 @@ def genrm_reward(ctx: StageContext[RolloutEngine], cfg: GenRMConfig, *, prompt_i
         tokens.append(judge_tok(rendered, add_special_tokens=False)["input_ids"])
     rows = [t for t in tokens for _ in range(cfg.k)]  # row i*k + j = judgement j of response i
     ids, mask = collate_prompts(rows, judge_tok.pad_token_id)
-    params = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)
+    # the judge's text is parsed, its logprobs never read
+    params = SamplingConfig(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                            logprobs="none")
     out = ctx.engine.generate(ids, mask, params, generator=ctx.generator)
     judgements = decode_responses(judge_tok, out.response_ids, out.response_mask)
     scores = [parse_judge_score(cfg.response_prefix + j, scale=cfg.scale) for j in judgements]

@@ -25,7 +25,8 @@ def generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_ids: Ten
     Generates with the run's ``rollout.sampling`` settings.
 
     Outputs: response_ids (B, R) int64 right-padded; response_mask (B, R) bool;
-    rollout_logprobs (B, R) float32 at the sampling temperature; truncated (B,) bool.
+    rollout_logprobs (B, R) float32 at the sampling temperature (NaN in the valid tokens of the
+    rows ``rollout.sampling.logprobs`` leaves unmeasured); truncated (B,) bool.
     With ``pixel_values`` / ``image_grid_thw`` (a vision-language batch, ``flowrl.data.images``)
     the engine sees the images, and a response ends before any vision token it samples
     (``flowrl.ops.vision.cut_at_vision_tokens``).
@@ -71,9 +72,12 @@ def teacher_generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_
     token kept); truncated (B,) bool. Logged: ``teacher/response/length_mean`` and the rest of
     :func:`log_samples` under ``teacher/``.
     """
+    import dataclasses
+
     t0 = time.perf_counter()
-    out = ctx.engine.generate(prompt_ids, prompt_mask, ctx.run.sampling,
-                              generator=ctx.generator)
+    # the teacher's logprobs are not an output here: ask its engine for none
+    params = dataclasses.replace(ctx.run.sampling, logprobs="none")
+    out = ctx.engine.generate(prompt_ids, prompt_mask, params, generator=ctx.generator)
     log_samples(ctx, out, time.perf_counter() - t0, prefix="teacher/")
     return {"response_ids": out.response_ids, "response_mask": out.response_mask,
             "truncated": out.truncated}

@@ -106,9 +106,13 @@ def make_policy_loss_fn(algo: AlgorithmConfig, policy_loss: str, *, num_tokens: 
                    "actor/ratio_abs_dev_sum": torch.where(mask, (stats["ratio"] - 1.0).abs().detach(),
                                                           0.0).sum()}
         if mb.get("old_logprobs") is None and mb.get("rollout_logprobs") is not None:
-            # the old-logprob stage would have logged this; here the first forward is that pass
+            # the old-logprob stage would have logged this; here the first forward is that pass.
+            # Over the measured tokens only (rollout.sampling.logprobs: NaN = not measured)
+            rl = mb["rollout_logprobs"]
+            measured = mask & ~torch.isnan(rl)
             metrics["rollout/logprob_mismatch_sum"] = torch.where(
-                mask, (mb["rollout_logprobs"] - logprobs.detach()).abs(), 0.0).sum()
+                measured, (rl - logprobs.detach()).abs(), 0.0).sum()
+            metrics["rollout/logprob_mismatch_count"] = measured.sum()
         if "approx_kl" in stats:  # KL(π_old‖π_θ), logged even without a reference model
             metrics["actor/ppo_kl_sum"] = torch.where(mask, stats["approx_kl"].detach(), 0.0).sum()
         # with algorithm.kl_in_reward the KL is already in the token rewards (reward.token_rewards):
@@ -148,8 +152,9 @@ def run_minibatches(ctx: StageContext[Trainable], batch: dict, make_loss_fn, *, 
     ``make_loss_fn(num_tokens=, num_seqs=, max_response_len=)`` builds each mini-batch's LossFn
     from its *global* denominators (valid tokens and sequences all-reduced across data-parallel
     ranks), so the summed (not averaged) gradient equals one rank's on the global batch (C02).
-    Returns metrics: keys ending in ``_sum`` become per-token means over everything trained on,
-    the rest means over optimizer steps (bare engine keys get ``prefix/``), plus
+    Returns metrics: keys ending in ``_sum`` become per-token means over everything trained on
+    (or over their ``_count`` partner's total where the loss logs one: a metric measured on
+    some tokens only; the count itself is not reported), the rest means over optimizer steps (bare engine keys get ``prefix/``), plus
     ``<prefix>/optimizer_steps``; the engine's ``perf/update/*`` timings (seconds) and
     micro-batch counts are this rank's totals over the whole update, as
     ``perf/<prefix>_update/*`` (``prepare_s``, ``fwd_bwd_s``, ``optimizer_s``, ``micro_batches``).
@@ -197,8 +202,14 @@ def run_minibatches(ctx: StageContext[Trainable], batch: dict, make_loss_fn, *, 
     for k, v in sums.items():
         if k.startswith("perf/"):  # this rank's engine timings and counts: totals of the update
             out[k.replace("perf/update/", f"perf/{prefix}_update/")] = v
+        elif k.endswith("_count") and k[: -len("_count")] + "_sum" in sums:
+            continue  # the denominator of its _sum partner
         elif k.endswith("_sum"):
-            out[k[: -len("_sum")]] = v / max(tokens_seen, 1.0)
+            count = sums.get(k[: -len("_sum")] + "_count")
+            if count is None:
+                out[k[: -len("_sum")]] = v / max(tokens_seen, 1.0)
+            elif count > 0:  # no measured token anywhere: no value (not a 0 that looks fine)
+                out[k[: -len("_sum")]] = v / count
         else:
             out[k if "/" in k else f"{prefix}/{k}"] = v / max(steps, 1)
     out[f"{prefix}/optimizer_steps"] = steps
@@ -222,8 +233,12 @@ def update_policy(ctx: StageContext[TrainEngine], cfg: PolicyUpdateConfig,
     (means over optimizer steps).
 
     Raises:
-        ValueError: no old_logprobs but more than one optimizer step per rollout batch.
+        ValueError: no old_logprobs but more than one optimizer step per rollout batch; or
+            ``algorithm.rollout_is`` set while some rows' ``rollout_logprobs`` were not measured
+            (NaN: ``rollout.sampling.logprobs`` sampled or none).
     """
+    import torch
+
     algo = ctx.run.algorithm
     temp = ctx.run.sampling.temperature
     batch = {k: v for k, v in inputs.items() if v is not None and k in _BATCH_KEYS}
@@ -237,12 +252,18 @@ def update_policy(ctx: StageContext[TrainEngine], cfg: PolicyUpdateConfig,
         raise ValueError(f"stage '{ctx.stage}': inputs.old_logprobs is unbound but this update takes "
                          f"{algo.ppo_epochs * -(-B // mbs)} optimizer steps; later steps need the "
                          "old policy's logprobs (set algorithm.recompute_old_logprobs=true)")
+    if algo.rollout_is != "none" and "rollout_logprobs" in batch and bool(
+            (batch["response_mask"].bool() & torch.isnan(batch["rollout_logprobs"])).any()):
+        raise ValueError(f"stage '{ctx.stage}': algorithm.rollout_is={algo.rollout_is} weighs "
+                         "every token by its rollout logprob, but the rollout engine measured "
+                         "only some rows (rollout.sampling.logprobs must be all or auto)")
     if "old_logprobs" in batch and "rollout_logprobs" in batch:
-        # rollout-vs-trainer importance ratio π_old/π_rollout over this rank's valid tokens
+        # rollout-vs-trainer importance ratio π_old/π_rollout over this rank's measured tokens
         from flowrl.algorithms.losses import rollout_is_ratio
 
         mask = batch["response_mask"].bool()
-        ratio = rollout_is_ratio(batch["old_logprobs"], batch["rollout_logprobs"], mask)[mask]
+        measured = mask & ~torch.isnan(batch["rollout_logprobs"])  # NaN: not measured
+        ratio = rollout_is_ratio(batch["old_logprobs"], batch["rollout_logprobs"], measured)[measured]
         if ratio.numel():
             ctx.log(**{"rollout/is_ratio_mean": ratio.mean(), "rollout/is_ratio_max": ratio.max()})
     out = run_minibatches(

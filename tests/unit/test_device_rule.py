@@ -63,7 +63,7 @@ def executor():
 
 
 class Sampling:
-    temperature = 1.0
+    temperature, logprobs = 1.0, "all"
 
 
 class Algo:
@@ -169,11 +169,12 @@ def test_gpu_machine_resolves_gpu_defaults(monkeypatch):
     assert (cfg.trainer.device, cfg.model.dtype, cfg.trainer.engine.strategy, cfg.rollout.backend,
             cfg.rollout.vllm.dtype, cfg.rollout.hf.dtype, cfg.model.attn_implementation,
             cfg.trainer.engine.max_tokens_per_micro_batch) == (
-        "cuda", "float32", "fsdp", "vllm", "bfloat16", "bfloat16", "sdpa_varlen", 16384)
+        "cuda", "float32", "fsdp", "vllm", "bfloat16", "bfloat16", "sdpa_varlen", 32768)
     assert [r.field for r in got] == [
         "trainer.device", "model.dtype", "trainer.engine.strategy",
-        "trainer.engine.max_tokens_per_micro_batch", "rollout.backend", "rollout.vllm.dtype",
-        "model.liger_kernel", "model.attn_implementation"]
+        "trainer.engine.max_tokens_per_micro_batch", "rollout.backend",
+        "rollout.sampling.logprobs", "rollout.vllm.dtype", "model.liger_kernel",
+        "model.attn_implementation"]
     assert str(got[0]) == "trainer.device=cuda (a CUDA device is visible)"
     assert str(got[-1]) == ("model.attn_implementation=sdpa_varlen (flash-attn not installed; "
                             "torch's varlen_attn packs micro-batches)")
@@ -312,3 +313,62 @@ def test_plan_says_what_offload_does_with_the_swap_actions(device, offload, expe
     # the HF engine's compile rule, as flowrl train prints it at start-up
     assert lines[1].startswith("rollout.hf.compile=false (")
     assert len(lines) == 2
+
+
+def test_gpu_micro_batch_budget_follows_the_model_size():
+    from flowrl.machine import resolve_machine_defaults
+
+    def budget(*overrides):
+        cfg = _cfg(*overrides)
+        got = {r.field: str(r) for r in resolve_machine_defaults(
+            cfg, cuda=True, vllm=True, flash_attn=False, varlen=False, liger=False)}
+        return (cfg.trainer.engine.max_tokens_per_micro_batch,
+                got["trainer.engine.max_tokens_per_micro_batch"])
+
+    n, why = budget()  # the tiny test model: far under 1B parameters
+    assert n == 32768 and "< 1B: larger micro-batches fill the GPU" in why
+    # a Qwen2.5-1.5B-sized shape (read on the meta device: nothing allocated)
+    big = ["model.tiny.hidden_size=1536", "model.tiny.intermediate_size=8960",
+           "model.tiny.num_hidden_layers=28", "model.tiny.num_attention_heads=12",
+           "model.tiny.num_key_value_heads=2"]
+    n, why = budget(*big)
+    assert n == 16384 and why.startswith("trainer.engine.max_tokens_per_micro_batch=16384 "
+                                         "(token-budget micro-batches on GPU (1.")
+    # an explicit budget always wins
+    cfg = _cfg("trainer.engine.max_tokens_per_micro_batch=4096")
+    fields = [r.field for r in resolve_machine_defaults(cfg, cuda=True, vllm=True, flash_attn=False,
+                                                        varlen=False, liger=False)]
+    assert cfg.trainer.engine.max_tokens_per_micro_batch == 4096
+    assert "trainer.engine.max_tokens_per_micro_batch" not in fields
+
+
+def test_rollout_logprobs_auto_measures_a_sample_only_where_nothing_reads_them():
+    from flowrl.machine import resolve_machine_defaults
+
+    def mode(*overrides, cuda=True, vllm=True):
+        cfg = _cfg(*overrides)
+        got = {r.field: str(r) for r in resolve_machine_defaults(
+            cfg, cuda=cuda, vllm=vllm, flash_attn=False, varlen=False, liger=False)}
+        return cfg.rollout.sampling.logprobs, got.get("rollout.sampling.logprobs")
+
+    assert mode() == ("sampled", "rollout.sampling.logprobs=sampled (nothing in the loss reads "
+                                 "them: one request group in 8 keeps rollout/logprob_mismatch "
+                                 "(vLLM's per-token logprobs slow its decode))")
+    assert mode("algorithm.rollout_is=tis") == (
+        "all", "rollout.sampling.logprobs=all (algorithm.rollout_is=tis weighs every token by it)")
+    assert mode(vllm=False) == ("all", "rollout.sampling.logprobs=all (transformers' logprobs "
+                                       "cost nothing)")
+    assert mode(cuda=False) == ("all", "rollout.sampling.logprobs=all (transformers' logprobs "
+                                       "cost nothing)")
+    assert mode("rollout.sampling.logprobs=none") == ("none", None)  # explicit: left alone
+
+
+def test_rollout_is_with_unmeasured_rollout_logprobs_is_refused_before_any_model_loads():
+    from flowrl.config import compose
+    from flowrl.train import prepare
+
+    with pytest.raises(Exception, match=r"algorithm.rollout_is=tis weighs every token by its "
+                                        r"rollout logprob, but rollout.sampling.logprobs=sampled "
+                                        r"measures only some rows: use auto or all"):
+        prepare(compose(["model=tiny", "trainer.output_dir=/tmp/unused", "algorithm.rollout_is=tis",
+                         "rollout.sampling.logprobs=sampled"]))

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 from flowrl.algorithms.masks import response_mask
 from flowrl.data.images import PatchLayout, collapse_image_tokens, images_of_patches
-from flowrl.engines.base import RolloutBatch, SamplingConfig
+from flowrl.engines.base import RolloutBatch, SamplingConfig, group_measured
 from flowrl.engines.rollout.vllm_config import (
     VLLM_LORA_RANKS,
     VLLMRolloutConfig,
@@ -519,7 +519,9 @@ class VLLMRolloutEngine:
             ``params.stop_token_ids``) and drops what follows; ``truncated`` = vLLM's finish reason
             ``length`` (``max_new_tokens`` or ``max_model_len`` hit before a stop id).
             ``rollout_logprobs`` (float32, 0 where masked): vLLM's processed logprobs of the sampled
-            token: log softmax(logits / T) (T = 1 when greedy), see ``cfg.logprobs_mode``.
+            token: log softmax(logits / T) (T = 1 when greedy), see ``cfg.logprobs_mode``; NaN
+            in the rows of a request group ``params.logprobs`` leaves unmeasured (vLLM is asked
+            for no logprobs there: ``group_measured``).
 
         Raises:
             ValueError: bad shapes / padding, or sampling settings ``cfg.check_sampling`` rejects.
@@ -560,12 +562,14 @@ class VLLMRolloutEngine:
             starts = itertools.accumulate((k for _, k in groups[:-1]), initial=0)
             requests = [vision_prompt(p, vis["pixel_values"][s], vis["image_grid_thw"][s],
                                       vision) for (p, _), s in zip(groups, starts)]
+        # params.logprobs: a group not measured asks vLLM for none (its rows come back NaN)
+        measured = group_measured(len(groups), params.logprobs)
         sps = [SamplingParams(
             n=k, temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
             top_k=0 if greedy else params.top_k, max_tokens=params.max_new_tokens,
-            stop_token_ids=stops, logprobs=0, detokenize=False, seed=seed,
+            stop_token_ids=stops, logprobs=0 if lp else None, detokenize=False, seed=seed,
             flat_logprobs=True,  # a few flat lists per request instead of a dict per token
-        ) for (_, k), seed in zip(groups, seeds)]
+        ) for (_, k), seed, lp in zip(groups, seeds, measured)]
         # vLLM allocates Python objects per running request per step; a GC pass over the
         # engine's heap mid-generate cost 1.5x with logprobs at 2,048 sequences (rollout_h200.md)
         gc_was_enabled = gc.isenabled()
@@ -586,6 +590,7 @@ class VLLMRolloutEngine:
                         f"{len(p)} (or other ones): its processor expanded the image tokens "
                         "otherwise (another image size or processor config than the trainer's?)")
         samples = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
+        sample_measured = [lp for (_, k), lp in zip(groups, measured) for _ in range(k)]
         # prompt tokens served from the prefix cache (a multi-turn context's earlier turns)
         self.last_prefix_cache = {"prompt_tokens": sum(len(p) for p, _ in groups),
                                   "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs)}
@@ -600,7 +605,10 @@ class VLLMRolloutEngine:
                 raise RuntimeError(f"vLLM finished sample {i} with reason {c.finish_reason!r}")
             n = len(c.token_ids)
             ids[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
-            lps[i, :n] = torch.tensor(_sampled_logprobs(c.token_ids, c.logprobs))
+            if sample_measured[i]:
+                lps[i, :n] = torch.tensor(_sampled_logprobs(c.token_ids, c.logprobs))
+            else:
+                lps[i, :n] = float("nan")
             lengths[i] = n
             truncated[i] = c.finish_reason == "length"
         mask = response_mask(ids, lengths, stops)

@@ -141,8 +141,9 @@ def evaluate_greedy(rollout_engine, prompts, tokenizer, scorer: EvalScorer, *, s
     """
     if limit == 0:
         return {}
+    # scoring reads the tokens only: no logprobs (vLLM's slow its decode)
     params = SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens,
-                            stop_token_ids=list(stop_token_ids))
+                            stop_token_ids=list(stop_token_ids), logprobs="none")
     t0 = time.perf_counter()
     rows: list[dict] = []
     # one rank evaluates the whole slice (the others have nothing to add while it decodes)
