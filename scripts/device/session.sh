@@ -18,7 +18,7 @@
 #   (.flowrl_commit: `git rev-parse --short HEAD > .flowrl_commit` here first; git-ignored, so it
 #   travels only when carried; the device copy's .git is stale and reports an old commit)
 # Phases: first_step, learning, e2e, tier, vlm, nan, hfgen, distill_teacher, distill_arms, gsm8k_mv,
-# tools, sync, lora_sync, neighbours, profile_vllm, profile_hf (see each below);
+# tools, sync, lora_sync, neighbours, profile_vllm, profile_hf, rollout_lp (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
 set -uo pipefail
@@ -126,6 +126,13 @@ phase_profile_hf() {  # ~3 min: flowrl alone, qwen05b, HF rollout compiled, step
     trainer.profile.trace=false trainer.profile.row_limit=60 ${X:-} > "$OUT/profile_hf.log" 2>&1
   local rc=$?; grep -iE "recompil|cudagraph|skipping" "$OUT/profile_hf.log" | head -40; tail -n 20 "$OUT/profile_hf.log"; return $rc
 }
+phase_rollout_lp() {  # ~2 min: flowrl's 4 vLLM engine processes, 256 sequences, rollout.sampling.logprobs
+  # all / sampled / none in 3 interleaved rounds on the same engines (what auto=sampled saves)
+  timeout -k 10 ${RLP_TIMEOUT_S:-330} python3 benchmarks/rollout.py --variants flowrl-vllm-procs4 \
+    --batches 256 --prompt-len 64 --flowrl-logprobs all,sampled,none --rounds 3 --child-timeout 300 \
+    --json-out "$OUT/rollout_lp.json" --md-out "$OUT/rollout_lp_h200.md" > "$OUT/rollout_lp.log" 2>&1
+  local rc=$?; tail -n 25 "$OUT/rollout_lp.log"; return $rc
+}
 phase_tier() {  # ~5 min: the GPU tier (TIER_K: a -k selection)
   timeout -k 10 ${TIER_TIMEOUT_S:-540} python3 -m pytest ${TIER_K:+-k "$TIER_K"} -m "gpu or vllm" tests/gpu/test_train_gpu.py tests/gpu/test_multi_turn_gpu.py \
     tests/gpu/test_vlm_vllm_gpu.py tests/gpu/test_sdpa_varlen_gpu.py tests/gpu/test_liger_gpu.py tests/gpu/test_hf_compile_gpu.py tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
@@ -165,7 +172,7 @@ for p in "$@"; do
     log "phases $p done in $((SECONDS - t0)) s"
     continue
   fi
-  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools|sync|lora_sync|neighbours|profile_vllm|profile_hf) ;;
+  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools|sync|lora_sync|neighbours|profile_vllm|profile_hf|rollout_lp) ;;
   *) log "unknown phase $p"; rc=2; continue ;; esac
   log "phase $p"
   t0=$SECONDS
