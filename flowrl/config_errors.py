@@ -304,6 +304,10 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
             if "is not a subclass of" in first:  # a section given a plain value
                 return (f"{key}={value}: {key} is a section, not a value; set one of its keys "
                         f"({key}.<name>=VALUE)")
+            if "is not a ListConfig, list or tuple" in first:  # a list field given one value
+                return (f"{key}={value}: {key} takes a list, got {value!r} (e.g. "
+                        f"{key}=[{value}]; quote it in a shell that expands brackets: "
+                        f"'{key}=[{value}]')")
             return f"{key}: {first}"
         if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
             if key.startswith("placement.pools"):

@@ -27,6 +27,10 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
      "flowrl plan: error: placement.staleness=abc: placement.staleness takes an integer, got 'abc'"),
     (["train", "placement.staleness=abc"],  # single process: before Hydra's own 6-line report
      "flowrl train: error: placement.staleness=abc: placement.staleness takes an integer, got 'abc'"),
+    (["train", "trainer.profile.steps=2"],  # a list field given one value
+     "flowrl train: error: trainer.profile.steps=2: trainer.profile.steps takes a list, got 2 "
+     "(e.g. trainer.profile.steps=[2]; quote it in a shell that expands brackets: "
+     "'trainer.profile.steps=[2]')"),
 ])
 def test_one_line_errors(args, expected, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "flowrl.cli", *args], cwd=tmp_path, env=ENV,
