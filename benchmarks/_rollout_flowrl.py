@@ -118,11 +118,11 @@ def run_flowrl(args, variant: str, build_model, prompts_for, sync) -> list[dict]
                 sync()
                 dt = time.perf_counter() - t0
                 n = int(out.response_mask.sum())
-                measured = ~torch.isnan(out.rollout_logprobs).any(dim=1)
-                assert out.response_ids.shape[0] == B and bool(torch.isfinite(
-                    out.rollout_logprobs[measured]).all())
-                assert bool(measured.all()) == (lp == "all") or B == 1
-                label = {"all": "lp-flat", "sampled": "lp-sampled", "none": "nolp"}[lp]
+                valid = out.response_mask
+                assert out.response_ids.shape[0] == B and bool(
+                    (torch.isfinite(out.rollout_logprobs[valid]) if lp == "all"
+                     else torch.isnan(out.rollout_logprobs[valid])).all())
+                label = {"all": "lp-flat", "none": "nolp"}[lp]
                 rows.append(dict(
                     variant=variant, batch=B, sampling=f"{label}+gc-freeze+{rng}", round=r + 1,
                     tokens=n,

@@ -332,7 +332,7 @@ def main(argv=None) -> None:
     p.add_argument("--flowrl-rng", default="seeded", type=lambda s: s.split(","),
                    help=f"of {list(RNG)} (flowrl variants: generate with a torch.Generator or None)")
     p.add_argument("--flowrl-logprobs", default="all", type=lambda s: s.split(","),
-                   help="of all,sampled,none (flowrl variants: rollout.sampling.logprobs)")
+                   help="of all,none (flowrl variants: the generate call's SamplingConfig.logprobs)")
     p.add_argument("--rounds", type=int, default=1,
                    help="flowrl variants: interleaved rounds over the rng x logprobs modes")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -355,7 +355,7 @@ def main(argv=None) -> None:
     known = {**HF_VARIANTS, **VLLM_VARIANTS, **FLOWRL_VARIANTS}
     unknown = [v for v in args.variants if v not in known]
     bad_s = ([s for s in args.sampling if s not in SAMPLING] + [r for r in args.flowrl_rng if r not in RNG]
-             + [m for m in args.flowrl_logprobs if m not in ("all", "sampled", "none")])
+             + [m for m in args.flowrl_logprobs if m not in ("all", "none")])
     if unknown or bad_s:
         p.error(f"unknown variants {unknown} / sampling or flowrl-rng {bad_s}")
     if args.worker:

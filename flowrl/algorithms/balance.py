@@ -115,6 +115,64 @@ def token_budget_partitions(lengths: Sequence[int], max_tokens: int, *, min_part
         k += 1
 
 
+def padded_budget_partitions(prompt_lens: Sequence[int], response_lens: Sequence[int],
+                             max_tokens: int, *, min_parts: int = 1) -> list[list[int]]:
+    """Micro-batches of a padded layout: bins whose padded size fits ``max_tokens``.
+
+    A padded micro-batch of rows ``b`` runs ``len(b) × (max prompt + max response)`` positions
+    (its columns are trimmed to its longest prompt and response), so balancing *valid* tokens
+    (:func:`token_budget_partitions`) can put one long row with many short ones and run far more
+    positions than the budget: at 32k valid tokens, SmolLM2's ~30-token answers beside a few
+    256-token ones made ~100k padded positions and a 40 GiB activation peak on an H100. Here rows
+    go longest first (prompt + response, ties by index) into the current bin while its padded size
+    stays within the budget, so rows of similar length share a bin (little padding) and no bin's
+    padded size exceeds the budget unless it is one row.
+
+    Args:
+        prompt_lens, response_lens: (n,) real prompt tokens and response positions per row, n >= 1.
+        max_tokens: padded positions per micro-batch, >= 1.
+        min_parts: lower bound on the number of bins (clipped to n): the bin with the largest
+            padded size is split in half (by its order) until there are enough (data-parallel
+            ranks agree on one count).
+
+    Returns:
+        Lists of row indices, each ascending, the bins ordered by their smallest index.
+
+    Raises:
+        ValueError: empty or unequal ``prompt_lens`` / ``response_lens``, ``max_tokens < 1``
+            or ``min_parts < 1``.
+    """
+    n = len(prompt_lens)
+    if n == 0 or len(response_lens) != n:
+        raise ValueError(f"balance: padded_budget_partitions needs n >= 1 equal-length lists, got "
+                         f"{n} prompt and {len(response_lens)} response lengths")
+    if max_tokens < 1 or min_parts < 1:
+        raise ValueError(f"balance: max_tokens and min_parts must be >= 1, got {max_tokens}, {min_parts}")
+    order = sorted(range(n), key=lambda i: (-(prompt_lens[i] + response_lens[i]), i))
+    bins: list[list[int]] = []
+    cur: list[int] = []
+    mp = mr = 0
+    for i in order:
+        p, r = max(mp, prompt_lens[i]), max(mr, response_lens[i])
+        if cur and (len(cur) + 1) * (p + r) > max_tokens:
+            bins.append(cur)
+            cur, mp, mr = [i], prompt_lens[i], response_lens[i]
+        else:
+            cur.append(i)
+            mp, mr = p, r
+
+    bins.append(cur)
+
+    def padded(b: list[int]) -> int:
+        return len(b) * (max(prompt_lens[i] for i in b) + max(response_lens[i] for i in b))
+
+    while len(bins) < min(min_parts, n):
+        j = max((j for j in range(len(bins)) if len(bins[j]) > 1), key=lambda j: (padded(bins[j]), -j))
+        b = bins.pop(j)
+        bins[j:j] = [b[:len(b) // 2], b[len(b) // 2:]]
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
 def num_budget_parts(lengths: Sequence[int], max_tokens: int) -> int:
     """How many bins :func:`token_budget_partitions` uses for ``lengths`` (for the cross-rank max)."""
     return len(token_budget_partitions(lengths, max_tokens))

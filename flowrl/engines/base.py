@@ -24,45 +24,21 @@ if TYPE_CHECKING:  # the configs here are read before torch loads (flowrl/config
     from flowrl.engines.config import TrainEngineConfig
 
 
-# SamplingConfig.logprobs: which rows' rollout_logprobs an engine measures (NaN: not measured)
+# SamplingConfig.logprobs: whether a generate call returns the sampled tokens' logprobs
 LOGPROB_MODES = ("all", "sampled", "none")
-# ... under "sampled": one request group in this many (the first of each call included)
+# ... under "sampled": the training steps that measure them, 1 and every this many after it
 LOGPROB_SAMPLE_EVERY = 8
 
 
-def prompt_groups(prompt_ids: Tensor, prompt_mask: Tensor) -> Tensor:
-    """(B,) int64: each row's request group, 0, 1, ...: a new group starts where a row's real
-    prompt tokens differ from the row before's (the ``n`` samples of one prompt are one group)."""
-    import torch
-
-    B = prompt_ids.shape[0]
-    if B == 0:
-        return torch.zeros(0, dtype=torch.long)
-    ids = torch.where(prompt_mask.bool(), prompt_ids, torch.full_like(prompt_ids, -1))
-    new = torch.ones(B, dtype=torch.bool, device=ids.device)
-    new[1:] = (ids[1:] != ids[:-1]).any(dim=1)
-    return new.long().cumsum(0) - 1
-
-
-def group_measured(groups: int, mode: str) -> list[bool]:
-    """Per request group of one generate call: does it get logprobs under ``mode``
-    (``SamplingConfig.logprobs``; ``auto`` = ``all``)."""
+def logprobs_measured(mode: str, step: int) -> bool:
+    """Does training step ``step`` (1-based) ask its rollout engine for logprobs under ``mode``
+    (``SamplingConfig.logprobs``; ``auto`` = ``all``): ``sampled`` measures steps 1, 9, 17, ...
+    (``LOGPROB_SAMPLE_EVERY``), ``none`` no step, the rest every step."""
     if mode == "none":
-        return [False] * groups
+        return False
     if mode == "sampled":
-        return [g % LOGPROB_SAMPLE_EVERY == 0 for g in range(groups)]
-    return [True] * groups
-
-
-def measured_rows(prompt_ids: Tensor, prompt_mask: Tensor, mode: str) -> Tensor:
-    """(B,) bool on the prompts' device: the rows whose ``rollout_logprobs`` an engine measures
-    under ``mode`` (``SamplingConfig.logprobs``), groups by :func:`prompt_groups`."""
-    import torch
-
-    g = prompt_groups(prompt_ids, prompt_mask)
-    n = int(g.max()) + 1 if g.numel() else 0
-    flags = torch.tensor(group_measured(n, mode), dtype=torch.bool)
-    return flags.to(g.device)[g] if n else torch.zeros(0, dtype=torch.bool, device=g.device)
+        return (step - 1) % LOGPROB_SAMPLE_EVERY == 0
+    return True
 
 
 @dataclass
@@ -73,20 +49,16 @@ class SamplingConfig:
     ``stop_token_ids`` are stop ids in addition to the tokenizer's EOS; the stop token itself is kept
     in the response (and in ``response_mask``).
 
-    ``logprobs``: which rows of ``rollout_logprobs`` the engine measures (``LOGPROB_MODES``):
-    ``all``; ``sampled``: the rows of one request group (a run of identical consecutive prompts,
-    the ``n`` samples of one prompt) in ``LOGPROB_SAMPLE_EVERY``, the first group of each call
-    included, so the rollout-vs-trainer mismatch metric is still logged; ``none``. A row not
-    measured holds NaN where its mask is True (:func:`measured_rows`). ``auto`` is resolved
-    before the run (``flowrl/machine.py``: ``all`` when the loss reads them, i.e.
-    ``algorithm.rollout_is`` is set, or the backend is ``hf``, whose logprobs cost nothing;
-    else ``sampled``); an engine handed ``auto`` measures all. Why: vLLM's per-token logprobs
-    cost ~37 % of a 256-sequence generate on the H200 (2.09 s against 1.52 s without,
-    ``benchmarks/results/rollout_h200.md``) and in-process GRPO reads them for a metric only.
-
-    Raises:
-        ValueError: a value out of range, naming its key under ``rollout.sampling`` (the config
-            section that holds this dataclass; evaluation and GenRM build theirs from checked values).
+    ``logprobs``: does ``rollout_logprobs`` hold the sampler's logprobs (``LOGPROB_MODES``):
+    ``all``; ``none`` (every valid token NaN: not measured); ``sampled``: the run's rollout ops
+    ask for ``all`` on steps 1, 9, 17, ... and ``none`` on the others (:func:`logprobs_measured`),
+    so ``rollout/logprob_mismatch`` is still logged on those steps; an engine handed ``sampled``
+    or ``auto`` measures all. ``auto`` is resolved before the run (``flowrl/machine.py``: ``all``
+    when the loss reads them, i.e. ``algorithm.rollout_is`` is set, or the backend is ``hf``,
+    whose logprobs cost nothing; else ``sampled``). Why: asked for any row, vLLM computes and
+    returns them for its whole batch every decode step: 1.69 s against 1.55 s without for 256
+    sequences on 4 engine processes (H100, ``benchmarks/results/rollout_logprobs_h100.md``; one
+    request group in 8 still cost 1.69 s), and in-process GRPO reads them for a metric only.
     """
 
     # 1.0: the on-policy sampling standard for GRPO/PPO (TRL's and verl's default): the sampler's
@@ -124,7 +96,7 @@ class RolloutBatch:
         response_ids: (B, R) int64, right-padded with the pad id after the response.
         response_mask: (B, R) bool; True up to and including the first stop token, False after.
         rollout_logprobs: (B, R) float32; log π_sampler(token) at the sampling temperature, 0 where
-            the mask is False, NaN where it is True in a row the engine did not measure
+            the mask is False; NaN where it is True when the call asked for none
             (``SamplingConfig.logprobs``).
         truncated: (B,) bool; True when generation hit ``max_new_tokens`` without a stop token.
     """

@@ -40,7 +40,8 @@ def logprobs(ctx: StageContext[LogprobEngine], cfg: LogprobsConfig, *, prompt_id
 
     Output: logprobs (B, R) float32, 0 where response_mask is False.
     When ``rollout_logprobs`` is bound, logs ``rollout/logprob_mismatch``: mean |rollout − this|
-    over the valid tokens the rollout engine measured (NaN rows: ``rollout.sampling.logprobs``) (≈0 for an on-policy setup whose sampler and trainer agree; a stale-weights
+    over the valid tokens the rollout engine measured (on the steps ``rollout.sampling.logprobs``
+    measures) (≈0 for an on-policy setup whose sampler and trainer agree; a stale-weights
     or temperature bug shows up here first). ``pixel_values`` / ``image_grid_thw``: a
     vision-language batch's images (``flowrl.data.images``), the rollout's own.
     """
@@ -59,10 +60,12 @@ def logprobs(ctx: StageContext[LogprobEngine], cfg: LogprobsConfig, *, prompt_id
     lp, ent = bal.restore(out.logprobs), bal.restore(out.entropy)
     mask = response_mask
     denom = mask.sum().clamp(min=1)
-    # rollout.sampling.logprobs=none: nothing measured, no value (not a 0 that looks fine)
-    if rollout_logprobs is not None and ctx.run.sampling.logprobs != "none":
+    from flowrl.engines.base import logprobs_measured
+
+    # a step rollout.sampling.logprobs does not measure (NaN): no value, not a 0 that looks fine
+    if rollout_logprobs is not None and logprobs_measured(ctx.run.sampling.logprobs, ctx.step):
         # every input arrives on the engine's device (DESIGN.md "Where tensors live"); over the
-        # measured tokens (a row the engine did not measure is NaN; no host sync here)
+        # measured tokens (NaN: not measured; no host sync here)
         measured = mask.bool() & ~torch.isnan(rollout_logprobs)
         diff = torch.where(measured, (rollout_logprobs - lp).abs(), 0.0)
         ctx.log(**{"rollout/logprob_mismatch": diff.sum() / measured.sum().clamp(min=1),

@@ -123,7 +123,9 @@ def multi_turn(ctx: StageContext[RolloutEngine], cfg: MultiTurnConfig, *, prompt
     ``perf/rollout_tokens_per_s`` (policy tokens per generate second).
     """
     session = session_for(cfg, ctx.run.tokenizer)
-    out = session.run(ctx.engine, prompt_ids, prompt_mask, ctx.run.sampling,
+    from flowrl.ops.rollout import step_sampling
+
+    out = session.run(ctx.engine, prompt_ids, prompt_mask, step_sampling(ctx),
                       rows=_rows(ctx, prompt_ids, prompt_mask, ground_truth, group_id),
                       generator=ctx.generator)
     lengths = out.response_mask.sum(-1).float()

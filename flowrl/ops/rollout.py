@@ -11,7 +11,7 @@ from flowrl.ops.registry import register_op
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from flowrl.engines.base import RolloutBatch, RolloutEngine
+    from flowrl.engines.base import RolloutBatch, RolloutEngine, SamplingConfig
     from flowrl.ops.context import StageContext
     from flowrl.ops.spec import NoConfig
 
@@ -25,8 +25,8 @@ def generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_ids: Ten
     Generates with the run's ``rollout.sampling`` settings.
 
     Outputs: response_ids (B, R) int64 right-padded; response_mask (B, R) bool;
-    rollout_logprobs (B, R) float32 at the sampling temperature (NaN in the valid tokens of the
-    rows ``rollout.sampling.logprobs`` leaves unmeasured); truncated (B,) bool.
+    rollout_logprobs (B, R) float32 at the sampling temperature (NaN in the valid tokens on a step
+    ``rollout.sampling.logprobs`` does not measure: :func:`step_sampling`); truncated (B,) bool.
     With ``pixel_values`` / ``image_grid_thw`` (a vision-language batch, ``flowrl.data.images``)
     the engine sees the images, and a response ends before any vision token it samples
     (``flowrl.ops.vision.cut_at_vision_tokens``).
@@ -35,7 +35,7 @@ def generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_ids: Ten
     images = None
     if pixel_values is not None and image_grid_thw is not None:
         images = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
-    out = ctx.engine.generate(prompt_ids, prompt_mask, ctx.run.sampling,
+    out = ctx.engine.generate(prompt_ids, prompt_mask, step_sampling(ctx),
                               generator=ctx.generator, images=images)
     if images is not None:
         from flowrl.ops.vision import cut_at_vision_tokens
@@ -46,6 +46,20 @@ def generate(ctx: StageContext[RolloutEngine], cfg: NoConfig, *, prompt_ids: Ten
     log_samples(ctx, out, time.perf_counter() - t0)
     return {"response_ids": out.response_ids, "response_mask": out.response_mask,
             "rollout_logprobs": out.rollout_logprobs, "truncated": out.truncated}
+
+
+def step_sampling(ctx: StageContext) -> "SamplingConfig":
+    """``rollout.sampling`` for this step's generate call: ``logprobs=sampled`` becomes ``all``
+    on the steps that measure them (``flowrl.engines.base.logprobs_measured``), else ``none``."""
+    import dataclasses
+
+    from flowrl.engines.base import logprobs_measured
+
+    sampling = ctx.run.sampling
+    if sampling.logprobs != "sampled":
+        return sampling
+    return dataclasses.replace(
+        sampling, logprobs="all" if logprobs_measured(sampling.logprobs, ctx.step) else "none")
 
 
 def log_samples(ctx: StageContext, out: "RolloutBatch", seconds: float, prefix: str = "") -> None:

@@ -126,10 +126,10 @@ phase_profile_hf() {  # ~3 min: flowrl alone, qwen05b, HF rollout compiled, step
     trainer.profile.trace=false trainer.profile.row_limit=60 ${X:-} > "$OUT/profile_hf.log" 2>&1
   local rc=$?; grep -iE "recompil|cudagraph|skipping" "$OUT/profile_hf.log" | head -40; tail -n 20 "$OUT/profile_hf.log"; return $rc
 }
-phase_rollout_lp() {  # ~2 min: flowrl's 4 vLLM engine processes, 256 sequences, rollout.sampling.logprobs
-  # all / sampled / none in 3 interleaved rounds on the same engines (what auto=sampled saves)
+phase_rollout_lp() {  # ~2 min: flowrl's 4 vLLM engine processes, 256 sequences, a generate call with
+  # logprobs and without, 3 interleaved rounds on the same engines (what rollout.sampling.logprobs saves)
   timeout -k 10 ${RLP_TIMEOUT_S:-330} python3 benchmarks/rollout.py --variants flowrl-vllm-procs4 \
-    --batches 256 --prompt-len 64 --flowrl-logprobs all,sampled,none --rounds 3 --child-timeout 300 \
+    --batches 256 --prompt-len 64 --flowrl-logprobs all,none --rounds 3 --child-timeout 300 \
     --json-out "$OUT/rollout_lp.json" --md-out "$OUT/rollout_lp_h200.md" > "$OUT/rollout_lp.log" 2>&1
   local rc=$?; tail -n 25 "$OUT/rollout_lp.log"; return $rc
 }

@@ -65,14 +65,18 @@ def test_packed_and_chunked_paths_match_plain_world_size_1(ws2):
     torch.testing.assert_close(res["fast_old_logprobs"], ref["old_logprobs"], atol=1e-5, rtol=1e-5)
 
 
-def test_micro_batches_balanced_by_token_budget(ws2):
+def test_micro_batches_fit_the_token_budget_padded(ws2):
     _, res = ws2
-    # (prompt + response) tokens: rank 0 rows [10, 3, 6, 6], rank 1 rows [6, 10, 3, 7]; budget 12
-    assert res["micro_batch_tokens"] == [[[10], [3, 6], [6]], [[6, 3], [10], [7]]]
-    sums = [[sum(mb) for mb in rank] for rank in res["micro_batch_tokens"]]
-    assert all(s <= 12 for rank in sums for s in rank)
+    # (prompt, response) tokens: rank 0 rows (4,6) (2,1) (3,3) (4,2), rank 1 (1,5) (4,6) (2,1)
+    # (3,4); budget 12 padded positions (rows x (longest prompt + longest response)): rank 0
+    # fits in 3 bins ([0], [2], [3,1]), rank 1 needs 4, so rank 0 splits its largest bin
+    assert res["micro_batch_rows"] == [[[(4, 6)], [(2, 1)], [(3, 3)], [(4, 2)]],
+                                       [[(1, 5)], [(4, 6)], [(2, 1)], [(3, 4)]]]
+    padded = [[len(mb) * (max(p for p, _ in mb) + max(r for _, r in mb)) for mb in rank]
+              for rank in res["micro_batch_rows"]]
+    assert all(s <= 12 for rank in padded for s in rank)
     # the same number of micro-batches on both ranks (FSDP collectives run in lockstep)
-    assert len(sums[0]) == len(sums[1]) == 3
+    assert len(padded[0]) == len(padded[1]) == 4
 
 
 def test_save_at_2_resume_at_1_continues_identically(ws2):

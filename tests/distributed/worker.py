@@ -81,10 +81,10 @@ def main(out: Path) -> None:
     eng = FSDPTrainEngine(make_model(), cfg)
     b1 = shard(global_batch(1), r, w)
     parts = eng._partitions(b1)
-    lengths = (b1["prompt_mask"].sum(-1) + b1["response_mask"].sum(-1)).tolist()
+    p_lens, r_lens = b1["prompt_mask"].sum(-1).tolist(), b1["response_mask"].sum(-1).tolist()
     gathered = [None] * w
-    torch.distributed.all_gather_object(gathered, [[lengths[i] for i in p] for p in parts])
-    res["micro_batch_tokens"] = gathered
+    torch.distributed.all_gather_object(gathered, [[(p_lens[i], r_lens[i]) for i in p] for p in parts])
+    res["micro_batch_rows"] = gathered
     m1 = update_once(eng, b1, info, step=1)
     olp = [None] * w
     torch.distributed.all_gather_object(olp, m1.pop("old_logprobs"))

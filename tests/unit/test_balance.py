@@ -63,3 +63,35 @@ def test_inverse_permutation_restores_order():
     assert [emitted[j] for j in inv] == ["row0", "row1", "row2", "row3"]
     with pytest.raises(ValueError, match="permutation"):
         inverse_permutation([0, 0])
+
+
+# ---------------------------------------------------------------- padded layout
+def test_padded_bins_group_similar_lengths_and_fit_the_budget():
+    from flowrl.algorithms.balance import padded_budget_partitions
+
+    # 8 long rows (256) among 24 short ones (30), prompts of 100: rows longest first
+    p, r = [100] * 32, [256 if i % 4 == 0 else 30 for i in range(32)]
+    bins = padded_budget_partitions(p, r, 2048)
+    assert bins == [[0, 4, 8, 12, 16], [1, 2, 20, 24, 28], [3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17,
+                                                          18, 19, 21, 22],
+                    [23, 25, 26, 27, 29, 30, 31]]
+    padded = [len(b) * (max(p[i] for i in b) + max(r[i] for i in b)) for b in bins]
+    assert padded == [1780, 1780, 1950, 910] and max(padded) <= 2048
+    assert sorted(i for b in bins for i in b) == list(range(32))
+    # valid-token bins of the same budget (Karmarkar-Karp) pad a long row into every bin
+    kk = token_budget_partitions([a + b for a, b in zip(p, r)], 2048)
+    kk_padded = [len(b) * (max(p[i] for i in b) + max(r[i] for i in b)) for b in kk]
+    assert max(kk_padded) > 2048
+
+
+def test_padded_bins_one_over_budget_row_alone_and_min_parts_splits_the_largest():
+    from flowrl.algorithms.balance import padded_budget_partitions
+
+    assert padded_budget_partitions([10, 2, 2], [500, 3, 3], 100) == [[0], [1, 2]]
+    assert padded_budget_partitions([5, 5, 5], [1, 2, 3], 100) == [[0, 1, 2]]
+    assert padded_budget_partitions([5, 5, 5], [1, 2, 3], 100, min_parts=2) == [[0, 1], [2]]
+    assert padded_budget_partitions([5, 5, 5], [1, 2, 3], 100, min_parts=5) == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="n >= 1 equal-length lists"):
+        padded_budget_partitions([1, 2], [3], 10)
+    with pytest.raises(ValueError, match="max_tokens and min_parts must be >= 1"):
+        padded_budget_partitions([1], [3], 0)

@@ -1,5 +1,5 @@
-"""rollout.sampling.logprobs: which rows an engine measures (NaN = not measured), and that every
-consumer of rollout_logprobs reads only the measured tokens."""
+"""rollout.sampling.logprobs: which steps ask the rollout engine for logprobs (NaN = not
+measured), and that every consumer of rollout_logprobs reads only the measured tokens."""
 from __future__ import annotations
 
 import math
@@ -8,13 +8,7 @@ import pytest
 import torch
 
 from flowrl.algorithms.config import AlgorithmConfig
-from flowrl.engines.base import (
-    LOGPROB_SAMPLE_EVERY,
-    SamplingConfig,
-    group_measured,
-    measured_rows,
-    prompt_groups,
-)
+from flowrl.engines.base import LOGPROB_SAMPLE_EVERY, SamplingConfig, logprobs_measured
 from flowrl.engines.config import HFRolloutConfig
 from flowrl.engines.rollout.hf import HFRolloutEngine
 from flowrl.ops.context import StageContext
@@ -23,24 +17,39 @@ from flowrl.ops.update import PolicyUpdateConfig, make_policy_loss_fn, update_po
 NAN = float("nan")
 
 
-def test_groups_are_runs_of_identical_real_prompt_tokens():
-    ids = torch.tensor([[0, 5, 6], [0, 5, 6], [9, 5, 6], [0, 5, 7], [0, 5, 7], [0, 5, 6]])
-    mask = torch.tensor([[0, 1, 1], [0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1], [0, 1, 1]],
-                        dtype=torch.bool)
-    # row 2 differs from row 1 only in a pad column: the same prompt; row 3 has a real first token
-    assert prompt_groups(ids, mask).tolist() == [0, 0, 0, 1, 1, 2]
-    assert prompt_groups(ids[:0], mask[:0]).tolist() == []
-
-
-def test_sampled_measures_the_first_group_and_every_eighth_after_it():
+def test_sampled_measures_step_one_and_every_eighth_after_it():
     assert LOGPROB_SAMPLE_EVERY == 8
-    assert group_measured(10, "sampled") == [True] + [False] * 7 + [True, False]
-    assert group_measured(3, "all") == [True] * 3 and group_measured(3, "auto") == [True] * 3
-    assert group_measured(3, "none") == [False] * 3
-    # 9 groups of 2 rows: groups 0 and 8 are measured
-    ids = torch.arange(9).repeat_interleave(2)[:, None]
-    got = measured_rows(ids, torch.ones_like(ids, dtype=torch.bool), "sampled")
-    assert got.tolist() == [True, True] + [False] * 14 + [True, True]
+    assert [s for s in range(1, 30) if logprobs_measured("sampled", s)] == [1, 9, 17, 25]
+    assert all(logprobs_measured(m, s) for m in ("all", "auto") for s in (1, 2, 3))
+    assert not any(logprobs_measured("none", s) for s in (1, 2, 9))
+
+
+def test_the_rollout_op_asks_its_engine_per_step():
+    from flowrl.ops.context import StageContext
+    from flowrl.ops.rollout import generate
+
+    class Engine:
+        def __init__(self):
+            self.asked = []
+
+        def generate(self, prompt_ids, prompt_mask, params, generator=None, images=None):
+            from flowrl.engines.base import RolloutBatch
+
+            self.asked.append(params.logprobs)
+            B = prompt_ids.shape[0]
+            return RolloutBatch(torch.ones(B, 2, dtype=torch.long), torch.ones(B, 2, dtype=torch.bool),
+                                torch.zeros(B, 2), torch.zeros(B, dtype=torch.bool))
+
+    for mode, want in (("sampled", ["all", "none", "none", "none", "none", "none", "none", "none",
+                                     "all", "none"]),
+                       ("all", ["all"] * 10), ("none", ["none"] * 10)):
+        eng = Engine()
+        for step in range(1, 11):
+            ctx = StageContext(stage="rollout", step=step, engine=eng,
+                               resources={"sampling": SamplingConfig(logprobs=mode)})
+            generate(ctx, None, prompt_ids=torch.ones(2, 3, dtype=torch.long),
+                     prompt_mask=torch.ones(2, 3, dtype=torch.bool))
+        assert eng.asked == want, mode
 
 
 def test_sampling_config_refuses_an_unknown_mode():
@@ -71,22 +80,18 @@ def hf_engine():
     return HFRolloutEngine(_tiny_llama(), tok, HFRolloutConfig(batch_size=32))
 
 
-def test_hf_engine_leaves_unmeasured_rows_nan_and_measured_ones_exact(hf_engine):
-    # 10 prompts x 2 samples: groups 0 and 8 (rows 0, 1, 16, 17) are measured under "sampled"
+def test_hf_engine_without_logprobs_samples_the_same_tokens_and_returns_nan(hf_engine):
     ids = torch.arange(10, 20).repeat_interleave(2)[:, None].repeat(1, 3)
     mask = torch.ones_like(ids, dtype=torch.bool)
     out = {}
-    for mode in ("all", "sampled", "none"):
+    for mode in ("all", "none", "sampled"):  # an engine handed "sampled" measures all
         params = SamplingConfig(temperature=1.0, max_new_tokens=6, logprobs=mode)
         out[mode] = hf_engine.generate(ids, mask, params, torch.Generator().manual_seed(7))
-    full, some, none = out["all"], out["sampled"], out["none"]
-    assert torch.equal(full.response_ids, some.response_ids)  # the samples do not change
+    full, none = out["all"], out["none"]
+    assert torch.equal(full.response_ids, none.response_ids)  # the samples do not change
+    assert torch.equal(out["sampled"].rollout_logprobs, full.rollout_logprobs)
     valid = full.response_mask
     assert not torch.isnan(full.rollout_logprobs).any()
-    rows = torch.zeros(20, dtype=torch.bool)
-    rows[[0, 1, 16, 17]] = True
-    assert torch.equal(some.rollout_logprobs[rows], full.rollout_logprobs[rows])
-    assert torch.isnan(some.rollout_logprobs[~rows][valid[~rows]]).all()
     assert torch.isnan(none.rollout_logprobs[valid]).all()
     # outside the mask it stays 0 in every mode
     for rb in out.values():
@@ -162,6 +167,8 @@ def test_logprobs_op_mismatch_skips_unmeasured_rows():
             return LogprobOutput(logprobs=lp, entropy=None)
 
     mask = torch.tensor([[True, True, False], [True, True, True]])
+    # a partly measured batch (a multi-turn trajectory's turns can differ) averages its measured
+    # tokens only
     for mode, rl, want in (("sampled", torch.tensor([[-1.5, -2.25, 0.0], [NAN, NAN, NAN]]), 0.375),
                            ("all", torch.tensor([[-1.5, -2.25, 0.0], [-1.0, -1.0, -2.0]]), 1.75 / 5)):
         ctx = StageContext(stage="old_logprobs", step=1, engine=Engine(), resources={
@@ -172,10 +179,11 @@ def test_logprobs_op_mismatch_skips_unmeasured_rows():
                  rollout_logprobs=rl)
         assert float(ctx.metrics["rollout/logprob_mismatch"]) == pytest.approx(want)
         assert float(ctx.metrics["rollout/logprob_mismatch_max"]) == pytest.approx(1.0 if mode == "all" else 0.5)
-    ctx = StageContext(stage="old_logprobs", step=1, engine=Engine(), resources={
-        "sampling": SamplingConfig(logprobs="none")})
-    logprobs(ctx, LogprobsConfig(with_entropy=False), prompt_ids=torch.ones(2, 2, dtype=torch.long),
-             prompt_mask=torch.ones(2, 2, dtype=torch.bool),
-             response_ids=torch.ones(2, 3, dtype=torch.long), response_mask=mask,
-             rollout_logprobs=torch.full((2, 3), NAN))
-    assert "rollout/logprob_mismatch" not in ctx.metrics
+    for mode, step in (("none", 1), ("sampled", 2)):  # steps that measure nothing: no value
+        ctx = StageContext(stage="old_logprobs", step=step, engine=Engine(), resources={
+            "sampling": SamplingConfig(logprobs=mode)})
+        logprobs(ctx, LogprobsConfig(with_entropy=False), prompt_ids=torch.ones(2, 2, dtype=torch.long),
+                 prompt_mask=torch.ones(2, 2, dtype=torch.bool),
+                 response_ids=torch.ones(2, 3, dtype=torch.long), response_mask=mask,
+                 rollout_logprobs=torch.full((2, 3), NAN))
+        assert "rollout/logprob_mismatch" not in ctx.metrics, mode

@@ -16,7 +16,7 @@ def test_flowrl_variants_rows_switch_and_report(tmp_path):
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     cmd = [sys.executable, str(REPO / "benchmarks" / "rollout.py"), "--smoke",
            "--variants", "flowrl-vllm,flowrl-vllm-procs2", "--batches", "8", "--new-tokens", "8",
-           "--prompt-len", "4", "--switch", "--flowrl-logprobs", "all,sampled", "--model-dir", str(tmp_path / "m"),
+           "--prompt-len", "4", "--switch", "--flowrl-logprobs", "all,none", "--model-dir", str(tmp_path / "m"),
            "--json-out", str(out), "--md-out", str(md), "--child-timeout", "240"]
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                           capture_output=True, text=True, timeout=400)
@@ -26,7 +26,7 @@ def test_flowrl_variants_rows_switch_and_report(tmp_path):
     tput = [r for r in res["rows"] if "switch" not in r]
     by_variant = {v: [r for r in tput if r["variant"] == v] for v in ("flowrl-vllm", "flowrl-vllm-procs2")}
     assert [(r["batch"], r["sampling"], r["round"]) for r in by_variant["flowrl-vllm"]] == [
-        (8, "lp-flat+gc-freeze+seeded", 1), (8, "lp-sampled+gc-freeze+seeded", 1)]
+        (8, "lp-flat+gc-freeze+seeded", 1), (8, "nolp+gc-freeze+seeded", 1)]
     assert len(by_variant["flowrl-vllm-procs2"]) == len(by_variant["flowrl-vllm"])
     for r in tput:
         assert r["tokens_per_s"] > 0 and r["tokens_per_s"] == r["tokens"] / r["seconds"]

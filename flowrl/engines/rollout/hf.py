@@ -26,7 +26,7 @@ from transformers import (
 )
 
 from flowrl.algorithms.masks import response_mask
-from flowrl.engines.base import RolloutBatch, SamplingConfig, measured_rows
+from flowrl.engines.base import RolloutBatch, SamplingConfig
 from flowrl.engines.config import HF_CACHE_BUCKET, HFRolloutConfig
 
 
@@ -168,8 +168,7 @@ class HFRolloutEngine:
             - ``logprobs_mode="processed"``: log softmax of the warped scores, the truncated,
               renormalised sampler distribution (not reproducible by the trainer when truncating).
 
-            NaN where the mask is True in the rows ``params.logprobs`` leaves unmeasured
-            (``flowrl.engines.base.measured_rows``).
+            NaN where the mask is True when ``params.logprobs`` is ``none``.
 
         Raises:
             ValueError: shape mismatch, or a prompt row that is empty or not left-padded.
@@ -219,10 +218,9 @@ class HFRolloutEngine:
         resp_mask = response_mask(ids, lengths, stops)
         truncated = ~is_stop.any(dim=1)
         lps = torch.where(resp_mask, lps, torch.zeros_like(lps))
-        # params.logprobs: the rows it leaves unmeasured read NaN, as from the vLLM engine (here
-        # they cost nothing: the same contract on either backend)
-        unmeasured = ~measured_rows(prompt_ids.cpu(), mask.cpu(), params.logprobs)
-        lps = torch.where(unmeasured[:, None] & resp_mask, torch.full_like(lps, float("nan")), lps)
+        if params.logprobs == "none":  # not measured: NaN, as from the vLLM engine (here they
+            # cost nothing, but both backends keep one contract)
+            lps = torch.where(resp_mask, torch.full_like(lps, float("nan")), lps)
         self.last_timings = {"generate_s": time.perf_counter() - t0}
         self.last_prefix_cache = {"prompt_tokens": int(mask.sum()), "cached_tokens": 0}
         return RolloutBatch(response_ids=ids.to(out_device), response_mask=resp_mask.to(out_device),

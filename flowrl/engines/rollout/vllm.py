@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 from flowrl.algorithms.masks import response_mask
 from flowrl.data.images import PatchLayout, collapse_image_tokens, images_of_patches
-from flowrl.engines.base import RolloutBatch, SamplingConfig, group_measured
+from flowrl.engines.base import RolloutBatch, SamplingConfig
 from flowrl.engines.rollout.vllm_config import (
     VLLM_LORA_RANKS,
     VLLMRolloutConfig,
@@ -520,8 +520,7 @@ class VLLMRolloutEngine:
             ``length`` (``max_new_tokens`` or ``max_model_len`` hit before a stop id).
             ``rollout_logprobs`` (float32, 0 where masked): vLLM's processed logprobs of the sampled
             token: log softmax(logits / T) (T = 1 when greedy), see ``cfg.logprobs_mode``; NaN
-            in the rows of a request group ``params.logprobs`` leaves unmeasured (vLLM is asked
-            for no logprobs there: ``group_measured``).
+            in every valid token when ``params.logprobs`` is ``none`` (vLLM is asked for none).
 
         Raises:
             ValueError: bad shapes / padding, or sampling settings ``cfg.check_sampling`` rejects.
@@ -562,8 +561,9 @@ class VLLMRolloutEngine:
             starts = itertools.accumulate((k for _, k in groups[:-1]), initial=0)
             requests = [vision_prompt(p, vis["pixel_values"][s], vis["image_grid_thw"][s],
                                       vision) for (p, _), s in zip(groups, starts)]
-        # params.logprobs: a group not measured asks vLLM for none (its rows come back NaN)
-        measured = group_measured(len(groups), params.logprobs)
+        # params.logprobs=none asks vLLM for none (the rows come back NaN): asked for any
+        # request, vLLM computes and returns them for its whole batch every decode step
+        measured = [params.logprobs != "none"] * len(groups)
         sps = [SamplingParams(
             n=k, temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
             top_k=0 if greedy else params.top_k, max_tokens=params.max_new_tokens,

@@ -15,7 +15,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
 
-from flowrl.algorithms.balance import inverse_permutation, token_budget_partitions
+from flowrl.algorithms.balance import (
+    inverse_permutation,
+    padded_budget_partitions,
+    token_budget_partitions,
+)
 from flowrl.algorithms.logprobs import entropy_from_logits, linear_logprobs, token_logprobs
 from flowrl.algorithms.masks import left_align, position_ids_from_mask, response_attention_mask
 from flowrl.algorithms.packing import pack, packable, unpack
@@ -450,8 +454,10 @@ class LocalTrainEngine:
     def _partitions(self, batch: Mapping[str, Tensor]) -> list[list[int]]:
         """Row indices of each micro-batch.
 
-        ``max_tokens_per_micro_batch`` set: Karmarkar–Karp bins of valid prompt + response tokens
-        (``algorithms/balance.token_budget_partitions``); else contiguous runs of
+        ``max_tokens_per_micro_batch`` set: packed (``padding_free``), Karmarkar–Karp bins of
+        valid prompt + response tokens (``algorithms/balance.token_budget_partitions``); padded,
+        bins of rows of similar length whose padded size (rows x (longest prompt + longest
+        response)) fits the budget (``padded_budget_partitions``); else contiguous runs of
         ``micro_batch_size`` rows. The count is agreed across ranks; a rank with fewer rows than
         the agreed count gets empty lists (run as all-masked dummy micro-batches).
         """
@@ -464,12 +470,20 @@ class LocalTrainEngine:
                 step = self.cfg.micro_batch_size
                 return [list(range(s, min(s + step, B))) for s in range(0, B, step)]
             return [c.tolist() for c in torch.arange(B).tensor_split(k)]
-        lengths = (batch["prompt_mask"].bool().sum(-1)
-                   + response_attention_mask(batch["response_mask"]).sum(-1)).tolist()
-        parts = token_budget_partitions(lengths, budget)
+        p_lens = batch["prompt_mask"].bool().sum(-1).tolist()
+        r_lens = response_attention_mask(batch["response_mask"]).sum(-1).tolist()
+        if self._padding_free:  # packed: a micro-batch runs its valid tokens
+            lengths = [p + r for p, r in zip(p_lens, r_lens)]
+
+            def split(min_parts: int = 1) -> list[list[int]]:
+                return token_budget_partitions(lengths, budget, min_parts=min_parts)
+        else:  # padded: rows x (longest prompt + longest response) positions
+            def split(min_parts: int = 1) -> list[list[int]]:
+                return padded_budget_partitions(p_lens, r_lens, budget, min_parts=min_parts)
+        parts = split()
         k = self._agree_num_micro(len(parts))
         if k > len(parts):
-            parts = token_budget_partitions(lengths, budget, min_parts=min(k, B))
+            parts = split(min(k, B))
         return parts + [[] for _ in range(k - len(parts))]
 
     @staticmethod
