@@ -23,8 +23,8 @@ setting (``auto``)                    CUDA visible                          / CP
                                       is picked when torch has varlen_attn, the GPU is sm80+,
                                       compute is bf16/fp16 and the prompts have no images)
                                                                             / ``sdpa``
-``trainer.engine.max_tokens_per_      16384 valid tokens per micro-batch (token-budget bins);
-micro_batch`` (null)                  32768 for a model under 1B parameters / null (rows)
+``trainer.engine.max_tokens_per_      16384 tokens per micro-batch (packed: valid tokens;
+micro_batch`` (null)                  padded: rows x longest row)           / null (rows)
 ``rollout.sampling.logprobs``        ``all`` when ``algorithm.rollout_is`` is set or the
                                       backend is hf; else ``sampled`` (steps 1, 9, 17, ...: vLLM
                                       decodes ~8% faster without them) / the same rule
@@ -56,11 +56,9 @@ from flowrl.runtime.control.spec import Resolved
 
 # the token budget of a GPU micro-batch: the scaling benchmark's bins (benchmarks/results/scaling.md)
 GPU_TOKENS_PER_MICRO_BATCH = 16384
-# ... and of a model under SMALL_MODEL_PARAMS parameters: its matmuls are too small to fill the
-# GPU at 16k tokens. One H200, the e2e GRPO step with liger (benchmarks/results/update_step_h200.md):
-# 0.5B shape 0.940 s at 32k against 1.09 s at 16k (0.86x, +6 GiB peak); 1.5B shape 0.99x (+37 GiB)
-SMALL_MODEL_TOKENS_PER_MICRO_BATCH = 32768
-SMALL_MODEL_PARAMS = 1_000_000_000
+# (not larger for small models: 32,768 made the 0.5B shape's update 0.80 s against 0.88 s on an
+# H100 but its peak device memory 35.7 GiB against 25.2, the process tree's 66 GiB against TRL's
+# 35: benchmarks/results/e2e_vs_trl_h100.md; the memory goal is <= TRL's)
 # whether model.attn_implementation=auto picks sdpa_varlen (packed micro-batches) on CUDA. Off:
 # on the H200 (torch 2.11, whose varlen_attn has no enable_gqa, so key/value heads are repeated)
 # the e2e benchmark's update took 1.22 s with it against 1.07-1.10 s padded under sdpa in the
@@ -103,24 +101,6 @@ def varlen_attn_usable() -> bool:
     return varlen_attn_supported()
 
 
-def micro_batch_budget(model_cfg) -> tuple[int, str]:
-    """(valid tokens per GPU micro-batch, why) for ``trainer.engine.max_tokens_per_micro_batch``
-    null: ``SMALL_MODEL_TOKENS_PER_MICRO_BATCH`` under ``SMALL_MODEL_PARAMS`` parameters, else
-    ``GPU_TOKENS_PER_MICRO_BATCH``. The size is read without loading weights
-    (``ModelConfig.size``); a model that cannot be read yet gets the larger-model budget (the
-    pre-flight checks then name what is wrong with it)."""
-    try:
-        n = model_cfg.size().n_params
-    except (OSError, ValueError):  # a missing or bad model folder: the pre-flight names it
-        return GPU_TOKENS_PER_MICRO_BATCH, "token-budget micro-batches on GPU (model size unknown)"
-    if n < SMALL_MODEL_PARAMS:
-        return SMALL_MODEL_TOKENS_PER_MICRO_BATCH, (
-            f"token-budget micro-batches on GPU; {n / 1e6:,.0f}M parameters < "
-            f"{SMALL_MODEL_PARAMS / 1e9:g}B: larger micro-batches fill the GPU")
-    return GPU_TOKENS_PER_MICRO_BATCH, (f"token-budget micro-batches on GPU "
-                                        f"({n / 1e9:.2f}B parameters)")
-
-
 def resolve_machine_defaults(cfg, *, cuda: bool | None = None, vllm: bool | None = None,
                              flash_attn: bool | None = None, varlen: bool | None = None,
                              liger: bool | None = None) -> list[Resolved]:
@@ -160,9 +140,9 @@ def resolve_machine_defaults(cfg, *, cuda: bool | None = None, vllm: bool | None
         out.append(Resolved("trainer.engine.strategy", "fsdp", "on CUDA even at one rank: the "
                             "numerics of world size 1 are those of N (bf16 compute, fp32 reduce)"))
     if e.max_tokens_per_micro_batch is None and on_gpu:
-        budget, why = micro_batch_budget(m)
-        e.max_tokens_per_micro_batch = budget
-        out.append(Resolved("trainer.engine.max_tokens_per_micro_batch", budget, why))
+        e.max_tokens_per_micro_batch = GPU_TOKENS_PER_MICRO_BATCH
+        out.append(Resolved("trainer.engine.max_tokens_per_micro_batch", GPU_TOKENS_PER_MICRO_BATCH,
+                            "token-budget micro-batches on GPU"))
     if r.backend == "auto":
         # vLLM takes images (multi_modal_data) but has not been measured on them on the GPU
         # yet (tests/gpu/test_vlm_vllm_gpu.py): ask for it with rollout=vllm

@@ -118,13 +118,19 @@ phase_profile_vllm() {  # ~4.5 min: the qwen05b vLLM pair with TRL beside it (th
   python3 benchmarks/e2e_vs_trl.py --suite gpu --model qwen05b --rollout vllm \
     --out "$OUT/profile_vllm_e2e.md" --json-out "$OUT/profile_vllm_e2e.json" "trainer.profile.steps=[2,3]" \
     "trainer.profile.dir=$OUT/profile_vllm" trainer.profile.trace=false trainer.profile.row_limit=60 ${X:-}
+  local rc=$?
+  # only files at most one folder deep come back: the per-step summaries, flattened
+  for f in "$OUT"/profile_vllm/step_*/rank*.txt; do [ -f "$f" ] && cp "$f" "$OUT/profile_$(basename "$(dirname "$f")")_$(basename "$f")"; done
+  return $rc
 }
 phase_profile_hf() {  # ~3 min: flowrl alone, qwen05b, HF rollout compiled, steps 2 and 3 profiled
   TORCH_LOGS=recompiles,cudagraphs python3 benchmarks/e2e_vs_trl.py --suite gpu --model qwen05b \
     --rollout hf --only flowrl --rounds 1 --steps 3 --out "$OUT/profile_hf_e2e.md" \
     rollout.hf.compile=true "trainer.profile.steps=[2,3]" "trainer.profile.dir=$OUT/profile_hf" \
     trainer.profile.trace=false trainer.profile.row_limit=60 ${X:-} > "$OUT/profile_hf.log" 2>&1
-  local rc=$?; grep -iE "recompil|cudagraph|skipping" "$OUT/profile_hf.log" | head -40; tail -n 20 "$OUT/profile_hf.log"; return $rc
+  local rc=$?
+  for f in "$OUT"/profile_hf/step_*/rank*.txt; do [ -f "$f" ] && cp "$f" "$OUT/profile_hf_$(basename "$(dirname "$f")")_$(basename "$f")"; done
+  grep -iE "recompil|cudagraph|skipping" "$OUT/profile_hf.log" | head -40; tail -n 20 "$OUT/profile_hf.log"; return $rc
 }
 phase_rollout_lp() {  # ~2 min: flowrl's 4 vLLM engine processes, 256 sequences, a generate call with
   # logprobs and without, 3 interleaved rounds on the same engines (what rollout.sampling.logprobs saves)

@@ -303,6 +303,12 @@ class Executor:
         st = self.store.stats
         if self.device.type == "cuda":  # what the step asked of the device at most
             metrics["perf/peak_device_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            # the caching allocator's cudaMalloc calls and out-of-memory retries (it frees its
+            # whole cache, synchronising, and tries again) so far: a step that jumps here paid
+            # for device allocations, e.g. beside other processes on a shared GPU
+            mem = torch.cuda.memory_stats(self.device)
+            metrics["perf/cuda_mallocs"] = float(mem.get("num_device_alloc", 0))
+            metrics["perf/cuda_alloc_retries"] = float(mem.get("num_alloc_retries", 0))
         metrics["perf/host_rss_gib"] = _rss_gib()
         metrics["perf/host_peak_rss_gib"] = _peak_rss_gib()
         metrics.update({
