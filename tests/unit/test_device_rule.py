@@ -340,8 +340,10 @@ def test_rollout_is_with_unmeasured_rollout_logprobs_is_refused_before_any_model
     from flowrl.config import compose
     from flowrl.train import prepare
 
-    with pytest.raises(Exception, match=r"algorithm.rollout_is=tis weighs every token by its "
-                                        r"rollout logprob, but rollout.sampling.logprobs=sampled "
-                                        r"measures only some rows: use auto or all"):
-        prepare(compose(["model=tiny", "trainer.output_dir=/tmp/unused", "algorithm.rollout_is=tis",
-                         "rollout.sampling.logprobs=sampled"]))
+    for mode, what in (("sampled", r"measures them on steps 1, 9, 17, \.\.\. only"),
+                       ("none", "measures none")):
+        with pytest.raises(Exception, match=r"algorithm.rollout_is=tis weighs every token by its "
+                                            r"rollout logprob, but rollout.sampling.logprobs="
+                                            f"{mode} {what}: use auto or all"):
+            prepare(compose(["model=tiny", "trainer.output_dir=/tmp/unused",
+                             "algorithm.rollout_is=tis", f"rollout.sampling.logprobs={mode}"]))

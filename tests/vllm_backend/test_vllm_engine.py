@@ -97,6 +97,24 @@ def test_sampled_logprobs_equal_trainer_recomputation(setup):
     assert max_mismatch(out.rollout_logprobs, lp, out.response_mask) < TOL
 
 
+def test_without_logprobs_the_samples_are_the_same_and_the_logprobs_nan(setup):
+    """SamplingConfig.logprobs=none: vLLM is asked for no logprobs; the valid tokens read NaN,
+    the samples themselves do not change."""
+    eng, model, _, ids, mask = setup
+    rep, rmask = ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0)
+    out = {m: eng.generate(rep, rmask, SamplingConfig(temperature=1.0, max_new_tokens=6, logprobs=m),
+                           generator=torch.Generator().manual_seed(5))
+           for m in ("all", "none", "sampled")}
+    full, none = out["all"], out["none"]
+    assert torch.equal(full.response_ids, none.response_ids)
+    assert torch.equal(out["sampled"].rollout_logprobs, full.rollout_logprobs)  # an engine: all
+    valid = full.response_mask
+    assert torch.isnan(none.rollout_logprobs[valid]).all()
+    assert torch.equal(none.rollout_logprobs[~valid], torch.zeros(int((~valid).sum())))
+    lp = trainer_logprobs(model, rep, rmask, full, 1.0)
+    assert max_mismatch(full.rollout_logprobs, lp, valid) < TOL
+
+
 def test_weight_load_is_checked_by_the_mismatch_metric(setup):
     eng, model, tok, ids, mask = setup
     assert eng.weight_load_path == "reload"  # vLLM-CPU repacks its GEMM weights: auto resolves to reload
@@ -188,21 +206,3 @@ def test_direct_weight_load_is_refused_where_the_loaders_are_gone(setup):
         VLLMRolloutEngine(model, tok, VLLMRolloutConfig(
             kv_cache_memory_gb=KV_GB, enforce_eager=True, max_model_len=256, max_num_seqs=16,
             weight_load="direct"))
-
-
-def test_without_logprobs_the_samples_are_the_same_and_the_logprobs_nan(setup):
-    """SamplingConfig.logprobs=none: vLLM is asked for no logprobs; the valid tokens read NaN,
-    the samples themselves do not change."""
-    eng, model, _, ids, mask = setup
-    rep, rmask = ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0)
-    out = {m: eng.generate(rep, rmask, SamplingConfig(temperature=1.0, max_new_tokens=6, logprobs=m),
-                           generator=torch.Generator().manual_seed(5))
-           for m in ("all", "none", "sampled")}
-    full, none = out["all"], out["none"]
-    assert torch.equal(full.response_ids, none.response_ids)
-    assert torch.equal(out["sampled"].rollout_logprobs, full.rollout_logprobs)  # an engine: all
-    valid = full.response_mask
-    assert torch.isnan(none.rollout_logprobs[valid]).all()
-    assert torch.equal(none.rollout_logprobs[~valid], torch.zeros(int((~valid).sum())))
-    lp = trainer_logprobs(model, rep, rmask, full, 1.0)
-    assert max_mismatch(full.rollout_logprobs, lp, valid) < TOL

@@ -93,7 +93,10 @@ ARGS = ["graph=grpo_tools", "rollout=vllm", "model=tiny", "trainer=smoke", "data
         "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1",
         "rollout.vllm.kv_cache_memory_gb=0.25", "rollout.vllm.max_model_len=1024",
         "rollout.vllm.enforce_eager=true", "logger.progress=false", "logger.tensorboard=false",
-        "trainer.eval.limit=2", "trainer.engine.lr=0.01"]
+        "trainer.eval.limit=2", "trainer.engine.lr=0.01",
+        # these tests read rollout/logprob_mismatch every step (how a stale weight sync shows);
+        # the vLLM default (sampled) measures steps 1, 9, 17, ... only
+        "rollout.sampling.logprobs=all"]
 
 
 @pytest.mark.parametrize("forced", [False, True])

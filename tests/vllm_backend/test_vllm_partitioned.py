@@ -24,7 +24,10 @@ ARGS = ["rollout=vllm", "model=tiny", "trainer=smoke", "data.limit=64",
         "rollout.vllm.kv_cache_memory_gb=0.25", "rollout.vllm.max_model_len=1024",
         "rollout.vllm.enforce_eager=true", "algorithm.entropy_coef=0.01",
         "trainer.engine.lr=0.01", "logger.progress=false", "logger.tensorboard=false",
-        "trainer.eval.before=false", "trainer.eval.after=false"]
+        "trainer.eval.before=false", "trainer.eval.after=false",
+        # these tests read rollout/logprob_mismatch every step (how a stale weight sync shows);
+        # the vLLM default (sampled) measures steps 1, 9, 17, ... only
+        "rollout.sampling.logprobs=all"]
 
 
 def run_partitioned(out: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -63,9 +63,11 @@ def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = Non
     check_resume(cfg, plan.roles, invocation_overrides() if overrides is None else overrides)
     _check_estimators(plan, cfg)
     if cfg.algorithm.rollout_is != "none" and cfg.rollout.sampling.logprobs in ("sampled", "none"):
+        what = ("measures none" if cfg.rollout.sampling.logprobs == "none"
+                else "measures them on steps 1, 9, 17, ... only")
         raise ValueError(f"algorithm.rollout_is={cfg.algorithm.rollout_is} weighs every token by "
-                         "its rollout logprob, but rollout.sampling.logprobs="
-                         f"{cfg.rollout.sampling.logprobs} measures only some rows: use auto or all")
+                         f"its rollout logprob, but rollout.sampling.logprobs="
+                         f"{cfg.rollout.sampling.logprobs} {what}: use auto or all")
     if "reward_model" in plan.roles and cfg.reward.model.model is None:
         raise ValueError("the graph has a reward_model stage: set reward.model.model "
                          "(a local sequence-classification checkpoint, or tiny for tests)")
