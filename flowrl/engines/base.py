@@ -76,8 +76,11 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if self.logprobs not in LOGPROB_MODES + ("auto",):
+            # YAML's true/false reach this str field as "True"/"False" (OmegaConf)
+            got = (f"{str(self.logprobs).lower()} (a boolean: all or none?)"
+                   if str(self.logprobs) in ("True", "False") else repr(self.logprobs))
             raise ValueError(f"rollout.sampling.logprobs must be auto or one of {LOGPROB_MODES}, "
-                             f"got {self.logprobs!r}")
+                             f"got {got}")
         if self.temperature < 0:
             raise ValueError(f"rollout.sampling.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

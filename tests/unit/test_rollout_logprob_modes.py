@@ -56,6 +56,8 @@ def test_sampling_config_refuses_an_unknown_mode():
     with pytest.raises(ValueError, match=r"rollout.sampling.logprobs must be auto or one of "
                                          r"\('all', 'sampled', 'none'\), got 'some'"):
         SamplingConfig(logprobs="some")
+    with pytest.raises(ValueError, match=r"got true \(a boolean: all or none\?\)"):
+        SamplingConfig(logprobs="True")  # what `rollout.sampling.logprobs=true` reaches it as
 
 
 def _tiny_llama():
