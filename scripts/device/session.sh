@@ -136,7 +136,7 @@ phase_rollout_lp() {  # ~2 min: flowrl's 4 vLLM engine processes, 256 sequences,
   # logprobs and without, 3 interleaved rounds on the same engines (what rollout.sampling.logprobs saves)
   timeout -k 10 ${RLP_TIMEOUT_S:-330} python3 benchmarks/rollout.py --variants flowrl-vllm-procs4 \
     --batches 256 --prompt-len 64 --flowrl-logprobs all,none --rounds 3 --child-timeout 300 \
-    --json-out "$OUT/rollout_lp.json" --md-out "$OUT/rollout_lp_h200.md" > "$OUT/rollout_lp.log" 2>&1
+    --json-out "$OUT/rollout_lp.json" --md-out "$OUT/rollout_lp.md" > "$OUT/rollout_lp.log" 2>&1
   local rc=$?; tail -n 25 "$OUT/rollout_lp.log"; return $rc
 }
 phase_tier() {  # ~5 min: the GPU tier (TIER_K: a -k selection)
