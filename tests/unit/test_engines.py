@@ -320,3 +320,31 @@ def test_logprob_recorder_equals_token_logprobs_bit_for_bit(temperature):
     got = rec.finish(tokens)
     want = token_logprobs(torch.stack(steps, 1), tokens, temperature)
     assert torch.equal(got, want)
+
+
+def test_padded_token_budget_bins_and_a_row_over_it_warns_once(caplog):
+    """Padded micro-batches fit max_tokens_per_micro_batch in padded positions; a row longer than
+    the budget runs alone and is said once; the step equals the row-wise one."""
+    batch = _train_batch()
+    lengths = (batch["prompt_mask"].sum(-1) + batch["response_mask"].sum(-1)).tolist()
+    ref = LocalTrainEngine(tiny_llama(), TrainEngineConfig(lr=1e-4, micro_batch_size=1))
+    m_ref = ref.train_step(batch, token_mean_loss(batch), temperature=1.0)
+    eng = LocalTrainEngine(tiny_llama(), TrainEngineConfig(lr=1e-4, max_tokens_per_micro_batch=2))
+    with caplog.at_level("WARNING"):
+        m = eng.train_step(batch, token_mean_loss(batch), temperature=1.0)
+        eng._partitions(batch)
+    said = [r.getMessage() for r in caplog.records if "max_tokens_per_micro_batch=2" in r.getMessage()]
+    assert said == [f"trainer.engine.max_tokens_per_micro_batch=2 is below the longest row "
+                    f"({max(lengths)} tokens): each such row runs as a micro-batch of its own, "
+                    "over the budget"]
+    assert m["perf/update/micro_batches"] == 4
+    assert m["loss"] == pytest.approx(m_ref["loss"], abs=1e-6)
+    assert m["grad_norm"] == pytest.approx(m_ref["grad_norm"], rel=1e-5)
+    # budget 16 padded positions: rows (prompt, response) (3,3) (2,1) (1,5) (3,2) -> [0, 2] runs
+    # 2 x (3 + 5) = 16, [1, 3] runs 2 x (3 + 2) = 10
+    eng16 = LocalTrainEngine(tiny_llama(), TrainEngineConfig(lr=1e-4, max_tokens_per_micro_batch=16))
+    assert eng16._partitions(batch) == [[0, 2], [1, 3]]
+    m16 = eng16.train_step(batch, token_mean_loss(batch), temperature=1.0)
+    assert m16["perf/update/micro_batches"] == 2
+    assert m16["loss"] == pytest.approx(m_ref["loss"], abs=1e-6)
+    assert m16["grad_norm"] == pytest.approx(m_ref["grad_norm"], rel=1e-5)

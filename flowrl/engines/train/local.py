@@ -230,6 +230,7 @@ class LocalTrainEngine:
         self._head = _output_head(model) if self.cfg.logprob_chunk_size else None  # (base, head)
         self._head_checked = False
         self._padding_free = _resolve_padding_free(model, self.cfg.padding_free, self.device)
+        self._budget_warned = False  # a row longer than max_tokens_per_micro_batch: said once
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None
         if not trainable:
@@ -472,6 +473,13 @@ class LocalTrainEngine:
             return [c.tolist() for c in torch.arange(B).tensor_split(k)]
         p_lens = batch["prompt_mask"].bool().sum(-1).tolist()
         r_lens = response_attention_mask(batch["response_mask"]).sum(-1).tolist()
+        longest = max((p + r for p, r in zip(p_lens, r_lens)), default=0)
+        if longest > budget and not self._budget_warned:
+            # correct (such a row is a micro-batch of its own), but a memory budget it overruns
+            self._budget_warned = True
+            log.warning("trainer.engine.max_tokens_per_micro_batch=%d is below the longest row "
+                        "(%d tokens): each such row runs as a micro-batch of its own, over the "
+                        "budget", budget, longest)
         if self._padding_free:  # packed: a micro-batch runs its valid tokens
             lengths = [p + r for p, r in zip(p_lens, r_lens)]
 
