@@ -154,7 +154,8 @@ def run_minibatches(ctx: StageContext[Trainable], batch: dict, make_loss_fn, *, 
     ranks), so the summed (not averaged) gradient equals one rank's on the global batch (C02).
     Returns metrics: keys ending in ``_sum`` become per-token means over everything trained on
     (or over their ``_count`` partner's total where the loss logs one: a metric measured on
-    some tokens only; the count itself is not reported), the rest means over optimizer steps (bare engine keys get ``prefix/``), plus
+    some tokens only; the count itself is not reported), the rest means over optimizer steps
+    (bare engine keys get ``prefix/``), plus
     ``<prefix>/optimizer_steps``; the engine's ``perf/update/*`` timings (seconds) and
     micro-batch counts are this rank's totals over the whole update, as
     ``perf/<prefix>_update/*`` (``prepare_s``, ``fwd_bwd_s``, ``optimizer_s``, ``micro_batches``).

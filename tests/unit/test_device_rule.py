@@ -154,6 +154,21 @@ def _cfg(*overrides):
     return to_train_config(compose(["model=tiny", "trainer.output_dir=/tmp/unused", *overrides]))
 
 
+def _resolve(field: str, *overrides: str, cuda: bool = True, vllm: bool = True,
+             liger: bool = False) -> tuple[object, str | None]:
+    """(the resolved value of ``field``, its printed resolution line or None) on a machine with
+    ``cuda`` / ``vllm`` / ``liger`` as given (no flash-attn, no varlen)."""
+    from flowrl.machine import resolve_machine_defaults
+
+    cfg = _cfg(*overrides)
+    got = {r.field: str(r) for r in resolve_machine_defaults(
+        cfg, cuda=cuda, vllm=vllm, flash_attn=False, varlen=False, liger=liger)}
+    value = cfg
+    for part in field.split("."):
+        value = getattr(value, part)
+    return value, got.get(field)
+
+
 def test_gpu_machine_resolves_gpu_defaults(monkeypatch):
     from flowrl import machine
     from flowrl.machine import resolve_machine_defaults
@@ -185,13 +200,9 @@ def test_gpu_machine_resolves_gpu_defaults(monkeypatch):
 
 
 def test_liger_kernel_auto_is_on_for_measured_model_types_on_a_gpu(tmp_path):
-    from flowrl.machine import resolve_machine_defaults
 
     def liger(*overrides, cuda=True, installed=True):
-        cfg = _cfg(*overrides)
-        got = {r.field: str(r) for r in resolve_machine_defaults(
-            cfg, cuda=cuda, vllm=True, flash_attn=False, varlen=False, liger=installed)}
-        return cfg.model.liger_kernel, got.get("model.liger_kernel")
+        return _resolve("model.liger_kernel", *overrides, cuda=cuda, liger=installed)
 
     assert liger() == ("true", "model.liger_kernel=true (fused RMSNorm/SwiGLU/RoPE for the llama "
                                "model)")
@@ -316,13 +327,9 @@ def test_plan_says_what_offload_does_with_the_swap_actions(device, offload, expe
 
 
 def test_rollout_logprobs_auto_measures_a_sample_only_where_nothing_reads_them():
-    from flowrl.machine import resolve_machine_defaults
 
     def mode(*overrides, cuda=True, vllm=True):
-        cfg = _cfg(*overrides)
-        got = {r.field: str(r) for r in resolve_machine_defaults(
-            cfg, cuda=cuda, vllm=vllm, flash_attn=False, varlen=False, liger=False)}
-        return cfg.rollout.sampling.logprobs, got.get("rollout.sampling.logprobs")
+        return _resolve("rollout.sampling.logprobs", *overrides, cuda=cuda, vllm=vllm)
 
     assert mode() == ("sampled", "rollout.sampling.logprobs=sampled (nothing in the loss reads "
                                  "them: steps 1, 9, 17, ... ask vLLM for them and log "

@@ -561,15 +561,15 @@ class VLLMRolloutEngine:
             starts = itertools.accumulate((k for _, k in groups[:-1]), initial=0)
             requests = [vision_prompt(p, vis["pixel_values"][s], vis["image_grid_thw"][s],
                                       vision) for (p, _), s in zip(groups, starts)]
-        # params.logprobs=none asks vLLM for none (the rows come back NaN): asked for any
-        # request, vLLM computes and returns them for its whole batch every decode step
-        measured = [params.logprobs != "none"] * len(groups)
+        # params.logprobs=none asks vLLM for none (the rows come back NaN): all or nothing, as
+        # asked for by any request, vLLM computes and returns them for its whole batch every step
+        measured = params.logprobs != "none"
         sps = [SamplingParams(
             n=k, temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
             top_k=0 if greedy else params.top_k, max_tokens=params.max_new_tokens,
-            stop_token_ids=stops, logprobs=0 if lp else None, detokenize=False, seed=seed,
+            stop_token_ids=stops, logprobs=0 if measured else None, detokenize=False, seed=seed,
             flat_logprobs=True,  # a few flat lists per request instead of a dict per token
-        ) for (_, k), seed, lp in zip(groups, seeds, measured)]
+        ) for (_, k), seed in zip(groups, seeds)]
         # vLLM allocates Python objects per running request per step; a GC pass over the
         # engine's heap mid-generate cost 1.5x with logprobs at 2,048 sequences (rollout_h200.md)
         gc_was_enabled = gc.isenabled()
@@ -590,7 +590,6 @@ class VLLMRolloutEngine:
                         f"{len(p)} (or other ones): its processor expanded the image tokens "
                         "otherwise (another image size or processor config than the trainer's?)")
         samples = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
-        sample_measured = [lp for (_, k), lp in zip(groups, measured) for _ in range(k)]
         # prompt tokens served from the prefix cache (a multi-turn context's earlier turns)
         self.last_prefix_cache = {"prompt_tokens": sum(len(p) for p, _ in groups),
                                   "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs)}
@@ -605,7 +604,7 @@ class VLLMRolloutEngine:
                 raise RuntimeError(f"vLLM finished sample {i} with reason {c.finish_reason!r}")
             n = len(c.token_ids)
             ids[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
-            if sample_measured[i]:
+            if measured:
                 lps[i, :n] = torch.tensor(_sampled_logprobs(c.token_ids, c.logprobs))
             else:
                 lps[i, :n] = float("nan")

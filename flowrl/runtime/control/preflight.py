@@ -63,8 +63,10 @@ def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = Non
     check_resume(cfg, plan.roles, invocation_overrides() if overrides is None else overrides)
     _check_estimators(plan, cfg)
     if cfg.algorithm.rollout_is != "none" and cfg.rollout.sampling.logprobs in ("sampled", "none"):
+        from flowrl.engines.base import LOGPROB_SAMPLE_EVERY as K
+
         what = ("measures none" if cfg.rollout.sampling.logprobs == "none"
-                else "measures them on steps 1, 9, 17, ... only")
+                else f"measures them on steps 1, {1 + K}, {1 + 2 * K}, ... only")
         raise ValueError(f"algorithm.rollout_is={cfg.algorithm.rollout_is} weighs every token by "
                          f"its rollout logprob, but rollout.sampling.logprobs="
                          f"{cfg.rollout.sampling.logprobs} {what}: use auto or all")
