@@ -14,6 +14,8 @@ Written per profiled step and rank, under ``trainer.profile.dir`` (default ``<ru
 - ``step_NNNNNN/rank<R>.txt``: the step's wall seconds, the seconds of each ``flowrl/...``
   range (host wall time, children included), then the ``row_limit`` operators with the most self
   time (device time on CUDA, host time on CPU): ``torch.autograd.profiler_util`` key averages;
+  on CUDA a second table of the same operators by host time (a host-bound step: launch
+  overhead, Python in autograd functions);
 - ``step_NNNNNN/rank<R>.trace.json.gz`` with ``trace=true``: the Chrome / Perfetto trace
   (``chrome://tracing``, https://ui.perfetto.dev), gzip-compressed.
 
@@ -138,6 +140,9 @@ class StepProfiler:
                  "flowrl ranges (host wall s, children included):"]
         lines += [f"  {name:<40} {s:9.3f}" for name, s in ranges.items()]
         lines += ["", averages.table(sort_by=sort, row_limit=self.cfg.row_limit)]
+        if cuda:  # a host-bound step shows in the host's own time, which the table above hides
+            lines += ["", "sorted by self_cpu_time_total (host time per operator):", "",
+                      averages.table(sort_by="self_cpu_time_total", row_limit=self.cfg.row_limit)]
         out = self.root / f"step_{step:06d}"  # made once the record has been read
         out.mkdir(parents=True, exist_ok=True)
         (out / f"rank{self.rank}.txt").write_text("\n".join(lines) + "\n")
