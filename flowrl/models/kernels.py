@@ -14,13 +14,21 @@ and a model type in :data:`AUTO_MODEL_TYPES` (the ones measured and GPU-tested);
 model type liger-kernel supports (refused before loading when the package, CUDA or the type is
 missing); ``false`` = never. Resolved in ``flowrl/machine.py``.
 
+RoPE over one row: liger-kernel 0.8.5's RoPE kernel takes the batch size as a Triton
+``constexpr``, so every new micro-batch row count compiles two new kernels (forward and backward)
+in the middle of a step. Padded micro-batches cut to a token budget have a new row count whenever
+the step's lengths change (SmolLM2's short, varying answers: every step), which is where a
+135M model's update spent most of its time beside TRL (benchmarks/results/e2e_vs_trl_h100.md).
+:func:`rope_over_one_row` hands liger the (b, L) positions as one row of b*L (RoPE is per
+position, so the result is the same), and the kernel compiles once.
+
 Caveat (liger-kernel 0.8.5): besides the model instance it is given, ``apply_liger_kernel_to_*``
 replaces the transformers module's RMSNorm / MLP classes and its ``apply_rotary_pos_emb``
 function. :func:`apply_liger_kernels` puts the classes back (the instance keeps its patched
 modules), so a later ``model.liger_kernel=false`` model of that type is built with eager modules
 (found by the GPU tier: a test's eager model got liger's MLP after an earlier run in the same
-process); the RoPE function stays liger's, since the patched instance looks it up in that module
-at call time (same math: tests/gpu/test_liger_gpu.py).
+process); the RoPE function stays liger's (through :func:`rope_over_one_row`), since the patched
+instance looks it up in that module at call time (same math: tests/gpu/test_liger_gpu.py).
 """
 from __future__ import annotations
 
@@ -28,15 +36,55 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
-    from torch import nn
+    from torch import Tensor, nn
+
+RopeFn = Callable[..., "tuple[Tensor, Tensor]"]  # transformers' apply_rotary_pos_emb signature
 
 LIGER_MODES = ("auto", "true", "false")
 # model types `auto` turns liger on for: measured on the H200 (qwen2) or the same kernels on the
 # same module layout (llama: SmolLM2; mistral, qwen3), and covered by tests/gpu/test_liger_gpu.py
 AUTO_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def rope_over_one_row(inner: RopeFn) -> RopeFn:
+    """``inner`` (a RoPE function with transformers' ``apply_rotary_pos_emb`` signature: liger's)
+    applied to a micro-batch's rows as one row, so ``inner`` always sees batch size 1.
+
+    Why: liger-kernel's RoPE kernel compiles per batch size (module docstring). RoPE rotates each
+    (row, position) pair by its own ``cos``/``sin``, so the (b, L) positions laid end to end as
+    one row of b*L give the same values (tests/unit/test_liger_rope_rows.py: bitwise equal with
+    the eager function as ``inner``).
+
+    The returned function takes ``q`` (b, n_q_heads, L, head_dim), ``k`` (b, n_kv_heads, L,
+    head_dim), ``cos``/``sin`` (b or 1, L, rotary_dim), any dtype and device, and returns the
+    rotated ``(q, k)`` in the input shapes. Moving to one row is a view when ``q``/``k`` are
+    transposes of (b, L, heads, head_dim) tensors (transformers' attention layout); ``cos``/``sin``
+    of batch 1 are expanded to b rows (b*L*rotary_dim values copied). Calls ``inner`` unchanged
+    for b == 1, ``cos`` not 3-d, or any argument past ``sin`` (``unsqueeze_dim``: a layout this
+    was not written for; the attention of the types it is installed for passes none).
+    """
+    def rope(q: "Tensor", k: "Tensor", cos: "Tensor", sin: "Tensor", *args: object,
+             **kwargs: object) -> "tuple[Tensor, Tensor]":
+        b, L = q.shape[0], q.shape[2]
+        if b == 1 or cos.dim() != 3 or args or kwargs:
+            return inner(q, k, cos, sin, *args, **kwargs)
+
+        def one_row(x: "Tensor") -> "Tensor":  # (b, h, L, d) -> (1, h, b*L, d)
+            return x.transpose(1, 2).reshape(1, b * L, x.shape[1], x.shape[3]).transpose(1, 2)
+
+        def rows(x: "Tensor", h: int) -> "Tensor":  # (1, h, b*L, d) -> (b, h, L, d)
+            return x.transpose(1, 2).reshape(b, L, h, x.shape[3]).transpose(1, 2)
+
+        def flat(t: "Tensor") -> "Tensor":  # (b or 1, L, r) -> (1, b*L, r)
+            return t.expand(b, L, t.shape[-1]).reshape(1, b * L, t.shape[-1])
+
+        q1, k1 = inner(one_row(q), one_row(k), flat(cos), flat(sin))
+        return rows(q1, q.shape[1]), rows(k1, k.shape[1])
+
+    return rope
 
 
 def liger_importable() -> bool:
@@ -87,13 +135,21 @@ def apply_liger_kernels(model: "nn.Module") -> str:
                          "model.liger_kernel=false or auto")
     import inspect
 
-    wanted = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+    module = sys.modules.get(type(model).__module__)
+    # the measured types' attention calls its module's apply_rotary_pos_emb(q, k, cos, sin):
+    # liger's RoPE goes in through rope_over_one_row; other types keep liger's own patch
+    one_row = str(model_type) in AUTO_MODEL_TYPES and hasattr(module, "apply_rotary_pos_emb")
+    wanted = dict(rope=not one_row, rms_norm=True, swiglu=True, cross_entropy=False,
                   fused_linear_cross_entropy=False)
     params = inspect.signature(fn).parameters
-    module = sys.modules.get(type(model).__module__)
     before = dict(vars(module)) if module is not None else {}
     fn(model=model, **{k: v for k, v in wanted.items() if k in params})
     for name, old in before.items():  # the module's classes back (see the module docstring)
         if isinstance(old, type) and getattr(module, name) is not old:
             setattr(module, name, old)
+    if one_row and module is not None:
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+        # setattr: an attribute of the transformers module that mypy cannot see
+        setattr(module, "apply_rotary_pos_emb", rope_over_one_row(liger_rotary_pos_emb))  # noqa: B010
     return str(model_type)

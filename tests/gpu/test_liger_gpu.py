@@ -92,3 +92,33 @@ def test_load_model_applies_liger_when_resolved_true(monkeypatch):
     assert off.model.layers[0].mlp._get_name() == "LlamaMLP"
     assert type(off.model.norm).__name__ == "LlamaRMSNorm"
     assert on.model.layers[0].mlp._get_name() == "LigerSwiGLUMLP"  # the patched one keeps it
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_liger_rope_sees_one_row_at_any_row_count(monkeypatch, kind):
+    """liger's RoPE kernel compiles per batch size (a Triton constexpr): flowrl hands it every
+    micro-batch as one row (kernels.rope_over_one_row), so micro-batches of 3, 5 and 8 rows reach
+    it with batch 1 and keep the eager model's logprobs (fp32, TF32 off)."""
+    import liger_kernel.transformers.rope as liger_rope
+
+    from flowrl.models.kernels import apply_liger_kernels
+
+    _keep_transformers_modules(monkeypatch, kind)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    seen, real = [], liger_rope.liger_rotary_pos_emb
+
+    def spy(q, k, cos, sin, *args, **kwargs):
+        seen.append(q.shape[0])
+        return real(q, k, cos, sin, *args, **kwargs)
+
+    monkeypatch.setattr(liger_rope, "liger_rotary_pos_emb", spy)
+    eager = _tiny(kind, torch.float32)
+    fused = copy.deepcopy(eager)
+    apply_liger_kernels(fused)
+    for n in (3, 5, 8):
+        b = _batch(n=n, seed=n)
+        lp_e, m, _ = _logprobs_and_grads(eager, b)
+        lp_f, _, _ = _logprobs_and_grads(fused, b)
+        assert (lp_f - lp_e)[m.bool()].abs().max().item() <= 1e-4
+    assert seen and set(seen) == {1}, seen
