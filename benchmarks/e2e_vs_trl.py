@@ -320,8 +320,11 @@ def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, 
         ("device", f"trainer.device={tc.trainer.device}", f"use_cpu={kw['use_cpu']}"),
         ("attention", f"model.attn_implementation={tc.model.attn_implementation}, "
          f"trainer.engine.padding_free={e.padding_free} (packed micro-batches: on CUDA with "
-         "flash_attention_*, flex_attention, sdpa_flex or sdpa_varlen)",
-         "the same loaded model, padded batches (padding_free=False, TRL's default)"),
+         "flash_attention_*, flex_attention, sdpa_flex or sdpa_varlen), "
+         f"trainer.engine.cudnn_attention={e.cudnn_attention} (padded micro-batches: False = "
+         "SDPA without cuDNN)",
+         "the same loaded model, padded batches (padding_free=False, TRL's default), SDPA's own "
+         "choice of kernel (cuDNN on an H100/H200)"),
         ("fused kernels", f"model.liger_kernel={tc.model.liger_kernel} (auto: liger-kernel's "
          "RMSNorm/SwiGLU/RoPE on CUDA when installed)",
          "use_liger_kernel=False (GRPOConfig's default; the model is loaded without liger: TRL "

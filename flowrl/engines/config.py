@@ -162,6 +162,14 @@ class TrainEngineConfig:
             and attention cost grows with the square of the micro-batch's tokens); ``true`` /
             ``false`` force it (``true`` needs a transformers model). A micro-batch whose rows are
             not one contiguous run of valid tokens runs padded.
+        cudnn_attention: let PyTorch pick cuDNN attention for padded micro-batches on CUDA
+            (SDPA with a padding mask; a packed micro-batch runs its own kernel). Off by
+            default: cuDNN builds a graph per new (rows, length) shape (forward and backward;
+            0.1-0.4 s each, reported by other projects), and padded micro-batches cut to a token
+            budget take a new shape whenever a step's lengths change, inside the update. Off,
+            SDPA takes the memory-efficient kernel, which has no per-shape build (attention was
+            ~6 % of the 0.5B update's GPU time in the H100 profile). The cost per new shape:
+            ``benchmarks/sdpa_shapes.py``.
         max_param_growth: the post-step guard (``engines/train/guard.py``): the run stops
             with a clear error when a step leaves non-finite parameters or multiplies the
             largest |parameter| by more than this (an AdamW step moves a weight by about lr);
@@ -189,6 +197,7 @@ class TrainEngineConfig:
     logprob_chunk_size: Optional[int] = 1024
     logprob_compile: bool = False
     padding_free: str = "auto"
+    cudnn_attention: bool = False
     max_param_growth: float = 10.0
 
     def __post_init__(self) -> None:

@@ -151,7 +151,7 @@ phase_rollout_lp() {  # ~2 min: flowrl's 4 vLLM engine processes, 256 sequences,
 }
 phase_tier() {  # ~5 min: the GPU tier (TIER_K: a -k selection)
   timeout -k 10 ${TIER_TIMEOUT_S:-540} python3 -m pytest ${TIER_K:+-k "$TIER_K"} -m "gpu or vllm" tests/gpu/test_train_gpu.py tests/gpu/test_multi_turn_gpu.py \
-    tests/gpu/test_vlm_vllm_gpu.py tests/gpu/test_sdpa_varlen_gpu.py tests/gpu/test_liger_gpu.py tests/gpu/test_hf_compile_gpu.py tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
+    tests/gpu/test_vlm_vllm_gpu.py tests/gpu/test_sdpa_varlen_gpu.py tests/gpu/test_liger_gpu.py tests/gpu/test_attention_backends_gpu.py tests/gpu/test_hf_compile_gpu.py tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
     2>&1 | tee "$OUT/gpu_tier.log" | tail -n 60
 }
 

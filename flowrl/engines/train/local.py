@@ -307,10 +307,22 @@ class LocalTrainEngine:
     def _forward(self, kwargs: dict[str, Any], documents: Optional[Documents], **extra: Any) -> Any:
         """The model's forward; a packed row's (``documents`` given) under
         :func:`packed_attention`, so a ``sdpa_flex`` / ``sdpa_varlen`` model attends per document
-        with flex_attention / varlen_attn (CUDA) instead of a dense mask."""
+        with flex_attention / varlen_attn (CUDA) instead of a dense mask; a padded one's under
+        :meth:`_padded_attention` (autograd keeps the kernel chosen here for the backward)."""
         with packed_attention(documents=documents) if documents is not None \
-                else contextlib.nullcontext():
+                else self._padded_attention():
             return self.model(**kwargs, **extra)
+
+    def _padded_attention(self) -> contextlib.AbstractContextManager[Any]:
+        """SDPA's kernels allowed for a padded micro-batch: on CUDA without
+        ``TrainEngineConfig.cudnn_attention``, every backend but cuDNN (a masked call then takes
+        the memory-efficient kernel: no graph built per new shape); else no restriction."""
+        if self.device.type != "cuda" or self.cfg.cudnn_attention:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                            SDPBackend.MATH])
 
     def _vision_inputs(self, mb: Mapping[str, Tensor], p_ids: Tensor, p_mask: Tensor,
                        r_ids: Tensor, r_mask: Tensor) -> tuple[dict[str, Any], Tensor, None]:
@@ -354,9 +366,9 @@ class LocalTrainEngine:
             shift = torch.zeros_like(shift)
         start = P - 1 - int(shift.max())
         if self._logits_to_keep:  # the LM head runs on the kept positions only
-            logits = self.model(**kwargs, logits_to_keep=P + R - start).logits
+            logits = self._forward(kwargs, None, logits_to_keep=P + R - start).logits
         else:
-            logits = self.model(**kwargs).logits[:, start:]
+            logits = self._forward(kwargs, None).logits[:, start:]
         idx = (torch.arange(R, device=logits.device)[None, :] + (P - 1 - start)
                - shift.to(logits.device)[:, None])
         return logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1])), False

@@ -74,8 +74,8 @@ class ValueTrainEngine(LocalTrainEngine):
         # left padding moved to the row's end: no query attends to nothing (masks.left_align)
         shift = self._left_pad(p_mask).to(self.device)
         ids, attn = left_align(ids, attn, shift)
-        out = self.model(input_ids=ids, attention_mask=attn.long(),
-                         position_ids=position_ids_from_mask(attn)).logits
+        out = self._forward(dict(input_ids=ids, attention_mask=attn.long(),
+                                 position_ids=position_ids_from_mask(attn)), None).logits
         if out.dim() != 3 or out.shape[-1] != 1:
             raise ValueError(f"critic model must output (B, L, 1) values, got {tuple(out.shape)}")
         idx = torch.arange(P - 1, P + R - 1, device=out.device)[None, :] - shift[:, None]
