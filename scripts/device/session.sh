@@ -18,7 +18,7 @@
 #   (.flowrl_commit: `git rev-parse --short HEAD > .flowrl_commit` here first; git-ignored, so it
 #   travels only when carried; the device copy's .git is stale and reports an old commit)
 # Phases: first_step, learning, e2e, tier, vlm, nan, hfgen, distill_teacher, distill_arms, gsm8k_mv,
-# tools, sync, lora_sync, neighbours, profile_vllm, profile_hf, profile_solo, rollout_lp (see each below);
+# tools, sync, lora_sync, neighbours, profile_vllm, profile_hf, profile_solo, sdpa, rollout_lp (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
 set -uo pipefail
@@ -142,6 +142,9 @@ phase_profile_solo() {  # ~2.5 min: flowrl alone (P_MODEL, default smollm2; P_RO
   for f in "$OUT"/profile_solo/step_*/rank*.txt; do [ -f "$f" ] && cp "$f" "$OUT/profile_solo_$(basename "$(dirname "$f")")_$(basename "$f")"; done
   tail -n 15 "$OUT/profile_solo.log"; return $rc
 }
+phase_sdpa() {  # ~30 s: masked SDPA at new shapes, cuDNN vs memory-efficient (trainer.engine.cudnn_attention)
+  timeout -k 10 120 python3 benchmarks/sdpa_shapes.py --out "$OUT/sdpa_shapes.md"
+}
 phase_rollout_lp() {  # ~2 min: flowrl's 4 vLLM engine processes, 256 sequences, a generate call with
   # logprobs and without, 3 interleaved rounds on the same engines (what rollout.sampling.logprobs saves)
   timeout -k 10 ${RLP_TIMEOUT_S:-330} python3 benchmarks/rollout.py --variants flowrl-vllm-procs4 \
@@ -188,7 +191,7 @@ for p in "$@"; do
     log "phases $p done in $((SECONDS - t0)) s"
     continue
   fi
-  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools|sync|lora_sync|neighbours|profile_vllm|profile_hf|profile_solo|rollout_lp) ;;
+  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools|sync|lora_sync|neighbours|profile_vllm|profile_hf|profile_solo|sdpa|rollout_lp) ;;
   *) log "unknown phase $p"; rc=2; continue ;; esac
   log "phase $p"
   t0=$SECONDS
