@@ -367,7 +367,8 @@ def load_model(cfg: ModelConfig, device: "torch.device | str" = "cpu") -> "PreTr
 
     A tiny model is built on ``device`` and an HF directory loaded straight onto it
     (``device_map``), so a GPU run holds no host copy of the weights; the SmolLM2 GGUF (Q4_1, 135M
-    params) is dequantized on the host (~15 s on CPU), then moved, and is saveable with
+    params) is dequantized on the host (6.7 s on a 2-core CPU, 13.4 s without
+    :func:`gguf_parsed_once`: benchmarks/results/gguf_load_cpu.md), then moved, and is saveable with
     ``save_pretrained`` afterwards; with ``cfg.gguf_cache`` the dequantized weights are kept
     (:func:`gguf_cache_dir`) and later loads read them as an HF directory.
 
