@@ -17,10 +17,11 @@ missing); ``false`` = never. Resolved in ``flowrl/machine.py``.
 RoPE over one row: liger-kernel 0.8.5's RoPE kernel takes the batch size as a Triton
 ``constexpr``, so every new micro-batch row count compiles two new kernels (forward and backward)
 in the middle of a step. Padded micro-batches cut to a token budget have a new row count whenever
-the step's lengths change (SmolLM2's short, varying answers: every step), which is where a
-135M model's update spent most of its time beside TRL (benchmarks/results/e2e_vs_trl_h100.md).
-:func:`rope_over_one_row` hands liger the (b, L) positions as one row of b*L (RoPE is per
-position, so the result is the same), and the kernel compiles once.
+the step's lengths change (SmolLM2's short, varying answers: every step; its update beside TRL
+took 1.6x TRL's, benchmarks/results/e2e_vs_trl_h100.md, where this is one of two suspected
+per-shape costs; its share is not measured apart). :func:`rope_over_one_row` hands liger the
+(b, L) positions as one row of b*L (RoPE is per position, so the result is the same), and the
+kernel compiles once.
 
 Caveat (liger-kernel 0.8.5): besides the model instance it is given, ``apply_liger_kernel_to_*``
 replaces the transformers module's RMSNorm / MLP classes and its ``apply_rotary_pos_emb``

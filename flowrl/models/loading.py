@@ -332,7 +332,7 @@ def gguf_parsed_once() -> Iterator[None]:
 
     Why: transformers' GGUF loading parses the whole file (tokenizer vocabulary included) once
     for the config and again for the tensors, and rebuilds gguf's tensor-name map for every
-    module of the model (397 times for SmolLM2); on this CPU that was 17 of a 27.6 s cold load,
+    module of the model (397 times for SmolLM2); on a 2-core CPU that was 17 of a 27.6 s cold load,
     against ~3 s of dequantizing (cProfile, 2026-12-06). Both are read-only here: transformers
     reads fields and tensors from the reader and looks names up in the map. transformers imports
     both names from ``gguf`` at call time, so patching the module is enough; restored on exit.
