@@ -6,6 +6,7 @@ objects (``to_train_config``), before any model loads, and errors name the field
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -400,15 +401,63 @@ def to_train_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
                          "override adds a key without checking the name)"
                          + (f"; also unknown: {', '.join(k for k, _ in unknown[1:])}"
                             if len(unknown) > 1 else ""))
+    from omegaconf.errors import OmegaConfBaseException
+
+    merged: Any = None  # the merged DictConfig once OmegaConf.merge has run
     try:
         merged = OmegaConf.merge(base, cfg)
         out = OmegaConf.to_object(merged)
     except Exception as e:  # omegaconf wraps __post_init__ errors; surface one clear line
         msg = str(e).split("\n")[0]
+        if merged is not None and isinstance(e, ValueError) and \
+                not isinstance(e, OmegaConfBaseException):  # a section's __post_init__
+            msg = _with_section(merged, msg)
         raise ValueError(f"invalid config: {msg}") from e
     if not isinstance(out, TrainConfig):  # to_object of a structured TrainConfig node builds one
         raise TypeError(f"expected a TrainConfig, got {type(out).__name__}")
     return out
+
+
+def _with_section(merged: DictConfig, msg: str) -> str:
+    """``msg`` (a ``__post_init__``'s ValueError) with the dotted path of the section that raised
+    it: ``trainer.engine.max_tokens_per_micro_batch must be >= 1 ...`` for a message that opens
+    with one of its field names, ``<section>: msg`` otherwise; ``msg`` unchanged when it already
+    names the section or no single section raises it alone (the deepest one that does wins)."""
+    import dataclasses
+
+    def failing(node: Any, path: str) -> Optional[tuple[str, Any]]:
+        if not isinstance(node, DictConfig):
+            return None
+        for key in node.keys():
+            name = str(key)
+            try:
+                child = node._get_node(name)
+            except Exception:  # an interpolation or a missing value: not this search's concern
+                continue
+            found = failing(child, f"{path}.{name}" if path else name)
+            if found:
+                return found
+        cls = OmegaConf.get_type(node)
+        if path and cls is not None and dataclasses.is_dataclass(cls):
+            try:
+                OmegaConf.to_object(node)
+            except ValueError as e:
+                if str(e).split("\n")[0] == msg:
+                    return path, cls
+            except Exception:
+                return None
+        return None
+
+    found = failing(merged, "")
+    if found is None:
+        return msg
+    path, cls = found
+    if msg.startswith(path):
+        return msg
+    first = re.match(r"\w+", msg)
+    if first and first.group(0) in {f.name for f in dataclasses.fields(cls)}:
+        return f"{path}.{msg}"
+    return f"{path}: {msg}"
 
 
 def unknown_keys(base: DictConfig, cfg: Any, prefix: str = "") -> list[tuple[str, str]]:

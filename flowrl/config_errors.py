@@ -304,6 +304,11 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
             if "is not a subclass of" in first:  # a section given a plain value
                 return (f"{key}={value}: {key} is a section, not a value; set one of its keys "
                         f"({key}.<name>=VALUE)")
+            if "is not Optional" in first or "Incompatible value 'None'" in first:
+                default = _default(key)  # null given to a field that has no "off" value
+                example = f" (its default: {key}={default})" if default is not None and \
+                    not isinstance(default, (dict, list)) else ""
+                return f"{key}=null: {key} takes a value, not null{example}"
             if "is not a ListConfig, list or tuple" in first:  # a list field given one value
                 return (f"{key}={value}: {key} takes a list, got {value!r} (e.g. "
                         f"{key}=[{value}]; quote it in a shell that expands brackets: "

@@ -212,3 +212,27 @@ def test_a_sampling_value_out_of_range_names_its_full_key(capsys):
     assert main(["plan", "model=tiny", "rollout.sampling.temperature=-1"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "flowrl plan: error: invalid config: rollout.sampling.temperature must be >= 0, got -1.0"]
+
+
+@pytest.mark.parametrize("override,expected", [
+    # a section's own check names the section (TrainEngineConfig says only its field)
+    ("trainer.engine.max_tokens_per_micro_batch=0",
+     "invalid config: trainer.engine.max_tokens_per_micro_batch must be >= 1 or None, got 0"),
+    ("trainer.engine.lr=-1", "invalid config: trainer.engine.lr must be >= 0, got -1.0"),
+    # a message that already opens with its full key stays as it was
+    ("rollout.vllm.engine_procs=-1",
+     "invalid config: rollout.vllm.engine_procs must be >= 0 or null, got -1"),
+    # a message that does not open with a field name gets the section in front
+    ("trainer.engine.warmup_steps=3",
+     "invalid config: trainer.engine.warmup_steps > 0 is ignored by lr_scheduler='constant'; "
+     "use 'constant_with_warmup'"),
+    # null given to a field with no "off" value: what it takes instead
+    ("rollout.sampling.logprobs=null",
+     "rollout.sampling.logprobs=null: rollout.sampling.logprobs takes a value, not null (its "
+     "default: rollout.sampling.logprobs=auto)"),
+])
+def test_a_section_check_and_a_null_name_the_full_key(capsys, override, expected):
+    from flowrl.cli import main
+
+    assert main(["plan", "model=tiny", override]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"flowrl plan: error: {expected}"]
