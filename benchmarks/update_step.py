@@ -27,7 +27,18 @@ LM-head chunks; ``lpcompile`` = ``trainer.engine.logprob_compile``; ``fusedadam`
 the entropy metric; ``liger`` = liger-kernel's RMSNorm, SwiGLU and RoPE kernels
 patched into the model (``apply_liger_kernel_to_qwen2``; CUDA only); ``compile`` = each decoder
 layer through ``torch.compile`` (``nn.Module.compile``, dynamic shapes); ``varlen`` = packed
-micro-batches under ``sdpa_varlen``. Every variant gets its own engine over the same initial
+micro-batches under ``sdpa_varlen``; ``cudnn`` = ``trainer.engine.cudnn_attention=true`` (SDPA
+may take cuDNN attention for padded micro-batches; CUDA only). ``--vary-shapes``: a new batch
+(seed) every step, the same sequence for every variant, so the padded micro-batches change shape
+from step to step as in the e2e run, and a kernel that pays per new shape (cuDNN's graph build,
+a Triton kernel specialised on the batch size) pays inside the timed steps; without it every step
+reuses one batch and such costs fall in the warm-up. The SmolLM2-like case (short answers of
+varying length)::
+
+    python benchmarks/update_step.py --variants liger,liger+cudnn --vary-shapes --short-frac 0.9 \
+        --rounds 3 --steps 3 --profile '' --out benchmarks/results/update_shapes_h100.md
+
+Every variant gets its own engine over the same initial
 weights; the variants run in interleaved rounds (base, a, b, ..., base, a, b, ...), ``--steps``
 timed ``train_step`` calls each per round after ``--warmup`` untimed ones (the first of which
 carries any compile), so a drift of the machine hits all variants alike. Reported per variant:
@@ -100,6 +111,7 @@ KNOBS: dict[str, dict[str, Any]] = {
     "compile": {"compile": True},
     "varlen": {"attn": "sdpa_varlen", "engine": {"padding_free": "true"}, "cuda_only": True},
     "noentropy": {"no_entropy": True},
+    "cudnn": {"engine": {"cudnn_attention": True}, "cuda_only": True},
 }
 
 
@@ -117,6 +129,24 @@ def _batch(rows: int, p_lo: int, p_hi: int, r_len: int, short_frac: float, seed:
     return dict(prompt_ids=torch.randint(3, VOCAB, (rows, p_hi), generator=g), prompt_mask=p_mask,
                 response_ids=torch.randint(3, VOCAB, (rows, r_len), generator=g),
                 response_mask=r_mask, advantages=adv.float().contiguous())
+
+
+class Batches:
+    """The batch of each step. Default: one batch (seed 0) every step. ``vary``: the i-th step of
+    every variant gets the batch of seed i, so the prompt and response lengths, hence the padded
+    micro-batches' shapes, change from step to step as in the e2e run (a kernel that pays per new
+    shape pays inside the timed steps, as it does there); every variant sees the same sequence."""
+
+    def __init__(self, make: Callable[[int], dict], vary: bool, device) -> None:
+        self.make, self.vary, self.device = make, vary, device
+        self.made: dict[int, tuple[dict, Callable]] = {}
+
+    def get(self, i: int) -> tuple[dict, Callable]:
+        seed = i if self.vary else 0
+        if seed not in self.made:  # on the device, as the update op hands it over
+            batch = {k: t.to(self.device) for k, t in self.make(seed).items()}
+            self.made[seed] = (batch, _loss_fn_factory(batch))
+        return self.made[seed]
 
 
 def _model(shape: str, attn: str, dtype, device):
@@ -171,6 +201,7 @@ class Variant:
         self.profiles: dict[str, dict] = {}
         self.first_s: float | None = None
         self.peak_gib: float | None = None
+        self.steps_done = 0  # which batch of Batches comes next
 
 
 def _loss_fn_factory(batch: dict):
@@ -183,7 +214,9 @@ def _loss_fn_factory(batch: dict):
                                max_response_len=batch["response_mask"].shape[1])
 
 
-def _step(v: Variant, batch: dict, loss_fn: Callable, sync: Callable[[], None]) -> float:
+def _step(v: Variant, batches: Batches, sync: Callable[[], None]) -> float:
+    batch, loss_fn = batches.get(v.steps_done)
+    v.steps_done += 1
     sync()
     t0 = time.perf_counter()
     v.engine.train_step(batch, loss_fn, temperature=0.7, with_entropy=v.with_entropy,
@@ -192,11 +225,13 @@ def _step(v: Variant, batch: dict, loss_fn: Callable, sync: Callable[[], None]) 
     return time.perf_counter() - t0
 
 
-def _profile(v: Variant, batch: dict, loss_fn: Callable, sync: Callable[[], None]) -> dict:
+def _profile(v: Variant, batches: Batches, sync: Callable[[], None]) -> dict:
     """One profiled step: wall s, GPU kernel s (busy), kernel s by kind, the top kernels."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    batch, loss_fn = batches.get(v.steps_done)
+    v.steps_done += 1
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -258,8 +293,8 @@ class Neighbours:
         self.engine.close()
 
 
-def _time_rounds(variants: list, conditions: list[str], rounds: int, steps: int, batch: dict,
-                 loss_fn: Callable, sync: Callable[[], None], set_condition: Callable[[str], None]
+def _time_rounds(variants: list, conditions: list[str], rounds: int, steps: int,
+                 batches: Batches, sync: Callable[[], None], set_condition: Callable[[str], None]
                  ) -> None:
     """``rounds`` rounds; each runs every condition in turn, every variant ``steps`` times in it;
     a variant's times go to ``v.by_condition[condition]``."""
@@ -267,7 +302,7 @@ def _time_rounds(variants: list, conditions: list[str], rounds: int, steps: int,
         for c in conditions:
             set_condition(c)
             for v in variants:
-                ts = [_step(v, batch, loss_fn, sync) for _ in range(steps)]
+                ts = [_step(v, batches, sync) for _ in range(steps)]
                 v.by_condition.setdefault(c, []).extend(ts)
             print(f"[update_step] round {r + 1}{' ' + c if c else ''}: " + ", ".join(
                 f"{v.name} {statistics.median(v.by_condition[c][-steps:]):.3f}" for v in variants),
@@ -296,6 +331,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", default="80,220", help="lo,hi valid prompt tokens")
     p.add_argument("--response-len", type=int, default=None, help="default 256 (cpu 32)")
     p.add_argument("--short-frac", type=float, default=0.05)
+    p.add_argument("--vary-shapes", action="store_true",
+                   help="a new batch (seed) every step: micro-batch shapes change as in the e2e run")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
     p.add_argument("--warmup", type=int, default=2)
@@ -342,8 +379,8 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
 
     # on the device, as the update op hands it over (the engine copies the ids/masks to the host)
-    batch = {k: t.to(device) for k, t in _batch(rows, p_lo, p_hi, r_len, args.short_frac).items()}
-    loss_fn = _loss_fn_factory(batch)
+    batches = Batches(lambda seed: _batch(rows, p_lo, p_hi, r_len, args.short_frac, seed),
+                      args.vary_shapes, device)
     init = {k: t.clone() for k, t in _model(shape, "sdpa", dtype, device).state_dict().items()}
     variants = []
     for n in names:
@@ -353,7 +390,7 @@ def main(argv=None) -> int:
         before = torch.cuda.memory_allocated() if cuda else 0
         t0 = time.perf_counter()
         for i in range(args.warmup):
-            s = _step(v, batch, loss_fn, sync)
+            s = _step(v, batches, sync)
             if i == 0:
                 v.first_s = s
         if cuda:
@@ -372,11 +409,11 @@ def main(argv=None) -> int:
         for n in [x for x in args.profile.split(",") if x]:
             v = next((x for x in variants if x.name == n), None)
             if v is not None and condition in under:
-                v.profiles[condition] = _profile(v, batch, loss_fn, sync)
+                v.profiles[condition] = _profile(v, batches, sync)
 
     neighbours_build_s = None
     if not args.neighbours:
-        _time_rounds(variants, [""], args.rounds, args.steps, batch, loss_fn, sync, lambda c: None)
+        _time_rounds(variants, [""], args.rounds, args.steps, batches, sync, lambda c: None)
         for v in variants:
             v.times = v.by_condition.pop("")
             v.by_condition = {}
@@ -385,28 +422,31 @@ def main(argv=None) -> int:
         # none before the engines start and after they close (a drift shows as the two halves
         # differing); awake and asleep alternate round by round in between
         half = max(1, args.rounds // 2)
-        _time_rounds(variants, ["none"], half, args.steps, batch, loss_fn, sync, lambda c: None)
+        _time_rounds(variants, ["none"], half, args.steps, batches, sync, lambda c: None)
         profile_all("none")
         nb = Neighbours(args.neighbours, init, shape, device, args.neighbour_kv_gb)
         neighbours_build_s = nb.build_s
         print(f"[update_step] {args.neighbours} vLLM engine process(es) up in {nb.build_s:.1f} s",
               flush=True)
         try:
-            _time_rounds(variants, ["awake", "asleep"], args.rounds, args.steps, batch, loss_fn,
-                         sync, nb.set)
+            _time_rounds(variants, ["awake", "asleep"], args.rounds, args.steps, batches, sync,
+                         nb.set)
             for c in ("awake", "asleep"):
                 nb.set(c)
                 profile_all(c)
         finally:
             nb.close()
-        _time_rounds(variants, ["none"], max(1, args.rounds - half), args.steps, batch, loss_fn,
+        _time_rounds(variants, ["none"], max(1, args.rounds - half), args.steps, batches,
                      sync, lambda c: None)
         for v in variants:  # the main table: the steps without engine processes
             v.times = list(v.by_condition["none"])
 
-    flops = flops_of(batch, shape)
+    # per step: the mean over every batch the steps used (one batch unless --vary-shapes)
+    used = [b for b, _ in batches.made.values()]
+    flops = statistics.fmean(flops_of(b, shape) for b in used)
     base_med = statistics.median(variants[0].times)
-    valid = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
+    valid = round(statistics.fmean(int(b["prompt_mask"].sum() + b["response_mask"].sum())
+                                   for b in used))
     head = ["variant", "step s median [min-max]", "/ base", "MFU", "valid tokens/s", "first step s",
             "peak GiB above the model"]
     table = []
@@ -455,7 +495,8 @@ def main(argv=None) -> int:
             f"- machine: {gpu}; {m['cpu']}, {m['logical_cpus']} CPUs, {m['memory']}; "
             + ", ".join(f"{k} {x}" for k, x in v_.items()),
             f"- workload: shape {shape}, {rows} rows, prompts {p_lo}-{p_hi} tokens, responses {r_len} "
-            f"({args.short_frac:.0%} shorter), {valid:,} valid tokens, {flops / 1e12:.1f} TFLOP per step; "
+            f"({args.short_frac:.0%} shorter), {valid:,} valid tokens, {flops / 1e12:.1f} TFLOP per step"
+            f"{f' (means over {len(used)} batches: a new one every step, --vary-shapes)' if args.vary_shapes else ''}; "
             f"{args.rounds} interleaved rounds x {args.steps} timed steps after {args.warmup} warm-up", "",
             markdown_table(head, table), "", *nb_lines, *prof_lines]) + "\n")
     return 0

@@ -39,3 +39,17 @@ def test_flop_count_is_the_e2e_formula():
     n = L * (2 * H * H + 2 * H * s["num_key_value_heads"] * hd + 3 * H * I) + bench.VOCAB * H
     # rows of 4 and 6 valid tokens
     assert bench.flops_of(b, "smoke") == 6 * n * 4 + 6 * L * H * 16 + 6 * n * 6 + 6 * L * H * 36
+
+
+def test_vary_shapes_gives_each_step_its_own_batch_and_every_variant_the_same_sequence():
+    import torch
+
+    made = []
+    batches = bench.Batches(lambda seed: (made.append(seed), bench._batch(4, 2, 6, 32, 0.9, seed))[1],
+                            vary=True, device=torch.device("cpu"))
+    a, b = batches.get(0)[0], batches.get(1)[0]
+    assert not torch.equal(a["response_mask"], b["response_mask"])  # other lengths, other shapes
+    assert batches.get(0)[0] is a and made == [0, 1]  # a second variant's step 0: the same batch
+    fixed = bench.Batches(lambda seed: bench._batch(4, 2, 6, 32, 0.9, seed), vary=False,
+                          device=torch.device("cpu"))
+    assert fixed.get(0)[0] is fixed.get(5)[0]
