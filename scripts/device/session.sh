@@ -18,7 +18,7 @@
 #   (.flowrl_commit: `git rev-parse --short HEAD > .flowrl_commit` here first; git-ignored, so it
 #   travels only when carried; the device copy's .git is stale and reports an old commit)
 # Phases: first_step, learning, e2e, tier, vlm, nan, hfgen, distill_teacher, distill_arms, gsm8k_mv,
-# tools, sync, lora_sync, neighbours, profile_vllm, profile_hf, profile_solo, sdpa, rollout_lp (see each below);
+# tools, sync, lora_sync, neighbours, profile_vllm, profile_hf, profile_solo, sdpa, shapes, rollout_lp (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
 set -uo pipefail
@@ -142,6 +142,17 @@ phase_profile_solo() {  # ~2.5 min: flowrl alone (P_MODEL, default smollm2; P_RO
   for f in "$OUT"/profile_solo/step_*/rank*.txt; do [ -f "$f" ] && cp "$f" "$OUT/profile_solo_$(basename "$(dirname "$f")")_$(basename "$f")"; done
   tail -n 15 "$OUT/profile_solo.log"; return $rc
 }
+phase_shapes() {  # ~4 min: the update alone with a new batch every step (micro-batch shapes change
+  # as in the e2e run), SDPA without cuDNN (the default) against with it; SmolLM2's shape and
+  # answers (90 % short), then the 0.5B shape with the e2e's lengths
+  timeout -k 10 230 python3 benchmarks/update_step.py --shape smollm2 --variants liger,liger+cudnn \
+    --vary-shapes --short-frac 0.9 --rounds 3 --steps 3 --profile '' \
+    --out "$OUT/update_shapes_smollm2.md" > "$OUT/shapes_smollm2.log" 2>&1; local rc=$?
+  timeout -k 10 230 python3 benchmarks/update_step.py --shape qwen05b --variants liger,liger+cudnn \
+    --vary-shapes --rounds 3 --steps 2 --profile '' \
+    --out "$OUT/update_shapes_qwen05b.md" > "$OUT/shapes_qwen05b.log" 2>&1 || rc=$?
+  tail -n 8 "$OUT/shapes_smollm2.log" "$OUT/shapes_qwen05b.log"; return $rc
+}
 phase_sdpa() {  # ~30 s: masked SDPA at new shapes, cuDNN vs memory-efficient (trainer.engine.cudnn_attention)
   timeout -k 10 120 python3 benchmarks/sdpa_shapes.py --out "$OUT/sdpa_shapes.md"
 }
@@ -191,7 +202,7 @@ for p in "$@"; do
     log "phases $p done in $((SECONDS - t0)) s"
     continue
   fi
-  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools|sync|lora_sync|neighbours|profile_vllm|profile_hf|profile_solo|sdpa|rollout_lp) ;;
+  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools|sync|lora_sync|neighbours|profile_vllm|profile_hf|profile_solo|sdpa|shapes|rollout_lp) ;;
   *) log "unknown phase $p"; rc=2; continue ;; esac
   log "phase $p"
   t0=$SECONDS
