@@ -414,6 +414,10 @@ def load_model(cfg: ModelConfig, device: "torch.device | str" = "cpu") -> "PreTr
             else:
                 model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
         _clear_quantization_flags(model)
+        if "gguf_file" in kwargs:  # say where the weights came from, as the cache-hit path does
+            log.info("model: dequantized %s%s", cfg.gguf_file,
+                     f"; kept for the next run in {cache}" if cache is not None else
+                     " (model.gguf_cache=false: every run dequantizes it)")
         if cache is not None:  # dequantized just now: keep it for the next run
             _write_gguf_cache(model, cache)
         # transformers wraps ``to`` in functools.wraps(nn.Module.to), which mypy reads as an

@@ -122,6 +122,9 @@ class StepProfiler:
         if cuda:
             torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - t0
+        # reading the record back takes seconds (11-14 s after a SmolLM2 smoke step on 2 CPU
+        # cores): said, so the pause after the step is not a silent one
+        log.info("profile: step %d took %.2f s; reading the profiler's record", step, wall)
         try:
             prof.__exit__(None, None, None)
             self._write(prof, step, wall, cuda)
