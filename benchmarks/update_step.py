@@ -371,7 +371,9 @@ def main(argv=None) -> int:
     if "base" not in names:
         names.insert(0, "base")
     # liger-kernel leaves its RoPE function in transformers' Qwen2 module (flowrl/models/kernels.py):
-    # the liger variants are built last, so no other variant runs it
+    # the liger variants are built last, so the non-liger ones build and warm up without it; their
+    # timed steps (after every variant is built) do run liger's RoPE, which the base-vs-liger
+    # ratios therefore leave out (RMSNorm and SwiGLU are per model and stay apart)
     names.sort(key=lambda n: any(KNOBS[k].get("liger") for k in n.split("+")))
     device = torch.device(args.device)
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -444,7 +446,8 @@ def main(argv=None) -> int:
         for v in variants:  # the main table: the steps without engine processes
             v.times = list(v.by_condition["none"])
 
-    # per step: the mean over every batch the steps used (one batch unless --vary-shapes)
+    # per step: the mean over every batch any step used, warm-up and profiled steps included
+    # (one batch unless --vary-shapes; then a small bias against the timed steps' own mean)
     used = [b for b, _ in batches.made.values()]
     flops = statistics.fmean(flops_of(b, shape) for b in used)
     base_med = statistics.median(variants[0].times)

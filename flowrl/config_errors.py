@@ -249,6 +249,7 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
 
     Unknown kinds fall back to the error's own message lines joined with ``; ``."""
     from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf import DictConfig, ListConfig
     from omegaconf.errors import (
         ConfigAttributeError,
         ConfigKeyError,
@@ -306,8 +307,10 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
                         f"({key}.<name>=VALUE)")
             if "is not Optional" in first or "Incompatible value 'None'" in first:
                 default = _default(key)  # null given to a field that has no "off" value
-                example = f" (its default: {key}={default})" if default is not None and \
-                    not isinstance(default, (dict, list)) else ""
+                if isinstance(default, (dict, list, DictConfig, ListConfig)):
+                    return (f"{key}=null: {key} is a section that cannot be null; set one of "
+                            f"its keys ({key}.<name>=VALUE)")
+                example = f" (its default: {key}={default})" if default is not None else ""
                 return f"{key}=null: {key} takes a value, not null{example}"
             if "is not a ListConfig, list or tuple" in first:  # a list field given one value
                 return (f"{key}={value}: {key} takes a list, got {value!r} (e.g. "

@@ -78,6 +78,51 @@ _compiled: dict[str, Any] = {}
 _registered: set[str] = set()
 
 
+def _sdpa_backends_enabled() -> list[Any]:
+    """SDPA's kernels allowed right now (torch's global flags, as ``sdpa_kernel`` sets them)."""
+    from torch.nn.attention import SDPBackend
+
+    b = torch.backends.cuda
+    return [k for k, on in ((SDPBackend.FLASH_ATTENTION, b.flash_sdp_enabled()),
+                            (SDPBackend.EFFICIENT_ATTENTION, b.mem_efficient_sdp_enabled()),
+                            (SDPBackend.MATH, b.math_sdp_enabled()),
+                            (SDPBackend.CUDNN_ATTENTION, b.cudnn_sdp_enabled())) if on]
+
+
+def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager[Any],
+                                     contextlib.AbstractContextManager[Any]]:
+    """``torch.utils.checkpoint``'s ``context_fn``: a checkpointed layer's recompute (in the
+    backward, possibly on autograd's device thread) runs under the attention state its forward
+    ran under: the packed row (:func:`packed_attention`, a context variable) and SDPA's allowed
+    kernels (the train engine leaves cuDNN out for padded micro-batches,
+    ``TrainEngineConfig.cudnn_attention``). Both are gone by the backward: without this the
+    recompute would take another kernel, and non-reentrant checkpointing raises
+    ``CheckpointError`` (different saved tensors), or a packed row would recompute unpacked.
+    Called once per checkpointed call, in the forward; returns (forward context, recompute
+    context)."""
+    packed, backends = _PACKED.get(), _sdpa_backends_enabled()
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:
+        from torch.nn.attention import sdpa_kernel
+
+        token = _PACKED.set(packed)
+        try:
+            with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+                yield
+        finally:
+            _PACKED.reset(token)
+
+    return contextlib.nullcontext(), recompute()
+
+
+def checkpoint_kwargs() -> dict[str, Any]:
+    """What flowrl passes to transformers' ``gradient_checkpointing_enable`` /
+    ``activation_checkpointing_enable``: non-reentrant checkpointing (the only kind that takes a
+    ``context_fn``) with :func:`checkpoint_context_fn`."""
+    return {"use_reentrant": False, "context_fn": checkpoint_context_fn}
+
+
 @contextlib.contextmanager
 def packed_attention(kernel: Optional[bool] = None, *,
                      documents: Optional[Documents] = None) -> Iterator[None]:

@@ -338,9 +338,12 @@ def gguf_parsed_once() -> Iterator[None]:
     both names from ``gguf`` at call time, so patching the module is enough; restored on exit.
     Without the ``gguf`` package this does nothing (the load then fails as transformers says).
     """
+    gguf: Any
     try:
         import gguf
     except ImportError:
+        gguf = None
+    if gguf is None:  # yielded outside the except: it would chain the ImportError to a load error
         yield
         return
     real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
@@ -428,8 +431,11 @@ def load_model(cfg: ModelConfig, device: "torch.device | str" = "cpu") -> "PreTr
 
         log.info("model: liger-kernel RMSNorm/SwiGLU/RoPE on the %s model", apply_liger_kernels(model))
     if cfg.gradient_checkpointing:  # transformers 5 renamed it; 4.x only has the old name
+        from flowrl.models.attention import checkpoint_kwargs
+
         enable = getattr(model, "activation_checkpointing_enable", None)
-        (enable or model.gradient_checkpointing_enable)()
+        # the recompute runs under the forward's attention state (packed row, SDPA kernels)
+        (enable or model.gradient_checkpointing_enable)(checkpoint_kwargs())
     if vision and cfg.freeze_vision:
         freeze_vision_tower(model)
     model.train()

@@ -236,3 +236,12 @@ def test_a_section_check_and_a_null_name_the_full_key(capsys, override, expected
 
     assert main(["plan", "model=tiny", override]) == 2
     assert capsys.readouterr().err.splitlines() == [f"flowrl plan: error: {expected}"]
+
+
+def test_a_null_section_says_it_is_a_section(capsys):
+    from flowrl.cli import main
+
+    assert main(["plan", "model=tiny", "trainer.engine=null"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "flowrl plan: error: trainer.engine=null: trainer.engine is a section that cannot be "
+        "null; set one of its keys (trainer.engine.<name>=VALUE)"]

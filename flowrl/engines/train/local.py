@@ -245,7 +245,10 @@ class LocalTrainEngine:
 
             if not isinstance(model, PreTrainedModel):
                 raise ValueError("gradient_checkpointing=True needs a transformers model")
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            from flowrl.models.attention import checkpoint_kwargs
+
+            # the recompute runs under the forward's attention state (packed row, SDPA kernels)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs())
         beta1, beta2 = self.cfg.betas
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=self.cfg.lr,
