@@ -78,7 +78,7 @@ _compiled: dict[str, Any] = {}
 _registered: set[str] = set()
 
 
-def _sdpa_backends_enabled() -> list[Any]:
+def sdpa_backends_enabled() -> list[Any]:
     """SDPA's kernels allowed right now (torch's global flags, as ``sdpa_kernel`` sets them)."""
     from torch.nn.attention import SDPBackend
 
@@ -100,7 +100,7 @@ def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager[Any],
     ``CheckpointError`` (different saved tensors), or a packed row would recompute unpacked.
     Called once per checkpointed call, in the forward; returns (forward context, recompute
     context)."""
-    packed, backends = _PACKED.get(), _sdpa_backends_enabled()
+    packed, backends = _PACKED.get(), sdpa_backends_enabled()
 
     @contextlib.contextmanager
     def recompute() -> Iterator[None]:

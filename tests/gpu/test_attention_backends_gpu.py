@@ -28,10 +28,10 @@ def _model():
                       device=torch.device("cuda"))
 
 
-def _step(model, cudnn: bool):
-    """Logprobs of one padded micro-batch, its backward, and the ATen ops they ran."""
-    eng = LocalTrainEngine(model, TrainEngineConfig(lr=1e-5, micro_batch_size=8,
-                                                    cudnn_attention=cudnn))
+def _step(model, **engine):
+    """Logprobs of one padded micro-batch, its backward, and the ATen ops they ran
+    (``engine``: TrainEngineConfig fields)."""
+    eng = LocalTrainEngine(model, TrainEngineConfig(lr=1e-5, micro_batch_size=8, **engine))
     batch = ragged_batch(n=8, seed=3)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         lp, _ = eng._logprobs(batch, 1.0, with_entropy=False)
@@ -43,12 +43,12 @@ def _step(model, cudnn: bool):
 
 def test_padded_micro_batch_skips_cudnn_attention_by_default():
     model = _model()
-    lp, m, ops = _step(model, cudnn=False)
+    lp, m, ops = _step(model, cudnn_attention=False)
     assert not any("cudnn_attention" in k for k in ops), sorted(k for k in ops if "attention" in k)
     assert any("efficient_attention_forward" in k for k in ops), sorted(k for k in ops if "attention" in k)
     assert any("efficient_attention_backward" in k for k in ops)
     model.zero_grad(set_to_none=True)
-    lp_on, _, _ = _step(model, cudnn=True)
+    lp_on, _, _ = _step(model, cudnn_attention=True)
     assert (lp_on - lp)[m].abs().max().item() <= 0.1
 
 
@@ -57,14 +57,6 @@ def test_checkpointed_padded_micro_batch_recomputes_with_the_same_kernel():
     SDPA restriction has exited: the recompute must take the memory-efficient kernel again
     (models.attention.checkpoint_context_fn), else non-reentrant checkpointing raises."""
     model = _model()
-    eng = LocalTrainEngine(model, TrainEngineConfig(lr=1e-5, micro_batch_size=8,
-                                                    gradient_checkpointing=True))
-    batch = ragged_batch(n=8, seed=3)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        lp, _ = eng._logprobs(batch, 1.0, with_entropy=False)
-        m = batch["response_mask"].to(lp.device)
-        (-(lp * m).sum() / m.sum()).backward()
-        torch.cuda.synchronize()
-    ops = {e.key for e in prof.key_averages()}
+    _, _, ops = _step(model, gradient_checkpointing=True)
     assert not any("cudnn_attention" in k for k in ops), sorted(k for k in ops if "attention" in k)
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())

@@ -73,5 +73,5 @@ def test_recompute_context_restores_exactly_the_forwards_kernels(restricted):
     with sdpa_kernel(restricted):
         _, rec = attention.checkpoint_context_fn()
     with rec:
-        now = attention._sdpa_backends_enabled()
+        now = attention.sdpa_backends_enabled()
     assert sorted(now, key=str) == sorted(restricted, key=str)

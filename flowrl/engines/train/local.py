@@ -30,7 +30,9 @@ from flowrl.models.attention import (
     SDPA_FLEX,
     SDPA_VARLEN,
     Documents,
+    checkpoint_kwargs,
     packed_attention,
+    sdpa_backends_enabled,
     varlen_probe,
 )
 
@@ -245,8 +247,6 @@ class LocalTrainEngine:
 
             if not isinstance(model, PreTrainedModel):
                 raise ValueError("gradient_checkpointing=True needs a transformers model")
-            from flowrl.models.attention import checkpoint_kwargs
-
             # the recompute runs under the forward's attention state (packed row, SDPA kernels)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs())
         beta1, beta2 = self.cfg.betas
@@ -318,14 +318,13 @@ class LocalTrainEngine:
 
     def _padded_attention(self) -> contextlib.AbstractContextManager[Any]:
         """SDPA's kernels allowed for a padded micro-batch: on CUDA without
-        ``TrainEngineConfig.cudnn_attention``, every backend but cuDNN (a masked call then takes
-        the memory-efficient kernel: no graph built per new shape); else no restriction."""
+        ``TrainEngineConfig.cudnn_attention``, the ones allowed now less cuDNN (a masked call then
+        takes the memory-efficient kernel: no graph built per new shape); else no restriction."""
         if self.device.type != "cuda" or self.cfg.cudnn_attention:
             return contextlib.nullcontext()
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                            SDPBackend.MATH])
+        return sdpa_kernel([b for b in sdpa_backends_enabled() if b != SDPBackend.CUDNN_ATTENTION])
 
     def _vision_inputs(self, mb: Mapping[str, Tensor], p_ids: Tensor, p_mask: Tensor,
                        r_ids: Tensor, r_mask: Tensor) -> tuple[dict[str, Any], Tensor, None]:
