@@ -28,7 +28,11 @@ the entropy metric; ``liger`` = liger-kernel's RMSNorm, SwiGLU and RoPE kernels
 patched into the model (``apply_liger_kernel_to_qwen2``; CUDA only); ``compile`` = each decoder
 layer through ``torch.compile`` (``nn.Module.compile``, dynamic shapes); ``varlen`` = packed
 micro-batches under ``sdpa_varlen``; ``cudnn`` = ``trainer.engine.cudnn_attention=true`` (SDPA
-may take cuDNN attention for padded micro-batches; CUDA only). ``--vary-shapes``: a new batch
+may take cuDNN attention for padded micro-batches; CUDA only); ``fsdp`` = the engine ``flowrl
+train`` builds on one GPU (FSDP2 at world size 1: fp32 master weights and AdamW state, bf16
+compute; the other variants train bf16 weights in a local engine); ``reshard`` (with ``fsdp``) =
+``trainer.engine.reshard_after_forward=true``, each layer's bf16 copy dropped after its forward and
+cast again for backward, per micro-batch (the default before auto kept it at one rank). ``--vary-shapes``: a new batch
 (seed) every step, the same sequence for every variant, so the padded micro-batches change shape
 from step to step as in the e2e run, and a kernel that pays per new shape (cuDNN's graph build,
 a Triton kernel specialised on the batch size) pays inside the timed steps; without it every step
@@ -115,6 +119,9 @@ KNOBS: dict[str, dict[str, Any]] = {
     "varlen": {"attn": "sdpa_varlen", "engine": {"padding_free": "true"}, "cuda_only": True},
     "noentropy": {"no_entropy": True},
     "cudnn": {"engine": {"cudnn_attention": True}, "cuda_only": True},
+    # the e2e run's engine on one GPU: FSDP2 at world size 1, fp32 master weights, bf16 compute
+    "fsdp": {"fsdp": True},
+    "reshard": {"engine": {"reshard_after_forward": True}},  # with fsdp: the pre-auto behaviour
 }
 
 
@@ -152,6 +159,18 @@ class Batches:
         return self.made[seed]
 
 
+def _one_rank_group(device) -> None:
+    """A world of one process (NCCL on CUDA, gloo on CPU) for the FSDP variants, once."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = Path(tempfile.mkdtemp(prefix="update_step_pg_")) / "store"
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"file://{store}", rank=0, world_size=1)
+
+
 def _model(shape: str, attn: str, dtype, device):
     from flowrl.models.loading import ModelConfig, build_tiny
 
@@ -172,7 +191,9 @@ class Variant:
         self.name = name
         knobs = [KNOBS[k] for k in name.split("+")]
         attn = next((k["attn"] for k in knobs if "attn" in k), "sdpa")
-        model = _model(shape, attn, dtype, device)
+        fsdp = any(k.get("fsdp") for k in knobs)
+        # FSDP keeps fp32 master weights and computes in bf16 (its mixed-precision policy)
+        model = _model(shape, attn, torch.float32 if fsdp else dtype, device)
         model.load_state_dict(init_state)
         if any(k.get("liger") for k in knobs):
             from flowrl.models.kernels import apply_liger_kernels
@@ -184,7 +205,13 @@ class Variant:
         engine_kw = dict(BASE_ENGINE)
         for k in knobs:
             engine_kw.update(k.get("engine", {}))
-        self.engine = LocalTrainEngine(model, TrainEngineConfig(**engine_kw))
+        if fsdp:
+            from flowrl.engines.train.fsdp import fsdp_variant
+
+            _one_rank_group(device)
+            self.engine = fsdp_variant(LocalTrainEngine)(model, TrainEngineConfig(**engine_kw))
+        else:
+            self.engine = LocalTrainEngine(model, TrainEngineConfig(**engine_kw))
         if any(k.get("fused_adam") for k in knobs):
             opt = self.engine.optimizer
             assert opt is not None
@@ -324,6 +351,16 @@ def flops_of(batch: dict, shape: str) -> float:
 
 
 def main(argv=None) -> int:
+    import torch.distributed as dist
+
+    try:
+        return _main(argv)
+    finally:  # the FSDP variants' world of one (an in-process caller gets a clean slate back)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--shape", choices=tuple(SHAPES), default=None,

@@ -170,6 +170,16 @@ class TrainEngineConfig:
             SDPA takes the memory-efficient kernel, which has no per-shape build (attention was
             ~6 % of the 0.5B update's GPU time in the H100 profile). The cost per new shape:
             ``benchmarks/sdpa_shapes.py``.
+        reshard_after_forward: FSDP only. Free each layer's gathered (bf16 compute) parameters
+            after its forward (``fully_shard(reshard_after_forward=...)``) and gather them again
+            in backward. None = auto: yes when the pool has more than one rank (the shards are
+            smaller than the layer), no at one rank, where the "shard" is the whole parameter and
+            resharding only drops the bf16 copy and re-casts it for every backward; at one rank
+            the copies then also stay across the micro-batches of an update (cast once per
+            optimizer step, not twice per micro-batch). Either way every gathered copy is
+            dropped at the end of ``train_step`` and ``logprobs``, so an optimizer step or an
+            offload never leaves a stale or resident copy behind. Costs one bf16 copy of the
+            model while an update or a logprob pass runs.
         max_param_growth: the post-step guard (``engines/train/guard.py``): the run stops
             with a clear error when a step leaves non-finite parameters or multiplies the
             largest |parameter| by more than this (an AdamW step moves a weight by about lr);
@@ -198,6 +208,7 @@ class TrainEngineConfig:
     logprob_compile: bool = False
     padding_free: str = "auto"
     cudnn_attention: bool = False
+    reshard_after_forward: Optional[bool] = None
     max_param_growth: float = 10.0
 
     def __post_init__(self) -> None:

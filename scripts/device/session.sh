@@ -142,16 +142,19 @@ phase_profile_solo() {  # ~2.5 min: flowrl alone (P_MODEL, default smollm2; P_RO
   for f in "$OUT"/profile_solo/step_*/rank*.txt; do [ -f "$f" ] && cp "$f" "$OUT/profile_solo_$(basename "$(dirname "$f")")_$(basename "$f")"; done
   tail -n 15 "$OUT/profile_solo.log"; return $rc
 }
-phase_shapes() {  # ~4 min: the update alone with a new batch every step (micro-batch shapes change
-  # as in the e2e run), SDPA without cuDNN (the default) against with it; SmolLM2's shape and
-  # answers (90 % short), then the 0.5B shape with the e2e's lengths
-  timeout -k 10 230 python3 benchmarks/update_step.py --shape smollm2 --variants liger,liger+cudnn \
+phase_shapes() {  # ~5 min: the update alone with a new batch every step (micro-batch shapes change
+  # as in the e2e run): the e2e's own engine (FSDP2 at one rank, fp32 master weights) keeping its
+  # bf16 copies through the step (the default since reshard_after_forward=auto) against resharding
+  # per micro-batch (before) and against cuDNN attention; the bf16 local engine as the old yardstick.
+  # SmolLM2's shape and answers (90 % short), then the 0.5B shape with the e2e's lengths
+  local v=${SHAPES_VARIANTS:-liger+fsdp,liger+fsdp+reshard,liger+fsdp+cudnn,liger}
+  timeout -k 10 260 python3 benchmarks/update_step.py --shape smollm2 --variants $v \
     --vary-shapes --short-frac 0.9 --rounds 3 --steps 3 --profile '' \
     --out "$OUT/update_shapes_smollm2.md" > "$OUT/shapes_smollm2.log" 2>&1; local rc=$?
-  timeout -k 10 230 python3 benchmarks/update_step.py --shape qwen05b --variants liger,liger+cudnn \
+  timeout -k 10 260 python3 benchmarks/update_step.py --shape qwen05b --variants $v \
     --vary-shapes --rounds 3 --steps 2 --profile '' \
     --out "$OUT/update_shapes_qwen05b.md" > "$OUT/shapes_qwen05b.log" 2>&1 || rc=$?
-  tail -n 8 "$OUT/shapes_smollm2.log" "$OUT/shapes_qwen05b.log"; return $rc
+  tail -n 9 "$OUT/shapes_smollm2.log" "$OUT/shapes_qwen05b.log"; return $rc
 }
 phase_sdpa() {  # ~30 s: masked SDPA at new shapes, cuDNN vs memory-efficient (trainer.engine.cudnn_attention)
   timeout -k 10 120 python3 benchmarks/sdpa_shapes.py --out "$OUT/sdpa_shapes.md"

@@ -15,14 +15,18 @@ bench = pytest.importorskip("benchmarks.update_step")
 
 def test_smoke_variants_run_and_report(tmp_path):
     out = tmp_path / "us.md"
-    assert bench.main(["--device", "cpu", "--variants", "base,noentropy,mbt32k+chunk4k,liger",
+    assert bench.main(["--device", "cpu", "--variants", "base,noentropy,mbt32k+chunk4k,liger,fsdp",
                        "--rounds", "2", "--steps", "1", "--warmup", "1", "--profile", "",
                        "--out", str(out)]) == 0
     text = out.read_text()
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| ([a-z0-9+]+) \|.*$", text, re.M)}
-    assert set(rows) >= {"base", "noentropy", "mbt32k+chunk4k", "liger"}
+    assert set(rows) >= {"base", "noentropy", "mbt32k+chunk4k", "liger", "fsdp"}
     assert "| 1.00x |" in rows["base"]
     assert "not run (CUDA only)" in rows["liger"]
+    assert "not run" not in rows["fsdp"]  # FSDP2 over a one-process gloo world
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the benchmark took its world down
     # 2 rounds x 1 timed step: min <= median <= max over 2 values
     lo, hi = (float(x) for x in re.search(r"\[([\d.]+)-([\d.]+)\]", rows["noentropy"]).groups())
     assert 0 < lo <= hi

@@ -148,9 +148,19 @@ class FSDPMixin(_EngineBase):
         self.world_size = dist.get_world_size(self.group)
         # the rollout engine computes in the trainer's compute dtype: gather in it (half the bytes)
         self.gather_dtype: Optional[torch.dtype] = mp.param_dtype
+        # one rank: the "shard" is the whole parameter, so resharding after forward would only
+        # drop the bf16 compute copy and cast it again in backward (per layer, per micro-batch)
+        keep = cfg.reshard_after_forward
+        self.reshard_after_forward = self.world_size > 1 if keep is None else keep
         for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        self._root: FSDPModule = fully_shard(model, mesh=mesh, mp_policy=mp)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)
+        # the root keeps fully_shard's default when resharding: it stays gathered after forward
+        # (the LM head's weight is read again right after, by the chunked logprob head)
+        if self.reshard_after_forward:
+            self._root: FSDPModule = fully_shard(model, mesh=mesh, mp_policy=mp)
+        else:
+            self._root = fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        self._units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)  # sum, not mean: losses are globally normalised
@@ -175,7 +185,19 @@ class FSDPMixin(_EngineBase):
     def _backward(self, loss: Tensor, last: bool) -> None:
         # reduce-scatter gradients once, after the last micro-batch (no sync while accumulating)
         self._root.set_requires_gradient_sync(last)
+        if not self.reshard_after_forward:
+            # the gathered copies serve every micro-batch of the step: cast once per optimizer
+            # step; the last backward drops them, before the optimizer changes the shards
+            self._root.set_reshard_after_backward(last)
         loss.backward()
+
+    def _end_pass(self) -> None:
+        # without reshard after forward a no-grad pass (logprobs, values) leaves the gathered
+        # copies in place: they would stay on the device through an offload and, after an
+        # optimizer step, serve stale weights; a no-op for units already resharded
+        if not self.reshard_after_forward:
+            for unit in self._units:
+                unit.reshard()
 
     def _coll_device(self) -> torch.device:
         return self.device if str(dist.get_backend(self.group)) == "nccl" else torch.device("cpu")

@@ -466,6 +466,10 @@ class LocalTrainEngine:
     def _backward(self, loss: Tensor, last: bool) -> None:
         loss.backward()
 
+    def _end_pass(self) -> None:
+        """Called when every forward pass (``logprobs``, ``train_step``, a critic's ``values``)
+        ends, even by an exception: the FSDP variant drops parameters it kept gathered."""
+
     def _partitions(self, batch: Mapping[str, Tensor]) -> list[list[int]]:
         """Row indices of each micro-batch.
 
@@ -548,6 +552,7 @@ class LocalTrainEngine:
                             ents.append(ent)
         finally:
             self.model.train(was_training)
+            self._end_pass()
         # balanced bins reorder rows: put them back in the batch's order
         inv = torch.tensor(inverse_permutation([i for rows in parts for i in rows]), dtype=torch.long)
         inv = inv.to(lps[0].device)
@@ -586,6 +591,13 @@ class LocalTrainEngine:
         Raises:
             RuntimeError: the engine is frozen (``trainable=False``).
         """
+        try:
+            return self._train_step(batch, loss_fn, temperature, with_entropy, entropy_grad)
+        finally:
+            self._end_pass()
+
+    def _train_step(self, batch: Mapping[str, Tensor], loss_fn: LossFn, temperature: float,
+                    with_entropy: bool, entropy_grad: bool) -> dict[str, float]:
         optimizer, scheduler = self._optim()
         t0 = time.perf_counter()
         B = batch["response_ids"].shape[0]

@@ -104,6 +104,7 @@ class ValueTrainEngine(LocalTrainEngine):
                 parts = [self._values(_slice_batch(batch, s, s + mbs, B)) for s in range(0, B, mbs)]
         finally:
             self.model.train(was_training)
+            self._end_pass()
         return torch.cat(parts)
 
     def logprobs(self, batch, temperature, with_entropy=False):
