@@ -89,6 +89,24 @@ def sdpa_backends_enabled() -> list[Any]:
                             (SDPBackend.CUDNN_ATTENTION, b.cudnn_sdp_enabled())) if on]
 
 
+def sdpa_without_cudnn(device: torch.device, cudnn: bool = False) -> contextlib.AbstractContextManager[Any]:
+    """SDPA's kernels for a masked call on ``device``: on CUDA (unless ``cudnn``) the ones allowed
+    now less cuDNN attention, so a masked call takes the memory-efficient kernel; else no change.
+
+    Why: cuDNN builds a graph for every new shape. On an H100 (``benchmarks/sdpa_shapes.py``,
+    benchmarks/results/sdpa_shapes_h100.md) a new (rows, length) shape cost 86 ms of forward +
+    backward against 1.5 ms for the memory-efficient kernel, and a decode step whose KV cache is
+    one key longer each call 36 ms against 0.4 ms. The train engine's padded micro-batches and
+    transformers' generate (a dynamic cache grows every step) both bring new shapes all the time.
+    ``TrainEngineConfig.cudnn_attention`` / ``HFRolloutConfig.cudnn_attention`` set ``cudnn``.
+    """
+    if device.type != "cuda" or cudnn:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([b for b in sdpa_backends_enabled() if b != SDPBackend.CUDNN_ATTENTION])
+
+
 def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager[Any],
                                      contextlib.AbstractContextManager[Any]]:
     """``torch.utils.checkpoint``'s ``context_fn``: a checkpointed layer's recompute (in the

@@ -9,6 +9,8 @@ picks with the option on) gives, up to bf16 rounding (tiny random Llama, 64-dim 
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from gpu_helpers import ragged_batch
@@ -60,3 +62,36 @@ def test_checkpointed_padded_micro_batch_recomputes_with_the_same_kernel():
     _, _, ops = _step(model, gradient_checkpointing=True)
     assert not any("cudnn_attention" in k for k in ops), sorted(k for k in ops if "attention" in k)
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_hf_generate_skips_cudnn_attention_by_default():
+    """``rollout.hf.cudnn_attention``: transformers' generate over left-padded prompts (masked
+    prefill, then decode steps against a cache one key longer each time) runs no cuDNN
+    attention by default, and samples what it samples with cuDNN allowed (greedy, so equal
+    tokens up to bf16 ties: most of them)."""
+    import transformers
+
+    from flowrl.engines.base import SamplingConfig
+    from flowrl.engines.config import HFRolloutConfig
+    from flowrl.engines.rollout.hf import HFRolloutEngine
+
+    tok = transformers.AutoTokenizer.from_pretrained(
+        Path(__file__).resolve().parents[2] / "flowrl/models/assets/smollm2-tokenizer")
+    model = _model()
+    batch = ragged_batch(n=8, seed=3)
+
+    def run(cudnn: bool):
+        eng = HFRolloutEngine(model, tok, HFRolloutConfig(cudnn_attention=cudnn))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = eng.generate(batch["prompt_ids"], batch["prompt_mask"].bool(),
+                               SamplingConfig(temperature=0.0, max_new_tokens=12))
+            torch.cuda.synchronize()
+        return out, {e.key for e in prof.key_averages()}
+
+    out, ops = run(False)
+    assert not any("cudnn_attention" in k for k in ops), sorted(k for k in ops if "attention" in k)
+    assert any("efficient_attention" in k or "flash_attention" in k for k in ops), \
+        sorted(k for k in ops if "attention" in k)
+    out_on, _ = run(True)
+    same = (out.response_ids == out_on.response_ids).float().mean().item()
+    assert same >= 0.75, same

@@ -28,6 +28,7 @@ from transformers import (
 from flowrl.algorithms.masks import response_mask
 from flowrl.engines.base import RolloutBatch, SamplingConfig
 from flowrl.engines.config import HF_CACHE_BUCKET, HFRolloutConfig
+from flowrl.models.attention import sdpa_without_cudnn
 
 
 class _LogprobRecorder(LogitsProcessor):
@@ -281,8 +282,10 @@ class HFRolloutEngine:
             extra = vision_kwargs(self.model, images["pixel_values"], images["image_grid_thw"],
                                   ids, self.device)
         try:
-            seqs = lm.generate(input_ids=ids, attention_mask=mask.long(),
-                               generation_config=gen_cfg, logits_processor=processors, **extra)
+            # no cuDNN attention: a graph per new shape, and every decode step is one
+            with sdpa_without_cudnn(self.device, self.cfg.cudnn_attention):
+                seqs = lm.generate(input_ids=ids, attention_mask=mask.long(),
+                                   generation_config=gen_cfg, logits_processor=processors, **extra)
         finally:
             lm.generation_config = saved
         if isinstance(seqs, Tensor):

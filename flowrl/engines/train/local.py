@@ -32,7 +32,7 @@ from flowrl.models.attention import (
     Documents,
     checkpoint_kwargs,
     packed_attention,
-    sdpa_backends_enabled,
+    sdpa_without_cudnn,
     varlen_probe,
 )
 
@@ -320,11 +320,7 @@ class LocalTrainEngine:
         """SDPA's kernels allowed for a padded micro-batch: on CUDA without
         ``TrainEngineConfig.cudnn_attention``, the ones allowed now less cuDNN (a masked call then
         takes the memory-efficient kernel: no graph built per new shape); else no restriction."""
-        if self.device.type != "cuda" or self.cfg.cudnn_attention:
-            return contextlib.nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        return sdpa_kernel([b for b in sdpa_backends_enabled() if b != SDPBackend.CUDNN_ATTENTION])
+        return sdpa_without_cudnn(self.device, self.cfg.cudnn_attention)
 
     def _vision_inputs(self, mb: Mapping[str, Tensor], p_ids: Tensor, p_mask: Tensor,
                        r_ids: Tensor, r_mask: Tensor) -> tuple[dict[str, Any], Tensor, None]:
