@@ -23,6 +23,10 @@ per-shape costs; its share is not measured apart). :func:`rope_over_one_row` han
 (b, L) positions as one row of b*L (RoPE is per position, so the result is the same), and the
 kernel compiles once.
 
+Decoding runs eager: inside :func:`eager_kernels` (the HF rollout engine's ``generate``) the
+patched modules and RoPE run transformers' own code, since at one token a row liger's host cost
+per call (90-120 µs) outweighs its GPU saving and the decode loop is host-bound.
+
 Caveat (liger-kernel 0.8.5): besides the model instance it is given, ``apply_liger_kernel_to_*``
 replaces the transformers module's RMSNorm / MLP classes and its ``apply_rotary_pos_emb``
 function. :func:`apply_liger_kernels` puts the classes back (the instance keeps its patched
@@ -33,11 +37,13 @@ instance looks it up in that module at call time (same math: tests/gpu/test_lige
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -50,7 +56,43 @@ LIGER_MODES = ("auto", "true", "false")
 AUTO_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
-def rope_over_one_row(inner: RopeFn) -> RopeFn:
+# True inside eager_kernels(): the patched modules and RoPE run transformers' own code
+_EAGER: contextvars.ContextVar[bool] = contextvars.ContextVar("flowrl_eager_kernels", default=False)
+
+
+@contextlib.contextmanager
+def eager_kernels() -> Iterator[None]:
+    """Inside, a model patched by :func:`apply_liger_kernels` runs transformers' own RMSNorm,
+    MLP and RoPE code instead of liger's kernels (same parameters, same math up to bf16
+    rounding); outside, liger's again. Per thread / task (a context variable).
+
+    Why: each liger call costs 90-120 µs of host time (an autograd Function and a Triton launch)
+    against a few µs of GPU time at a decode step's shape (256 rows x 1 token); in the 0.5B HF
+    rollout on an H100 that was 2.2 s of host time in an 8.0 s generate, host-bound
+    (benchmarks/results/e2e_vs_trl_h100.md). Eager's few small ATen ops cost less there.
+    The HF rollout engine decodes inside this (``engines/rollout/hf.py``); training and logprob
+    passes, whose shapes are thousands of tokens, keep liger's kernels.
+    """
+    token = _EAGER.set(True)
+    try:
+        yield
+    finally:
+        _EAGER.reset(token)
+
+
+def _eager_when_asked(module: "nn.Module") -> None:
+    """``module``'s instance-bound ``forward`` (liger's, bound by liger's patch) runs only outside
+    :func:`eager_kernels`; inside, the class's own (transformers') forward runs."""
+    fused = module.__dict__["forward"]
+    eager = type(module).forward.__get__(module, type(module))
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return eager(*args, **kwargs) if _EAGER.get() else fused(*args, **kwargs)
+
+    module.__dict__["forward"] = forward
+
+
+def rope_over_one_row(inner: RopeFn, eager: Optional[RopeFn] = None) -> RopeFn:
     """``inner`` (a RoPE function with transformers' ``apply_rotary_pos_emb`` signature: liger's)
     applied to a micro-batch's rows as one row, so ``inner`` always sees batch size 1.
 
@@ -66,9 +108,12 @@ def rope_over_one_row(inner: RopeFn) -> RopeFn:
     of batch 1 are expanded to b rows (b*L*rotary_dim values copied). Calls ``inner`` unchanged
     for b == 1, ``cos`` not 3-d, or any argument past ``sin`` (``unsqueeze_dim``: a layout this
     was not written for; the attention of the types it is installed for passes none).
+    ``eager`` (transformers' own function) runs instead of all this inside :func:`eager_kernels`.
     """
     def rope(q: "Tensor", k: "Tensor", cos: "Tensor", sin: "Tensor", *args: object,
              **kwargs: object) -> "tuple[Tensor, Tensor]":
+        if eager is not None and _EAGER.get():
+            return eager(q, k, cos, sin, *args, **kwargs)
         b, L = q.shape[0], q.shape[2]
         if b == 1 or cos.dim() != 3 or args or kwargs:
             return inner(q, k, cos, sin, *args, **kwargs)
@@ -85,6 +130,7 @@ def rope_over_one_row(inner: RopeFn) -> RopeFn:
         q1, k1 = inner(one_row(q), one_row(k), flat(cos), flat(sin))
         return rows(q1, q.shape[1]), rows(k1, k.shape[1])
 
+    rope.eager = eager  # type: ignore[attr-defined]  # a later install finds transformers' own
     return rope
 
 
@@ -144,13 +190,20 @@ def apply_liger_kernels(model: "nn.Module") -> str:
                   fused_linear_cross_entropy=False)
     params = inspect.signature(fn).parameters
     before = dict(vars(module)) if module is not None else {}
+    bound = {id(m) for m in model.modules() if "forward" in vars(m)}
     fn(model=model, **{k: v for k, v in wanted.items() if k in params})
     for name, old in before.items():  # the module's classes back (see the module docstring)
         if isinstance(old, type) and getattr(module, name) is not old:
             setattr(module, name, old)
+    for m in model.modules():  # the modules liger's patch bound a forward to
+        if "forward" in vars(m) and id(m) not in bound:
+            _eager_when_asked(m)
     if one_row and module is not None:
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
 
+        current = getattr(module, "apply_rotary_pos_emb")  # noqa: B009
+        eager = getattr(current, "eager", None) or current  # transformers' own, even on a re-install
         # setattr: an attribute of the transformers module that mypy cannot see
-        setattr(module, "apply_rotary_pos_emb", rope_over_one_row(liger_rotary_pos_emb))  # noqa: B010
+        setattr(module, "apply_rotary_pos_emb",  # noqa: B010
+                rope_over_one_row(liger_rotary_pos_emb, eager=eager))
     return str(model_type)

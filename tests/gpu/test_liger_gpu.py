@@ -13,6 +13,7 @@ test restores them (``monkeypatch``) so later tests build eager models.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,3 +123,41 @@ def test_liger_rope_sees_one_row_at_any_row_count(monkeypatch, kind):
         lp_f, _, _ = _logprobs_and_grads(fused, b)
         assert (lp_f - lp_e)[m.bool()].abs().max().item() <= 1e-4
     assert seen and set(seen) == {1}, seen
+
+
+def test_hf_generate_decodes_without_liger_and_training_keeps_it(monkeypatch):
+    """The HF rollout engine decodes inside ``kernels.eager_kernels`` (liger's host cost per call
+    exceeds its GPU saving at one token a row): a liger-patched model's generate runs no liger
+    kernel and samples what the eager model samples (greedy, fp32); the train engine's forward
+    of the same model still runs liger's."""
+    import transformers
+
+    from flowrl.engines.base import SamplingConfig
+    from flowrl.engines.config import HFRolloutConfig
+    from flowrl.engines.rollout.hf import HFRolloutEngine
+    from flowrl.models.kernels import apply_liger_kernels
+
+    _keep_transformers_modules(monkeypatch, "qwen2")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    eager = _tiny("qwen2", torch.float32)
+    fused = copy.deepcopy(eager)
+    apply_liger_kernels(fused)
+    tok = transformers.AutoTokenizer.from_pretrained(
+        Path(__file__).resolve().parents[2] / "flowrl/models/assets/smollm2-tokenizer")
+    b = _batch()
+
+    def generate(model):
+        eng = HFRolloutEngine(model, tok, HFRolloutConfig())
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = eng.generate(b["prompt_ids"], b["prompt_mask"].bool(),
+                               SamplingConfig(temperature=0.0, max_new_tokens=8))
+            torch.cuda.synchronize()
+        return out.response_ids, {e.key for e in prof.key_averages()}
+
+    ids_f, ops = generate(fused)
+    ids_e, _ = generate(eager)
+    assert not any(k.startswith("Liger") for k in ops), sorted(k for k in ops if "Liger" in k)
+    assert torch.equal(ids_f, ids_e)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _logprobs_and_grads(fused, b)
+    assert any(e.key.startswith("LigerRMSNorm") for e in prof.key_averages())

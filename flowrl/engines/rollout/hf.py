@@ -29,6 +29,7 @@ from flowrl.algorithms.masks import response_mask
 from flowrl.engines.base import RolloutBatch, SamplingConfig
 from flowrl.engines.config import HF_CACHE_BUCKET, HFRolloutConfig
 from flowrl.models.attention import sdpa_without_cudnn
+from flowrl.models.kernels import eager_kernels
 
 
 class _LogprobRecorder(LogitsProcessor):
@@ -282,8 +283,11 @@ class HFRolloutEngine:
             extra = vision_kwargs(self.model, images["pixel_values"], images["image_grid_thw"],
                                   ids, self.device)
         try:
-            # no cuDNN attention: a graph per new shape, and every decode step is one
-            with sdpa_without_cudnn(self.device, self.cfg.cudnn_attention):
+            # no cuDNN attention: a graph per new shape, and every decode step is one. Eager
+            # decoding: liger's kernels cost more host time than they save at 1 token a row (a
+            # compiled decode replays CUDA graphs, no host cost: it keeps them)
+            with sdpa_without_cudnn(self.device, self.cfg.cudnn_attention), \
+                    (contextlib.nullcontext() if self.cfg.compile else eager_kernels()):
                 seqs = lm.generate(input_ids=ids, attention_mask=mask.long(),
                                    generation_config=gen_cfg, logits_processor=processors, **extra)
         finally:
