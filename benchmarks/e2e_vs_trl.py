@@ -45,6 +45,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -1188,11 +1189,24 @@ def pair_estimate_s(model: str, rollout: str, fws: list[str], bc: BenchConfig) -
                + bc.total_steps * STEP_S_GUESS.get((model, rollout, fw), 10.0) * scale for fw in fws)
 
 
-def default_child_timeout_s(model: str, rollout: str, fws: list[str], bc: BenchConfig) -> float:
+PROFILED_STEP_S_GUESS = 40.0  # trainer.profile: the profiler's pause after a step (11-14 s) and its overhead
+
+
+def profiled_steps(overrides: list[str]) -> int:
+    """How many steps a ``trainer.profile.steps=[a,b,...]`` override profiles (0 without one)."""
+    for o in overrides:
+        if o.lstrip("+").startswith("trainer.profile.steps="):
+            return len(re.findall(r"\d+", o.split("=", 1)[1]))
+    return 0
+
+
+def default_child_timeout_s(model: str, rollout: str, fws: list[str], bc: BenchConfig,
+                            profiled: int = 0) -> float:
     """``--child-timeout`` when none is given on CUDA: 1.5x the pair's estimate + 60 s, so a hung
     process is killed but a slow start-up is not (a hand-given 240 s killed flowrl's process of a
-    322 s pair at 3c9da7b, losing its rounds)."""
-    return 1.5 * pair_estimate_s(model, rollout, fws, bc) + 60.0
+    322 s pair at 3c9da7b, losing its rounds), plus :data:`PROFILED_STEP_S_GUESS` per profiled
+    step (176 s killed a qwen05b HF pair with 2 profiled steps at 49048df)."""
+    return 1.5 * pair_estimate_s(model, rollout, fws, bc) + 60.0 + profiled * PROFILED_STEP_S_GUESS
 
 
 def plan_rows(models: list[str], rollouts: list[str], fws: list[str], bc: BenchConfig) -> list[list]:
@@ -1395,9 +1409,11 @@ def main(argv: list[str] | None = None) -> int:
                 monitors: dict[str, TreeMonitor] = {}
                 plan_s = pair_estimate_s(model, rollout, fws, base)
                 if args.child_timeout is None and base.device == "cuda":
-                    timeout_s = default_child_timeout_s(model, rollout, fws, base)
+                    profiled = profiled_steps(args.overrides)
+                    timeout_s = default_child_timeout_s(model, rollout, fws, base, profiled)
                     print(f"   --child-timeout {timeout_s:.0f} s (1.5 x the pair's planned "
-                          f"{plan_s:.0f} s + 60)", flush=True)
+                          f"{plan_s:.0f} s + 60" + (f" + {profiled} profiled steps x "
+                          f"{PROFILED_STEP_S_GUESS:.0f}" if profiled else "") + ")", flush=True)
                 else:
                     timeout_s = args.child_timeout
                     if timeout_s is not None and base.device == "cuda" and timeout_s < plan_s:
@@ -1438,7 +1454,7 @@ def main(argv: list[str] | None = None) -> int:
                         meta["gpu"] = meta["gpu"] or run["result"].get("gpu_name")
                     else:
                         failed = True
-                        run["error"] = (f"killed at --child-timeout {args.child_timeout:g} s" if child.timed_out
+                        run["error"] = (f"killed at --child-timeout {timeout_s:g} s" if child.timed_out
                                         else f"exit code {child.returncode}")
                         print(f"{fw} run ({model} / rollout {rollout}) failed: {run['error']}", file=sys.stderr)
                     doc["runs"].append(run)

@@ -166,5 +166,10 @@ def test_default_child_timeout_outlives_the_pair():
     assert bench.pair_estimate_s("qwen05b", "vllm", ["flowrl", "trl"], bc) == pytest.approx(est)
     assert bench.default_child_timeout_s("qwen05b", "vllm", ["flowrl", "trl"], bc) == \
         pytest.approx(1.5 * est + 60)
+    # profiled steps add the profiler's time (2 x 40 s: 176 s killed a profiled pair at 49048df)
+    assert bench.profiled_steps(["x=1", "trainer.profile.steps=[3,4]"]) == 2
+    assert bench.profiled_steps(["trainer.profile.dir=/tmp/p"]) == 0
+    assert bench.default_child_timeout_s("qwen05b", "vllm", ["flowrl", "trl"], bc, profiled=2) == \
+        pytest.approx(1.5 * est + 60 + 80)
     # the hand-given 240 s that killed flowrl's process at 3c9da7b is below the pair's estimate
     assert 240 < est
