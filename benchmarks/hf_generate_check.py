@@ -19,7 +19,17 @@ same sampling (T=0.7, top_p=1, top_k=0), variants interleaved (A B C D, A B C D,
 - ``flowrl_no_recorder``: the same with the logprob recorder a no-op (what recording costs);
 - ``trl_monitored`` / ``flowrl_monitored``: ``trl`` / ``flowrl`` while a second process reads
   this one's ``psutil.memory_full_info`` every 0.25 s, as the e2e benchmark's TreeMonitor does for
-  every framework process (the read walks the process's memory map under its mmap lock).
+  every framework process (the read walks the process's memory map under its mmap lock);
+- ``flowrl_liger``: ``flowrl`` on a liger-patched copy of the model (what a GPU run's shared
+  actor module is, ``model.liger_kernel=auto``); the engine decodes inside
+  ``models/kernels.eager_kernels``, so transformers' own modules run;
+- ``flowrl_liger_fused``: the same with liger's kernels in the decode (before 56a43ab; the
+  e2e profile put 2.2 s of host time in them at 256 rows x 256 tokens).
+
+``--variants a,b`` runs a subset (CUDA only for the liger ones). The liger variants need
+liger-kernel:
+    python benchmarks/hf_generate_check.py --variants trl,flowrl_liger,flowrl_liger_fused \
+        --max-new-tokens 64 --out benchmarks/results/hf_generate_liger_h100.md
 """
 from __future__ import annotations
 
@@ -45,6 +55,9 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--variants", default="trl,trl_eval,flowrl,flowrl_no_recorder,trl_monitored,"
+                   "flowrl_monitored", help="comma-separated subset (plus flowrl_liger, "
+                   "flowrl_liger_fused: CUDA and liger-kernel)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     import torch
@@ -87,6 +100,32 @@ def main() -> int:
                                generation_config=trl_cfg)
         return run
 
+    liger: dict[str, hf.HFRolloutEngine] = {}
+
+    def liger_engine() -> hf.HFRolloutEngine:
+        if "engine" not in liger:  # built only when a liger variant runs
+            import copy
+
+            from flowrl.models.kernels import apply_liger_kernels
+
+            patched = copy.deepcopy(model)
+            apply_liger_kernels(patched)
+            liger["engine"] = hf.HFRolloutEngine(patched, tok, hf.HFRolloutConfig(batch_size=args.rows),
+                                                 shared=True)
+            liger["engine"].eos_token_id = never[0]
+        return liger["engine"]
+
+    def flowrl_liger(fused: bool):
+        def run():
+            eng, orig = liger_engine(), hf.eager_kernels
+            if fused:  # the decode as before 56a43ab: liger's kernels at every step
+                hf.eager_kernels = contextlib.nullcontext  # type: ignore[assignment]
+            try:
+                eng.generate(ids, mask, sampling, generator=torch.Generator().manual_seed(1))
+            finally:
+                hf.eager_kernels = orig  # type: ignore[assignment]
+        return run
+
     def flowrl(record: bool):
         def run():
             orig = hf._LogprobRecorder.__call__, hf._LogprobRecorder.finish
@@ -122,10 +161,17 @@ def main() -> int:
                 sampler.wait()
         return run
 
-    variants = {"trl": trl(True, dev.type == "cuda"), "trl_eval": trl(False, False),
-                "flowrl": flowrl(True), "flowrl_no_recorder": flowrl(False),
-                "trl_monitored": monitored(trl(True, dev.type == "cuda")),
-                "flowrl_monitored": monitored(flowrl(True))}
+    every = {"trl": lambda: trl(True, dev.type == "cuda"), "trl_eval": lambda: trl(False, False),
+             "flowrl": lambda: flowrl(True), "flowrl_no_recorder": lambda: flowrl(False),
+             "trl_monitored": lambda: monitored(trl(True, dev.type == "cuda")),
+             "flowrl_monitored": lambda: monitored(flowrl(True)),
+             "flowrl_liger": lambda: flowrl_liger(False), "flowrl_liger_fused": lambda: flowrl_liger(True)}
+    names = [v for v in args.variants.split(",") if v]
+    if unknown := [v for v in names if v not in every]:
+        p.error(f"unknown variants {unknown}; known: {', '.join(every)}")
+    if "trl" not in names:
+        names.insert(0, "trl")  # the ratios' base
+    variants = {k: every[k]() for k in names}
     times: dict[str, list[float]] = {k: [] for k in variants}
     for name, fn in variants.items():  # warm-up: kernels, allocator pool
         if not name.endswith("_monitored"):

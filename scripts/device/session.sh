@@ -18,7 +18,7 @@
 #   (.flowrl_commit: `git rev-parse --short HEAD > .flowrl_commit` here first; git-ignored, so it
 #   travels only when carried; the device copy's .git is stale and reports an old commit)
 # Phases: first_step, learning, e2e, tier, vlm, nan, hfgen, distill_teacher, distill_arms, gsm8k_mv,
-# tools, sync, lora_sync, neighbours, profile_vllm, profile_hf, profile_solo, sdpa, shapes, rollout_lp (see each below);
+# tools, sync, lora_sync, neighbours, profile_vllm, profile_hf, profile_solo, sdpa, shapes, rollout_lp, gpu_new (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
 set -uo pipefail
@@ -55,8 +55,14 @@ phase_e2e() {  # ~6 min a model: flowrl vs TRL, interleaved rounds (E2E_ARGS --c
   python3 benchmarks/e2e_vs_trl.py --suite gpu ${E2E_ARGS:-} --out "$OUT/e2e_vs_trl_h200.md" \
     --json-out "$OUT/e2e_vs_trl_h200.json" ${X:-}
 }
-phase_hfgen() {  # ~3 min: flowrl's HF generate vs TRL's call (issue 24's 7.51 vs 6.88 s)
-  timeout -k 10 400 python3 benchmarks/hf_generate_check.py --out "$OUT/hf_generate_h200.md"
+phase_hfgen() {  # ~3 min: flowrl's HF generate vs TRL's call (issue 24's 7.51 vs 6.88 s);
+  # HFGEN_ARGS="--variants trl,flowrl_liger,flowrl_liger_fused --max-new-tokens 64": ~1 min, liger in the decode or not
+  timeout -k 10 400 python3 benchmarks/hf_generate_check.py ${HFGEN_ARGS:-} --out "$OUT/hf_generate.md"
+}
+phase_gpu_new() {  # ~1 min: the GPU tests of what changed since the last full tier (GPU_NEW_K: -k)
+  timeout -k 10 ${GPU_NEW_TIMEOUT_S:-200} python3 -m pytest -m gpu tests/gpu/test_liger_gpu.py \
+    tests/gpu/test_attention_backends_gpu.py ${GPU_NEW_K:+-k "$GPU_NEW_K"} -p no:cacheprovider -q -rA \
+    2>&1 | tee "$OUT/gpu_new.log" | tail -n 25
 }
 phase_nan() {  # ~1 min: issue 25's NaN hypothesis, empty attention rows vs left-aligned rows
   timeout -k 10 300 python3 benchmarks/nan_layout_check.py --md-out "$OUT/nan_layout_h200.md"
@@ -205,7 +211,7 @@ for p in "$@"; do
     log "phases $p done in $((SECONDS - t0)) s"
     continue
   fi
-  case "$p" in first_step|learning|e2e|tier|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools|sync|lora_sync|neighbours|profile_vllm|profile_hf|profile_solo|sdpa|shapes|rollout_lp) ;;
+  case "$p" in first_step|learning|e2e|tier|gpu_new|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools|sync|lora_sync|neighbours|profile_vllm|profile_hf|profile_solo|sdpa|shapes|rollout_lp) ;;
   *) log "unknown phase $p"; rc=2; continue ;; esac
   log "phase $p"
   t0=$SECONDS
