@@ -24,7 +24,7 @@ per-shape costs; its share is not measured apart). :func:`rope_over_one_row` han
 kernel compiles once.
 
 Decoding runs eager: inside :func:`eager_kernels` (the HF rollout engine's ``generate``) the
-patched modules and RoPE run transformers' own code, since at one token a row liger's host cost
+patched model runs transformers' own RMSNorm, MLP and RoPE code, since at one token a row liger's host cost
 per call (90-120 µs) outweighs its GPU saving and the decode loop is host-bound.
 
 Caveat (liger-kernel 0.8.5): besides the model instance it is given, ``apply_liger_kernel_to_*``
@@ -38,12 +38,12 @@ instance looks it up in that module at call time (same math: tests/gpu/test_lige
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import importlib.util
 import json
 import sys
+import types
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -56,15 +56,11 @@ LIGER_MODES = ("auto", "true", "false")
 AUTO_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
-# True inside eager_kernels(): the patched modules and RoPE run transformers' own code
-_EAGER: contextvars.ContextVar[bool] = contextvars.ContextVar("flowrl_eager_kernels", default=False)
-
-
 @contextlib.contextmanager
-def eager_kernels() -> Iterator[None]:
-    """Inside, a model patched by :func:`apply_liger_kernels` runs transformers' own RMSNorm,
-    MLP and RoPE code instead of liger's kernels (same parameters, same math up to bf16
-    rounding); outside, liger's again. Per thread / task (a context variable).
+def eager_kernels(model: "nn.Module") -> Iterator[None]:
+    """Inside, ``model`` (patched by :func:`apply_liger_kernels`; any other model is left as it
+    is) runs transformers' own RMSNorm, MLP and RoPE code instead of liger's kernels: same
+    parameters, same math up to bf16 rounding. On exit liger's are back. Nests.
 
     Why: each liger call costs 90-120 µs of host time (an autograd Function and a Triton launch)
     against a few µs of GPU time at a decode step's shape (256 rows x 1 token); in the 0.5B HF
@@ -72,24 +68,33 @@ def eager_kernels() -> Iterator[None]:
     (benchmarks/results/e2e_vs_trl_h100.md). Eager's few small ATen ops cost less there.
     The HF rollout engine decodes inside this (``engines/rollout/hf.py``); training and logprob
     passes, whose shapes are thousands of tokens, keep liger's kernels.
+
+    How: the patched modules' instance ``forward`` (liger's) is removed for the duration, so the
+    class's own runs, and the transformers module's ``apply_rotary_pos_emb`` is its own function
+    again (that swap is module-wide: a model of the same type running in another thread
+    meanwhile would compute the same values with eager RoPE). Nothing is checked per call, so a
+    ``torch.compile``'d model traces no flag (a per-call context check broke its graph at every
+    module).
     """
-    token = _EAGER.set(True)
+    modules = [m for m in model.modules() if "_liger_forward" in vars(m) and "forward" in vars(m)]
+    ropes: dict[types.ModuleType, tuple[RopeFn, RopeFn]] = {}  # module: (installed, eager)
+    for m in model.modules():
+        mod = sys.modules.get(type(m).__module__)
+        rope = getattr(mod, "apply_rotary_pos_emb", None)
+        eager = getattr(rope, "eager", None)
+        if mod is not None and rope is not None and eager is not None:
+            ropes[mod] = (rope, eager)
+    for m in modules:
+        del m.__dict__["forward"]  # the class's own forward runs
+    for mod, (_, eager) in ropes.items():
+        setattr(mod, "apply_rotary_pos_emb", eager)  # noqa: B010
     try:
         yield
     finally:
-        _EAGER.reset(token)
-
-
-def _eager_when_asked(module: "nn.Module") -> None:
-    """``module``'s instance-bound ``forward`` (liger's, bound by liger's patch) runs only outside
-    :func:`eager_kernels`; inside, the class's own (transformers') forward runs."""
-    fused = module.__dict__["forward"]
-    eager = type(module).forward.__get__(module, type(module))
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return eager(*args, **kwargs) if _EAGER.get() else fused(*args, **kwargs)
-
-    module.__dict__["forward"] = forward
+        for m in modules:
+            m.__dict__["forward"] = m.__dict__["_liger_forward"]
+        for mod, (rope, _) in ropes.items():
+            setattr(mod, "apply_rotary_pos_emb", rope)  # noqa: B010
 
 
 def rope_over_one_row(inner: RopeFn, eager: Optional[RopeFn] = None) -> RopeFn:
@@ -108,12 +113,11 @@ def rope_over_one_row(inner: RopeFn, eager: Optional[RopeFn] = None) -> RopeFn:
     of batch 1 are expanded to b rows (b*L*rotary_dim values copied). Calls ``inner`` unchanged
     for b == 1, ``cos`` not 3-d, or any argument past ``sin`` (``unsqueeze_dim``: a layout this
     was not written for; the attention of the types it is installed for passes none).
-    ``eager`` (transformers' own function) runs instead of all this inside :func:`eager_kernels`.
+    ``eager`` (transformers' own function) is kept as the result's ``eager`` attribute: what
+    :func:`eager_kernels` puts back for its duration, and what a later install finds.
     """
     def rope(q: "Tensor", k: "Tensor", cos: "Tensor", sin: "Tensor", *args: object,
              **kwargs: object) -> "tuple[Tensor, Tensor]":
-        if eager is not None and _EAGER.get():
-            return eager(q, k, cos, sin, *args, **kwargs)
         b, L = q.shape[0], q.shape[2]
         if b == 1 or cos.dim() != 3 or args or kwargs:
             return inner(q, k, cos, sin, *args, **kwargs)
@@ -195,9 +199,11 @@ def apply_liger_kernels(model: "nn.Module") -> str:
     for name, old in before.items():  # the module's classes back (see the module docstring)
         if isinstance(old, type) and getattr(module, name) is not old:
             setattr(module, name, old)
-    for m in model.modules():  # the modules liger's patch bound a forward to
-        if "forward" in vars(m) and id(m) not in bound:
-            _eager_when_asked(m)
+    for m in model.modules():  # the modules liger's patch bound a forward to: eager_kernels
+        if "forward" in vars(m) and id(m) not in bound:  # takes it away and puts it back
+            # a bound method, so a deep copy of the model (the frozen reference) rebinds it to
+            # the copy's module (a closure would keep the original's weights)
+            m.__dict__["_liger_forward"] = m.__dict__["forward"]
     if one_row and module is not None:
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
 

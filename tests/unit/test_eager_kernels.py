@@ -1,82 +1,153 @@
 """``eager_kernels`` (flowrl/models/kernels.py): inside it, a model patched with liger's kernels
 runs transformers' own RMSNorm / MLP / RoPE code; outside, liger's. The HF rollout engine decodes
-inside it (liger's per-call host cost exceeds its GPU saving at one token a row). liger itself
-needs CUDA (tests/gpu/test_liger_gpu.py runs the real patch): here a stand-in binds a forward to
-the instance exactly as liger's ``_bind_method_to_module`` does."""
+inside it (liger's per-call host cost exceeds its GPU saving at one token a row).
+
+liger itself needs CUDA (tests/gpu/test_liger_gpu.py runs the real patch). Here a stand-in
+liger package patches a tiny Llama the way liger-kernel 0.8.5 does (a forward bound to each
+RMSNorm and MLP instance, ``_bind_method_to_module``), with the same math plus a call count, and
+the real ``apply_liger_kernels`` installs it."""
 from __future__ import annotations
 
+import copy
+import sys
+import types
+
+import pytest
 import torch
 import transformers
 from test_engines import TOKENIZER_DIR, tiny_llama
-from torch import nn
 from transformers.models.llama import modeling_llama
 
 from flowrl.engines.base import SamplingConfig
-from flowrl.engines.config import HFRolloutConfig
+from flowrl.engines.config import HFRolloutConfig, TrainEngineConfig
 from flowrl.engines.rollout.hf import HFRolloutEngine
-from flowrl.models import kernels
-from flowrl.models.kernels import _eager_when_asked, eager_kernels, rope_over_one_row
+from flowrl.engines.train.local import LocalTrainEngine
+from flowrl.models.kernels import apply_liger_kernels, eager_kernels
+
+CALLS: list[str] = []
 
 
-class _Norm(nn.Module):
-    def forward(self, x):
-        return x + 1  # "transformers' own"
+def _fused_norm(self, x):
+    CALLS.append("norm")
+    return modeling_llama.LlamaRMSNorm.forward(self, x)
 
 
-def _fused(self, x):
-    return x + 100  # "liger's"
+def _fused_mlp(self, x):
+    CALLS.append("mlp")
+    return modeling_llama.LlamaMLP.forward(self, x)
 
 
-def _patched() -> _Norm:
-    m = _Norm()
-    m.__dict__["forward"] = _fused.__get__(m, type(m))  # liger's _bind_method_to_module
-    _eager_when_asked(m)
-    return m
+def _fused_rope(q, k, cos, sin):
+    CALLS.append("rope")
+    return modeling_llama.apply_rotary_pos_emb.eager(q, k, cos, sin)
 
 
-def test_patched_module_runs_eager_only_inside():
-    m, x = _patched(), torch.zeros(2)
-    assert m(x).tolist() == [100.0, 100.0]
-    with eager_kernels():
-        assert m(x).tolist() == [1.0, 1.0]
-        with eager_kernels():  # nested
-            assert m(x).tolist() == [1.0, 1.0]
-        assert m(x).tolist() == [1.0, 1.0]
-    assert m(x).tolist() == [100.0, 100.0]
+def _apply_fake_liger(model=None, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                      fused_linear_cross_entropy=False):
+    for m in model.modules():  # liger's _bind_method_to_module
+        if isinstance(m, modeling_llama.LlamaRMSNorm):
+            m.__dict__["forward"] = _fused_norm.__get__(m, type(m))
+        elif isinstance(m, modeling_llama.LlamaMLP):
+            m.__dict__["forward"] = _fused_mlp.__get__(m, type(m))
 
 
-def test_rope_runs_transformers_own_inside():
-    calls = []
-
-    def inner(q, k, cos, sin):
-        calls.append("liger")
-        return modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
-
-    def eager(q, k, cos, sin, *a, **kw):
-        calls.append("eager")
-        return modeling_llama.apply_rotary_pos_emb(q, k, cos, sin, *a, **kw)
-
-    rope = rope_over_one_row(inner, eager=eager)
-    assert rope.eager is eager  # a re-install finds transformers' own through it
-    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8)
-    cos, sin = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
-    out = rope(q, k, cos, sin)
-    with eager_kernels():
-        out_eager = rope(q, k, cos, sin)
-    assert calls == ["liger", "eager"]
-    assert torch.equal(out[0], out_eager[0]) and torch.equal(out[1], out_eager[1])
+@pytest.fixture
+def fake_liger(monkeypatch):
+    """A liger-kernel package whose llama patch is the stand-in above; transformers' llama
+    module back as it was at teardown (the patch replaces its RoPE function)."""
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+    pkg = {n: types.ModuleType(n) for n in ("liger_kernel", "liger_kernel.transformers",
+                                             "liger_kernel.transformers.monkey_patch",
+                                             "liger_kernel.transformers.rope")}
+    pkg["liger_kernel.transformers.monkey_patch"].MODEL_TYPE_TO_APPLY_LIGER_FN = {
+        "llama": _apply_fake_liger}
+    pkg["liger_kernel.transformers.rope"].liger_rotary_pos_emb = _fused_rope
+    for name, mod in pkg.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    CALLS.clear()
+    yield
 
 
-def test_hf_generate_decodes_eager_unless_compiled():
+def _patched():
+    model = tiny_llama()
+    eager = copy.deepcopy(model)
+    assert apply_liger_kernels(model) == "llama"
+    return model, eager
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_eager_inside_liger_outside_same_values(fake_liger):
+    model, eager = _patched()
+    installed = modeling_llama.apply_rotary_pos_emb
+    ids = torch.tensor([[5, 6, 7, 8]])
+    want = _logits(eager, ids)
+    got = _logits(model, ids)
+    assert {"norm", "mlp", "rope"} <= set(CALLS)
+    CALLS.clear()
+    with eager_kernels(model):
+        assert modeling_llama.apply_rotary_pos_emb is installed.eager
+        with eager_kernels(model):  # nested
+            inside = _logits(model, ids)
+        assert _logits(model, ids).shape == inside.shape
+    assert CALLS == []  # no fused call inside
+    assert modeling_llama.apply_rotary_pos_emb is installed
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(inside, want)
+    _logits(model, ids)
+    assert {"norm", "mlp", "rope"} <= set(CALLS)  # liger's again after
+
+
+def test_a_model_without_liger_is_left_alone(fake_liger):
+    model = tiny_llama()
+    before = dict(vars(modeling_llama))
+    with eager_kernels(model):
+        assert modeling_llama.apply_rotary_pos_emb is before["apply_rotary_pos_emb"]
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_a_deep_copy_computes_with_its_own_weights(fake_liger):
+    """The frozen reference is a deep copy of the patched actor: each runs on its own weights,
+    liger's way and eagerly."""
+    model, _ = _patched()
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(0.5)
+    ids = torch.tensor([[5, 6, 7]])
+    a, b = _logits(model, ids), _logits(ref, ids)
+    assert not torch.allclose(a, b)
+    with eager_kernels(ref):
+        torch.testing.assert_close(_logits(ref, ids), b)
+    torch.testing.assert_close(_logits(model, ids), a)
+
+
+def test_no_per_call_flag_for_torch_compile(fake_liger):
+    """Nothing in the patched forward reads a flag per call: dynamo traces the whole model in
+    one graph (a context-variable check broke it at every module)."""
+    model, _ = _patched()
+    explained = torch._dynamo.explain(model)(input_ids=torch.tensor([[5, 6, 7]]))
+    assert explained.graph_break_count == 0, [r.reason[:120] for r in explained.break_reasons]
+
+
+def test_hf_generate_decodes_eager_and_training_keeps_liger(fake_liger):
+    model, _ = _patched()
     tok = transformers.AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    seen: list[bool] = []
-    for compile_ in (None, True):
-        model = tiny_llama()
-        model.register_forward_pre_hook(lambda m, a: seen.append(kernels._EAGER.get()))
-        eng = HFRolloutEngine(model, tok, HFRolloutConfig(compile=compile_))
-        ids = torch.tensor([[5, 6, 7]])
-        eng.generate(ids, torch.ones_like(ids, dtype=torch.bool),
-                     SamplingConfig(temperature=0.0, max_new_tokens=3))
-    # eager: prefill and two decode steps inside; compile=true (a no-op on CPU): outside
-    assert seen == [True] * 3 + [False] * 3
-    assert kernels._EAGER.get() is False
+    ids = torch.tensor([[5, 6, 7]])
+    out = HFRolloutEngine(model, tok, HFRolloutConfig()).generate(
+        ids, torch.ones_like(ids, dtype=torch.bool), SamplingConfig(temperature=0.0, max_new_tokens=3))
+    assert out.response_ids.shape[1] >= 1
+    assert CALLS == []  # prefill and decode: transformers' own code
+    eng = LocalTrainEngine(model, TrainEngineConfig(logprob_chunk_size=None))
+    batch = dict(prompt_ids=ids, prompt_mask=torch.ones_like(ids, dtype=torch.bool),
+                 response_ids=torch.tensor([[8, 9]]), response_mask=torch.tensor([[True, True]]))
+    eng.logprobs(batch, temperature=1.0)
+    assert {"norm", "mlp", "rope"} <= set(CALLS)  # the trainer's forward: liger's
+    CALLS.clear()
+    # rollout.hf.compile=true keeps liger in the decode (CUDA graphs replay it: no host cost)
+    HFRolloutEngine(model, tok, HFRolloutConfig(compile=True)).generate(
+        ids, torch.ones_like(ids, dtype=torch.bool), SamplingConfig(temperature=0.0, max_new_tokens=2))
+    assert "norm" in CALLS

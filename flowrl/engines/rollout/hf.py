@@ -287,7 +287,7 @@ class HFRolloutEngine:
             # decoding: liger's kernels cost more host time than they save at 1 token a row (a
             # compiled decode replays CUDA graphs, no host cost: it keeps them)
             with sdpa_without_cudnn(self.device, self.cfg.cudnn_attention), \
-                    (contextlib.nullcontext() if self.cfg.compile else eager_kernels()):
+                    (contextlib.nullcontext() if self.cfg.compile else eager_kernels(self.model)):
                 seqs = lm.generate(input_ids=ids, attention_mask=mask.long(),
                                    generation_config=gen_cfg, logits_processor=processors, **extra)
         finally:
