@@ -312,7 +312,10 @@ def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, 
     else:
         rollout = (f"HF generate, rollout.hf batch_size={tc.rollout.hf.batch_size} "
                    f"cache_implementation={tc.rollout.hf.cache_implementation} "
-                   f"compile={tc.rollout.hf.compile} (null = off)")
+                   f"compile={tc.rollout.hf.compile} (null = off) "
+                   f"cudnn_attention={tc.rollout.hf.cudnn_attention} (False = SDPA without cuDNN); "
+                   "decoded with transformers' own modules where liger patched the model "
+                   "(models/kernels.eager_kernels, uncompiled decode)")
         trl_rollout = ("use_vllm=False: transformers generate, one call for the generation batch, "
                        "cache_implementation=None (TRL's default: the dynamic cache, not compiled)")
     return [
@@ -323,7 +326,9 @@ def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, 
          f"trainer.engine.padding_free={e.padding_free} (packed micro-batches: on CUDA with "
          "flash_attention_*, flex_attention, sdpa_flex or sdpa_varlen), "
          f"trainer.engine.cudnn_attention={e.cudnn_attention} (padded micro-batches: False = "
-         "SDPA without cuDNN)",
+         "SDPA without cuDNN), trainer.engine.reshard_after_forward="
+         f"{e.reshard_after_forward} (null: FSDP2 keeps each layer's bf16 copy through a pass "
+         "at one rank)",
          "the same loaded model, padded batches (padding_free=False, TRL's default), SDPA's own "
          "choice of kernel (cuDNN on an H100/H200)"),
         ("fused kernels", f"model.liger_kernel={tc.model.liger_kernel} (auto: liger-kernel's "

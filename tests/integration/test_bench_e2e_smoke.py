@@ -67,6 +67,8 @@ def test_tiny_one_step_writes_both_rows(tmp_path):
     assert (settings["KL"]["flowrl"], settings["KL"]["TRL"]) == ("kl_coef=0.0 (no ref stage)",
                                                                  "beta=0.0 (no ref model)")
     assert "max_completion_length=8" in settings["sampling"]["TRL"]
+    assert "reshard_after_forward=None" in settings["attention"]["flowrl"]
+    assert "cudnn_attention=False" in settings["rollout"]["flowrl"]  # the HF engine's
 
     doc = json.loads(js.read_text())
     assert [(r["framework"], r["rollout"]) for r in doc["runs"]] == [("flowrl", "hf"), ("trl", "hf")]
