@@ -166,9 +166,15 @@ def main() -> int:
              "trl_monitored": lambda: monitored(trl(True, dev.type == "cuda")),
              "flowrl_monitored": lambda: monitored(flowrl(True)),
              "flowrl_liger": lambda: flowrl_liger(False), "flowrl_liger_fused": lambda: flowrl_liger(True)}
-    names = [v for v in args.variants.split(",") if v]
+    names = list(dict.fromkeys(v.strip() for v in args.variants.split(",") if v.strip()))
     if unknown := [v for v in names if v not in every]:
         p.error(f"unknown variants {unknown}; known: {', '.join(every)}")
+    if any(v.startswith("flowrl_liger") for v in names):
+        from flowrl.models.kernels import liger_importable
+
+        if dev.type != "cuda" or not liger_importable():
+            p.error("the flowrl_liger* variants need a CUDA device and liger-kernel "
+                    "(pip install -e '.[gpu]')")
     if "trl" not in names:
         names.insert(0, "trl")  # the ratios' base
     variants = {k: every[k]() for k in names}

@@ -366,7 +366,8 @@ def _main(argv=None) -> int:
     p.add_argument("--shape", choices=tuple(SHAPES), default=None,
                    help="model shape (default: qwen05b on cuda, smoke on cpu)")
     p.add_argument("--variants", default="base,mbt32k,rows32,chunk4k,lpcompile,fusedadam,liger,"
-                   "compile,varlen,noentropy,liger+fusedadam+mbt32k")
+                   "compile,varlen,noentropy,liger+fusedadam+mbt32k",
+                   help="comma-separated; a+b combines knobs. Knobs: " + ", ".join(KNOBS))
     p.add_argument("--rows", type=int, default=None, help="rows per step (default 256; cpu 16)")
     p.add_argument("--prompt-len", default="80,220", help="lo,hi valid prompt tokens")
     p.add_argument("--response-len", type=int, default=None, help="default 256 (cpu 32)")
@@ -399,10 +400,13 @@ def _main(argv=None) -> int:
     p_lo, p_hi = (int(x) for x in args.prompt_len.split(","))
     if not cuda:
         p_lo, p_hi = min(p_lo, 8), min(p_hi, 24)
-    names = [n for n in args.variants.split(",") if n]
+    names = list(dict.fromkeys(n.strip() for n in args.variants.split(",") if n.strip()))
     unknown = [k for n in names for k in n.split("+") if k not in KNOBS]
     if unknown:
         p.error(f"unknown variant knob(s) {unknown}; known: {sorted(KNOBS)}")
+    if lone := [n for n in names if "reshard" in n.split("+") and "fsdp" not in n.split("+")]:
+        p.error(f"{lone}: the reshard knob sets an FSDP engine's option; combine it with fsdp "
+                "(e.g. fsdp+reshard)")
     skipped = [n for n in names if not cuda and any(KNOBS[k].get("cuda_only") for k in n.split("+"))]
     names = [n for n in names if n not in skipped]
     if "base" not in names:

@@ -83,6 +83,45 @@ def _field_type(cls: Any, name: str) -> Optional[type]:
     return t if isinstance(t, type) and dataclasses.is_dataclass(t) else None
 
 
+def _bool_field(path: Sequence[str]) -> Optional[bool]:
+    """For a dotted schema path: None when the leaf is not a bool field, else whether it is
+    ``Optional[bool]`` (null allowed)."""
+    import dataclasses
+    import typing
+
+    from flowrl.config import TrainConfig
+
+    cls: Any = TrainConfig
+    for part in path[:-1]:
+        cls = _field_type(cls, part)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return None
+    t = typing.get_type_hints(cls).get(path[-1])
+    if t is bool:
+        return False
+    args = typing.get_args(t)
+    return True if typing.get_origin(t) is typing.Union and set(args) == {bool, type(None)} else None
+
+
+def loose_bool_override(overrides: Sequence[str]) -> Optional[str]:
+    """One line for a bool field given anything but true or false (or null where the field
+    allows it), or None. OmegaConf reads any integer and yes/no/on/off as a bool, so
+    ``trainer.engine.gradient_checkpointing=7`` would silently turn it on and ``=0`` off."""
+    for o in overrides:
+        if o.startswith("~") or "=" not in o:
+            continue
+        key, value = o.lstrip("+").split("=", 1)
+        optional = _bool_field(key.split("."))
+        if optional is None:
+            continue
+        v = value.strip().strip("'\"").lower()
+        if v in ("true", "false") or (optional and v == "null") or v.startswith("${"):
+            continue  # (an interpolation resolves later, to whatever it names)
+        return (f"{key}={value}: {key} takes true or false{' (or null)' if optional else ''}, "
+                f"got {value!r}")
+    return None
+
+
 def null_group_override(overrides: Sequence[str]) -> Optional[str]:
     """One line for a key set under a config group whose default is null (``cluster.nodes=2``
     without ``cluster=<option>``: Hydra fails with a bare ``AssertionError: Unexpected type for
@@ -310,7 +349,8 @@ def explain(e: BaseException, overrides: Sequence[str] = ()) -> str:
                 if isinstance(default, (dict, list, DictConfig, ListConfig)):
                     return (f"{key}=null: {key} is a section that cannot be null; set one of "
                             f"its keys ({key}.<name>=VALUE)")
-                example = f" (its default: {key}={default})" if default is not None else ""
+                shown = str(default).lower() if isinstance(default, bool) else default
+                example = f" (its default: {key}={shown})" if default is not None else ""
                 return f"{key}=null: {key} takes a value, not null{example}"
             if "is not a ListConfig, list or tuple" in first:  # a list field given one value
                 return (f"{key}={value}: {key} takes a list, got {value!r} (e.g. "

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from flowrl.config import REPO_ROOT, compose, task_section, to_train_config
+from flowrl.config_errors import loose_bool_override
 from flowrl.machine import check_machine, resolve_machine_defaults
 from flowrl.runtime.control.preflight import ConfigError, check_run
 from flowrl.runtime.control.spec import RunSpec
@@ -42,6 +43,8 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
         overrides = list(source) if overrides is None else overrides
         source = compose(list(source), with_hydra=True)
     given = None if overrides is None else list(overrides)
+    if given and (loose := loose_bool_override(given)):
+        raise ConfigError(loose)
     try:
         task = task_section(source)  # Hydra's run dir pinned: the run is checked before it exists
         cfg = to_train_config(task)  # a bad field stops here, before torch is imported

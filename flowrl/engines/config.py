@@ -177,16 +177,17 @@ class TrainEngineConfig:
             SDPA takes the memory-efficient kernel, which has no per-shape build (attention was
             ~6 % of the 0.5B update's GPU time in the H100 profile). The cost per new shape:
             ``benchmarks/sdpa_shapes.py``.
-        reshard_after_forward: FSDP only. Free each layer's gathered (bf16 compute) parameters
+        reshard_after_forward: FSDP only (``strategy=fsdp``, or any run on CUDA or > 1 rank).
+            True: free each layer's gathered parameters (in the compute dtype: bf16 on CUDA)
             after its forward (``fully_shard(reshard_after_forward=...)``) and gather them again
-            in backward. None = auto: yes when the pool has more than one rank (the shards are
-            smaller than the layer), no at one rank, where the "shard" is the whole parameter and
-            resharding only drops the bf16 copy and re-casts it for every backward; at one rank
-            the copies then also stay across the micro-batches of an update (cast once per
-            optimizer step, not twice per micro-batch). Either way every gathered copy is
-            dropped at the end of ``train_step`` and ``logprobs``, so an optimizer step or an
-            offload never leaves a stale or resident copy behind. Costs one bf16 copy of the
-            model while an update or a logprob pass runs.
+            in backward, per micro-batch. False: keep them gathered through the whole pass,
+            across the update's micro-batches too (gathered once per optimizer step); every
+            gathered copy is dropped when ``train_step``, ``logprobs`` or ``values`` ends, so an
+            optimizer step or an offload never meets a stale or resident copy. Costs the whole
+            model's gathered copy on every rank while a pass runs. None = auto: False when the
+            pool has one rank (the "shard" is the whole parameter, so resharding only re-casts
+            it: 0.82x the update time with False at SmolLM2's shape on an H100,
+            benchmarks/results/update_shapes_h100.md), True on more.
         max_param_growth: the post-step guard (``engines/train/guard.py``): the run stops
             with a clear error when a step leaves non-finite parameters or multiplies the
             largest |parameter| by more than this (an AdamW step moves a weight by about lr);

@@ -66,8 +66,13 @@ def eager_kernels(model: "nn.Module") -> Iterator[None]:
     against a few µs of GPU time at a decode step's shape (256 rows x 1 token); in the 0.5B HF
     rollout on an H100 that was 2.2 s of host time in an 8.0 s generate, host-bound
     (benchmarks/results/e2e_vs_trl_h100.md). Eager's few small ATen ops cost less there.
-    The HF rollout engine decodes inside this (``engines/rollout/hf.py``); training and logprob
-    passes, whose shapes are thousands of tokens, keep liger's kernels.
+    The HF rollout engine runs its whole ``generate`` inside this (``engines/rollout/hf.py``;
+    the prefill too: one call of many, not worth a switch), except with
+    ``rollout.hf.compile=true``, whose CUDA graphs replay liger's kernels with no host cost;
+    training and logprob passes, whose shapes are thousands of tokens, keep liger's kernels.
+    RoPE goes back to transformers' own only where flowrl installed liger's
+    (``rope_over_one_row``: the types of :data:`AUTO_MODEL_TYPES`); another type forced on with
+    ``model.liger_kernel=true`` keeps liger's own RoPE patch here.
 
     How: the patched modules' instance ``forward`` (liger's) is removed for the duration, so the
     class's own runs, and the transformers module's ``apply_rotary_pos_emb`` is its own function

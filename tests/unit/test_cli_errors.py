@@ -245,3 +245,34 @@ def test_a_null_section_says_it_is_a_section(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "flowrl plan: error: trainer.engine=null: trainer.engine is a section that cannot be "
         "null; set one of its keys (trainer.engine.<name>=VALUE)"]
+
+
+@pytest.mark.parametrize("override,expected", [
+    # OmegaConf reads any integer and yes/no/on/off as a bool: refused before anything loads
+    ("trainer.engine.gradient_checkpointing=7",
+     "trainer.engine.gradient_checkpointing=7: trainer.engine.gradient_checkpointing takes true "
+     "or false, got '7'"),
+    ("rollout.hf.cudnn_attention=on",
+     "rollout.hf.cudnn_attention=on: rollout.hf.cudnn_attention takes true or false, got 'on'"),
+    ("trainer.engine.reshard_after_forward=0",  # Optional[bool]: null is allowed too
+     "trainer.engine.reshard_after_forward=0: trainer.engine.reshard_after_forward takes true or "
+     "false (or null), got '0'"),
+    # null where a bool has no off value: its default in YAML spelling
+    ("trainer.engine.gradient_checkpointing=null",
+     "trainer.engine.gradient_checkpointing=null: trainer.engine.gradient_checkpointing takes a "
+     "value, not null (its default: trainer.engine.gradient_checkpointing=false)"),
+])
+def test_a_bool_takes_only_true_or_false(capsys, override, expected):
+    from flowrl.cli import main
+
+    assert main(["plan", "model=tiny", override]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"flowrl plan: error: {expected}"]
+
+
+@pytest.mark.parametrize("override", ["trainer.engine.reshard_after_forward=null",
+                                      "trainer.engine.reshard_after_forward=false",
+                                      "rollout.hf.cudnn_attention=True", "+trainer.profile.trace=false"])
+def test_true_false_and_an_optional_null_pass(override):
+    from flowrl.config_errors import loose_bool_override
+
+    assert loose_bool_override(["model=tiny", "trainer.total_steps=3", override]) is None

@@ -152,6 +152,11 @@ class FSDPMixin(_EngineBase):
         # drop the bf16 compute copy and cast it again in backward (per layer, per micro-batch)
         keep = cfg.reshard_after_forward
         self.reshard_after_forward = self.world_size > 1 if keep is None else keep
+        if keep is None and trainable:
+            log.info("resolved trainer.engine.reshard_after_forward=%s (%s)",
+                     str(self.reshard_after_forward).lower(),
+                     f"{self.world_size} ranks shard each layer" if self.world_size > 1 else
+                     "one rank: each layer's compute copy is kept through a pass")
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)
         # the root keeps fully_shard's default when resharding: it stays gathered after forward
