@@ -353,10 +353,11 @@ def flops_of(batch: dict, shape: str) -> float:
 def main(argv=None) -> int:
     import torch.distributed as dist
 
+    ours = not dist.is_initialized()
     try:
         return _main(argv)
-    finally:  # the FSDP variants' world of one (an in-process caller gets a clean slate back)
-        if dist.is_initialized():
+    finally:  # the FSDP variants' world of one, if this call made it (a caller's own stays)
+        if ours and dist.is_initialized():
             dist.destroy_process_group()
 
 

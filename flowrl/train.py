@@ -43,7 +43,7 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
         overrides = list(source) if overrides is None else overrides
         source = compose(list(source), with_hydra=True)
     given = None if overrides is None else list(overrides)
-    if given and (loose := loose_bool_override(given)):
+    if loose := loose_bool_override(given if given is not None else _hydra_task_overrides()):
         raise ConfigError(loose)
     try:
         task = task_section(source)  # Hydra's run dir pinned: the run is checked before it exists
@@ -54,6 +54,14 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
         raise e if isinstance(e, ConfigError) else ConfigError(str(e)) from e
     return RunSpec(source, cfg, plan, placement, tuple(resolved),
                    None if given is None else tuple(given))
+
+
+def _hydra_task_overrides() -> list[str]:
+    """The command line's overrides inside a Hydra job (``flowrl train -m ...``: each multirun
+    job composes its own); none outside one."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def train(source: "RunSpec | DictConfig | dict") -> dict[str, Any]:

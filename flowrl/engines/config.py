@@ -62,6 +62,11 @@ class HFRolloutConfig:
             per new shape (36 ms against 0.4 ms per decode call on an H100,
             ``flowrl.models.attention.sdpa_without_cudnn``). Off, SDPA takes the
             memory-efficient kernel (or flash, where no mask is needed).
+
+    On a model with liger-kernel's RMSNorm/SwiGLU/RoPE (``model.liger_kernel``), an uncompiled
+    ``generate`` runs transformers' own modules (``models/kernels.eager_kernels``) while the
+    trainer recomputes with liger's: the two differ by bf16 rounding, which shows in
+    ``rollout/logprob_mismatch`` as a small shift, not a weight-sync fault.
     """
 
     batch_size: int = 64
@@ -183,8 +188,8 @@ class TrainEngineConfig:
             in backward, per micro-batch. False: keep them gathered through the whole pass,
             across the update's micro-batches too (gathered once per optimizer step); every
             gathered copy is dropped when ``train_step``, ``logprobs`` or ``values`` ends, so an
-            optimizer step or an offload never meets a stale or resident copy. Costs the whole
-            model's gathered copy on every rank while a pass runs. None = auto: False when the
+            optimizer step or an offload never meets a resident copy. Costs the whole model's
+            gathered copy on every rank while a pass runs. None = auto: False when the
             pool has one rank (the "shard" is the whole parameter, so resharding only re-casts
             it: 0.82x the update time with False at SmolLM2's shape on an H100,
             benchmarks/results/update_shapes_h100.md), True on more.

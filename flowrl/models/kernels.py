@@ -81,7 +81,9 @@ def eager_kernels(model: "nn.Module") -> Iterator[None]:
     ``torch.compile``'d model traces no flag (a per-call context check broke its graph at every
     module).
     """
-    modules = [m for m in model.modules() if "_liger_forward" in vars(m) and "forward" in vars(m)]
+    # only where liger's forward is still the one installed (a later wrapper is left alone)
+    modules = [m for m in model.modules()
+               if "_liger_forward" in vars(m) and vars(m).get("forward") is vars(m)["_liger_forward"]]
     ropes: dict[types.ModuleType, tuple[RopeFn, RopeFn]] = {}  # module: (installed, eager)
     for m in model.modules():
         mod = sys.modules.get(type(m).__module__)

@@ -3,9 +3,9 @@
 At one rank the "shard" is the whole parameter: resharding after forward only drops the compute
 copy and makes it again for backward. ``TrainEngineConfig.reshard_after_forward=None`` (auto)
 turns it off there, keeps the copies across the update's micro-batches, and drops them when a
-pass ends. These tests hold that to the resharding engine's numbers, exactly (fp32 on CPU), and
-check that no gathered copy outlives a pass (it would stay on the device through an offload and
-serve stale weights after an optimizer step).
+pass ends. These tests hold that to the resharding engine's numbers, exactly (fp32 on CPU),
+check that the copies really are kept from one micro-batch to the next, and that no gathered
+copy outlives a pass in either mode (it would hold device memory until the next backward).
 """
 from __future__ import annotations
 
@@ -44,10 +44,20 @@ def _engine(cls, model, **cfg):
     return fsdp_variant(cls)(model, TrainEngineConfig(lr=worker.LR, micro_batch_size=2, **cfg))
 
 
+def _layer_sharded_at_each_forward(engine) -> list[bool]:
+    """Whether the first decoder layer's weight is a shard (DTensor) as each micro-batch's
+    forward starts (the root's pre-forward hook runs first: the layers are not gathered yet)."""
+    seen: list[bool] = []
+    w = engine.model.model.layers[0].self_attn.q_proj
+    engine.model.register_forward_pre_hook(lambda m, a: seen.append(isinstance(w.weight, DTensor)))
+    return seen
+
+
 def test_one_rank_default_keeps_copies_and_matches_resharding(one_rank):
     keep = _engine(LocalTrainEngine, worker.make_model())
     again = _engine(LocalTrainEngine, worker.make_model(), reshard_after_forward=True)
     assert (keep.reshard_after_forward, again.reshard_after_forward) == (False, True)
+    seen_keep, seen_again = _layer_sharded_at_each_forward(keep), _layer_sharded_at_each_forward(again)
     for step in (1, 2, 3):  # 8 rows, 4 micro-batches a pass; logprobs, then the update
         batch = worker.global_batch(step)
         a = worker.update_once(keep, batch, DistInfo(), step)
@@ -57,14 +67,20 @@ def test_one_rank_default_keeps_copies_and_matches_resharding(one_rank):
         for k in ("actor/pg_loss", "actor/grad_norm", "actor/loss"):
             assert a[k] == b[k], (step, k)
         assert a["actor/grad_norm"] > 0.1  # the steps moved the weights
+    # each pass (logprobs, then the update: 4 micro-batches each) gathers once when keeping,
+    # at every micro-batch when resharding
+    assert seen_keep == [True, False, False, False] * 6
+    assert seen_again == [True] * 24
     # the weights after three optimizer steps: identical
     for (n, p), (_, q) in zip(keep.model.named_parameters(), again.model.named_parameters()):
         assert torch.equal(p.full_tensor(), q.full_tensor()), n
 
 
-def test_no_grad_pass_drops_copies_before_the_weights_change(one_rank):
-    """logprobs alone leaves no gathered copy: the next step's weights are the optimizer's."""
-    eng = _engine(LocalTrainEngine, worker.make_model())
+@pytest.mark.parametrize("reshard", [None, True])
+def test_no_grad_pass_drops_copies(one_rank, reshard):
+    """logprobs alone leaves no gathered copy, keeping or not (FSDP keeps the root gathered
+    after forward by itself), and the pass after an update sees the new weights."""
+    eng = _engine(LocalTrainEngine, worker.make_model(), reshard_after_forward=reshard)
     batch = worker.global_batch(1)
     before = eng.logprobs(batch, temperature=1.0).logprobs
     assert _sharded(eng)

@@ -276,3 +276,20 @@ def test_true_false_and_an_optional_null_pass(override):
     from flowrl.config_errors import loose_bool_override
 
     assert loose_bool_override(["model=tiny", "trainer.total_steps=3", override]) is None
+
+
+def test_a_loose_bool_is_refused_in_a_hydra_multirun_job_too(capsys, tmp_path, monkeypatch):
+    """``flowrl train -m ...``: each job composes inside Hydra, where the check reads Hydra's
+    own record of the overrides."""
+    import sys
+
+    from flowrl.train import main
+
+    monkeypatch.setattr(sys, "argv", ["flowrl"])
+    with pytest.raises(SystemExit) as e:
+        main(["-m", "model=tiny", "trainer=smoke", "rollout.hf.cudnn_attention=yes",
+              f"hydra.sweep.dir={tmp_path}"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "flowrl train: error: rollout.hf.cudnn_attention=yes: rollout.hf.cudnn_attention takes "
+        "true or false, got 'yes'")

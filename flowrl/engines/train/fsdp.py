@@ -197,12 +197,14 @@ class FSDPMixin(_EngineBase):
         loss.backward()
 
     def _end_pass(self) -> None:
-        # without reshard after forward a no-grad pass (logprobs, values) leaves the gathered
-        # copies in place: they would stay on the device through an offload and, after an
-        # optimizer step, serve stale weights; a no-op for units already resharded
-        if not self.reshard_after_forward:
-            for unit in self._units:
-                unit.reshard()
+        # a no-grad pass (logprobs, values) leaves gathered copies in place: every unit without
+        # reshard after forward, and the root either way (FSDP keeps it gathered after forward
+        # for the backward that would follow); they would hold device memory until the next
+        # backward or offload. A no-op for units already resharded. (A unit whose own forward
+        # raised stays in FSDP's forward state and keeps its copy: flowrl does not go on after
+        # such an exception.)
+        for unit in self._units:
+            unit.reshard()
 
     def _coll_device(self) -> torch.device:
         return self.device if str(dist.get_backend(self.group)) == "nccl" else torch.device("cpu")
