@@ -378,7 +378,8 @@ def _main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--profile", default="base", help="variants to profile one step of ('' = none)")
+    p.add_argument("--profile", default="base", help="variants to profile one step of ('' = none; "
+                   "CUDA only)")
     p.add_argument("--neighbours", type=int, default=0,
                    help="vLLM engine processes beside the update: time each variant with none, "
                    "awake and asleep (see the docstring; needs vLLM)")
@@ -453,6 +454,8 @@ def _main(argv=None) -> int:
         p.error(f"--profile-under takes none, awake, asleep (awake/asleep need --neighbours), got {bad or under}")
 
     def profile_all(condition: str) -> None:
+        if not cuda:  # the profile reads GPU kernel time: on the CPU it would report 0 s of it
+            return
         for n in [x for x in args.profile.split(",") if x]:
             v = next((x for x in variants if x.name == n), None)
             if v is not None and condition in under:
