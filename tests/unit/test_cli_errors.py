@@ -214,6 +214,14 @@ def test_a_sampling_value_out_of_range_names_its_full_key(capsys):
         "flowrl plan: error: invalid config: rollout.sampling.temperature must be >= 0, got -1.0"]
 
 
+def _plan_refuses(capsys, override: str) -> list[str]:
+    """``flowrl plan model=tiny <override>``: exit status 2 and its error lines."""
+    from flowrl.cli import main
+
+    assert main(["plan", "model=tiny", override]) == 2
+    return capsys.readouterr().err.splitlines()
+
+
 @pytest.mark.parametrize("override,expected", [
     # a section's own check names the section (TrainEngineConfig says only its field)
     ("trainer.engine.max_tokens_per_micro_batch=0",
@@ -232,17 +240,11 @@ def test_a_sampling_value_out_of_range_names_its_full_key(capsys):
      "default: rollout.sampling.logprobs=auto)"),
 ])
 def test_a_section_check_and_a_null_name_the_full_key(capsys, override, expected):
-    from flowrl.cli import main
-
-    assert main(["plan", "model=tiny", override]) == 2
-    assert capsys.readouterr().err.splitlines() == [f"flowrl plan: error: {expected}"]
+    assert _plan_refuses(capsys, override) == [f"flowrl plan: error: {expected}"]
 
 
 def test_a_null_section_says_it_is_a_section(capsys):
-    from flowrl.cli import main
-
-    assert main(["plan", "model=tiny", "trainer.engine=null"]) == 2
-    assert capsys.readouterr().err.splitlines() == [
+    assert _plan_refuses(capsys, "trainer.engine=null") == [
         "flowrl plan: error: trainer.engine=null: trainer.engine is a section that cannot be "
         "null; set one of its keys (trainer.engine.<name>=VALUE)"]
 
@@ -263,10 +265,7 @@ def test_a_null_section_says_it_is_a_section(capsys):
      "value, not null (its default: trainer.engine.gradient_checkpointing=false)"),
 ])
 def test_a_bool_takes_only_true_or_false(capsys, override, expected):
-    from flowrl.cli import main
-
-    assert main(["plan", "model=tiny", override]) == 2
-    assert capsys.readouterr().err.splitlines() == [f"flowrl plan: error: {expected}"]
+    assert _plan_refuses(capsys, override) == [f"flowrl plan: error: {expected}"]
 
 
 @pytest.mark.parametrize("override", ["trainer.engine.reshard_after_forward=null",
