@@ -581,6 +581,8 @@ def child_flowrl(bc: BenchConfig, out_dir: str) -> dict:
                       # length_mean = mean valid tokens (stop token included) per completion
                       "gen_tokens": round(m["response/length_mean"] * bc.batch),
                       "reward_mean": m["reward/mean"], "length_mean": m["response/length_mean"],
+                      # the longest completion: the decode steps a batched generate runs
+                      "length_max": m.get("response/length_max"),
                       "generate_s": m["time/rollout"], "update_s": m["time/update"],
                       "stages": {key[5:]: v for key, v in m.items() if key.startswith("time/")},
                       "perf": {key[5:]: v for key, v in m.items() if key.startswith("perf/")}})
@@ -631,6 +633,7 @@ def child_trl(bc: BenchConfig, out_dir: str) -> dict:
         ok = [s for s in scores if s is not None]
         per_gen.append({"gen_tokens": sum(len(c) for c in completion_ids),  # EOS kept, pads cut
                         "length_mean": sum(len(c) for c in completion_ids) / len(completion_ids),
+                        "length_max": max((len(c) for c in completion_ids), default=0),
                         "reward_mean": sum(ok) / len(ok) if ok else float("nan")})
         return scores
 
@@ -702,6 +705,20 @@ def _mean(xs: list[float]) -> Optional[float]:
     return sum(xs) / len(xs) if xs else None
 
 
+def decode_ms(steps: list[dict]) -> Optional[float]:
+    """Generate milliseconds per decode step over ``steps``: Σ generate s / Σ longest completion.
+
+    A batched generate runs until its longest completion ends, so a step's generate time follows
+    its longest completion, not its mean: at SmolLM2's ~25-token answers one 256-token
+    completion sets the time of the batch, and which step draws one is chance. Per decode step
+    the two frameworks compare on the same footing. None when a step has no ``length_max``
+    (records before 2026-12-06) or the lengths sum to 0."""
+    lens = [s.get("length_max") for s in steps]
+    if not steps or any(x is None for x in lens) or sum(lens) <= 0:
+        return None
+    return 1000.0 * sum(s["generate_s"] for s in steps) / sum(lens)
+
+
 def warmup_of(run: dict) -> int:
     """Warm-up steps of a stored run: its ``warmup`` (round runs); older records: the first step
     when there are several."""
@@ -723,6 +740,7 @@ def summarize(run: dict, peak_tflops: Optional[float]) -> dict:
            "tokens_per_s": sum(s["gen_tokens"] for s in timed) / max(step_s, 1e-9),
            "step_s": step_s / len(timed), "generate_s": _mean([s["generate_s"] for s in timed]),
            "update_s": _mean(upd), "length_mean": _mean([s["length_mean"] for s in timed]),
+           "decode_ms": decode_ms(timed),
            "mfu_update": sum(flops) / sum(upd) / peak if peak and sum(upd) > 0 else None,
            "mfu_step": sum(flops) / step_s / peak if peak else None,
            "tree_rss_gib": mon.get("tree_rss_peak_bytes", 0) / 2**30 or None,
@@ -800,8 +818,8 @@ def round_summaries(run: dict, peak_tflops: Optional[float]) -> list[dict]:
 
 # (label, summary key, higher is better) of the round table
 ROUND_METRICS = [("completion tokens/s", "tokens_per_s"), ("step s", "step_s"),
-                 ("generate s", "generate_s"), ("update s", "update_s"), ("sync s", "sync_s"),
-                 ("MFU update", "mfu_update")]
+                 ("generate s", "generate_s"), ("generate ms / decode step", "decode_ms"),
+                 ("update s", "update_s"), ("sync s", "sync_s"), ("MFU update", "mfu_update")]
 
 
 def _fmt_spread(xs: list[Optional[float]], key: str = "") -> str:
@@ -846,8 +864,8 @@ def headline_rows(round_pairs: dict[tuple[str, str], dict[str, list[dict]]]) -> 
 
 
 _COLS = [("framework", None), ("steps timed", "measured"), ("completion tokens/s", "tokens_per_s"),
-         ("step s", "step_s"), ("generate s", "generate_s"), ("update s", "update_s"),
-         ("MFU update", "mfu_update"), ("MFU step", "mfu_step"), ("completion len", "length_mean"),
+         ("step s", "step_s"), ("generate s", "generate_s"), ("generate ms / decode step", "decode_ms"),
+         ("update s", "update_s"), ("MFU update", "mfu_update"), ("MFU step", "mfu_step"), ("completion len", "length_mean"),
          ("host peak RSS GiB (tree)", "tree_rss_gib"), ("host peak PSS GiB (tree)", "tree_pss_gib"),
          ("host peak RSS GiB (largest process)", "peak_rss_gib"), ("GPU max allocated GiB (process)", "cuda_alloc_gib"),
          ("GPU used peak GiB (device)", "gpu_used_gib"),
@@ -1074,7 +1092,10 @@ steps (the warm-up steps, `--warmup`, are excluded from every figure below; olde
 first step when there were several).
 step s: flowrl `perf/step_s` (all stages and swaps of one iteration); TRL: `on_step_begin` →
 `on_step_end` (generation, scoring, every micro-batch, optimizer step). generate s: flowrl
-`time/rollout`; TRL `_generate_single_turn` (vLLM: with its weight sync). update s: flowrl
+`time/rollout`; TRL `_generate_single_turn` (vLLM: with its weight sync). generate ms / decode
+step: Σ generate s / Σ the step's longest completion (a batched generate runs until its longest
+completion ends: with short answers one long completion sets the step's generate time, by chance;
+per decode step the frameworks compare on the same footing). update s: flowrl
 `time/update`; TRL step − `_generate_and_score_completions` (every forward/backward, grad clip,
 optimizer step). MFU = model FLOPs of the update / (update s or step s) / peak, with FLOPs =
 Σ_rows 6·N·S + 6·L·d·S² (N = matmul parameters, see Models; L layers, d = heads × head dim; S =

@@ -47,8 +47,9 @@ def test_round_of_steps():
         bench.BenchConfig(warmup=-1)
 
 
-def _step(i, step_s, tokens, update_s=1.0, sync_s=0.0):
+def _step(i, step_s, tokens, update_s=1.0, sync_s=0.0, length_max=None):
     return {"step": i, "step_s": step_s, "gen_tokens": tokens, "length_mean": tokens / 2,
+            "length_max": length_max,
             "reward_mean": 0.0, "generate_s": step_s - update_s, "update_s": update_s,
             "stages": {"rollout": step_s - update_s, "update": update_s},
             "perf": {"sync_s": sync_s}, "profile": {}}
@@ -89,6 +90,7 @@ def test_round_summaries_and_tables():
                                             "trl": bench.summarize(tr, None)}},
                              {("m", "hf"): {"flowrl": fr, "trl": trr}})
     assert goals[0] == ["m", "completion tokens/s: flowrl (hf) / TRL (hf)", "3.00×", "≥ 1.2×", "met"]
+    assert rows["generate ms / decode step"][1:4] == ["n/a", "n/a", "n/a"]  # no length_max stored
     # a run stored before rounds existed: no round summaries, first step dropped as warm-up
     old = {k: v for k, v in fl.items() if k not in ("warmup", "rounds", "round_steps")}
     assert bench.round_summaries(old, None) == [] and bench.warmup_of(old) == 1
@@ -173,3 +175,26 @@ def test_default_child_timeout_outlives_the_pair():
         pytest.approx(1.5 * est + 60 + 80)
     # the hand-given 240 s that killed flowrl's process at 3c9da7b is below the pair's estimate
     assert 240 < est
+
+
+def test_decode_ms_divides_generate_time_by_the_longest_completions():
+    # generate s: 1.0 + 3.0 (step_s - update_s); longest completions 100 + 300 -> 4 s / 400 = 10 ms
+    steps = [_step(2, 2.0, 20, length_max=100), _step(3, 4.0, 20, length_max=300)]
+    assert bench.decode_ms(steps) == 10.0
+    assert bench.decode_ms([_step(2, 2.0, 20, length_max=100), _step(3, 4.0, 20)]) is None  # one unrecorded
+    assert bench.decode_ms([_step(2, 2.0, 20, length_max=0)]) is None
+    assert bench.decode_ms([]) is None
+    # per round, in the round table: flowrl 10, 20, 20 ms against TRL's 5, 5, 10
+    # -> medians 20 / 5 = 4x, per-round ratios 2, 4, 2
+    fl = _run("flowrl", [_step(1, 9.0, 1, length_max=9), _step(2, 2.0, 20, length_max=100),
+                         _step(3, 2.0, 20, length_max=100), _step(4, 3.0, 20, length_max=100),
+                         _step(5, 3.0, 20, length_max=100), _step(6, 2.0, 20, length_max=50),
+                         _step(7, 2.0, 20, length_max=50)])
+    tr = _run("trl", [_step(1, 9.0, 1, length_max=9)] + [_step(i, 1.5, 20, length_max=100)
+                                                         for i in range(2, 6)]
+              + [_step(6, 2.0, 20, length_max=100), _step(7, 2.0, 20, length_max=100)])
+    fr, trr = bench.round_summaries(fl, None), bench.round_summaries(tr, None)
+    assert [r["decode_ms"] for r in fr] == [10.0, 20.0, 20.0]
+    assert [r["decode_ms"] for r in trr] == [5.0, 5.0, 10.0]
+    row = {r[0]: r for r in bench.round_rows({"flowrl": fr, "trl": trr})}["generate ms / decode step"]
+    assert row[1:4] == ["20.0 [10.0–20.0]", "5 [5–10.0]", "4.00× [2.00–4.00×]"]
