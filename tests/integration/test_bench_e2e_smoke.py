@@ -73,6 +73,11 @@ def test_tiny_one_step_writes_both_rows(tmp_path):
     doc = json.loads(js.read_text())
     assert [(r["framework"], r["rollout"]) for r in doc["runs"]] == [("flowrl", "hf"), ("trl", "hf")]
     flowrl, trl = (r["result"] for r in doc["runs"])
+    for res, row in zip((flowrl, trl), results):  # both record the longest completion (1..8)
+        step = res["steps"][0]
+        assert step["length_mean"] <= step["length_max"] <= 8
+        assert float(row["generate ms / decode step"]) == pytest.approx(
+            1000 * step["generate_s"] / step["length_max"], rel=0.01)
     assert flowrl["precision"]["train"] == {"device": "cpu", "weights": "float32", "autocast": "off"}
     assert flowrl["rollout_engine"]["type"] == "HFRolloutEngine"
     assert set(trl["steps"][0]["stages"]) == {"generate", "reward", "other_scoring",
