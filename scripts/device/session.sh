@@ -192,6 +192,13 @@ model)
   # the last piece (it carries NAME) joins; the others wait in /tmp
   if [ -f ".model/$2/NAME" ]; then bash scripts/device/smollm2_pieces.sh join; else bash scripts/device/smollm2_pieces.sh stash; fi
   exit $? ;;
+wheels)  # no vLLM: the small wheels only (carry [".whl", ".flowrl_commit"]), for the phases
+  # that need no vLLM (TIER_K="not vllm" tier, gpu_new, hfgen, e2e with --rollout hf on a random model)
+  shift
+  mkdir -p /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl 2>&1 | grep -v WARNING
+  python3 -c "import hydra, trl, flowrl; print('ready without vLLM: trl', trl.__version__)" || exit 3
+  ;;
 install)
   shift
   t0=$SECONDS
