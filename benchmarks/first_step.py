@@ -5,7 +5,9 @@ Each variant is one fresh ``python -m flowrl.train`` process (the default job pl
 overrides); the script reads its console as it is printed and takes the wall time (from spawning the
 process) at which each start-up milestone appeared:
 
-- ``model``: "start-up: model loaded" (imports, config, data and the policy's weights),
+- ``checked``: "start-up: checked" (the interpreter, imports, config, machine and input checks;
+  the line itemizes them),
+- ``model``: "start-up: model loaded" (data and the policy's weights),
 - ``train engines``: "start-up: ... built" (actor / reference copies, FSDP),
 - ``rollout engine``: "engines built" (vLLM's start-up; with its own "resolved" lines),
 - ``eval before``: the greedy eval's line, ``step 1``: "step 1 done", ``end``: the process exits.
@@ -62,6 +64,7 @@ VARIANTS: dict[str, list[str]] = {
     "compile": ["rollout.vllm.torch_compile=true"],
 }
 MILESTONES = {
+    "checked": re.compile(r"start-up: checked"),
     "model": re.compile(r"start-up: model loaded"),
     "train engines": re.compile(r"start-up: .* built in"),
     "rollout engine": re.compile(r"engines built in"),
@@ -99,7 +102,7 @@ def run_variant(name: str, overrides: list[str], timeout_s: float) -> dict:
             if "perf/step_s" in row:
                 steps.append(row["perf/step_s"])
     resolved = [ln.split("| ", 1)[1].strip() for ln in lines
-                if "resolved rollout" in ln or "vLLM engine" in ln]
+                if "resolved rollout" in ln or "vLLM engine" in ln or "start-up: checked" in ln]
     shutil.rmtree(run_dir, ignore_errors=True)
     return {"variant": name, "rc": rc, "milestones": seen, "step_s": steps, "cmd": cmd,
             "resolved": resolved, "log": lines}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -39,21 +40,38 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
         ConfigError: naming the field, stage, file or row. HydraException /
             OmegaConfBaseException: overrides that do not compose (``config_errors.explain``).
     """
+    from flowrl.runtime.step.resources import since_launch_s
+
+    # where a start-up's seconds go before any model loads (logged by the job: on a GPU machine
+    # the first console line came 15 s after the command, with nothing to say why)
+    parts = [("python and imports", since_launch_s())]
+    t = time.perf_counter()
+
+    def done(part: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        parts.append((part, now - t))
+        t = now
+
     if isinstance(source, (list, tuple)):
         overrides = list(source) if overrides is None else overrides
         source = compose(list(source), with_hydra=True)
+        done("compose")
     given = None if overrides is None else list(overrides)
     if loose := loose_bool_override(given if given is not None else _hydra_task_overrides()):
         raise ConfigError(loose)
     try:
         task = task_section(source)  # Hydra's run dir pinned: the run is checked before it exists
         cfg = to_train_config(task)  # a bad field stops here, before torch is imported
+        done("config")
         resolved = resolve_machine_defaults(cfg)
+        done("machine (imports torch)")
         plan, placement = check_run(cfg, task, given, plan_only=plan_only)
+        done("graph, placement and input checks")
     except (ValueError, FileNotFoundError) as e:
         raise e if isinstance(e, ConfigError) else ConfigError(str(e)) from e
     return RunSpec(source, cfg, plan, placement, tuple(resolved),
-                   None if given is None else tuple(given))
+                   None if given is None else tuple(given), startup=tuple(parts))
 
 
 def _hydra_task_overrides() -> list[str]:

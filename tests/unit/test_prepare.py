@@ -89,3 +89,35 @@ def test_prepare_from_overrides_is_the_run_spec(counted, tmp_path):
     assert [r.field for r in spec.resolved][:2] == ["trainer.device", "model.dtype"]
     with pytest.raises(AttributeError):
         spec.plan = None  # frozen: what was checked is what runs
+
+
+def test_prepare_itemizes_its_start_up_and_the_job_logs_it(monkeypatch, tmp_path, caplog):
+    """A slow start says where its seconds went before any model loads: ``prepare`` times its
+    parts (the process before it, from its creation time) and the job logs them in one line."""
+    import logging
+
+    from flowrl.runtime.control import job
+    from flowrl.runtime.control.spec import RunSpec
+    from flowrl.train import prepare
+
+    spec = prepare([*SMOKE, f"hydra.run.dir={tmp_path / 'run'}"])
+    assert [p for p, _ in spec.startup] == ["python and imports", "compose", "config",
+                                            "machine (imports torch)",
+                                            "graph, placement and input checks"]
+    assert all(s >= 0 for _, s in spec.startup)
+    assert spec.startup[0][1] > 0  # this process started before prepare did
+    line = RunSpec(None, None, None, None, startup=(("python and imports", 3.14), ("compose", 0.26))
+                   ).startup_line()  # type: ignore[arg-type]
+    assert line == "python and imports 3.1 s, compose 0.3 s"
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop
+
+    monkeypatch.setattr(job, "run_placement", stop)  # where the job would build its engines
+    with caplog.at_level(logging.INFO, logger="flowrl"), pytest.raises(Stop):
+        job.run_job(spec)
+    logged = [r.getMessage() for r in caplog.records if "start-up: checked" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].endswith(f"({spec.startup_line()})")

@@ -214,6 +214,11 @@ def run_job(spec: "RunSpec") -> dict[str, Any]:
     if rank0:
         for r in spec.resolved:  # the machine's defaults, before anything loads
             log.info("resolved %s", r)
+        if spec.startup:
+            from flowrl.runtime.step.resources import since_launch_s
+
+            log.info("start-up: checked %.1f s since the command started (%s)", since_launch_s(),
+                     spec.startup_line())
     # the job got another world than the configured one (train() outside torchrun): place again
     pp = spec.placement if spec.placement.world_size == dinfo.world_size else \
         placement_for(cfg, plan, dinfo.world_size)
