@@ -347,7 +347,7 @@ def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, 
         ("sampling", f"T={s.temperature} top_p={s.top_p} top_k={s.top_k} max_new_tokens={s.max_new_tokens}",
          f"T={kw['temperature']} top_p={kw['top_p']} top_k={kw['top_k']} "
          f"max_completion_length={kw['max_completion_length']}"),
-        ("prompts", f"GSM8K {tc.data.split}, PromptSource (seed {tc.data.seed}), "
+        ("prompts", f"data={tc.data.name} {tc.data.split}, PromptSource (seed {tc.data.seed}), "
          f"≤ {tc.data.max_prompt_tokens} tokens", "the same texts in the same order, plain-text "
          "column, shuffle_dataset=False"),
         ("optimizer", f"AdamW lr={e.lr} betas={list(e.betas)} eps={e.eps} wd={e.weight_decay} "
@@ -712,7 +712,7 @@ def decode_ms(steps: list[dict]) -> Optional[float]:
     its longest completion, not its mean: at SmolLM2's ~25-token answers one 256-token
     completion sets the time of the batch, and which step draws one is chance. Per decode step
     the two frameworks compare on the same footing. None when a step has no ``length_max``
-    (records before 2026-12-06) or the lengths sum to 0."""
+    (records before b397cf1, 2026-12-06) or the lengths sum to 0."""
     lens = [s.get("length_max") for s in steps]
     if not steps or any(x is None for x in lens) or sum(lens) <= 0:
         return None
@@ -1352,7 +1352,15 @@ def main(argv: list[str] | None = None) -> int:
         given = {o.lstrip("+~").split("=", 1)[0] for o in args.overrides}
         args.overrides = [o for o in GPU_SUITE_OVERRIDES if o.split("=", 1)[0] not in given] + args.overrides
     if args.from_json:
-        docs = [json.loads(f.read_text()) for f in args.from_json]
+        docs = []
+        for f in args.from_json:  # one line for a file that is not this script's JSON
+            try:
+                d = json.loads(f.read_text())
+                if not isinstance(d, dict) or not {"meta", "runs"} <= d.keys():
+                    raise ValueError("not a report of this script (no 'meta' and 'runs')")
+            except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
+                p.error(f"--from-json {f}: {e}")
+            docs.append(d)
         doc = {"meta": [m for d in docs for m in d["meta"]], "runs": [r for d in docs for r in d["runs"]]}
         print(write_report(args.out, doc))
         print(f"wrote {args.out}")

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
 
+_PREPARED = False  # a prepare ran in this process already (a Hydra sweep prepares per job)
+
+
 def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Sequence[str]] = None,
             *, plan_only: bool = False) -> RunSpec:
     """The run of ``source`` (command-line overrides, composed here with Hydra's section, or a
@@ -44,7 +47,10 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
 
     # where a start-up's seconds go before any model loads (logged by the job: on a GPU machine
     # the first console line came 15 s after the command, with nothing to say why)
-    parts = [("python and imports", since_launch_s())]
+    global _PREPARED
+    # the process's own start counts once: a sweep's later jobs would count the earlier jobs
+    parts = [] if _PREPARED else [("python and imports", since_launch_s())]
+    _PREPARED = True
     t = time.perf_counter()
 
     def done(part: str) -> None:
@@ -65,7 +71,7 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
         cfg = to_train_config(task)  # a bad field stops here, before torch is imported
         done("config")
         resolved = resolve_machine_defaults(cfg)
-        done("machine (imports torch)")
+        done("machine")
         plan, placement = check_run(cfg, task, given, plan_only=plan_only)
         done("graph, placement and input checks")
     except (ValueError, FileNotFoundError) as e:

@@ -198,3 +198,18 @@ def test_decode_ms_divides_generate_time_by_the_longest_completions():
     assert [r["decode_ms"] for r in trr] == [5.0, 5.0, 10.0]
     row = {r[0]: r for r in bench.round_rows({"flowrl": fr, "trl": trr})}["generate ms / decode step"]
     assert row[1:4] == ["20.0 [10.0–20.0]", "5 [5–10.0]", "4.00× [2.00–4.00×]"]
+
+
+def test_from_json_that_is_not_a_report_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "report.md"
+    bad.write_text("# not json\n")
+    for path, why in ((tmp_path / "missing.json", "No such file"), (bad, "Expecting value"),
+                      (tmp_path / "list.json", "not a report of this script")):
+        if path.name == "list.json":
+            path.write_text("[]")
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--from-json", str(path), "--out", str(tmp_path / "out.md")])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f": error: --from-json {path}: " in err and why in err, err  # argparse's prog first
+    assert not (tmp_path / "out.md").exists()

