@@ -613,6 +613,7 @@ def child_trl(bc: BenchConfig, out_dir: str) -> dict:
     torch.manual_seed(tc.trainer.seed)
     # TRL as its users run it: use_liger_kernel=False is GRPOConfig's default, so its model is
     # loaded without flowrl's liger kernels (model.liger_kernel=auto turns them on for flowrl)
+    t_build = time.perf_counter()  # from the model load, as flowrl's model_load_s
     model = load_model(replace(tc.model, liger_kernel="false"))
     seen: dict = {}
     _observe_precision(model, seen)
@@ -662,7 +663,6 @@ def child_trl(bc: BenchConfig, out_dir: str) -> dict:
                             "profile": dict(prof)})
             gate.after(len(records))
 
-    t_build = time.perf_counter()
     trainer = GRPOTrainer(model=model, reward_funcs=gsm8k_reward, args=GRPOConfig(**trl_kwargs(tc, bc, out_dir)),
                           train_dataset=dataset, processing_class=tok, callbacks=[StepTimer()])
     build_s = time.perf_counter() - t_build
@@ -1109,7 +1109,8 @@ RSS (largest process): `wait4` of the framework process, i.e. the largest single
 `torch.cuda.max_memory_allocated` (TRL: its in-process vLLM engine included; flowrl: its engine
 processes are not); GPU used peak: NVML's used memory of the device, every process on it, sampled
 every 0.25 s. engine build s: flowrl `model_load_s` (model + engines, vLLM start-up included), TRL
-`GRPOTrainer(...)` construction (its vLLM engine included). Ratios: > 1 means flowrl is higher
+its model's load + `GRPOTrainer(...)` construction (its vLLM engine included; reports before
+2026-12-06 13:30 UTC timed the construction only, without the model load). Ratios: > 1 means flowrl is higher
 (better for tokens/s and MFU, worse for seconds and memory)."""
 
 ROUNDS_TEXT = """\
