@@ -1320,7 +1320,10 @@ def main(argv: list[str] | None = None) -> int:
                    "killed (its process tree; it lives through all rounds of its pair, the other "
                    "framework's turns included, so give at least the pair's planned seconds: "
                    "--plan); the next runs still go")
-    p.add_argument("--out", type=Path)
+    p.add_argument("--out", type=Path, help="the markdown report (default: the suite's own, "
+                   "benchmarks/results/e2e_vs_trl.md; e2e_vs_trl_h200.md with --suite gpu, "
+                   "e2e_vs_trl_cpu_rounds.md with --suite cpu; a "
+                   "tracked file: pass --out for a trial run)")
     p.add_argument("--json-out", type=Path, help="also write every run's raw record (rewritten "
                    "after each pair) for --from-json")
     p.add_argument("--from-json", type=Path, nargs="+", help="write the report from saved runs, run nothing")
