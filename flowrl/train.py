@@ -43,13 +43,16 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
         ConfigError: naming the field, stage, file or row. HydraException /
             OmegaConfBaseException: overrides that do not compose (``config_errors.explain``).
     """
-    from flowrl.runtime.step.resources import since_launch_s
+    from flowrl.runtime.step.resources import COMMAND_START_ENV, since_launch_s
 
     # where a start-up's seconds go before any model loads (logged by the job: on a GPU machine
     # the first console line came 15 s after the command, with nothing to say why)
     global _PREPARED
     # the process's own start counts once: a sweep's later jobs would count the earlier jobs
-    parts = [] if _PREPARED else [("python and imports", since_launch_s())]
+    # a rank of a multi-process run counts from the command (its supervisor set the start)
+    first = "parent, torchrun and imports" if os.environ.get(COMMAND_START_ENV) else \
+        "python and imports"
+    parts = [] if _PREPARED else [(first, since_launch_s())]
     _PREPARED = True
     t = time.perf_counter()
 

@@ -139,3 +139,29 @@ def test_since_launch_counts_from_the_process_start_not_a_rounded_boot_time():
     wall = time.monotonic() - t0
     age = float(out.stdout)
     assert 0 < age <= wall + 0.02, (age, wall)
+
+
+def test_a_rank_counts_from_the_command_its_supervisor_started(monkeypatch):
+    """``flowrl train launcher.nproc=N``: the supervisor hands its start to the ranks (an
+    environment variable torchrun's workers inherit), so their "since the command started"
+    counts the parent's checks and torchrun's start; it is gone once the group ends."""
+    import os
+    import time
+
+    import torch.distributed.run as trun
+
+    from flowrl.runtime.control import supervise
+    from flowrl.runtime.step.resources import COMMAND_START_ENV, since_launch_s
+
+    monkeypatch.setenv(COMMAND_START_ENV, f"{time.time() - 100:.3f}")
+    assert 100 <= since_launch_s() < 101
+    monkeypatch.setenv(COMMAND_START_ENV, "not a time")  # ignored: the process's own age
+    assert 0 < since_launch_s() < 100
+    monkeypatch.delenv(COMMAND_START_ENV)
+
+    seen = []
+    monkeypatch.setattr(trun, "run", lambda _args: seen.append(os.environ.get(COMMAND_START_ENV)))
+    before = time.time() - since_launch_s()
+    assert supervise.supervise(["--nproc_per_node=1", "--standalone", "-m", "flowrl.train"], []) == 0
+    assert len(seen) == 1 and abs(float(seen[0]) - before) < 0.5
+    assert COMMAND_START_ENV not in os.environ

@@ -30,11 +30,13 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from flowrl.runtime.io.supervisor_dir import ENV
+from flowrl.runtime.step.resources import COMMAND_START_ENV, since_launch_s
 
 if TYPE_CHECKING:
     from flowrl.config import LauncherConfig
@@ -175,6 +177,8 @@ def supervise(args: list[str], overrides: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="flowrl-supervisor-") as tmp:
         folder = Path(tmp)
         os.environ[ENV] = tmp  # the workers inherit it
+        # and the command's start, so a rank's "since the command started" counts from it
+        os.environ[COMMAND_START_ENV] = f"{time.time() - since_launch_s():.3f}"
         watcher = _Watcher(folder)
         watcher.start()
         try:
@@ -195,6 +199,7 @@ def supervise(args: list[str], overrides: list[str]) -> int:
         finally:
             watcher.done.set()
             os.environ.pop(ENV, None)
+            os.environ.pop(COMMAND_START_ENV, None)
 
 
 def failure_message(folder: Path, failures: Mapping[int, Failure], killed: set[int]) -> str:

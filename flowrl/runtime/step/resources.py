@@ -563,13 +563,26 @@ def keep_resident(state_bytes: int, rollout_bytes: int, device: "torch.device",
     return state_bytes + rollout_bytes <= fraction * total
 
 
+# the epoch second the command started, set by ``flowrl train``'s torchrun supervisor for its
+# ranks: their "since the command started" then counts the parent's checks and torchrun's start
+COMMAND_START_ENV = "FLOWRL_COMMAND_START"
+
+
 def since_launch_s() -> float:
-    """Seconds since this process started (its creation time, so imports count too).
+    """Seconds since the command started: since ``$FLOWRL_COMMAND_START`` (a rank of a
+    multi-process ``flowrl train``), else since this process started (its creation time, so
+    imports count too).
 
     Linux: the system's uptime (``/proc/uptime``, 10 ms) less the process's start in clock ticks
     since boot (``/proc/self/stat``). psutil's ``create_time`` adds that start to a boot time
     that ``/proc/stat`` keeps in whole seconds, so its age of a process read up to a second
     high (0.75 s on the CI machine). Elsewhere psutil's figure."""
+    start = os.environ.get(COMMAND_START_ENV)
+    if start:
+        try:
+            return max(time.time() - float(start), 0.0)
+        except ValueError:
+            pass  # not a number: this process's own age
     try:
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
