@@ -153,7 +153,7 @@ def test_a_rank_counts_from_the_command_its_supervisor_started(monkeypatch):
     from flowrl.runtime.control import supervise
     from flowrl.runtime.step.resources import COMMAND_START_ENV, since_launch_s
 
-    monkeypatch.setenv(COMMAND_START_ENV, f"{time.time() - 100:.3f}")
+    monkeypatch.setenv(COMMAND_START_ENV, repr(time.time() - 100))  # no rounding up
     assert 100 <= since_launch_s() < 101
     monkeypatch.setenv(COMMAND_START_ENV, "not a time")  # ignored: the process's own age
     assert 0 < since_launch_s() < 100
