@@ -138,7 +138,7 @@ def test_since_launch_counts_from_the_process_start_not_a_rounded_boot_time():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     wall = time.monotonic() - t0
     age = float(out.stdout)
-    assert 0 < age <= wall + 0.02, (age, wall)
+    assert 0 < age <= wall + 0.05, (age, wall)  # /proc: 10 ms ticks on both sides
 
 
 def test_a_rank_counts_from_the_command_its_supervisor_started(monkeypatch):
