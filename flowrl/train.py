@@ -45,11 +45,11 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
     """
     from flowrl.runtime.step.resources import COMMAND_START_ENV, since_launch_s
 
-    # where a start-up's seconds go before any model loads (logged by the job: on a GPU machine
-    # the first console line came 15 s after the command, with nothing to say why)
+    # where a start-up's seconds go before any model loads, logged by the job (on a GPU machine
+    # the first console line came 15 s after the command, with nothing to say why). The time
+    # before this call counts once per process (a sweep's later jobs would count the earlier
+    # ones); a rank of a multi-process run counts it from the command (its supervisor's start).
     global _PREPARED
-    # the process's own start counts once: a sweep's later jobs would count the earlier jobs
-    # a rank of a multi-process run counts from the command (its supervisor set the start)
     first = "parent, torchrun and imports" if os.environ.get(COMMAND_START_ENV) else \
         "python and imports"
     parts = [] if _PREPARED else [(first, since_launch_s())]

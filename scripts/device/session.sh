@@ -36,6 +36,10 @@ export PYTHONPATH=$PWD:/tmp/vsite:/tmp/site:/tmp/smollm2_site${PYTHONPATH:+:$PYT
 COMMIT=$(cat .flowrl_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo "?")
 export FLOWRL_COMMIT=$COMMIT  # benchmarks/_common.git_revision reads it (the device .git is stale)
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
+install_wheels() {  # <dir>: its wheels of scripts/device/wheels.sh into /tmp/site (on PYTHONPATH)
+  mkdir -p /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site "$1"/*.whl 2>&1 | grep -v WARNING
+}
 
 phase_first_step() {  # ~3 min: the default job twice: cold (fresh machine), then warm (GGUF + vLLM compile caches)
   python3 benchmarks/first_step.py --variants ${FIRST_STEP_VARIANTS:-default} --rounds ${FIRST_STEP_ROUNDS:-2} --timeout-s 200 \
@@ -198,15 +202,14 @@ model)
 wheels)  # no vLLM: the small wheels only (carry [".whl", ".flowrl_commit"]), for the phases
   # that need no vLLM (TIER_K="not vllm" tier, gpu_new, hfgen, e2e with --rollout hf on a random model)
   shift
-  mkdir -p /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --upgrade --target /tmp/site .whl/*.whl 2>&1 | grep -v WARNING
+  install_wheels .whl
   python3 -c "import hydra, omegaconf, flowrl; print('ready without vLLM')" || exit 3
   ;;
 install)
   shift
   t0=$SECONDS
   cp .vllm/p5/* /tmp/vparts/ && bash .vllm/p5/install.sh || { log "vLLM install failed"; exit 3; }
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/whl/*.whl 2>&1 | grep -v WARNING
+  install_wheels /tmp/whl
   python3 -c "import vllm, hydra, trl, gguf, math_verify, flowrl; print('ready: vllm', vllm.__version__, 'trl', trl.__version__)" || exit 3
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
   # sdpa_varlen (the GPU's default attention for packed micro-batches) rests on this torch's kernel

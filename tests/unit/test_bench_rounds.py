@@ -201,12 +201,11 @@ def test_decode_ms_divides_generate_time_by_the_longest_completions():
 
 
 def test_from_json_that_is_not_a_report_is_one_line(tmp_path, capsys):
-    bad = tmp_path / "report.md"
-    bad.write_text("# not json\n")
-    for path, why in ((tmp_path / "missing.json", "No such file"), (bad, "Expecting value"),
-                      (tmp_path / "list.json", "not a report of this script")):
-        if path.name == "list.json":
-            path.write_text("[]")
+    (tmp_path / "report.md").write_text("# not json\n")
+    (tmp_path / "list.json").write_text("[]")
+    for name, why in (("missing.json", "No such file"), ("report.md", "Expecting value"),
+                      ("list.json", "not a report of this script")):
+        path = tmp_path / name
         with pytest.raises(SystemExit) as e:
             bench.main(["--from-json", str(path), "--out", str(tmp_path / "out.md")])
         assert e.value.code == 2
