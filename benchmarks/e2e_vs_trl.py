@@ -128,6 +128,14 @@ _TRL_STAGES = {"sample": "data.sample", "rollout": "rollout.generate", "reward":
                "advantage": "advantage.grpo", "update": "update.policy"}
 
 
+def overlapped(overrides: list[str]) -> bool:
+    """Whether the flowrl overrides ask for ``placement.staleness=1`` (colocated overlap: the
+    rollout of step s+1 beside the update of step s). Its batches are one version old, so flowrl
+    then recomputes the old logprobs (one more forward pass than TRL's on-policy step does)."""
+    vals = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("placement.staleness=")]
+    return bool(vals) and vals[-1] not in ("0", "null")
+
+
 @dataclass
 class BenchConfig:
     """One pair (model, rollout mode) of runs; the knobs both frameworks share. Everything else is
@@ -215,7 +223,7 @@ def flowrl_overrides(bc: BenchConfig, out_dir: str) -> list[str]:
             f"rollout={bc.rollout}",
             f"trainer.total_steps={bc.total_steps}", f"trainer.prompts_per_step={bc.prompts_per_step}",
             f"algorithm.n={bc.n}", "algorithm.kl_coef=0.0", "algorithm.adv_eps=1e-4",
-            "algorithm.recompute_old_logprobs=false",
+            f"algorithm.recompute_old_logprobs={str(overlapped(bc.extra)).lower()}",
             f"rollout.sampling.max_new_tokens={bc.max_new_tokens}",
             f"rollout.sampling.temperature={bc.temperature}", f"rollout.sampling.top_p={bc.top_p}",
             "rollout.sampling.top_k=0", f"rollout.hf.batch_size={bc.batch}",
@@ -234,6 +242,8 @@ def prepare_run(bc: BenchConfig, out_dir: str):
     spec = prepare(compose(flowrl_overrides(bc, out_dir)))
     tc, plan = spec.config, spec.plan
     ops = {c.stage.name: c.stage.op for c in plan.stages}
+    if overlapped(bc.extra):  # the old-logprob pass a one-version-old batch needs (PPO ratio)
+        ops.pop("old_logprobs", None)
     if ops != _TRL_STAGES:
         raise ValueError(f"graph stages {ops} differ from the GRPO stages TRL runs {_TRL_STAGES}")
     a = tc.algorithm
@@ -344,6 +354,12 @@ def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, 
          f"gradient_accumulation_steps={kw['gradient_accumulation_steps']}"),
         ("optimizer steps / batch", f"ppo_epochs={a.ppo_epochs}, mini_batch_size={a.mini_batch_size}",
          f"num_iterations={kw['num_iterations']}, steps_per_generation={kw['steps_per_generation']}"),
+        ("policy lag", "placement.staleness=1: one-step off-policy, the rollout of step s+1 runs "
+         "beside the update of step s (flowrl's colocated overlap); the trainer recomputes the old "
+         "logprobs (algorithm.recompute_old_logprobs=true), a forward pass TRL does not run"
+         if overlapped(bc.extra) else "on-policy: each step generates with the weights of the "
+         "update before it (placement.staleness=0)",
+         "on-policy (TRL generates, then trains, in turn)"),
         ("sampling", f"T={s.temperature} top_p={s.top_p} top_k={s.top_k} max_new_tokens={s.max_new_tokens}",
          f"T={kw['temperature']} top_p={kw['top_p']} top_k={kw['top_k']} "
          f"max_completion_length={kw['max_completion_length']}"),

@@ -290,8 +290,15 @@ def _pool_sides(pp: PlacementPlan, costs: StageCosts, measured_swaps: bool
 
 def estimate_colocated(pp: PlacementPlan, costs: StageCosts) -> PlacementEstimate:
     """A colocated plan's predicted step: its one pool's stages and swaps (the measured swap
-    seconds once profiled); nothing is broadcast or transferred."""
+    seconds once profiled); nothing is broadcast or transferred. Overlapped (``pp.halves``,
+    ``placement.staleness=1``): the longer of its rollout and train halves, nothing swapped (a
+    lower bound: the two halves share the devices)."""
     sides, memory, by_role = _pool_sides(pp, costs, measured_swaps=True)
+    if pp.overlapped:
+        p = pp.world_size
+        for name, half in pp.halves.items():
+            sides[name] = sum(costs.stage_seconds(s, p) for s in half.plan.order)
+        sides["all"] = max(sides[ROLLOUT_POOL], sides[TRAIN_POOL])
     return PlacementEstimate(sides["all"], sides, 0.0, 0.0, memory,
                              transfer_bytes(pp, costs.workload), 0, costs.device.name,
                              role_memory=by_role)

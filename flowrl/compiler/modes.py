@@ -24,6 +24,7 @@ from flowrl.compiler.placement import (
     colocated,
     parse_mode,
     partitioned,
+    staleness_of,
 )
 from flowrl.compiler.plan import ExecutionPlan
 
@@ -94,7 +95,7 @@ class Colocated(PlacementMode):
         if any(cfg.pools.values()) or cfg.roles:
             raise PlacementError("placement.pools/roles are for placement.mode=partitioned; "
                                  "colocated uses every rank for every role")
-        return colocated(plan, world_size, role_parallelism)
+        return colocated(plan, world_size, role_parallelism, staleness=staleness_of(plan, cfg))
 
     def estimate(self, pp: PlacementPlan, costs: cost.StageCosts) -> cost.PlacementEstimate:
         return cost.estimate_colocated(pp, costs)

@@ -176,6 +176,10 @@ class PlacementPlan:
         weight_sync: (source role, destination role) pairs synced after each update.
         notes: why this placement (auto's predicted step times, defaults taken).
         full: the whole-graph plan both pools were cut from.
+        halves: colocated with ``staleness`` 1 only: the rollout and train halves of ``full``, cut
+            as ``partitioned`` cuts it (:func:`split_plan`), both on every rank. The runtime runs
+            the rollout half of step s+1 beside the train half of step s (one-step off-policy on
+            the same devices: ``runtime/control/overlap.py``). Empty otherwise.
         estimate: ``flowrl.compiler.cost.PlacementEstimate`` (predicted step time, memory per
             pool, bytes moved) when a cost model was run (``placement=auto``, ``flowrl plan``).
     """
@@ -189,6 +193,12 @@ class PlacementPlan:
     weight_sync: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     estimate: Optional[Any] = None
+    halves: dict[str, PoolPlan] = field(default_factory=dict)
+
+    @property
+    def overlapped(self) -> bool:
+        """Colocated, the rollout of the next step beside this step's update (``halves``)."""
+        return bool(self.halves)
 
     def pool_of(self, rank: int) -> PoolPlan:
         """The pool holding global ``rank``. Raises KeyError when no pool holds it."""
@@ -247,6 +257,13 @@ def check_pool_sizes(n_rollout: int, n_train: int) -> None:
                              f"{n_train})")
 
 
+def staleness_of(plan: ExecutionPlan, cfg: PlacementConfig) -> int:
+    """``placement.staleness``, or the graph's largest ``weight_sync.staleness`` when it is null."""
+    if cfg.staleness is not None:
+        return cfg.staleness
+    return max([w.staleness for w in plan.graph.weight_sync], default=0)
+
+
 def _sync_roles(graph: Graph) -> list[tuple[str, str]]:
     """(source role, destination role) of every ``weight_sync`` of a validated graph.
 
@@ -262,20 +279,46 @@ def _sync_roles(graph: Graph) -> list[tuple[str, str]]:
 
 
 def colocated(plan: ExecutionPlan, world_size: int,
-              role_parallelism: Optional[dict[str, int]] = None) -> PlacementPlan:
+              role_parallelism: Optional[dict[str, int]] = None,
+              staleness: int = 0) -> PlacementPlan:
     """One pool ``all`` of every rank running ``plan`` as compiled (its swap points included).
+
+    ``staleness`` 1: the plan is also cut into its rollout and train halves (``halves``), which
+    the runtime runs side by side on every rank: the rollout of step s+1 with the weights of
+    update s-1 while the trainer updates on the batch of step s (one-step off-policy, as
+    ``placement=partitioned staleness=1`` but without a second pool of devices).
 
     Raises:
         PlacementError: a world size < 1, or not a multiple of a role's tensor-parallel size
-            (``role_parallelism``), naming ``launcher.nproc``.
+            (``role_parallelism``), naming ``launcher.nproc``; ``staleness`` > 1 (one device
+            pipeline holds at most one batch ahead), or 1 on a graph that cannot be cut
+            (no rollout stage, or a rollout-side stage that reads a train-side output), naming
+            ``placement.staleness``.
     """
     if world_size < 1:
         raise PlacementError(f"launcher.nproc: world size must be >= 1, got {world_size}")
     check_parallelism({"all": world_size}, {r: "all" for r in plan.roles}, plan.roles,
                       role_parallelism or {})
     pool = PoolPlan("all", list(range(world_size)), plan)
+    if staleness > 1:
+        raise PlacementError(
+            f"placement.staleness={staleness} with placement=colocated: the rollout can run at "
+            "most one step ahead of the update on the same devices (set placement.staleness=1, "
+            "or placement=partitioned for a deeper queue between two pools)")
+    halves: dict[str, PoolPlan] = {}
+    transfers: list[str] = []
+    if staleness == 1:
+        if "rollout" not in plan.roles or "actor" not in plan.roles:
+            raise PlacementError(
+                f"placement.staleness=1 overlaps the rollout with the update, and graph "
+                f"'{plan.graph.name}' has {'no rollout stage' if 'rollout' not in plan.roles else 'no actor update'}: "
+                "set placement.staleness=0")
+        ranks = list(range(world_size))
+        halves, transfers = split_plan(plan, DEFAULT_ROLE_POOL, ranks, ranks,
+                                       field_name="placement.staleness")
     return PlacementPlan(Mode.COLOCATED, world_size, {"all": pool}, full=plan,
-                         weight_sync=_sync_roles(plan.graph))
+                         weight_sync=_sync_roles(plan.graph), staleness=staleness,
+                         transfers=transfers, halves=halves)
 
 
 def assign_stages(plan: ExecutionPlan, role_pool: dict[str, str]) -> dict[str, str]:
@@ -321,6 +364,43 @@ def _pool_plan(full: ExecutionPlan, name: str, ranks: list[int], stages: list[st
                          release_after=release, pruned=full.pruned, warnings=full.warnings,
                          placement=f"partitioned:{name}", resident_at_end=resident,
                          refill={k: v for k, v in full.refill.items() if k in mine})
+
+
+def split_plan(plan: ExecutionPlan, role_pool: dict[str, str], rollout_ranks: list[int],
+               train_ranks: list[int], field_name: str = "placement.roles"
+               ) -> tuple[dict[str, PoolPlan], list[str]]:
+    """Cut ``plan`` into its rollout and train halves (:func:`assign_stages`): the pool plans and
+    the keys that cross from the rollout half to the train half every step.
+
+    Raises:
+        PlacementError: a rollout-side stage reads a train-side output (the cut must be one-way:
+            only weights flow back), naming ``field_name``.
+    """
+    where = assign_stages(plan, role_pool)
+    g = plan.graph
+    for c in plan.stages:
+        s = c.stage
+        if where[s.name] == ROLLOUT_POOL:
+            for _arg, src, out in s.input_refs():
+                if where[src] == TRAIN_POOL:
+                    fix = (f"move role '{s.role or g[src].role}' to the {TRAIN_POOL} pool"
+                           if field_name == "placement.roles" else "set placement.staleness=0")
+                    raise PlacementError(
+                        f"{field_name}: stage '{s.name}' (pool {ROLLOUT_POOL}) reads "
+                        f"'{src}.{out}' from pool {TRAIN_POOL}; only weights may flow back — {fix}")
+    transfers = [k for k, life in plan.lifetimes.items()
+                 if where[life.producer] == ROLLOUT_POOL
+                 and any(where[c] == TRAIN_POOL for c in life.consumers)]
+    order = {p: [n for n in plan.order if where[n] == p] for p in (ROLLOUT_POOL, TRAIN_POOL)}
+    pools = {
+        ROLLOUT_POOL: PoolPlan(ROLLOUT_POOL, rollout_ranks,
+                               _pool_plan(plan, ROLLOUT_POOL, rollout_ranks, order[ROLLOUT_POOL],
+                                          transfers, []), sends=transfers),
+        TRAIN_POOL: PoolPlan(TRAIN_POOL, train_ranks,
+                             _pool_plan(plan, TRAIN_POOL, train_ranks, order[TRAIN_POOL],
+                                        [], transfers), recvs=transfers),
+    }
+    return pools, transfers
 
 
 def partitioned(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int,
@@ -375,36 +455,14 @@ def partitioned(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int,
     check_parallelism({k: len(v) for k, v in pools.items()}, role_pool, plan.roles,
                       role_parallelism or {})
     check_pool_sizes(len(pools[ROLLOUT_POOL]), len(pools[TRAIN_POOL]))
-    where = assign_stages(plan, role_pool)
-    g = plan.graph
-    for c in plan.stages:
-        s = c.stage
-        if where[s.name] == ROLLOUT_POOL:
-            for _arg, src, out in s.input_refs():
-                if where[src] == TRAIN_POOL:
-                    raise PlacementError(
-                        f"placement.roles: stage '{s.name}' (pool {ROLLOUT_POOL}) reads "
-                        f"'{src}.{out}' from pool {TRAIN_POOL}; only weights may flow back — "
-                        f"move role '{s.role or g[src].role}' to the {TRAIN_POOL} pool")
-    transfers = [k for k, life in plan.lifetimes.items()
-                 if where[life.producer] == ROLLOUT_POOL
-                 and any(where[c] == TRAIN_POOL for c in life.consumers)]
-    order = {p: [n for n in plan.order if where[n] == p] for p in (ROLLOUT_POOL, TRAIN_POOL)}
-    pp = {
-        ROLLOUT_POOL: PoolPlan(ROLLOUT_POOL, pools[ROLLOUT_POOL],
-                               _pool_plan(plan, ROLLOUT_POOL, pools[ROLLOUT_POOL],
-                                          order[ROLLOUT_POOL], transfers, []), sends=transfers),
-        TRAIN_POOL: PoolPlan(TRAIN_POOL, pools[TRAIN_POOL],
-                             _pool_plan(plan, TRAIN_POOL, pools[TRAIN_POOL], order[TRAIN_POOL],
-                                        [], transfers), recvs=transfers),
-    }
-    graph_k = max([w.staleness for w in g.weight_sync], default=0)
-    k = graph_k if cfg.staleness is None else cfg.staleness
+    pp, transfers = split_plan(plan, role_pool, pools[ROLLOUT_POOL], pools[TRAIN_POOL])
     return PlacementPlan(Mode.PARTITIONED, world_size, pp, full=plan, transfers=transfers,
-                         staleness=k, weight_sync=_sync_roles(g), notes=notes)
+                         staleness=staleness_of(plan, cfg), weight_sync=_sync_roles(plan.graph),
+                         notes=notes)
 
 
 __all__ = ["Action", "AutoConfig", "DEFAULT_ROLE_POOL", "MODES", "Mode", "PlacementConfig",
            "PlacementError", "PlacementPlan", "PoolPlan", "assign_stages", "colocated",
-           "default_pools", "parse_mode", "partitioned", "split_candidates", "check_parallelism",
+           "default_pools", "parse_mode", "partitioned", "split_candidates", "split_plan", "staleness_of",
+           "check_parallelism",
            "check_pool_sizes"]

@@ -72,8 +72,8 @@ phase_hfgen() {  # ~3 min: flowrl's HF generate vs TRL's call (issue 24's 7.51 v
   timeout -k 10 400 python3 benchmarks/hf_generate_check.py ${HFGEN_ARGS:-} --out "$OUT/hf_generate.md"
 }
 phase_gpu_new() {  # ~1 min: the GPU tests of what changed since the last full tier (GPU_NEW_K: -k)
-  timeout -k 10 ${GPU_NEW_TIMEOUT_S:-200} python3 -m pytest -m gpu tests/gpu/test_liger_gpu.py \
-    tests/gpu/test_attention_backends_gpu.py ${GPU_NEW_K:+-k "$GPU_NEW_K"} -p no:cacheprovider -q -rA \
+  timeout -k 10 ${GPU_NEW_TIMEOUT_S:-200} python3 -m pytest -m gpu ${GPU_NEW_FILES:-tests/gpu/test_overlap_gpu.py} \
+    ${GPU_NEW_K:+-k "$GPU_NEW_K"} -p no:cacheprovider -q -rA \
     2>&1 | tee "$OUT/gpu_new.log" | tail -n 25
 }
 phase_nan() {  # ~1 min: issue 25's NaN hypothesis, empty attention rows vs left-aligned rows
@@ -186,7 +186,7 @@ phase_rollout_lp() {  # ~2 min: flowrl's 4 vLLM engine processes, 256 sequences,
 }
 phase_tier() {  # ~5 min: the GPU tier (TIER_K: a -k selection)
   timeout -k 10 ${TIER_TIMEOUT_S:-540} python3 -m pytest ${TIER_K:+-k "$TIER_K"} -m "gpu or vllm" tests/gpu/test_train_gpu.py tests/gpu/test_multi_turn_gpu.py \
-    tests/gpu/test_vlm_vllm_gpu.py tests/gpu/test_sdpa_varlen_gpu.py tests/gpu/test_liger_gpu.py tests/gpu/test_attention_backends_gpu.py tests/gpu/test_hf_compile_gpu.py tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
+    tests/gpu/test_vlm_vllm_gpu.py tests/gpu/test_sdpa_varlen_gpu.py tests/gpu/test_liger_gpu.py tests/gpu/test_attention_backends_gpu.py tests/gpu/test_hf_compile_gpu.py tests/gpu/test_overlap_gpu.py tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
     2>&1 | tee "$OUT/gpu_tier.log" | tail -n 60
 }
 

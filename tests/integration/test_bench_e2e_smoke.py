@@ -215,3 +215,28 @@ def test_tree_monitor_counts_grandchildren_and_timeout_kills_them(tmp_path):
     except psutil.NoSuchProcess:
         pass
     assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+
+
+def test_overlap_pair_recomputes_old_logprobs_and_says_so(tmp_path):
+    """`placement.staleness=1` among the flowrl overrides: the run recomputes the old logprobs
+    (a one-version-old batch needs them), the stage check lets that stage through, and the
+    settings table says flowrl is one-step off-policy while TRL is on-policy."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2"}')
+    (tmp_path / "model" / "tokenizer_config.json").write_text("{}")
+    common = dict(model="qwen05b", rollout="vllm", device="cuda", steps=4, prompts_per_step=32,
+                  n=8, max_new_tokens=256, micro_batch_size=32, model_dir=str(tmp_path / "model"))
+    for extra, recompute in (([], False), (["placement.staleness=1"], True),
+                             (["placement.staleness=1", "placement.staleness=0"], False)):
+        bc = bench.BenchConfig(**common, extra=extra)
+        assert bench.overlapped(extra) is recompute
+        assert f"algorithm.recompute_old_logprobs={str(recompute).lower()}" in \
+            bench.flowrl_overrides(bc, str(tmp_path / "out"))
+        tc, plan = bench.prepare_run(bc, str(tmp_path / "out"))
+        assert ("old_logprobs" in plan.order) is recompute
+        rcfg = next(c.config for c in plan.stages if c.stage.op == "reward.rule")
+        row = dict((r[0], r[1:]) for r in bench.settings_rows(tc, bench.trl_kwargs(tc, bc, "o"),
+                                                             rcfg, bc))["policy lag"]
+        assert row[0].startswith("placement.staleness=1: one-step off-policy" if recompute
+                                 else "on-policy")
+        assert row[1] == "on-policy (TRL generates, then trains, in turn)"

@@ -77,7 +77,7 @@ def test_sync_reports_the_bytes_and_the_parts_of_the_load():
                                                          "recompute_old_logprobs": True}})
     src, sink = TimedSource(), TimedSink()
     ex = Executor(plan, Engines(actor=src, rollout=sink), {})
-    assert ex._sync("actor", "rollout") == {
+    assert ex.sync_weights("actor", "rollout") == {
         "perf/weight_sync_bytes": 8.0, "perf/weight_sync/gather_s": 0.25,
         "perf/weight_sync/engine_load_weights_s": 0.5, "perf/weight_sync/ipc_collect_s": 0.125,
         "perf/weight_sync/load_weights_s": 0.75}
@@ -124,14 +124,14 @@ def test_the_first_sync_and_every_nth_are_checked():
                                                          "recompute_old_logprobs": True}})
     src, sink = ChangingSource(), ReadbackSink()
     ex = Executor(plan, Engines(actor=src, rollout=sink), {}, verify_sync=True, verify_sync_every=3)
-    checked = [ex._sync("actor", "rollout", step)["perf/weight_sync_checked"] for step in (1, 2, 3)]
+    checked = [ex.sync_weights("actor", "rollout", step)["perf/weight_sync_checked"] for step in (1, 2, 3)]
     assert checked == [1.0, 0.0, 0.0]
     sink.stale = True  # syncs 4 on keep the engine at version 3
     with pytest.raises(WeightSyncError, match="after step 4"):
-        ex._sync("actor", "rollout", 4)
+        ex.sync_weights("actor", "rollout", 4)
     every = Executor(plan, Engines(actor=ChangingSource(), rollout=ReadbackSink()), {},
                      verify_sync=True)  # the executor's own default: every sync
-    assert [every._sync("actor", "rollout")["perf/weight_sync_checked"] for _ in range(2)] == [1.0, 1.0]
+    assert [every.sync_weights("actor", "rollout")["perf/weight_sync_checked"] for _ in range(2)] == [1.0, 1.0]
 
 
 def test_verify_sync_every_below_one_is_refused():

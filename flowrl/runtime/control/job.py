@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 from flowrl.compiler.modes import mode_of
 from flowrl.compiler.placement import Mode
 from flowrl.compiler.render import format_plan
+from flowrl.runtime.control.colocated import Colocated
+from flowrl.runtime.control.events import JobEvents
 from flowrl.runtime.control.health import RunHealth
 from flowrl.runtime.control.preflight import ConfigError
 
@@ -69,16 +71,6 @@ HISTORY_KEYS = ("reward/mean", "reward/accuracy", "perf/step_s", "placement/vers
                 "train/unscorable_steps")
 
 
-class JobEvents(Protocol):
-    """What a placement reports to the job while it runs a step."""
-
-    def record(self, step: int, metrics: dict[str, float]) -> None:
-        """The step's metrics (already reduced over the ranks that log them)."""
-
-    def reached(self, version: int) -> None:
-        """This rank holds the state after update ``version``: join its checkpoint if one is due."""
-
-
 class RankPlacement(Protocol):
     """What one placement supplies to the job on this rank.
 
@@ -92,6 +84,9 @@ class RankPlacement(Protocol):
         holds_state: its engines hold the training state (checkpointed tensors, torch RNG).
         samples: it samples prompts (its prompt sampler is restored on resume).
         sampling_ranks: ranks of the job that sample prompts each step (for tokens/s).
+        overlaps: the rollout of the next step runs beside this step's update on the same
+            devices (``runtime/control/overlap.py``): the rollout engine holds weights of its own
+            and nothing is offloaded.
     """
 
     name: str
@@ -104,6 +99,7 @@ class RankPlacement(Protocol):
     holds_state: bool
     samples: bool
     sampling_ranks: int
+    overlaps: bool
 
     def header(self, cfg: "TrainConfig", out_dir: Path) -> str:
         """The run's first console line."""
@@ -131,63 +127,16 @@ class RankPlacement(Protocol):
         """Placement fields of ``summary.json`` after the last step."""
 
 
-class Colocated:
-    """One pool of every rank; every role takes its turn on the same devices (the whole plan)."""
-
-    name = "colocated"
-
-    def __init__(self, pp: "PlacementPlan", dinfo: "DistInfo"):
-        self.plan, self.dist = pp.full, dinfo
-        self.sends: list[str] = []
-        self.engine_ranks: Optional[int] = None  # build_engines: the world, not a pool
-        self.engine_group: Any = None
-        self.logs, self.holds_state, self.samples = dinfo.rank == 0, True, True
-        self.sampling_ranks = dinfo.world_size
-        self.executor: Optional["Executor"] = None
-
-    def header(self, cfg: "TrainConfig", out_dir: Path) -> str:
-        return (f"[bold]flowrl[/bold] graph={self.plan.graph.name} steps={cfg.trainer.total_steps} "
-                f"batch={cfg.trainer.prompts_per_step}x{cfg.algorithm.n} out={out_dir}")
-
-    def start(self, executor: "Executor", engines: "Engines", start: int, resumed: bool) -> None:
-        self.executor = executor
-        if resumed:  # the rollout engine's copy (or shared module) gets the restored weights
-            engines.weight_sink("rollout").load_weights(engines.weight_source("actor").named_weights())
-
-    def step(self, step: int, events: JobEvents) -> None:
-        from flowrl.runtime.io.distributed import reduce_metrics
-
-        if self.executor is None:
-            raise RuntimeError("Colocated.step before Colocated.start")
-        events.record(step, reduce_metrics(self.executor.run_step(step)))  # sum/mean/max
-        events.reached(step)
-
-    def finish(self, events: JobEvents) -> None:
-        pass
-
-    def prompt_state(self, prompts: Any) -> Any:
-        return prompts.state_dict()
-
-    def evaluator(self, cfg, plan, engines, prompts, tokenizer) -> Optional[Evaluator]:
-        if not self.logs:  # rank 0's rollout engine holds full weights; it evaluates alone
-            return None  # (trainer.eval.limit=0: it returns {} and logs nothing)
-        from flowrl.runtime.step.evaluate import greedy_evaluator
-
-        return greedy_evaluator(cfg, plan, engines.rollout, prompts, tokenizer)
-
-    def summary_fields(self, earlier: dict[str, Any], start: int) -> dict[str, Any]:
-        return dict(earlier)
-
-    def final_fields(self, summary: dict[str, Any]) -> dict[str, Any]:
-        return {}
-
-
 def rank_placement(cfg: "TrainConfig", pp: "PlacementPlan", dinfo: "DistInfo") -> RankPlacement:
     """This rank's part of ``pp`` (partitioned: creates the pool groups, a collective)."""
     if mode_of(pp.mode).concurrent_pools:
         from flowrl.runtime.control.partitioned import partitioned_rank
 
         return partitioned_rank(cfg, pp, dinfo)
+    if pp.overlapped:  # placement.staleness=1: the next rollout beside this update
+        from flowrl.runtime.control.overlap import Overlapped
+
+        return Overlapped(cfg, pp, dinfo)
     return Colocated(pp, dinfo)
 
 
@@ -339,6 +288,7 @@ class _Job:
         from flowrl.runtime.step.executor import Executor
         from flowrl.runtime.step.resources import (
             RunResources,
+            Swap,
             build_engines,
             image_encoder,
             peak_rss_gib,
@@ -366,7 +316,7 @@ class _Job:
         say(f"setup: data {len(prompts)} prompts in {time.perf_counter() - t0:.1f} s")
         t0 = time.perf_counter()
         built = build_engines(cfg, place.plan, tokenizer, world_size=place.engine_ranks,
-                              group=place.engine_group)
+                              group=place.engine_group, rollout_apart=place.overlaps)
         for f in dataclasses.fields(built):  # into the engines the caller closes
             setattr(self.engines, f.name, getattr(built, f.name))
         load_s = time.perf_counter() - t0
@@ -379,7 +329,11 @@ class _Job:
             sampling=cfg.rollout.sampling, trainer=cfg.trainer,
             genrm_tokenizer=(load_tokenizer(cfg.reward.genrm.model or cfg.model)
                              if "genrm" in place.plan.roles else None))
-        swap, why_swap = resolve_offload(cfg, self.engines)
+        swap: Swap = "none"
+        if place.overlaps:  # both halves run at once: nothing may leave the device
+            why_swap = f"placement.staleness={self.pp.staleness}: the rollout runs beside the update"
+        else:
+            swap, why_swap = resolve_offload(cfg, self.engines)
         # the pool rank offsets the seed: pool rank 0 draws what colocated rank 0 draws, and
         # rank 0 keeps the run seed (world size 1 unchanged)
         executor = self.executor = Executor(

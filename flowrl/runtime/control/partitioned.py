@@ -341,6 +341,7 @@ class _PoolRank:
     """
 
     name = "partitioned"
+    overlaps = False
 
     def __init__(self, cfg, pp: PlacementPlan, dinfo: DistInfo):
         from flowrl.runtime.step.resources import run_device

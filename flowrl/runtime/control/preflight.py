@@ -170,7 +170,48 @@ def prepare_placement(cfg: "TrainConfig", plan: "ExecutionPlan", world_size: int
     placement = choose(plan, cfg, world_size, role_parallelism(cfg))
     if mode_of(placement.mode).concurrent_pools:
         check_partitioned_run(placement, cfg)
+    if placement.overlapped:
+        check_overlap_run(placement, cfg)
     return placement
+
+
+def check_overlap_run(placement: "PlacementPlan", cfg: "TrainConfig") -> None:
+    """What a colocated run with ``placement.staleness=1`` needs (``runtime/control/overlap.py``):
+    the trainer's recomputed old logprobs (each batch comes from the weights one update behind),
+    every model resident (the rollout runs while the update does, so neither can be offloaded),
+    a rollout engine with weights of its own (vLLM in engine processes), and no cross-step op
+    state on the rollout side (it runs a step ahead of the checkpoint).
+
+    Raises:
+        PlacementError: naming the field to change.
+    """
+    from flowrl.compiler.placement import PlacementError
+    from flowrl.ops.registry import get_op
+    from flowrl.ops.state import OP_STATES
+
+    k = placement.staleness
+    if not cfg.algorithm.recompute_old_logprobs:
+        raise PlacementError(
+            f"placement.staleness={k} trains on batches one weight version old: the trainer must "
+            "recompute old logprobs (set algorithm.recompute_old_logprobs=true, or "
+            "placement.staleness=0)")
+    if cfg.trainer.offload in ("always", "rollout"):
+        raise PlacementError(
+            f"trainer.offload={cfg.trainer.offload} with placement.staleness={k}: the rollout runs "
+            "while the update does, so no model can leave the device (set trainer.offload=auto "
+            "or never, or placement.staleness=0)")
+    if cfg.rollout.backend == "vllm" and cfg.rollout.vllm.engine_procs == 0:
+        raise PlacementError(
+            f"rollout.vllm.engine_procs=0 with placement.staleness={k}: the rollout runs beside "
+            "the update, so vLLM needs engine processes of its own (set rollout.vllm.engine_procs "
+            "to 1 or more, or null)")
+    for c in placement.halves["rollout"].plan.stages:
+        _ = get_op(c.stage.op).fn  # imports the op's module, which declares its state
+        if c.stage.op in OP_STATES:
+            raise PlacementError(
+                f"placement.staleness={k}: stage '{c.stage.name}' (op {c.stage.op}) keeps state "
+                "across steps on the rollout side, which runs a step ahead of the checkpoint "
+                "(set placement.staleness=0, or placement=partitioned)")
 
 
 def check_partitioned_run(placement: "PlacementPlan", cfg: "TrainConfig") -> None:

@@ -202,7 +202,7 @@ class Executor:
         n, self.syncs_done = self.syncs_done, self.syncs_done + 1
         return self.verify_sync and n % self.verify_sync_every == 0
 
-    def _sync(self, src_role: str, dst_role: str, step: int = 0) -> dict[str, float]:
+    def sync_weights(self, src_role: str, dst_role: str, step: int = 0) -> dict[str, float]:
         """Load ``src_role``'s weights into ``dst_role``'s engine; returns its metrics: the bytes
         gathered (``perf/weight_sync_bytes``; an FSDP or LoRA source records them, else 0) and
         the parts of the load its engines timed (``perf/weight_sync/<part>``: e.g. the source's
@@ -281,7 +281,7 @@ class Executor:
                     src = self.plan.graph[a.stage_name]
                     if src.role is None:  # graph validation refuses a sync from a role-less stage
                         raise ValueError(f"weight sync from role-less stage {src.name!r}")
-                    metrics.update(self._sync(src.role, a.role_name, step))
+                    metrics.update(self.sync_weights(src.role, a.role_name, step))
                     sync_s += time.perf_counter() - t0
                 elif (stage := a.stage_name) in self.plan.refill:
                     metrics.update(run_refill(self, self.plan.refill[stage], step))

@@ -239,6 +239,9 @@ class BuildContext:
         engines: the engines built so far (a builder may read an earlier role's engine).
         vllm_prefetch: vLLM model-info prefetches started before the model loaded
             (``engines/rollout/vllm_prefetch.py``); a vLLM builder waits for them first.
+        rollout_apart: the rollout runs while the actor updates (``placement.staleness=1`` on a
+            colocated run): it must hold weights of its own (``shared`` is off) and a vLLM
+            engine runs in engine processes.
     """
 
     cfg: "TrainConfig"
@@ -255,6 +258,7 @@ class BuildContext:
     engines: Engines
     kw: dict[str, Any] = field(default_factory=dict)
     vllm_prefetch: list["ModelInfoPrefetch"] = field(default_factory=list)
+    rollout_apart: bool = False
 
     def wait_for_vllm_prefetch(self) -> None:
         """Let every prefetch started for this build finish (each is waited for once)."""
@@ -364,7 +368,8 @@ def _build_rollout(b: BuildContext) -> "RolloutEngine":
     from flowrl.models.vision import image_processor, is_vision_config
 
     return rollout_engines.build_rollout_engine(
-        b.cfg.rollout, b.model, b.tokenizer, shared=b.shared, own_process=b.group is not None,
+        b.cfg.rollout, b.model, b.tokenizer, shared=b.shared,
+        own_process=b.group is not None or b.rollout_apart,
         job=rollout_job(b.cfg, b.world_size), lora=_lora_spec(b),
         image_processor=image_processor(b.cfg.model) if is_vision_config(b.cfg.model) else None)
 
@@ -412,11 +417,13 @@ ENGINE_BUILDERS: dict[str, EngineBuilder] = {
 
 
 def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
-                  world_size: int | None = None, group: Any = None) -> Engines:
+                  world_size: int | None = None, group: Any = None,
+                  rollout_apart: bool = False) -> Engines:
     """Load the model once and build the engine of every role the plan uses (a partitioned
     pool's plan: only that pool's roles; ``world_size`` = the pool's ranks, ``group`` = the pool's
     process group: FSDP engines shard over it and run their collectives on it, never the world),
-    each by its :data:`ENGINE_BUILDERS` entry, in that table's order.
+    each by its :data:`ENGINE_BUILDERS` entry, in that table's order. ``rollout_apart``: the
+    rollout runs beside the update (:attr:`BuildContext.rollout_apart`).
 
     The model is loaded straight onto the run's device (no host copy on a GPU run). The rollout
     engine is built last: an HF engine with its own copy casts ``model`` to its dtype (bf16 on
@@ -444,13 +451,14 @@ def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
     lora = cfg.model.lora
     # a LoRA actor's module shares only with an HF rollout engine on one process; vLLM and an
     # FSDP run's HF engine start from a plain copy of the base weights
-    shared = not fsdp and "actor" in roles and (lora is None or cfg.rollout.backend == "hf")
+    shared = not fsdp and "actor" in roles and (lora is None or cfg.rollout.backend == "hf") \
+        and not rollout_apart
     # before any engine is built (the actor may shard or wrap `model` in place): the frozen
     # reference's copy; LoRA: the reference is the actor with its adapters disabled
     ref_copy = copy.deepcopy(model) if "ref" in roles and lora is None else None
     engines = Engines()
     ctx = BuildContext(cfg, model, device, tokenizer, roles, fsdp, train_cls, shared, ref_copy,
-                       world_size, group, engines, kw, prefetch)
+                       world_size, group, engines, kw, prefetch, rollout_apart)
     for role, builder in ENGINE_BUILDERS.items():
         if role in roles:
             t1 = time.perf_counter()
