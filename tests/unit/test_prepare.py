@@ -2,6 +2,7 @@
 computed once, and that one ``RunSpec`` (``flowrl.train.prepare``) is what ``run_job`` runs; a
 multi-rank launch prepares once in the parent before torchrun starts the ranks."""
 
+import re
 import sys
 
 import pytest
@@ -124,7 +125,14 @@ def test_prepare_itemizes_its_start_up_and_the_job_logs_it(monkeypatch, tmp_path
     with caplog.at_level(logging.INFO, logger="flowrl"), pytest.raises(Stop):
         job.run_job(spec)
     logged = [r.getMessage() for r in caplog.records if "start-up: checked" in r.getMessage()]
-    assert len(logged) == 1 and logged[0].endswith(f"({spec.startup_line()})")
+    assert len(logged) == 1 and f"({spec.startup_line()}, " in logged[0]
+    # then what came after prepare: the run directory and Hydra's job, the process group
+    tail = re.search(r", run directory, Hydra's job and the job's imports (\d+\.\d) s, "
+                     r"process group (\d+\.\d) s\)$", logged[0])
+    assert tail is not None, logged[0]
+    total = float(re.search(r"checked (\d+\.\d) s", logged[0]).group(1))
+    parts = sum(s for _, s in spec.startup) + float(tail.group(1)) + float(tail.group(2))
+    assert parts == pytest.approx(total, abs=0.25)  # every second of the total is named
 
 
 def test_since_launch_counts_from_the_process_start_not_a_rounded_boot_time():

@@ -152,22 +152,29 @@ def run_job(spec: "RunSpec") -> dict[str, Any]:
     """
     from flowrl.runtime.io import distributed as fdist
     from flowrl.runtime.io import rundir
+    from flowrl.runtime.step.resources import since_launch_s
 
     cfg, plan = spec.config, spec.plan
+    to_job = since_launch_s()  # prepare's parts, then the run directory and Hydra's job files
+    t0 = time.perf_counter()
     dinfo = fdist.init_distributed(cfg.trainer.device, timeout_s=cfg.launcher.collective_timeout_s,
                                    heartbeat_timeout_s=cfg.launcher.heartbeat_timeout_s)
     if dinfo.world_size == 1 and cfg.trainer.engine.strategy == "fsdp" and \
             {"actor", "critic"} & set(plan.roles):
         dinfo = fdist.init_single_process(cfg.trainer.device)  # FSDP2 needs a (1-rank) group
+    group_s = time.perf_counter() - t0
     rank0 = dinfo.rank == 0
     if rank0:
         for r in spec.resolved:  # the machine's defaults, before anything loads
             log.info("resolved %s", r)
         if spec.startup:
-            from flowrl.runtime.step.resources import since_launch_s
-
+            # what prepare timed, then what came between it and the job (on the H200 the first
+            # console line came 7.8 s after prepare's parts ended, unexplained)
+            job_parts = (("run directory, Hydra's job and the job's imports",
+                          max(to_job - sum(s for _, s in spec.startup), 0.0)),
+                         ("process group", group_s))
             log.info("start-up: checked %.1f s since the command started (%s)", since_launch_s(),
-                     spec.startup_line())
+                     spec.startup_line(job_parts))
     # the job got another world than the configured one (train() outside torchrun): place again
     pp = spec.placement if spec.placement.world_size == dinfo.world_size else \
         placement_for(cfg, plan, dinfo.world_size)
