@@ -299,6 +299,7 @@ def estimate_colocated(pp: PlacementPlan, costs: StageCosts) -> PlacementEstimat
         for name, half in pp.halves.items():
             sides[name] = sum(costs.stage_seconds(s, p) for s in half.plan.order)
         sides["all"] = max(sides[ROLLOUT_POOL], sides[TRAIN_POOL])
+        memory["all"] = (sum(by_role["all"].values()), None)  # every model resident at once
     return PlacementEstimate(sides["all"], sides, 0.0, 0.0, memory,
                              transfer_bytes(pp, costs.workload), 0, costs.device.name,
                              role_memory=by_role)

@@ -157,6 +157,9 @@ def _estimate_lines(pp: PlacementPlan, sides: bool = False) -> list[str]:
     if est is None:
         return []
     out = ["", f"Predicted (cost model, device profile {est.device}): step {est.step_s:.3g} s"]
+    if pp.overlapped:  # the two halves at once on the same devices: a lower bound
+        out.append(f"  = max(rollout={est.sides['rollout']:.3g}s train={est.sides['train']:.3g}s), "
+                   "the halves side by side (they share the devices: a lower bound)")
     if sides:
         terms = " ".join(f"{k}={v:.3g}s" for k, v in est.sides.items())
         how = "sum" if pp.staleness == 0 else "max"

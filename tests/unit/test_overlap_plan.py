@@ -1,5 +1,6 @@
 """placement.staleness=1 on a colocated run (runtime/control/overlap.py): how the plan is cut,
 what is refused before any model loads, how the two halves' metrics merge."""
+import re
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,10 @@ def test_flowrl_plan_says_what_runs_beside_what(capsys):
     assert ("Overlap (placement.staleness=1, one-step off-policy): the rollout half (sample -> "
             "rollout -> reward -> advantage) of step s+1 runs beside the train half (old_logprobs "
             "-> update) of step s, with the weights of update s-1") in out
+    # the step is the longer half; the memory every model at once (nothing is swapped)
+    step = float(re.search(r"step ([\d.]+) s\n", out).group(1))
+    rollout, train = (float(x) for x in re.search(r"= max\(rollout=([\d.]+)s train=([\d.]+)s\)",
+                                                   out).groups())
+    assert step == pytest.approx(max(rollout, train), rel=0.01)
+    resident = re.search(r"every model resident \(no swaps\) ([\d.]+ MiB)", out).group(1)
+    assert f"Predicted peak memory per device: pool all {resident}\n" in out
