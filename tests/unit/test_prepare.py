@@ -175,3 +175,18 @@ def test_a_rank_counts_from_the_command_its_supervisor_started(monkeypatch):
     assert supervise.supervise(["--nproc_per_node=1", "--standalone", "-m", "flowrl.train"], []) == 0
     assert len(seen) == 1 and abs(float(seen[0]) - before) < 0.5
     assert COMMAND_START_ENV not in os.environ
+
+
+def test_flowrl_train_times_its_machine_check_as_a_start_up_part(monkeypatch, tmp_path):
+    """``flowrl train`` checks the machine after ``prepare`` (on a GPU: liger-kernel's import, 7.3 s
+    on the H100); the start-up line names that part instead of leaving it in the job's share."""
+    import flowrl.train
+
+    seen = []
+    monkeypatch.setattr(flowrl.train, "_PREPARED", False)
+    monkeypatch.setattr(flowrl.train, "_hydra_job", seen.append)  # stop where the job would start
+    flowrl.train.main([*SMOKE, f"trainer.output_dir={tmp_path / 'run'}"])
+    (spec,) = seen
+    assert [p for p, _ in spec.startup] == ["python and imports", "compose", "config", "machine",
+                                            "graph, placement and input checks", "machine check"]
+    assert spec.startup[-1][1] >= 0
