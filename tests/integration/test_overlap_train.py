@@ -95,3 +95,24 @@ def test_overlap_resume_saves_the_trained_batch_position(tmp_path):
     assert b[3]["placement/version_lag"] == 0.0  # nothing ran ahead of the resume
     assert summary["version_lags"] == [0, 1, 0]
     assert prompt_state(stopped, 3) == prompt_state(straight, 3)
+
+
+def test_overlap_on_two_ranks(tmp_path):
+    """`launcher.nproc=2`: each rank runs both halves; the update's FSDP collectives (world group,
+    in the update thread) and the rollout half's (a group of its own, in the main thread) never
+    share a communicator, so the two threads cannot deadlock each other."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "flowrl.train", "launcher.nproc=2", *BASE, "trainer.total_steps=3",
+           "placement.staleness=1", f"trainer.output_dir={out}"]
+    r = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["version_lags"] == [0, 1, 1]
+    m = read_metrics(out)
+    assert [m[s]["placement/version_lag"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert (out / "checkpoints" / "step_000003" / ".metadata").is_file()

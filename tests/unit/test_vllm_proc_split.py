@@ -97,3 +97,33 @@ def test_a_bucket_packs_into_one_flat_buffer_and_comes_back_exactly():
     assert torch.equal(bucket[0][1], w.to(torch.bfloat16))
     with pytest.raises(ValueError, match="one device per bucket"):
         pack_bucket([("a", torch.ones(1)), ("b", torch.ones(1, device="meta"))])
+
+
+def test_staging_buffers_refill_each_position_in_place_across_loads():
+    """Weight sync to engine processes on CUDA leaked one copy of the weights per load while every
+    load exported fresh buffers; the staging buffers are made once per bucket position and
+    refilled in place (``fresh`` False: nothing new to export), unless a bucket of another size
+    comes to that position."""
+    import torch
+
+    from flowrl.engines.rollout.vllm_proc import StagingBuffers, unpack_bucket
+
+    st = StagingBuffers()
+    first = [[("a", torch.ones(4)), ("b", torch.zeros(2))], [("c", torch.full((3,), 2.0))]]
+    st.begin()
+    packed = [st.pack(b) for b in first]
+    assert [(i, fresh) for i, _, _, fresh in packed] == [(0, True), (1, True)]
+    buffers = [flat for _, flat, _, _ in packed]
+    second = [[("a", torch.full((4,), 5.0)), ("b", torch.ones(2))], [("c", torch.full((3,), 7.0))]]
+    st.begin()
+    again = [st.pack(b) for b in second]
+    assert [(i, fresh) for i, _, _, fresh in again] == [(0, False), (1, False)]
+    for (_, flat, metas, _), old, bucket in zip(again, buffers, second):
+        assert flat is old  # the same storage, refilled
+        for (_, got), (_, want) in zip(unpack_bucket(flat, metas), bucket):
+            assert torch.equal(got, want)
+    # another weight set (a bigger bucket at position 1): a new buffer there, position 0 kept
+    st.begin()
+    st.pack(second[0])
+    index, flat, _, fresh = st.pack([("c", torch.ones(30))])
+    assert (index, fresh) == (1, True) and flat is not buffers[1] and st.flats[0] is buffers[0]

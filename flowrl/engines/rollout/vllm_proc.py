@@ -31,7 +31,7 @@ import signal
 import time
 import traceback
 import weakref
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import torch
 import torch.multiprocessing as mp
@@ -126,6 +126,9 @@ def _serve(conn, exported: PolicyExport, cfg: VLLMRolloutConfig, env: dict[str, 
                       "weight_load_path": engine.weight_load_path}))
 
     ended = [True]
+    # bucket position -> the parent's staging buffer, mapped once (CUDA IPC): later loads refill
+    # the same buffers (StagingBuffers), so nothing is exported again (see load_weights)
+    mapped: dict[int, Tensor] = {}
 
     def stream() -> Iterator[tuple[str, Tensor]]:
         while True:
@@ -133,9 +136,12 @@ def _serve(conn, exported: PolicyExport, cfg: VLLMRolloutConfig, env: dict[str, 
             if msg[0] == "end":
                 ended[0] = True
                 return
-            flat, metas = msg[1], msg[2]
-            yield from unpack_bucket(flat.tensor() if isinstance(flat, _CudaHandle) else flat,
-                                     metas)
+            _, index, payload, metas = msg
+            if isinstance(payload, _CudaHandle):  # a new buffer at this position
+                mapped[index] = payload.tensor()
+            # None: the buffer mapped at an earlier load, refilled; on CPU the bucket itself
+            flat = payload if isinstance(payload, Tensor) else mapped[index]
+            yield from unpack_bucket(flat, metas)
 
     while True:
         try:
@@ -156,6 +162,8 @@ def _serve(conn, exported: PolicyExport, cfg: VLLMRolloutConfig, env: dict[str, 
                 ended[0] = False
                 try:
                     engine.load_weights(stream())
+                    if mapped:  # every read of the parent's buffers done before it refills them
+                        torch.cuda.synchronize()
                 finally:
                     while not ended[0]:  # an error mid-load: read up to "end", stay in step
                         ended[0] = conn.recv()[0] == "end"
@@ -240,6 +248,7 @@ class VLLMProcessEngine:
         ctx = mp.get_context("spawn")
         env = _child_env(device)
         self._conns, self._procs = [], []
+        self._staging = StagingBuffers()
         # vLLM sizes its KV cache from the device-wide memory it sees used while it loads: engines
         # profiling side by side would count each other's allocations. They start one after the
         # other unless the cache size is fixed (kv_cache_memory_gb), then side by side.
@@ -386,11 +395,16 @@ class VLLMProcessEngine:
         """Load a full set of HF-named weights into every engine; their prefix caches are reset.
 
         The tensors travel in buckets of ~64 MiB, each copied into one flat buffer
-        (:func:`pack_bucket`) that crosses as one handle (CUDA IPC on GPU, shared memory on CPU):
+        (:func:`pack_bucket`) that crosses as one handle (CUDA IPC on GPU, pickled on CPU):
         torch's IPC costs per tensor (an event, a reference counter, a mapping in each engine),
-        and a model has hundreds. The caller's own tensors are never shared. The buffers stay
-        referenced here until every engine confirmed the load: peak extra memory is one full copy
-        of the weights on the sending side.
+        and a model has hundreds. The caller's own tensors are never shared.
+
+        On CUDA the flat buffers are kept from one load to the next (:class:`StagingBuffers`):
+        each is exported to the engines once, and later loads refill it in place. A fresh buffer
+        per load leaked one copy of the weights per load in this process (+0.75 GiB per step at
+        the 0.5B shape on the H100, 2026-12-06; ``benchmarks/results/weight_sync_h200.md``): torch
+        keeps an exported block until the engines' reference counts drop, and they never did.
+        The cost is one standing copy of the weights (bf16: 2 bytes per parameter) here.
 
         Raises:
             KeyError: a name the exported model does not have (the engines then hold an incomplete
@@ -401,6 +415,7 @@ class VLLMProcessEngine:
         for i in range(len(self._conns)):
             self._send(i, ("load",))
         kept: list[Tensor] = []  # the flat buffers sent, until every engine has loaded them
+        self._staging.begin()
         bucket: list[tuple[str, Tensor]] = []
         size, bad = 0, None
         counts = {"tensors": 0, "bytes": 0}
@@ -451,10 +466,15 @@ class VLLMProcessEngine:
         self.last_load_counts = counts
 
     def _send_bucket(self, bucket: list[tuple[str, Tensor]], kept: list[Tensor]) -> None:
-        flat, metas = pack_bucket(bucket)
-        handle = _CudaHandle.of(flat) if flat.is_cuda else flat
+        index, flat, metas, fresh = self._staging.pack(bucket)
+        payload: Any = flat
+        if flat.is_cuda:
+            # the copies into the buffer are done before an engine reads it (a refilled buffer
+            # carries no new IPC event for the engine to wait on)
+            torch.cuda.current_stream(flat.device).synchronize()
+            payload = _CudaHandle.of(flat) if fresh else None
         for i in range(len(self._conns)):
-            self._send(i, ("bucket", handle, metas))
+            self._send(i, ("bucket", index, payload, metas))
         kept.append(flat)
 
     def sleep(self, level: int | None = None) -> None:
@@ -483,12 +503,15 @@ _ALIGN = 64  # bytes: every tensor of a flat bucket starts at a multiple (any dt
 BucketMeta = tuple[str, torch.dtype, tuple[int, ...], int]  # name, dtype, shape, byte offset
 
 
-def pack_bucket(bucket: list[tuple[str, Tensor]]) -> tuple[Tensor, list[BucketMeta]]:
+def pack_bucket(bucket: list[tuple[str, Tensor]], into: Optional[Tensor] = None
+                ) -> tuple[Tensor, list[BucketMeta]]:
     """Copy ``bucket``'s tensors into one flat uint8 buffer on their device.
 
     Args:
         bucket: ``(name, tensor)`` pairs, one device, any dtypes, shapes (0-d included) and
             strides.
+        into: a buffer to fill instead of a new one, used when it has exactly the bucket's size
+            and device (else a new buffer is made).
 
     Returns:
         ``(flat, metas)``: ``flat`` a (total bytes,) uint8 tensor on the bucket's device; per
@@ -506,10 +529,43 @@ def pack_bucket(bucket: list[tuple[str, Tensor]]) -> tuple[Tensor, list[BucketMe
     for name, t in bucket:
         metas.append((name, t.dtype, tuple(t.shape), total))
         total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    flat = torch.empty(total, dtype=torch.uint8, device=next(iter(devices)) if devices else "cpu")
+    device = torch.device(next(iter(devices))) if devices else torch.device("cpu")
+    fits = into is not None and into.numel() == total and into.device == device
+    flat = into if into is not None and fits else torch.empty(total, dtype=torch.uint8, device=device)
     for (_, t), (_, dtype, shape, off) in zip(bucket, metas):
         _view(flat, dtype, shape, off).copy_(t)
     return flat, metas
+
+
+class StagingBuffers:
+    """The flat buffers of a weight load, kept by bucket position from one load to the next.
+
+    A load packs its buckets in order (:meth:`begin`, then :meth:`pack` per bucket). The same
+    model sends the same buckets every time, so each position's buffer is refilled in place and
+    crosses to the engines only once (the engines keep it mapped). A bucket of another size or
+    device (another weight set: LoRA adapters instead of the full set) gets a new buffer at its
+    position, and the old one is dropped.
+    """
+
+    def __init__(self) -> None:
+        self.flats: list[Tensor] = []
+        self._next = 0
+
+    def begin(self) -> None:
+        """A new load starts: the next bucket is position 0."""
+        self._next = 0
+
+    def pack(self, bucket: list[tuple[str, Tensor]]) -> tuple[int, Tensor, list[BucketMeta], bool]:
+        """The next bucket packed (:func:`pack_bucket`) into its position's buffer: (position,
+        buffer, metas, fresh); ``fresh``: a new buffer (the engines have not seen it)."""
+        index, self._next = self._next, self._next + 1
+        old = self.flats[index] if index < len(self.flats) else None
+        flat, metas = pack_bucket(bucket, into=old)
+        if old is None:
+            self.flats.append(flat)
+        else:
+            self.flats[index] = flat
+        return index, flat, metas, flat is not old
 
 
 def unpack_bucket(flat: Tensor, metas: list[BucketMeta]) -> Iterator[tuple[str, Tensor]]:
