@@ -21,11 +21,12 @@
 # tools, sync, lora_sync, neighbours, profile_vllm, profile_hf, profile_solo, sdpa, shapes, rollout_lp, gpu_new (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
-# Next lease (issue 24, after eabe4a5), in this order (H100: add rollout.vllm.gpu_memory_utilization=0.2 to X):
-#   carry [".vllm/p5", ".flowrl_commit"]: ... install gpu_new     (~2 min: tests/gpu/test_overlap_gpu.py, hf and vllm)
-#   E2E_ARGS="--model qwen05b --rollout vllm" X="placement.staleness=1" ... e2e   (~4.5 min: the overlap pair)
-#   E2E_ARGS="--model qwen05b --rollout vllm" ... e2e                             (~4.5 min: the on-policy pair, same machine)
-#   FIRST_STEP_ROUNDS=1 ... first_step       (~1.5 min: the start-up line now names the job's part and the process group)
+# Next lease (issue 24, after 23c822a), in this order (H100: add rollout.vllm.gpu_memory_utilization=0.2 to X):
+#   carry [".vllm/p5", ".flowrl_commit"]: TIER_TIMEOUT_S=480 ... install tier   (~5 min: the whole tier, with
+#       StagingBuffers (the weight sync to engine processes) and tests/gpu/test_overlap_gpu.py, neither in a full tier yet)
+#   E2E_ARGS="--model qwen05b --rollout vllm" ... e2e   (~3.5 min: perf/peak_device_gib per step must stay flat now;
+#       at af80c05 it grew 0.75 GiB per weight sync)
+#   FIRST_STEP_ROUNDS=1 ... first_step                   (~1 min: the start-up line's new `machine check` part)
 # Short of device time and without vLLM: carry [".whl", ".flowrl_commit"]:
 #   TIER_K="not vllm" TIER_TIMEOUT_S=200 bash scripts/device/session.sh wheels tier   (the HF half of the tier)
 set -uo pipefail
