@@ -185,6 +185,7 @@ def _run(source: "RunSpec | DictConfig") -> None:
     """The job inside Hydra's (its run dir exists): :func:`train`; a crash, Ctrl-C or SIGTERM
     ends in one report with the command that continues the run."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from flowrl.runtime.control.recovery import report_crash, stop_on_sigterm
     from flowrl.runtime.io import rundir
@@ -197,6 +198,8 @@ def _run(source: "RunSpec | DictConfig") -> None:
     except (ConfigError, rundir.RunDirError) as e:  # rejected before any model loaded: one line
         if isinstance(e, ConfigError):  # a multirun job's directory: Hydra's files only
             rundir.remove_hydra_leftovers(Path(hydra_dir))
+            if HydraConfig.get().mode == RunMode.MULTIRUN:  # and a sweep that ran no job
+                rundir.remove_sweep_leftovers(Path(HydraConfig.get().sweep.dir))
         sys.exit(_refused(str(e)))
     except KeyboardInterrupt:
         print(f"\nflowrl train: interrupted; {rundir.resume_hint(Path(out_dir), hydra_dir)}",

@@ -157,3 +157,22 @@ def test_machine_line_names_what_was_resolved(tmp_path, capsys):
     out = capsys.readouterr().out
     assert ("machine: device=cpu rollout=hf dtype=float32 strategy=local offload=rollout only "
             "(trainer.offload=rollout)") in out
+
+
+def test_a_refused_sweep_leaves_no_multirun_folder(tmp_path):
+    """`flowrl train -m` whose first job is refused writes nothing: Hydra's `multirun.yaml` and its
+    `multirun/<date>/<time>` folders go with the refusal. A sweep that already ran a job keeps
+    its folder (the job's run and `multirun.yaml`)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    base = [sys.executable, "-m", "flowrl.train", "-m", *BASE, "trainer.total_steps=1",
+            "trainer.eval.before=false", "trainer.eval.after=false", "logger.tensorboard=false"]
+    r = subprocess.run([*base, "placement.staleness=2"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "placement.staleness=2 with placement=colocated" in r.stderr
+    assert list(tmp_path.iterdir()) == []
+    r = subprocess.run([*base, "placement.staleness=0,2"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, r.stderr[-2000:]
+    (sweep,) = (tmp_path / "multirun").glob("*/*")
+    assert (sweep / "multirun.yaml").is_file() and (sweep / "0" / "metrics.jsonl").is_file()
+    assert not (sweep / "1").exists()

@@ -184,6 +184,22 @@ def remove_hydra_leftovers(run_dir: Path) -> None:
         run_dir.rmdir()
 
 
+def remove_sweep_leftovers(sweep_dir: Path) -> None:
+    """A sweep whose first job was rejected: delete Hydra's ``multirun.yaml`` and the sweep
+    directory when nothing else is in it (no job ran), then the empty ``multirun/<date>`` folders
+    of Hydra's default sweep path under the working directory; never a folder that holds anything
+    else (an earlier job's run, a user's files)."""
+    sweep_dir = Path(sweep_dir).resolve()
+    if not sweep_dir.is_dir() or any(p.name != "multirun.yaml" for p in sweep_dir.iterdir()):
+        return
+    (sweep_dir / "multirun.yaml").unlink(missing_ok=True)
+    sweep_dir.rmdir()
+    default_root = Path.cwd().resolve() / "multirun"
+    for parent in (sweep_dir.parent, sweep_dir.parent.parent):
+        if parent.is_relative_to(default_root) and parent.is_dir() and not any(parent.iterdir()):
+            parent.rmdir()
+
+
 def finished_run_summary(out_dir: Path, total_steps: int) -> Optional[tuple[int, dict]]:
     """``(step, summary)`` when the newest complete checkpoint in ``out_dir`` is at or past
     ``total_steps`` (resuming would train nothing; ``summary`` is its ``summary.json``, ``{}``
