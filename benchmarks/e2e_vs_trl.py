@@ -742,6 +742,16 @@ def decode_ms(steps: list[dict]) -> Optional[float]:
     return 1000.0 * sum(s["generate_s"] for s in steps) / sum(lens)
 
 
+def device_growth(steps: list[dict]) -> Optional[tuple[float, float, float]]:
+    """flowrl's ``perf/peak_device_gib`` at its first and last step and the mean growth per step
+    between them (GiB): a steady growth is memory kept from step to step (at af80c05 one copy of
+    the weights per weight sync to vLLM's engine processes); None without two steps of it."""
+    peaks = [s["perf"]["peak_device_gib"] for s in steps if "peak_device_gib" in s["perf"]]
+    if len(peaks) < 2:
+        return None
+    return peaks[0], peaks[-1], (peaks[-1] - peaks[0]) / (len(peaks) - 1)
+
+
 def warmup_of(run: dict) -> int:
     """Warm-up steps of a stored run: its ``warmup`` (round runs); older records: the first step
     when there are several."""
@@ -793,6 +803,7 @@ def summarize(run: dict, peak_tflops: Optional[float]) -> dict:
         sums = [sum(s["stages"].values()) for s in timed]
         moves = [s["perf"].get("swap_s", 0.0) + s["perf"].get("sync_s", 0.0) for s in timed]
         out["stage_sum_s"] = _mean(sums)
+        out["peak_device_per_step_gib"] = device_growth(steps)
         out["step_over_stages"] = _mean([s["step_s"] / x for s, x in zip(timed, sums) if x > 0])
         out["step_over_stages_moves"] = _mean([s["step_s"] / (x + y) for s, x, y in zip(timed, sums, moves)
                                                if x + y > 0])
@@ -993,6 +1004,10 @@ def detail_lines(pair: dict) -> list[str]:
                      f"{_fmt(f['step_over_stages_moves'])}")
         lines.append("- flowrl `perf/*`: " + ", ".join(f"{k} {_fmt(v)}" for k, v in f["perf"].items())
                      + f"; checkpoint after the last step {_fmt(f['checkpoint_s'])} s (outside step time)")
+        if f.get("peak_device_per_step_gib"):
+            first, last, per = f["peak_device_per_step_gib"]
+            lines.append(f"- flowrl peak device memory (`perf/peak_device_gib`), first step {_fmt(first)} "
+                         f"GiB, last {_fmt(last)} GiB: {_fmt(per)} GiB more per step")
     if t:
         lines.append("- TRL (s): " + ", ".join(f"{k} {_fmt(v)}" for k, v in t["stages"].items()))
         if t["profile"]:

@@ -212,3 +212,13 @@ def test_from_json_that_is_not_a_report_is_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert f": error: --from-json {path}: " in err and why in err, err  # argparse's prog first
     assert not (tmp_path / "out.md").exists()
+
+
+def test_device_growth_reports_memory_kept_from_step_to_step():
+    """At af80c05 flowrl's peak device memory grew by one copy of the weights per weight sync; the
+    report states the first, the last and the growth per step, from `perf/peak_device_gib`."""
+    steps = [{"perf": {"peak_device_gib": g}} for g in (20.8, 21.6, 22.4, 23.0)]
+    first, last, per = bench.device_growth(steps)
+    assert (first, last) == (20.8, 23.0) and per == pytest.approx(2.2 / 3)
+    assert bench.device_growth(steps[:1]) is None  # one step: no growth to state
+    assert bench.device_growth([{"perf": {}}, {"perf": {}}]) is None  # a CPU run: none recorded
