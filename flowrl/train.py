@@ -75,7 +75,7 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
         cfg = to_train_config(task)  # a bad field stops here, before torch is imported
         done("config")
         resolved = resolve_machine_defaults(cfg)
-        done("machine")
+        done("machine defaults")
         plan, placement = check_run(cfg, task, given, plan_only=plan_only)
         done("graph, placement and input checks")
     except (ValueError, FileNotFoundError) as e:
@@ -132,7 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             # 7.3 s, liger-kernel's import (torch._dynamo, peft, triton) to check the model type,
             # an import the model load needs anyway
             spec = dataclasses.replace(spec, startup=(*spec.startup,
-                                                      ("machine check", time.perf_counter() - t0)))
+                                                      ("machine check (packages, kernels)", time.perf_counter() - t0)))
     except (ConfigError, rundir.RunDirError) as e:
         sys.exit(_refused(str(e)))
     except (HydraException, OmegaConfBaseException) as e:  # Hydra's own report takes 6-15 lines

@@ -106,13 +106,22 @@ def colocated_text(pp: PlacementPlan) -> str:
     """A colocated plan as text: its one pool's ExecutionPlan (:func:`format_plan`), then the
     cost model's predictions and the notes."""
     extra = _estimate_lines(pp) + ((["", "Notes:"] + [f"  {n}" for n in pp.notes]) if pp.notes else [])
-    if pp.overlapped:  # placement.staleness=1: the two halves of the plan run side by side
-        r, t = pp.halves["rollout"].plan.order, pp.halves["train"].plan.order
-        extra = ["", f"Overlap (placement.staleness={pp.staleness}, one-step off-policy): the rollout "
-                 f"half ({' -> '.join(r)}) of step s+1 runs beside the train half "
-                 f"({' -> '.join(t)}) of step s, with the weights of update s-1; then the weights "
-                 "sync and the next step starts. Nothing is offloaded."] + extra
+    extra = overlap_lines(pp) + extra
     return format_plan(pp.pools["all"].plan) + "\n" + "\n".join(extra)
+
+
+def overlap_lines(pp: PlacementPlan) -> list[str]:
+    """What an overlapped colocated plan (``placement.staleness=1``) changes in the timeline
+    :func:`format_plan` prints for it (empty for any other plan)."""
+    if not pp.overlapped:
+        return []
+    r, t = pp.halves["rollout"].plan.order, pp.halves["train"].plan.order
+    return ["", f"Overlap (placement.staleness={pp.staleness}, one-step off-policy): the rollout "
+            f"half ({' -> '.join(r)}) of step s+1 runs beside the train half ({' -> '.join(t)}) of "
+            "step s, with the weights of update s-1; then the weights sync and the next step "
+            "starts. The timeline above is the on-policy order: nothing is offloaded (its "
+            "offload/onload actions are skipped) and each batch after the first is one weight "
+            "version behind (staleness 1, not the graph's 0)."]
 
 
 def partitioned_text(pp: PlacementPlan) -> str:

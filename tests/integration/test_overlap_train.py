@@ -65,6 +65,9 @@ def test_overlap_trains_each_batch_one_version_behind(tmp_path):
     assert b[2]["perf/overlap/rollout_ahead_s"] > 0.0
     # the data order is the colocated run's: same prompts, same sampler position
     assert prompt_state(over, 3) == prompt_state(colo, 3)
+    # the run's plan.txt says the timeline runs as two halves, one version behind
+    assert "Overlap (placement.staleness=1, one-step off-policy)" in (over / "plan.txt").read_text()
+    assert "Overlap" not in (colo / "plan.txt").read_text()
 
 
 def test_overlap_with_frozen_weights_is_the_colocated_run(tmp_path):

@@ -292,3 +292,20 @@ def test_a_loose_bool_is_refused_in_a_hydra_multirun_job_too(capsys, tmp_path, m
     assert capsys.readouterr().err.splitlines()[-1] == (
         "flowrl train: error: rollout.hf.cudnn_attention=yes: rollout.hf.cudnn_attention takes "
         "true or false, got 'yes'")
+
+
+@pytest.mark.parametrize("sub", ["", "/run"])
+def test_an_output_dir_that_is_a_file_is_one_line(tmp_path, sub, capsys):
+    """`trainer.output_dir` naming a file (or a folder under one) was a FileExistsError traceback
+    after the checks; it is refused with the checks, nothing written."""
+    from flowrl.train import main
+
+    f = tmp_path / "afile"
+    f.write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        main(["model=tiny", "trainer=smoke", f"trainer.output_dir={f}{sub}"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"flowrl train: error: trainer.output_dir={f}{sub}: {f} is a file, not a directory; "
+        "choose another trainer.output_dir")
+    assert f.read_text() == "mine" and list(tmp_path.iterdir()) == [f]

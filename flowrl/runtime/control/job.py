@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from flowrl.compiler.modes import mode_of
 from flowrl.compiler.placement import Mode
-from flowrl.compiler.render import format_plan
+from flowrl.compiler.render import format_plan, overlap_lines
 from flowrl.runtime.control.colocated import Colocated
 from flowrl.runtime.control.events import JobEvents
 from flowrl.runtime.control.health import RunHealth
@@ -309,7 +309,8 @@ class _Job:
         place = self.place = rank_placement(cfg, self.pp, dinfo)
         torch.manual_seed(cfg.trainer.seed)
         if dinfo.rank == 0:
-            (out_dir / "plan.txt").write_text(format_plan(self.full) + "\n")
+            (out_dir / "plan.txt").write_text("\n".join([format_plan(self.full),
+                                                         *overlap_lines(self.pp)]) + "\n")
 
         # ---- setup: this rank's engines, resources, executor; a console line for each phase
         # as it ends, from the first second (a file gets them as a terminal does)

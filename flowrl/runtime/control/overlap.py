@@ -16,9 +16,13 @@ the sync of step v; the initial weights are version ``start - 1``)::
     sync weights actor → rollout (version s; both halves idle), metrics, checkpoint s
 
 So a step takes max(rollout half, train half) + the weight sync instead of their sum, and every
-batch after the first is exactly one version behind the trainer (``placement/version_lag``), which
-is why the trainer recomputes the old logprobs (``algorithm.recompute_old_logprobs``) and the PPO
-ratio corrects for the lag. The halves are the ones ``placement=partitioned`` cuts
+batch after the first is exactly one version behind the trainer (``placement/version_lag``). The
+trainer recomputes the old logprobs with its current weights (``algorithm.recompute_old_logprobs``,
+required), so PPO's ratio and clip are anchored where the update starts, as in any on-policy step;
+the gap between the weights that sampled the batch and those is corrected only with
+``algorithm.rollout_is=tis`` (truncated importance weights from the rollout's logprobs, logged as
+``rollout/is_ratio_*``), as under ``placement=partitioned staleness=1``. ``rollout/logprob_mismatch``
+then measures that gap (one update's worth), not only the engines' numerics. The halves are the ones ``placement=partitioned`` cuts
 (``compiler/placement.split_plan``); each runs in an :class:`Executor` of its own over the same
 engines and op states. The rollout half's store stays on the host, so nothing it does queues on
 the update's device stream; its collectives (if an op makes one) use a process group of their
@@ -30,6 +34,7 @@ run's first step), so a resumed run is not bit-identical to one that was never s
 """
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +42,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from flowrl.compiler.placement import ROLLOUT_POOL, TRAIN_POOL
 from flowrl.runtime.control.colocated import Colocated
+
+log = logging.getLogger("flowrl")
 
 if TYPE_CHECKING:
     import torch
@@ -90,6 +97,10 @@ class Overlapped(Colocated):
 
         super().__init__(pp, dinfo)
         self.pp, self.k, self.total_steps = pp, pp.staleness, cfg.trainer.total_steps
+        if cfg.algorithm.rollout_is == "none" and dinfo.rank == 0:
+            log.info("placement.staleness=%d with algorithm.rollout_is=none: PPO's ratio starts at "
+                     "the trainer's weights; the one-update gap to the weights that sampled each "
+                     "batch is not corrected (algorithm.rollout_is=tis corrects it)", self.k)
         # collective: every rank creates it, in the same order (a 1-rank world needs none)
         self.rollout_group: Any = (dist.new_group(list(range(dinfo.world_size)))
                                    if dist.is_initialized() and dinfo.world_size > 1 else None)

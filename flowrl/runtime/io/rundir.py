@@ -408,8 +408,15 @@ def check_run_dir(out_dir: Path, trainer_cfg) -> None:
     run unless ``trainer.resume`` / ``trainer.overwrite`` says what to do with it.
 
     Raises:
-        RunDirError: naming the directory and the option to set.
+        RunDirError: naming the directory and the option to set; ``trainer.output_dir`` (or a
+            folder above it) is a file.
     """
+    for p in (Path(out_dir), *Path(out_dir).parents):  # the run would fail at its first mkdir
+        if p.exists():
+            if not p.is_dir():
+                raise RunDirError(f"trainer.output_dir={out_dir}: {p} is a file, not a directory; "
+                                  "choose another trainer.output_dir")
+            break
     owner = RunDirLock(out_dir).held_elsewhere()
     if owner is not None:
         raise RunDirError(f"{Path(out_dir).resolve()} is in use by another flowrl run ({owner}): "
