@@ -18,7 +18,7 @@
 #   (.flowrl_commit: `git rev-parse --short HEAD > .flowrl_commit` here first; git-ignored, so it
 #   travels only when carried; the device copy's .git is stale and reports an old commit)
 # Phases: first_step, learning, e2e, tier, vlm, nan, hfgen, distill_teacher, distill_arms, gsm8k_mv,
-# tools, sync, lora_sync, neighbours, profile_vllm, profile_hf, profile_solo, sdpa, shapes, rollout_lp, gpu_new (see each below);
+# tools, sync, lora_sync, neighbours, profile_vllm, profile_hf, profile_solo, sdpa, shapes, rollout_lp, gpu_new, e2e_mps (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
 # Next lease (issue 24, after 23c822a), in this order (H100: add rollout.vllm.gpu_memory_utilization=0.2 to X):
@@ -27,6 +27,8 @@
 #   E2E_ARGS="--model qwen05b --rollout vllm" ... e2e   (~3.5 min: perf/peak_device_gib per step must stay flat now;
 #       at af80c05 it grew 0.75 GiB per weight sync)
 #   FIRST_STEP_ROUNDS=1 ... first_step                   (~1 min: the start-up line's new `machine check` part)
+#   E2E_ARGS="--model qwen05b --rollout vllm" X="placement.staleness=1" ... e2e_mps   (~4.5 min, if time is left:
+#       the overlap with MPS; compare with the same pair without it, af80c05: 1.56x against 1.74x on-policy)
 # Short of device time and without vLLM: carry [".whl", ".flowrl_commit"]:
 #   TIER_K="not vllm" TIER_TIMEOUT_S=200 bash scripts/device/session.sh wheels tier   (the HF half of the tier)
 set -uo pipefail
@@ -66,6 +68,18 @@ phase_learning() {  # ~9 min: the arith task, full fine-tuning and LoRA side by 
 phase_e2e() {  # ~6 min a model: flowrl vs TRL, interleaved rounds (E2E_ARGS --child-timeout >= the pair's --plan seconds: 240 s killed flowrl at 3c9da7b)
   python3 benchmarks/e2e_vs_trl.py --suite gpu ${E2E_ARGS:-} --out "$OUT/e2e_vs_trl_h200.md" \
     --json-out "$OUT/e2e_vs_trl_h200.json" ${X:-}
+}
+phase_e2e_mps() {  # ~4.5 min: phase e2e under CUDA MPS, for the overlap (X="placement.staleness=1"): on
+  # af80c05 vLLM's engine processes and the trainer, separate CUDA contexts, took the H100 in turns
+  # (the update 2.3x slower beside a rollout); MPS lets their kernels run at once. Both frameworks
+  # of the pair run under it.
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  command -v nvidia-cuda-mps-control >/dev/null || { log "no nvidia-cuda-mps-control here"; return 3; }
+  nvidia-cuda-mps-control -d || { log "MPS would not start"; return 3; }
+  phase_e2e; local rc=$?
+  echo quit | nvidia-cuda-mps-control
+  return $rc
 }
 phase_hfgen() {  # ~3 min: flowrl's HF generate vs TRL's call (issue 24's 7.51 vs 6.88 s);
   # HFGEN_ARGS="--variants trl,flowrl_liger,flowrl_liger_fused --max-new-tokens 64": ~1 min, liger in the decode or not

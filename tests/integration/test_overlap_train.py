@@ -119,3 +119,16 @@ def test_overlap_on_two_ranks(tmp_path):
     m = read_metrics(out)
     assert [m[s]["placement/version_lag"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert (out / "checkpoints" / "step_000003" / ".metadata").is_file()
+
+
+def test_summary_keeps_one_lag_per_step_across_parts_of_either_kind(tmp_path):
+    """A run resumed with the overlap switched on (or off) keeps `version_lags` one per step: the
+    on-policy parts' steps count 0, and `staleness` names the latest part's."""
+    out = tmp_path / "run"
+    run(out, "trainer.total_steps=2", "trainer.engine.lr=0.0")
+    summary = run(out, "trainer.total_steps=4", "trainer.resume=true", "trainer.engine.lr=0.0",
+                  "placement.staleness=1")
+    assert summary["version_lags"] == [0, 0, 0, 1] and summary["staleness"] == 1
+    summary = run(out, "trainer.total_steps=5", "trainer.resume=true", "trainer.engine.lr=0.0")
+    assert summary["version_lags"] == [0, 0, 0, 1, 0] and summary["staleness"] == 0
+    assert len(summary["history"]) == 5

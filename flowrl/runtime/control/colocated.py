@@ -62,10 +62,17 @@ class Colocated:
         return greedy_evaluator(cfg, plan, engines.rollout, prompts, tokenizer)
 
     def summary_fields(self, earlier: dict[str, Any], start: int) -> dict[str, Any]:
-        return dict(earlier)
+        out = dict(earlier)
+        if "staleness" in out:  # an earlier part overlapped (placement.staleness=1); this one not
+            out["staleness"] = 0
+        return out
 
     def final_fields(self, summary: dict[str, Any]) -> dict[str, Any]:
-        return {}
+        if "version_lags" not in summary:
+            return {}
+        # resumed after an overlapped part: one lag per step still, 0 for this part's steps
+        lags = summary["version_lags"]
+        return {"version_lags": lags + [0] * max(len(summary.get("history", [])) - len(lags), 0)}
 
 
 __all__ = ["Colocated"]

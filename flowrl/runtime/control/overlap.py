@@ -212,8 +212,9 @@ class Overlapped(Colocated):
         return self.rollout_state if self.rollout_state is not None else prompts.state_dict()
 
     def summary_fields(self, earlier: dict[str, Any], start: int) -> dict[str, Any]:
-        return {**earlier, "staleness": self.k,
-                "version_lags": earlier.get("version_lags", [])[:start - 1]}
+        # one lag per step: an earlier on-policy part (colocated) logged none, its lags were 0
+        lags = list(earlier.get("version_lags", []))[:start - 1]
+        return {**earlier, "staleness": self.k, "version_lags": lags + [0] * (start - 1 - len(lags))}
 
     def final_fields(self, summary: dict[str, Any]) -> dict[str, Any]:
         return {"version_lags": summary.get("version_lags", []) + self.lags}
