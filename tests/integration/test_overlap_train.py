@@ -119,6 +119,7 @@ def test_overlap_on_two_ranks(tmp_path):
     m = read_metrics(out)
     assert [m[s]["placement/version_lag"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert (out / "checkpoints" / "step_000003" / ".metadata").is_file()
+    assert (r.stdout + r.stderr).count("step 1 done") == 1  # rank 0 says it, not every rank
 
 
 def test_summary_keeps_one_lag_per_step_across_parts_of_either_kind(tmp_path):

@@ -392,7 +392,8 @@ class _Job:
                 fdist.mark_step(step)  # the peer monitor names a rank that stops making progress
                 with profiler.step(step):  # trainer.profile.steps; a no-op on the others
                     place.step(step, self)
-                if step == start:  # time to first step: what a user waits before training shows
+                if step == start and dinfo.rank == 0:  # time to first step: what a user
+                    # waits before training shows (once, not once per rank)
                     log.info("step %d done %.1f s since the command started", step,
                              since_launch_s())
                 self.ckpts.poll()
@@ -443,8 +444,9 @@ class _Job:
         earlier: dict[str, Any] = {}
         if (self.out_dir / "summary.json").is_file():  # keep the record of the earlier part
             earlier = json.loads((self.out_dir / "summary.json").read_text())
-        log.info("resumed from %s: continuing at step %d of %d", path, start,
-                 self.cfg.trainer.total_steps)
+        if self.dinfo.rank == 0:  # once, not once per rank
+            log.info("resumed from %s: continuing at step %d of %d", path, start,
+                     self.cfg.trainer.total_steps)
         return start, earlier
 
     # ---- JobEvents -----------------------------------------------------------------------------
