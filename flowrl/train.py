@@ -131,8 +131,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if spec.startup:  # one of the start-up line's parts: on the H100 the default job's took
             # 7.3 s, liger-kernel's import (torch._dynamo, peft, triton) to check the model type,
             # an import the model load needs anyway
-            spec = dataclasses.replace(spec, startup=(*spec.startup,
-                                                      ("machine check (packages, kernels)", time.perf_counter() - t0)))
+            part = ("machine check (packages, kernels)", time.perf_counter() - t0)
+            spec = dataclasses.replace(spec, startup=(*spec.startup, part))
     except (ConfigError, rundir.RunDirError) as e:
         sys.exit(_refused(str(e)))
     except (HydraException, OmegaConfBaseException) as e:  # Hydra's own report takes 6-15 lines

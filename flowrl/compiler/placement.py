@@ -308,11 +308,13 @@ def colocated(plan: ExecutionPlan, world_size: int,
     halves: dict[str, PoolPlan] = {}
     transfers: list[str] = []
     if staleness == 1:
-        if "rollout" not in plan.roles or "actor" not in plan.roles:
+        missing = next((f"no {what}" for role, what in (("rollout", "rollout stage"),
+                                                        ("actor", "actor update"))
+                        if role not in plan.roles), None)
+        if missing:
             raise PlacementError(
                 f"placement.staleness=1 overlaps the rollout with the update, and graph "
-                f"'{plan.graph.name}' has {'no rollout stage' if 'rollout' not in plan.roles else 'no actor update'}: "
-                "set placement.staleness=0")
+                f"'{plan.graph.name}' has {missing}: set placement.staleness=0")
         ranks = list(range(world_size))
         halves, transfers = split_plan(plan, DEFAULT_ROLE_POOL, ranks, ranks,
                                        field_name="placement.staleness")
@@ -463,6 +465,5 @@ def partitioned(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int,
 
 __all__ = ["Action", "AutoConfig", "DEFAULT_ROLE_POOL", "MODES", "Mode", "PlacementConfig",
            "PlacementError", "PlacementPlan", "PoolPlan", "assign_stages", "colocated",
-           "default_pools", "parse_mode", "partitioned", "split_candidates", "split_plan", "staleness_of",
-           "check_parallelism",
-           "check_pool_sizes"]
+           "default_pools", "parse_mode", "partitioned", "split_candidates", "split_plan",
+           "staleness_of", "check_parallelism", "check_pool_sizes"]

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from flowrl.config import compose
+from flowrl.runtime.io.metrics import read_metrics
 from flowrl.train import train
 
 BASE = ["model=tiny", "trainer=smoke", "data.limit=64", "logger.progress=false",
@@ -26,14 +27,6 @@ def varied_reward(monkeypatch):
 
 def run(tmp: Path, *overrides: str) -> dict:
     return train(compose(BASE + [f"trainer.output_dir={tmp}", *overrides]))
-
-
-def read_metrics(d: Path) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for line in (d / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        out.setdefault(r["step"], {}).update(r)
-    return out
 
 
 def prompt_state(d: Path, step: int) -> dict:

@@ -15,7 +15,7 @@ Dataflow (one engine process per box; the parent is the rank's controller)::
                                                           ├──▶ engine 1: rows [b1, b2) ...
             ◀── (response_ids, response_mask, rollout_logprobs, truncated) per slice, padded + joined
     parent: load_weights(named) ──buckets of (name, tensor) handles──▶ every engine (same tensors:
-            CUDA IPC on GPU, shared memory on CPU; kept alive until every engine confirmed)
+            CUDA IPC on GPU, pickled on CPU; the buffers kept for the next load: StagingBuffers)
 
 Each child runs :class:`~flowrl.engines.rollout.vllm.VLLMRolloutEngine` in-process on the parent's
 export, so sampling, logprob, sleep and load semantics are that engine's, per child.
@@ -414,8 +414,7 @@ class VLLMProcessEngine:
         t0 = time.perf_counter()
         for i in range(len(self._conns)):
             self._send(i, ("load",))
-        kept: list[Tensor] = []  # the flat buffers sent, until every engine has loaded them
-        self._staging.begin()
+        self._staging.begin()  # it holds the flat buffers sent, from one load to the next
         bucket: list[tuple[str, Tensor]] = []
         size, bad = 0, None
         counts = {"tensors": 0, "bytes": 0}
@@ -431,10 +430,10 @@ class VLLMProcessEngine:
                 counts["tensors"] += 1
                 counts["bytes"] += n
                 if size >= _BUCKET_BYTES:
-                    self._send_bucket(bucket, kept)
+                    self._send_bucket(bucket)
                     bucket, size = [], 0
             if bucket:
-                self._send_bucket(bucket, kept)
+                self._send_bucket(bucket)
         finally:
             for i in range(len(self._conns)):
                 self._send(i, ("end",))
@@ -445,15 +444,11 @@ class VLLMProcessEngine:
                 raise
             replies = []  # the engines' "incomplete load" follows from the bad name: report that
         finally:
-            sent_cuda = any(flat.is_cuda for flat in kept)
-            kept.clear()
             t_ipc = time.perf_counter()
-            if sent_cuda:
+            if any(flat.is_cuda for flat in self._staging.flats):
                 # torch keeps every CUDA block it exported over IPC in a "limbo" until it sees the
-                # consumers' reference counts drop to 0, and only looks when asked. Measured on the
-                # H200 (benchmarks/results/weight_sync_h200.md): the engines still count fresh
-                # exported copies after the load, so these stay allocated, one copy of the
-                # weights per load, with or without a gc.collect() in the engines: open
+                # consumers' reference counts drop to 0, and only looks when asked: a buffer
+                # replaced at its position (another weight set) goes once the engines drop it
                 torch.cuda.ipc_collect()
             ipc_s = time.perf_counter() - t_ipc
         if bad is not None:
@@ -465,7 +460,7 @@ class VLLMProcessEngine:
                              "ipc_collect_s": ipc_s, "load_weights_s": time.perf_counter() - t0}
         self.last_load_counts = counts
 
-    def _send_bucket(self, bucket: list[tuple[str, Tensor]], kept: list[Tensor]) -> None:
+    def _send_bucket(self, bucket: list[tuple[str, Tensor]]) -> None:
         index, flat, metas, fresh = self._staging.pack(bucket)
         payload: Any = flat
         if flat.is_cuda:
@@ -475,7 +470,6 @@ class VLLMProcessEngine:
             payload = _CudaHandle.of(flat) if fresh else None
         for i in range(len(self._conns)):
             self._send(i, ("bucket", index, payload, metas))
-        kept.append(flat)
 
     def sleep(self, level: int | None = None) -> None:
         """Every engine sleeps (``VLLMRolloutEngine.sleep``: level 1, 2, or None = cfg)."""
