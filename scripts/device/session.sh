@@ -66,8 +66,9 @@ phase_learning() {  # ~9 min: the arith task, full fine-tuning and LoRA side by 
   (cd /tmp && tar czf "$OUT/learning_runs.tgz" learn_out arith_runs/*/console.log 2>/dev/null)
 }
 phase_e2e() {  # ~6 min a model: flowrl vs TRL, interleaved rounds (E2E_ARGS --child-timeout >= the pair's --plan seconds: 240 s killed flowrl at 3c9da7b)
-  python3 benchmarks/e2e_vs_trl.py --suite gpu ${E2E_ARGS:-} --out "$OUT/e2e_vs_trl_h200.md" \
-    --json-out "$OUT/e2e_vs_trl_h200.json" ${X:-}
+  # E2E_TAG names this call's files (two e2e phases in one call keep both)
+  python3 benchmarks/e2e_vs_trl.py --suite gpu ${E2E_ARGS:-} --out "$OUT/e2e_vs_trl_h200${E2E_TAG:-}.md" \
+    --json-out "$OUT/e2e_vs_trl_h200${E2E_TAG:-}.json" ${X:-}
 }
 phase_e2e_mps() {  # ~4.5 min: phase e2e under CUDA MPS, for the overlap (X="placement.staleness=1"): on
   # af80c05 vLLM's engine processes and the trainer, separate CUDA contexts, took the H100 in turns
@@ -77,7 +78,7 @@ phase_e2e_mps() {  # ~4.5 min: phase e2e under CUDA MPS, for the overlap (X="pla
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   command -v nvidia-cuda-mps-control >/dev/null || { log "no nvidia-cuda-mps-control here"; return 3; }
   nvidia-cuda-mps-control -d || { log "MPS would not start"; return 3; }
-  phase_e2e; local rc=$?
+  E2E_TAG=${E2E_TAG:-_mps} phase_e2e; local rc=$?
   echo quit | nvidia-cuda-mps-control
   return $rc
 }
