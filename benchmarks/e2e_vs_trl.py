@@ -742,14 +742,19 @@ def decode_ms(steps: list[dict]) -> Optional[float]:
     return 1000.0 * sum(s["generate_s"] for s in steps) / sum(lens)
 
 
-def device_growth(steps: list[dict]) -> Optional[tuple[float, float, float]]:
-    """flowrl's ``perf/peak_device_gib`` at its first and last step and the mean growth per step
-    between them (GiB): a steady growth is memory kept from step to step (at af80c05 one copy of
-    the weights per weight sync to vLLM's engine processes); None without two steps of it."""
+def device_growth(steps: list[dict]) -> Optional[tuple[float, float, float, float]]:
+    """flowrl's ``perf/peak_device_gib`` at its first, second and last step, and the mean growth
+    per step from the second to the last (GiB; from the first where there are only two steps).
+
+    Step 1's weight sync allocates the staging buffers the engine processes map once
+    (``engines/rollout/vllm_proc.StagingBuffers``), so step 2 is the steady state: a growth after it
+    is memory kept from step to step (at af80c05, one copy of the weights per sync). None without
+    two steps of it."""
     peaks = [s["perf"]["peak_device_gib"] for s in steps if "peak_device_gib" in s["perf"]]
     if len(peaks) < 2:
         return None
-    return peaks[0], peaks[-1], (peaks[-1] - peaks[0]) / (len(peaks) - 1)
+    base = 1 if len(peaks) >= 3 else 0
+    return peaks[0], peaks[1], peaks[-1], (peaks[-1] - peaks[base]) / (len(peaks) - 1 - base)
 
 
 def warmup_of(run: dict) -> int:
@@ -1005,9 +1010,10 @@ def detail_lines(pair: dict) -> list[str]:
         lines.append("- flowrl `perf/*`: " + ", ".join(f"{k} {_fmt(v)}" for k, v in f["perf"].items())
                      + f"; checkpoint after the last step {_fmt(f['checkpoint_s'])} s (outside step time)")
         if f.get("peak_device_per_step_gib"):
-            first, last, per = f["peak_device_per_step_gib"]
-            lines.append(f"- flowrl peak device memory (`perf/peak_device_gib`), first step {_fmt(first)} "
-                         f"GiB, last {_fmt(last)} GiB: {_fmt(per)} GiB more per step")
+            first, second, last, per = f["peak_device_per_step_gib"]
+            lines.append(f"- flowrl peak device memory (`perf/peak_device_gib`), steps 1, 2 and last: "
+                         f"{_fmt(first)}, {_fmt(second)}, {_fmt(last)} GiB: {_fmt(per)} GiB more per step "
+                         f"after step 2 (step 1's weight sync allocates the staging buffers once)")
     if t:
         lines.append("- TRL (s): " + ", ".join(f"{k} {_fmt(v)}" for k, v in t["stages"].items()))
         if t["profile"]:

@@ -21,14 +21,11 @@
 # tools, sync, lora_sync, neighbours, profile_vllm, profile_hf, profile_solo, sdpa, shapes, rollout_lp, gpu_new, e2e_mps (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
-# Next lease (issue 24, after 23c822a), in this order (H100: add rollout.vllm.gpu_memory_utilization=0.2 to X):
-#   carry [".vllm/p5", ".flowrl_commit"]: TIER_TIMEOUT_S=480 ... install tier   (~5 min: the whole tier, with
-#       StagingBuffers (the weight sync to engine processes) and tests/gpu/test_overlap_gpu.py, neither in a full tier yet)
-#   E2E_ARGS="--model qwen05b --rollout vllm" ... e2e   (~3.5 min: perf/peak_device_gib per step must stay flat now;
-#       at af80c05 it grew 0.75 GiB per weight sync)
-#   FIRST_STEP_ROUNDS=1 ... first_step                   (~1 min: the start-up line's new `machine check` part)
-#   E2E_ARGS="--model qwen05b --rollout vllm" X="placement.staleness=1" ... e2e_mps   (~4.5 min, if time is left:
-#       the overlap with MPS; compare with the same pair without it, af80c05: 1.56x against 1.74x on-policy)
+# Next lease (issue 24, after 0235d2f: tier 54 passed on an H100, the weight-copy leak gone), in this order:
+#   pieces p1-p4, model a-c, then carry [".vllm/p5", ".flowrl_commit"]:
+#   FIRST_STEP_ROUNDS=1 E2E_ARGS="--model qwen05b --rollout vllm" X="rollout.vllm.gpu_memory_utilization=0.2" \
+#       bash scripts/device/session.sh install first_step e2e_mps   (~6.5 min: the cold first step with vLLM
+#       byte-compiled as pip would; the on-policy pair under CUDA MPS, against 1.58x without it at 0235d2f)
 # Short of device time and without vLLM: carry [".whl", ".flowrl_commit"]:
 #   TIER_K="not vllm" TIER_TIMEOUT_S=200 bash scripts/device/session.sh wheels tier   (the HF half of the tier)
 set -uo pipefail
@@ -218,6 +215,7 @@ wheels)  # no vLLM: the small wheels only (carry [".whl", ".flowrl_commit"]), fo
   # that need no vLLM (TIER_K="not vllm" tier, gpu_new, hfgen, e2e with --rollout hf on a random model)
   shift
   install_wheels .whl
+  python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1  # as pip would (see install)
   python3 -c "import hydra, omegaconf, flowrl; print('ready without vLLM')" || exit 3
   ;;
 install)
@@ -225,6 +223,9 @@ install)
   t0=$SECONDS
   cp .vllm/p5/* /tmp/vparts/ && bash .vllm/p5/install.sh || { log "vLLM install failed"; exit 3; }
   install_wheels /tmp/whl
+  # byte-compile what was unpacked, as `pip install` does for a user: without it the first import of
+  # vLLM on a fresh machine compiled its .py files, seconds a user's cold first step never pays
+  t1=$SECONDS; python3 -m compileall -q -j 0 /tmp/vsite /tmp/site > /dev/null 2>&1; log "byte-compiled in $((SECONDS - t1)) s"
   python3 -c "import vllm, hydra, trl, gguf, math_verify, flowrl; print('ready: vllm', vllm.__version__, 'trl', trl.__version__)" || exit 3
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
   # sdpa_varlen (the GPU's default attention for packed micro-batches) rests on this torch's kernel
@@ -244,8 +245,8 @@ for p in "$@"; do
     log "phases $p done in $((SECONDS - t0)) s"
     continue
   fi
-  case "$p" in first_step|learning|e2e|tier|gpu_new|vlm|nan|hfgen|distill_teacher|distill_arms|gsm8k_mv|tools|sync|lora_sync|neighbours|profile_vllm|profile_hf|profile_solo|sdpa|shapes|rollout_lp) ;;
-  *) log "unknown phase $p"; rc=2; continue ;; esac
+  # every phase_* function above is a phase (a list kept by hand missed e2e_mps at 0235d2f)
+  declare -F "phase_$p" > /dev/null || { log "unknown phase $p"; rc=2; continue; }
   log "phase $p"
   t0=$SECONDS
   "phase_$p" || { rc=$?; log "phase $p exit $rc"; }

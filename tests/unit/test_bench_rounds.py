@@ -216,9 +216,15 @@ def test_from_json_that_is_not_a_report_is_one_line(tmp_path, capsys):
 
 def test_device_growth_reports_memory_kept_from_step_to_step():
     """At af80c05 flowrl's peak device memory grew by one copy of the weights per weight sync; the
-    report states the first, the last and the growth per step, from `perf/peak_device_gib`."""
-    steps = [{"perf": {"peak_device_gib": g}} for g in (20.8, 21.6, 22.4, 23.0)]
-    first, last, per = bench.device_growth(steps)
-    assert (first, last) == (20.8, 23.0) and per == pytest.approx(2.2 / 3)
-    assert bench.device_growth(steps[:1]) is None  # one step: no growth to state
+    report states steps 1, 2 and last and the growth per step after step 2 (step 1's sync
+    allocates the staging buffers once), from `perf/peak_device_gib`."""
+    leak = [{"perf": {"peak_device_gib": g}} for g in (20.8, 21.6, 22.4, 23.0)]
+    first, second, last, per = bench.device_growth(leak)
+    assert (first, second, last) == (20.8, 21.6, 23.0) and per == pytest.approx(1.4 / 2)
+    # 0235d2f on an H100: the buffers once at step 1, then flat
+    flat = [{"perf": {"peak_device_gib": g}} for g in (20.797, 21.615, 21.618, 21.618, 21.618)]
+    assert bench.device_growth(flat)[3] == pytest.approx(0.001)
+    two = bench.device_growth(leak[:2])  # two steps: the growth between them
+    assert two[3] == pytest.approx(0.8)
+    assert bench.device_growth(leak[:1]) is None  # one step: no growth to state
     assert bench.device_growth([{"perf": {}}, {"perf": {}}]) is None  # a CPU run: none recorded
