@@ -354,6 +354,10 @@ def settings_rows(tc, kw: dict, reward_cfg, bc: BenchConfig) -> list[tuple[str, 
          f"gradient_accumulation_steps={kw['gradient_accumulation_steps']}"),
         ("optimizer steps / batch", f"ppo_epochs={a.ppo_epochs}, mini_batch_size={a.mini_batch_size}",
          f"num_iterations={kw['num_iterations']}, steps_per_generation={kw['steps_per_generation']}"),
+        ("device sharing", f"launcher.mps={tc.launcher.mps} (auto: a CUDA MPS daemon of the job's "
+         "own when vLLM runs in 2+ engine processes beside the trainer, so their kernels run at once "
+         "instead of in time slices; the run's console says what it resolved to)",
+         "one process (vLLM in process): nothing to share, no MPS"),
         ("policy lag", "placement.staleness=1: one-step off-policy, the rollout of step s+1 runs "
          "beside the update of step s (flowrl's colocated overlap); the trainer recomputes the old "
          "logprobs (algorithm.recompute_old_logprobs=true), a forward pass TRL does not run"

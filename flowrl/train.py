@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from flowrl.config import REPO_ROOT, compose, task_section, to_train_config
 from flowrl.config_errors import loose_bool_override
 from flowrl.machine import check_machine, resolve_machine_defaults
+from flowrl.runtime.control import mps
 from flowrl.runtime.control.preflight import ConfigError, check_run
 from flowrl.runtime.control.spec import RunSpec
 
@@ -74,12 +75,19 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
         task = task_section(source)  # Hydra's run dir pinned: the run is checked before it exists
         cfg = to_train_config(task)  # a bad field stops here, before torch is imported
         done("config")
+        # before anything initialises CUDA in this process (the machine defaults ask torch): a
+        # context made before the job's MPS daemon never joins it
+        mps_line = None if plan_only else mps.engage(cfg)
+        if mps_line is not None and mps_line.value == "true":
+            done("CUDA MPS daemon")
         resolved = resolve_machine_defaults(cfg)
         done("machine defaults")
         plan, placement = check_run(cfg, task, given, plan_only=plan_only)
         done("graph, placement and input checks")
     except (ValueError, FileNotFoundError) as e:
         raise e if isinstance(e, ConfigError) else ConfigError(str(e)) from e
+    if mps_line is not None:
+        resolved = [*resolved, mps_line]
     return RunSpec(source, cfg, plan, placement, tuple(resolved),
                    None if given is None else tuple(given), startup=tuple(parts))
 

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 from flowrl.compiler.modes import mode_of
 from flowrl.compiler.placement import Mode
 from flowrl.compiler.render import format_plan, overlap_lines
+from flowrl.runtime.control import mps
 from flowrl.runtime.control.colocated import Colocated
 from flowrl.runtime.control.events import JobEvents
 from flowrl.runtime.control.health import RunHealth
@@ -330,6 +331,8 @@ class _Job:
         load_s = time.perf_counter() - t0
         log.info("engines built in %.1f s (%.1f s since the command started); host peak RSS so "
                  "far %.2f GiB", load_s, since_launch_s(), peak_rss_gib())
+        if (line := mps.serving_line()) is not None:  # launcher.mps: did the contexts join?
+            log.info(line)
         say(f"setup: model and engines ({', '.join(place.plan.roles)}) in {load_s:.1f} s, host "
             f"peak RSS {peak_rss_gib():.2f} GiB")
         resources = RunResources(
