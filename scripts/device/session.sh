@@ -225,7 +225,9 @@ install)
   install_wheels /tmp/whl
   # byte-compile what was unpacked, as `pip install` does for a user: without it the first import of
   # vLLM on a fresh machine compiled its .py files, seconds a user's cold first step never pays
-  t1=$SECONDS; python3 -m compileall -q -j 0 /tmp/vsite /tmp/site > /dev/null 2>&1; log "byte-compiled in $((SECONDS - t1)) s"
+  if [ "${BYTE_COMPILE:-1}" = 1 ]; then  # BYTE_COMPILE=0 when no cold first step is measured
+    t1=$SECONDS; python3 -m compileall -q -j 0 /tmp/vsite /tmp/site > /dev/null 2>&1; log "byte-compiled in $((SECONDS - t1)) s"
+  fi
   python3 -c "import vllm, hydra, trl, gguf, math_verify, flowrl; print('ready: vllm', vllm.__version__, 'trl', trl.__version__)" || exit 3
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
   # sdpa_varlen (the GPU's default attention for packed micro-batches) rests on this torch's kernel

@@ -152,7 +152,7 @@ def test_the_daemon_starts_for_the_job_and_quits_after_its_process_exits(tmp_pat
                                        "trainer.output_dir=/nonexistent"]))
         facts = mps.MPSFacts(control={str(control)!r}, compute_mode="Default", device_memory=None,
                              cuda_initialized=False, own_daemon=False, vllm_installed=True)
-        line = mps.engage(cfg, facts)
+        line = mps.engage(cfg, facts, probe=[sys.executable, "-c", "pass"])
         child = subprocess.run([sys.executable, "-c", "import os; print(os.environ['{mps.PIPE_ENV}'])"],
                                capture_output=True, text=True, check=True).stdout.strip()
         print(line.field, line.value, child)
@@ -179,10 +179,35 @@ def test_a_daemon_that_will_not_start_is_one_line_and_leaves_nothing(tmp_path, m
     monkeypatch.setattr(mps.tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     monkeypatch.delenv(mps.PIPE_ENV, raising=False)
-    with pytest.raises(mps.MPSError, match=f"^launcher.mps: {control} -d exited 1"):
-        mps.start_daemon(str(control))
+    with pytest.raises(mps.MPSError, match=f"^launcher.mps: {control} -d exited 1: no output$"):
+        mps.start_daemon(str(control), probe=[sys.executable, "-c", "pass"])
     assert list((tmp_path / "tmp").iterdir()) == []
     assert mps.PIPE_ENV not in os.environ
+
+
+def test_a_daemon_that_cannot_serve_is_quit_refused_for_true_and_skipped_for_auto(tmp_path, monkeypatch):
+    """The probe (a CUDA context under the new daemon) fails, as it does when another user's MPS
+    server holds the GPU: the daemon is quit and its directory removed; launcher.mps=true refuses
+    the run in one line, auto runs without MPS and says why."""
+    control, record = fake_control(tmp_path)
+    monkeypatch.setattr(mps.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.delenv(mps.PIPE_ENV, raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    busy = [sys.executable, "-c", "import sys; sys.exit('cuDevicePrimaryCtxRetain: CUDA_ERROR_DEVICE_UNAVAILABLE')"]
+    facts = mps.MPSFacts(**{**GPU.__dict__, "control": str(control)})
+    with pytest.raises(mps.MPSError, match=r"^launcher.mps: a CUDA context under the job's MPS daemon "
+                                           r"failed \(exited 1: cuDevicePrimaryCtxRetain: "
+                                           r"CUDA_ERROR_DEVICE_UNAVAILABLE\)$"):
+        mps.engage(cfg_of("launcher.mps=true"), facts, probe=busy)
+    calls = record.read_text().splitlines()
+    assert [c.split()[0] for c in calls] == ["start", "quit"]  # started, then quit at once
+    assert list((tmp_path / "tmp").iterdir()) == [] and mps.PIPE_ENV not in os.environ
+    line = mps.engage(cfg_of("rollout.vllm.engine_procs=4"), facts, probe=busy)
+    assert (line.field, line.value) == ("launcher.mps", "false")
+    assert line.why == ("a CUDA context under the job's MPS daemon failed (exited 1: "
+                        "cuDevicePrimaryCtxRetain: CUDA_ERROR_DEVICE_UNAVAILABLE)")
+    assert list((tmp_path / "tmp").iterdir()) == [] and mps.PIPE_ENV not in os.environ
 
 
 def test_serving_line_names_the_server_and_its_clients(tmp_path, monkeypatch):
@@ -202,3 +227,17 @@ def test_serving_line_names_the_server_and_its_clients(tmp_path, monkeypatch):
     control.write_text("#!/bin/sh\nread cmd\n")  # a daemon no client has reached yet
     assert mps.serving_line() == (f"CUDA MPS: the daemon at {tmp_path / 'pipe'} runs no server: "
                                   "no CUDA context of this job joined it")
+
+
+def test_the_default_probe_fails_cleanly_without_a_cuda_driver(tmp_path, monkeypatch):
+    """The real probe (driver API through ctypes) on this machine, which has no libcuda: the
+    daemon is quit and the reason names the missing driver."""
+    import ctypes.util
+
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("a CUDA driver is installed here")
+    control, record = fake_control(tmp_path)
+    monkeypatch.delenv(mps.PIPE_ENV, raising=False)
+    with pytest.raises(mps.MPSError, match=r"failed \(exited 1: OSError: libcuda\.so\.1"):
+        mps.start_daemon(str(control))
+    assert [c.split()[0] for c in record.read_text().splitlines()] == ["start", "quit"]

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
     from flowrl.config import TrainConfig
@@ -205,29 +205,74 @@ def machine_facts() -> MPSFacts:
                     importlib.util.find_spec("vllm") is not None)
 
 
-def start_daemon(control: str) -> str:
-    """Start ``control -d`` with a fresh private pipe directory, set ``CUDA_MPS_PIPE_DIRECTORY``
-    and ``CUDA_MPS_LOG_DIRECTORY`` in this process's environment (inherited by every process it
-    starts), and a watcher that quits the daemon and removes the directory once this process has
-    exited. Returns the pipe directory.
+# a CUDA context under the daemon, made by a throw-away process through the driver API (no torch:
+# a second); if the daemon's server cannot serve (another user's server holds the GPU, a driver
+# without MPS), this fails here, not in the trainer's first CUDA call
+PROBE = r"""
+import ctypes, sys
+cuda = ctypes.CDLL("libcuda.so.1")
+def ok(rc, what):
+    if rc != 0:
+        name = ctypes.c_char_p()
+        cuda.cuGetErrorName(rc, ctypes.byref(name))
+        sys.exit(f"{what}: {name.value.decode() if name.value else rc}")
+ok(cuda.cuInit(0), "cuInit")
+dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+ok(cuda.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+ok(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+ok(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+ok(cuda.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 20), "cuMemAlloc")
+cuda.cuMemFree_v2(ptr)
+cuda.cuDevicePrimaryCtxRelease_v2(dev)
+"""
+
+
+def start_daemon(control: str, probe: Optional[Sequence[str]] = None) -> str:
+    """Start ``control -d`` with a fresh private pipe directory, check that a CUDA context can be
+    made under it (``probe``: a command run with the daemon's environment; default a driver-API
+    context and a 1 MiB allocation, :data:`PROBE`), then set ``CUDA_MPS_PIPE_DIRECTORY`` and
+    ``CUDA_MPS_LOG_DIRECTORY`` in this process's environment (inherited by every process it
+    starts) and start a watcher that quits the daemon and removes the directory once this process
+    has exited. Returns the pipe directory.
 
     Raises:
-        MPSError: the daemon did not start (its exit status and output in the message).
+        MPSError: the daemon did not start, or the probe failed under it (exit status and the
+            last line of its output in the message); the daemon is quit and nothing is left.
     """
     root = tempfile.mkdtemp(prefix="flowrl-mps-")
     pipe, logs = os.path.join(root, "pipe"), os.path.join(root, "log")
     os.makedirs(pipe)
     os.makedirs(logs)
     env = {**os.environ, PIPE_ENV: pipe, LOG_ENV: logs}
+
+    def run(cmd: Sequence[str], stdin: Optional[str] = None) -> subprocess.CompletedProcess:
+        return subprocess.run(list(cmd), env=env, input=stdin, capture_output=True, text=True,
+                              timeout=60)
+
+    def last_line(r: subprocess.CompletedProcess) -> str:
+        lines = (r.stderr or r.stdout).strip().splitlines()
+        return lines[-1][:200] if lines else "no output"
+
     try:
-        r = subprocess.run([control, "-d"], env=env, capture_output=True, text=True, timeout=30)
+        r = run([control, "-d"])
     except (OSError, subprocess.SubprocessError) as e:
         shutil.rmtree(root, ignore_errors=True)
         raise MPSError(f"launcher.mps: {control} -d failed: {e}") from e
     if r.returncode != 0:
         shutil.rmtree(root, ignore_errors=True)
-        raise MPSError(f"launcher.mps: {control} -d exited {r.returncode}: "
-                       f"{(r.stderr or r.stdout).strip()[:200]}")
+        raise MPSError(f"launcher.mps: {control} -d exited {r.returncode}: {last_line(r)}")
+    try:
+        p = run(probe if probe is not None else [sys.executable, "-c", PROBE])
+        failed = None if p.returncode == 0 else f"exited {p.returncode}: {last_line(p)}"
+    except (OSError, subprocess.SubprocessError) as e:
+        failed = str(e)
+    if failed is not None:
+        try:
+            run([control], stdin="quit\n")
+        except (OSError, subprocess.SubprocessError):
+            pass
+        shutil.rmtree(root, ignore_errors=True)
+        raise MPSError(f"launcher.mps: a CUDA context under the job's MPS daemon failed ({failed})")
     # the watcher outlives a killed job: it polls this pid, then quits the daemon (which ends its
     # servers) and removes the directory; its own session, so a Ctrl-C of the job leaves it be
     watch = (f'while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done; '
@@ -238,13 +283,17 @@ def start_daemon(control: str) -> str:
     return pipe
 
 
-def engage(cfg: "TrainConfig", facts: Optional[MPSFacts] = None) -> Optional["Resolved"]:
+def engage(cfg: "TrainConfig", facts: Optional[MPSFacts] = None,
+           probe: Optional[Sequence[str]] = None) -> Optional["Resolved"]:
     """Apply ``launcher.mps`` for this job before anything initialises CUDA (``train.prepare``
     calls it between the config and the machine defaults). Returns the console's ``resolved``
-    line, or None for ``launcher.mps=false`` (nothing to say).
+    line, or None for ``launcher.mps=false`` and for ``auto`` on a machine without an NVIDIA GPU
+    (nothing to say). ``facts`` / ``probe``: stand-ins for tests (:func:`machine_facts`,
+    :func:`start_daemon`'s probe).
 
     Raises:
-        MPSError: see :func:`decide` and :func:`start_daemon`.
+        MPSError: ``launcher.mps=true`` only (see :func:`decide` and :func:`start_daemon`); under
+            ``auto`` a daemon that cannot serve leaves the run without MPS, the reason in the line.
     """
     from flowrl.runtime.control.spec import Resolved
 
@@ -257,7 +306,13 @@ def engage(cfg: "TrainConfig", facts: Optional[MPSFacts] = None) -> Optional["Re
         # auto on a machine without an NVIDIA GPU: nothing to say on every CPU run
         return None if auto and facts.compute_mode is None else Resolved("launcher.mps", d.value, d.why)
     assert facts.control is not None  # decide starts none without it
-    pipe = start_daemon(facts.control)
+    try:
+        pipe = start_daemon(facts.control, probe)
+    except MPSError as e:
+        if not auto:
+            raise
+        # auto never stops a run: without MPS it runs as it would have (the engines in turns)
+        return Resolved("launcher.mps", "false", str(e).removeprefix("launcher.mps: "))
     return Resolved("launcher.mps", d.value, f"{d.why}; this job's daemon: {PIPE_ENV}={pipe}")
 
 
