@@ -56,7 +56,10 @@ def plan_main(argv: list[str]) -> int:
     print(format_placement(pp, fmt))
     if fmt == "text":  # mermaid / dot stay valid diagrams
         print("machine defaults (auto settings resolved on this machine):")
-        for r in [*spec.resolved, *start_up_resolutions(cfg)]:
+        from flowrl.runtime.control import mps
+
+        mps_line = mps.preview(cfg)
+        for r in [*spec.resolved, *start_up_resolutions(cfg), *([mps_line] if mps_line else [])]:
             print(f"  {r}")
         from flowrl.machine import machine_problems
 

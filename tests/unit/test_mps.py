@@ -241,3 +241,25 @@ def test_the_default_probe_fails_cleanly_without_a_cuda_driver(tmp_path, monkeyp
     with pytest.raises(mps.MPSError, match=r"failed \(exited 1: OSError: libcuda\.so\.1"):
         mps.start_daemon(str(control))
     assert [c.split()[0] for c in record.read_text().splitlines()] == ["start", "quit"]
+
+
+def test_plan_previews_the_decision_without_starting_a_daemon(tmp_path, monkeypatch):
+    """flowrl plan says what flowrl train would do with launcher.mps on this machine (here: the
+    driver's tool is a stand-in, and nvidia-smi reports one GPU in Default mode) and starts none."""
+    control, record = fake_control(tmp_path)
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\necho "Default, 81559"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv(mps.PIPE_ENV, raising=False)
+    facts = mps.machine_facts()
+    assert (facts.control, facts.compute_mode, facts.device_memory) == (str(control), "Default",
+                                                                       81559 << 20)
+    line = mps.preview(cfg_of("trainer.device=cuda", "rollout=vllm", "rollout.vllm.engine_procs=4"))
+    assert str(line) == ("launcher.mps=true (4 vLLM engine process(es) share the GPU with the trainer: "
+                         "under MPS their kernels run at once instead of in time slices; flowrl "
+                         "train starts the job's daemon)")
+    refused = mps.preview(cfg_of("trainer.device=cuda", "launcher.mps=true", "launcher.nproc=2"))
+    assert str(refused).startswith("launcher.mps=refused (the job runs 2 process(es) on 1 node(s)")
+    assert not record.exists()  # nothing started

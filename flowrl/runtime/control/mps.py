@@ -339,3 +339,24 @@ def serving_line() -> Optional[str]:
                 "of this job joined it")
     return "CUDA MPS: " + "; ".join(f"server {s} serves {len(c)} process(es) of this job (pids "
                                     f"{', '.join(c)})" for s, c in clients.items())
+
+
+def preview(cfg: "TrainConfig") -> Optional["Resolved"]:
+    """What ``flowrl train`` would make of ``launcher.mps`` on this machine, starting nothing
+    (``flowrl plan``); None where ``engage`` would say nothing."""
+    import dataclasses
+
+    from flowrl.runtime.control.spec import Resolved
+
+    auto = cfg.launcher.mps == "auto"
+    if cfg.launcher.mps == "false" or (auto and cfg.trainer.device == "cpu"):
+        return None
+    # the plan's own CUDA use (machine defaults) is not the job's: a job starts in a fresh process
+    facts = dataclasses.replace(machine_facts(), cuda_initialized=False)
+    try:
+        d = decide(cfg, facts, lambda: engine_procs_expected(cfg, facts.device_memory))
+    except MPSError as e:
+        return Resolved("launcher.mps", "refused", str(e).removeprefix("launcher.mps=true: "))
+    if not d.start:
+        return None if auto and facts.compute_mode is None else Resolved("launcher.mps", d.value, d.why)
+    return Resolved("launcher.mps", d.value, f"{d.why}; flowrl train starts the job's daemon")
