@@ -112,7 +112,13 @@ def test_overlap_on_two_ranks(tmp_path):
     m = read_metrics(out)
     assert [m[s]["placement/version_lag"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert (out / "checkpoints" / "step_000003" / ".metadata").is_file()
-    assert (r.stdout + r.stderr).count("step 1 done") == 1  # rank 0 says it, not every rank
+    text = r.stdout + r.stderr
+    assert text.count("step 1 done") == 1  # rank 0 says it, not every rank
+    # every start-up line once per job (rank 1's INFO records are filtered), but each rank's
+    # process group line, which differs per rank
+    assert text.count("start-up: model loaded on cpu") == 1
+    assert text.count("start-up: engines of ") == 1
+    assert "process group: rank 0/2" in text and "process group: rank 1/2" in text
 
 
 def test_summary_keeps_one_lag_per_step_across_parts_of_either_kind(tmp_path):

@@ -179,6 +179,9 @@ def run_job(spec: "RunSpec") -> dict[str, Any]:
     # the job got another world than the configured one (train() outside torchrun): place again
     pp = spec.placement if spec.placement.world_size == dinfo.world_size else \
         placement_for(cfg, plan, dinfo.world_size)
+    # start-up lines once per pool, not once per rank: the first rank of each pool speaks (a
+    # partitioned run's rollout pool builds engines rank 0 never has)
+    fdist.quiet_other_ranks(dinfo.rank, speakers={min(p.ranks) for p in pp.pools.values() if p.ranks})
     # ranks' Hydra run dirs can differ by a timestamp second: all use rank 0's (DCP needs one dir)
     out_dir = Path(fdist.broadcast_object(cfg.trainer.output_dir))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,32 @@ from flowrl.ops.context import DistInfo
 
 log = logging.getLogger(__name__)
 
+# a record logged with extra={EVERY_RANK: True} is shown by every rank (what differs per rank);
+# the other INFO records of flowrl's loggers are shown by rank 0 only (quiet_other_ranks)
+EVERY_RANK = "every_rank"
+
+
+class RankZeroInfo(logging.Filter):
+    """Drops flowrl's INFO-and-below records on a quiet rank (:func:`quiet_other_ranks`), unless marked
+    ``extra={EVERY_RANK: True}``: a 2-rank run printed every start-up line twice. Warnings and
+    errors, and other libraries' records, pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (record.levelno >= logging.WARNING or not record.name.startswith("flowrl")
+                or bool(getattr(record, EVERY_RANK, False)))
+
+
+def quiet_other_ranks(rank: int, speakers: "set[int] | frozenset[int]" = frozenset({0})) -> None:
+    """On a ``rank`` not in ``speakers`` (rank 0, and the first rank of each placement pool):
+    :class:`RankZeroInfo` on every handler of the root logger (Hydra's console and ``train.log``;
+    a logger's own filter would not see its children's records)."""
+    if rank == 0 or rank in speakers:
+        return
+    for h in logging.getLogger().handlers:
+        if not any(isinstance(f, RankZeroInfo) for f in h.filters):
+            h.addFilter(RankZeroInfo())
+
+
 _CKPT_GROUP: Any = None
 
 
@@ -77,7 +103,7 @@ def init_distributed(device: str = "auto", *, timeout_s: float,
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     info = dist_info()
     log.info("process group: rank %d/%d backend=%s collective timeout %.0f s", info.rank,
-             info.world_size, backend, timeout_s)
+             info.world_size, backend, timeout_s, extra={EVERY_RANK: True})
     if info.world_size > 1:
         PeerMonitor.start_from_env(info.rank, info.world_size, timeout_s, heartbeat_timeout_s)
     return info
