@@ -126,7 +126,7 @@ def test_prepare_refuses_true_in_one_line_on_a_machine_without_mps(tmp_path, mon
 FAKE_CONTROL = """#!/bin/sh
 # stands in for nvidia-cuda-mps-control: records each call (argument or stdin command) and the
 # pipe directory it was given
-if [ "$1" = "-d" ]; then echo "start $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY" >> "{record}"; exit {rc}; fi
+if [ "$1" = "-d" ]; then echo "start $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY ${{CUDA_VISIBLE_DEVICES-unset}}" >> "{record}"; exit {rc}; fi
 read cmd; echo "$cmd $CUDA_MPS_PIPE_DIRECTORY" >> "{record}"
 """
 
@@ -152,12 +152,15 @@ def test_the_daemon_starts_for_the_job_and_quits_after_its_process_exits(tmp_pat
                                        "trainer.output_dir=/nonexistent"]))
         facts = mps.MPSFacts(control={str(control)!r}, compute_mode="Default", device_memory=None,
                              cuda_initialized=False, own_daemon=False, vllm_installed=True)
-        line = mps.engage(cfg, facts, probe=[sys.executable, "-c", "pass"])
+        probe = ("import os, pathlib; pathlib.Path({str(tmp_path / 'probe_env')!r}).write_text("
+                 "os.environ['CUDA_VISIBLE_DEVICES'] + ' ' + os.environ['{mps.PIPE_ENV}'])")
+        line = mps.engage(cfg, facts, probe=[sys.executable, "-c", probe])
         child = subprocess.run([sys.executable, "-c", "import os; print(os.environ['{mps.PIPE_ENV}'])"],
                                capture_output=True, text=True, check=True).stdout.strip()
         print(line.field, line.value, child)
     """)
     env = {k: v for k, v in os.environ.items() if k not in (mps.PIPE_ENV, mps.LOG_ENV, "LOCAL_RANK")}
+    env["CUDA_VISIBLE_DEVICES"] = "3"  # the job's GPU: the daemon must still see every GPU
     out = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, env=env,
                          timeout=120)
     assert out.returncode == 0, out.stderr
@@ -166,7 +169,10 @@ def test_the_daemon_starts_for_the_job_and_quits_after_its_process_exits(tmp_pat
     root = Path(pipe).parent
     assert Path(pipe).name == "pipe" and root.name.startswith("flowrl-mps-")
     start = record.read_text().splitlines()[0].split()
-    assert start == ["start", pipe, str(root / "log")]
+    # a daemon started under CUDA_VISIBLE_DEVICES renumbers the GPUs for its clients
+    assert start == ["start", pipe, str(root / "log"), "unset"]
+    # the probe is a client like the job: the job's CUDA_VISIBLE_DEVICES, the daemon's pipe
+    assert (tmp_path / "probe_env").read_text() == f"3 {pipe}"
     deadline = time.monotonic() + 20  # the watcher polls the job's pid once a second
     while time.monotonic() < deadline and (len(record.read_text().splitlines()) < 2 or root.exists()):
         time.sleep(0.2)
@@ -248,14 +254,23 @@ def test_plan_previews_the_decision_without_starting_a_daemon(tmp_path, monkeypa
     driver's tool is a stand-in, and nvidia-smi reports one GPU in Default mode) and starts none."""
     control, record = fake_control(tmp_path)
     smi = tmp_path / "nvidia-smi"
-    smi.write_text('#!/bin/sh\necho "Default, 81559"\n')
+    smi.write_text(f'#!/bin/sh\necho "$@" > "{tmp_path}/smi_args"\necho "Default, 81559"\n')
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv(mps.PIPE_ENV, raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     facts = mps.machine_facts()
     assert (facts.control, facts.compute_mode, facts.device_memory) == (str(control), "Default",
                                                                        81559 << 20)
+    assert (tmp_path / "smi_args").read_text().split()[0] == "--id=0"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f2a,1")  # the job's GPU is the first listed
+    mps.machine_facts()
+    assert (tmp_path / "smi_args").read_text().split()[0] == "--id=GPU-8f2a"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible: nvidia-smi is not asked
+    (tmp_path / "smi_args").unlink()
+    assert mps.machine_facts().compute_mode is None and not (tmp_path / "smi_args").exists()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     line = mps.preview(cfg_of("trainer.device=cuda", "rollout=vllm", "rollout.vllm.engine_procs=4"))
     assert str(line) == ("launcher.mps=true (4 vLLM engine process(es) share the GPU with the trainer: "
                          "under MPS their kernels run at once instead of in time slices; flowrl "

@@ -189,14 +189,18 @@ def machine_facts() -> MPSFacts:
     control = shutil.which(CONTROL)
     mode = memory = None
     smi = shutil.which("nvidia-smi")
-    if smi is not None:
+    # the job's GPU: the first of CUDA_VISIBLE_DEVICES (an index or a UUID, both of which
+    # nvidia-smi -i takes; it ignores the variable itself), else GPU 0; "" hides every GPU
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    first = None if visible is None else visible.split(",")[0].strip()
+    if smi is not None and first != "":
         try:
-            out = subprocess.run([smi, "--query-gpu=compute_mode,memory.total",
+            out = subprocess.run([smi, f"--id={first or 0}", "--query-gpu=compute_mode,memory.total",
                                   "--format=csv,noheader,nounits"], capture_output=True, text=True,
                                  timeout=30, check=True).stdout.strip().splitlines()
-            first = [f.strip() for f in out[0].split(",")] if out else []
-            if len(first) == 2:
-                mode, memory = first[0], int(float(first[1])) << 20  # MiB
+            row = [f.strip() for f in out[0].split(",")] if out else []
+            if len(row) == 2:
+                mode, memory = row[0], int(float(row[1])) << 20  # MiB
         except (OSError, subprocess.SubprocessError, ValueError):
             pass
     torch = sys.modules.get("torch")
@@ -243,9 +247,14 @@ def start_daemon(control: str, probe: Optional[Sequence[str]] = None) -> str:
     pipe, logs = os.path.join(root, "pipe"), os.path.join(root, "log")
     os.makedirs(pipe)
     os.makedirs(logs)
-    env = {**os.environ, PIPE_ENV: pipe, LOG_ENV: logs}
+    client_env = {**os.environ, PIPE_ENV: pipe, LOG_ENV: logs}
+    # the daemon sees every GPU: one started under CUDA_VISIBLE_DEVICES renumbers the devices for
+    # its clients, and a client keeping the same CUDA_VISIBLE_DEVICES then fails (NVIDIA's MPS
+    # docs); its clients (the probe, the job) apply their own CUDA_VISIBLE_DEVICES as usual
+    daemon_env = {k: v for k, v in client_env.items() if k != "CUDA_VISIBLE_DEVICES"}
 
-    def run(cmd: Sequence[str], stdin: Optional[str] = None) -> subprocess.CompletedProcess:
+    def run(cmd: Sequence[str], stdin: Optional[str] = None,
+            env: dict[str, str] = daemon_env) -> subprocess.CompletedProcess:
         return subprocess.run(list(cmd), env=env, input=stdin, capture_output=True, text=True,
                               timeout=60)
 
@@ -262,7 +271,7 @@ def start_daemon(control: str, probe: Optional[Sequence[str]] = None) -> str:
         shutil.rmtree(root, ignore_errors=True)
         raise MPSError(f"launcher.mps: {control} -d exited {r.returncode}: {last_line(r)}")
     try:
-        p = run(probe if probe is not None else [sys.executable, "-c", PROBE])
+        p = run(probe if probe is not None else [sys.executable, "-c", PROBE], env=client_env)
         failed = None if p.returncode == 0 else f"exited {p.returncode}: {last_line(p)}"
     except (OSError, subprocess.SubprocessError) as e:
         failed = str(e)
@@ -277,7 +286,7 @@ def start_daemon(control: str, probe: Optional[Sequence[str]] = None) -> str:
     # servers) and removes the directory; its own session, so a Ctrl-C of the job leaves it be
     watch = (f'while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done; '
              f'echo quit | "{control}" >/dev/null 2>&1; rm -rf "{root}"')
-    subprocess.Popen(["sh", "-c", watch], env=env, start_new_session=True,
+    subprocess.Popen(["sh", "-c", watch], env=daemon_env, start_new_session=True,
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     os.environ[PIPE_ENV], os.environ[LOG_ENV] = pipe, logs
     return pipe
