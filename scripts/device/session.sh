@@ -21,11 +21,15 @@
 # tools, sync, lora_sync, neighbours, profile_vllm, profile_hf, profile_solo, sdpa, shapes, rollout_lp, gpu_new, e2e_mps (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
-# Next lease (issue 24, after 0235d2f: tier 54 passed on an H100, the weight-copy leak gone), in this order:
-#   pieces p1-p4, model a-c, then carry [".vllm/p5", ".flowrl_commit"]:
-#   FIRST_STEP_ROUNDS=1 E2E_ARGS="--model qwen05b --rollout vllm" X="rollout.vllm.gpu_memory_utilization=0.2" \
-#       bash scripts/device/session.sh install first_step e2e_mps   (~6.5 min: the cold first step with vLLM
-#       byte-compiled as pip would; the on-policy pair under CUDA MPS, against 1.58x without it at 0235d2f)
+# Next lease (issue 24, after fb3e351: launcher.mps=auto gave 2.00x TRL on an H100 at ff564e2), in this order:
+#   pieces p1-p4, then carry [".vllm/p5", ".flowrl_commit"]:
+#   BYTE_COMPILE=0 TIER_TIMEOUT_S=480 ... install tier      (~5.5 min: the whole tier at HEAD; on an H100 add nothing)
+#   E2E_TAG=_overlap E2E_ARGS="--model qwen05b --rollout vllm" X="placement.staleness=1 rollout.vllm.gpu_memory_utilization=0.2" ... e2e
+#       (~4 min: the overlap with the trainer and its engine process under the job's own MPS daemon; af80c05
+#       without MPS: 1.56x against 1.74x on-policy)
+#   E2E_TAG=_procs2 E2E_ARGS="--model qwen05b --rollout vllm" X="rollout.vllm.engine_procs=2 rollout.vllm.gpu_memory_utilization=0.2" ... e2e
+#       (~4 min: under MPS, do 2 engines generate as fast as 4 with half the contexts' memory? NVML tree 1.24x TRL now)
+#   on an H200 only: E2E_ARGS="--model qwen15b --rollout vllm" ... e2e   (the 1.5B pair never ran: OOM on the H100)
 # Short of device time and without vLLM: carry [".whl", ".flowrl_commit"]:
 #   TIER_K="not vllm" TIER_TIMEOUT_S=200 bash scripts/device/session.sh wheels tier   (the HF half of the tier)
 set -uo pipefail
