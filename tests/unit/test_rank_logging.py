@@ -25,7 +25,8 @@ def test_rank_zero_info_keeps_warnings_per_rank_lines_and_other_libraries():
 def test_quiet_other_ranks_filters_the_root_handlers_once_and_never_on_rank_0():
     root = logging.getLogger()
     h = logging.StreamHandler()
-    root.addHandler(h)
+    kept = root.handlers[:]  # pytest's own capture handlers must not get the filter
+    root.handlers = [h]
     try:
         fdist.quiet_other_ranks(0)
         fdist.quiet_other_ranks(2, speakers={0, 2})  # the first rank of a partitioned run's pool
@@ -34,4 +35,4 @@ def test_quiet_other_ranks_filters_the_root_handlers_once_and_never_on_rank_0():
         fdist.quiet_other_ranks(1)  # a second job in the same process (a sweep) adds none
         assert [type(f) for f in h.filters] == [fdist.RankZeroInfo]
     finally:
-        root.removeHandler(h)
+        root.handlers = kept
