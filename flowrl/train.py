@@ -210,8 +210,16 @@ def _run(source: "RunSpec | DictConfig") -> None:
                 rundir.remove_sweep_leftovers(Path(HydraConfig.get().sweep.dir))
         sys.exit(_refused(str(e)))
     except KeyboardInterrupt:
-        print(f"\nflowrl train: interrupted; {rundir.resume_hint(Path(out_dir), hydra_dir)}",
-              file=sys.stderr)
+        import signal
+
+        from flowrl.runtime.io.supervisor_dir import ENV as SUPERVISOR_ENV
+
+        # a terminal's Ctrl-C reaches every rank and torchrun's agent, which forwards it again:
+        # a second one must not break the teardown below with a traceback per rank
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if not os.environ.get(SUPERVISOR_ENV):  # else the launcher says it once, last
+            print(f"\nflowrl train: interrupted; {rundir.resume_hint(Path(out_dir), hydra_dir)}",
+                  file=sys.stderr)
         sys.exit(130)
     except BaseException as e:  # SIGTERM, a dead peer, a full disk, a diverged step...
         if isinstance(e, SystemExit):

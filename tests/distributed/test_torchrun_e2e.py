@@ -56,3 +56,33 @@ def test_two_ranks_train_export_and_resume_on_one(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "perf/step_s" in r] == [1, 2, 3]
     assert (run / "checkpoints" / "step_000003" / ".metadata").is_file()
+
+
+def test_ctrl_c_on_two_ranks_ends_in_one_resume_line(tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the whole process group: torchrun's agent and both ranks):
+    one `interrupted` line with the resume command, the job's last, no traceback of the agent or
+    of a rank whose teardown caught torchrun's forwarded second SIGINT; exit status 130."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "flowrl.cli", "train", "launcher.nproc=2", *ARGS,
+                             "trainer.total_steps=500", "trainer.save_every=1",
+                             f"trainer.output_dir={run}"], cwd=REPO, env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoints" / "step_000002" / ".metadata").is_file():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.count("flowrl train: interrupted") == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("flowrl train: interrupted. Continue from step_"), last
+    assert f"hydra.run.dir={run} trainer.resume=true launcher.nproc=2" in last

@@ -9,6 +9,7 @@ torchrun the surviving ranks print it.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import traceback
@@ -166,6 +167,12 @@ def _report_crash(e: BaseException, out_dir: str | Path) -> int:
         traceback.print_exception(e)
         first = (str(e).strip().splitlines() or [""])[0][:500].rstrip(".")
         what, code = f"stopped by {type(e).__name__}: {first}", 1
+    from flowrl.runtime.io.supervisor_dir import ENV as SUPERVISOR_ENV
+
+    if isinstance(e, (KeyboardInterrupt, Terminated)) and os.environ.get(SUPERVISOR_ENV):
+        # a rank of `flowrl train launcher.nproc=N`: Ctrl-C reaches every rank and the launcher,
+        # which says it once, last (runtime/control/supervise.py)
+        return code
     peers = peer_report()
     print(f"\nflowrl train: {what}." + (f" {peers}." if peers else "") +
           f" {resume_hint(out_dir)}", file=sys.stderr, flush=True)

@@ -169,6 +169,7 @@ def supervise(args: list[str], overrides: list[str]) -> int:
     """Run ``torchrun <args>`` (its argv without the program: :func:`torchrun_args`) in this
     process; returns the exit status (0, or 1 with the ``flowrl train: stopped: ...`` line and
     the resume command on stderr once the group failed)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -181,17 +182,27 @@ def supervise(args: list[str], overrides: list[str]) -> int:
         os.environ[COMMAND_START_ENV] = f"{time.time() - since_launch_s():.3f}"
         watcher = _Watcher(folder)
         watcher.start()
+        # the hint names the run directory itself; Hydra's own overrides are not the job's
+        repeat = [o for o in overrides if not o.lstrip("+~").startswith("hydra.run.dir=")]
         try:
             run(parse_args(args))
             return 0
+        except SignalException as e:
+            # Ctrl-C (or a SIGTERM) reached torchrun's agent, which stopped the ranks: one line,
+            # the job's last (the ranks leave theirs to this process), not the agent's traceback
+            run_dir = (folder / "run_dir").read_text().strip() if (folder / "run_dir").is_file() \
+                else None
+            what = "interrupted" if e.sigval == signal.SIGINT else f"stopped by {e.sigval.name}"
+            hint = resume_hint(run_dir, repeat) if run_dir else \
+                "No run directory was created yet: nothing to continue."
+            print(f"\nflowrl train: {what}. {hint}", file=sys.stderr, flush=True)
+            return 128 + int(e.sigval)
         except ChildFailedError as e:
             failures = {int(r): Failure(int(r), int(f.pid), int(f.exitcode))
                         for r, f in e.failures.items()}
             cause = failure_message(folder, failures, watcher.killed)
             run_dir = (folder / "run_dir").read_text().strip() if (folder / "run_dir").is_file() \
                 else None
-            # the hint names the run directory itself; Hydra's own overrides are not the job's
-            repeat = [o for o in overrides if not o.lstrip("+~").startswith("hydra.run.dir=")]
             hint = resume_hint(run_dir, repeat) if run_dir else \
                 "No run directory was created yet: nothing to continue."
             print(f"\nflowrl train: stopped: {cause}. {hint}", file=sys.stderr, flush=True)
