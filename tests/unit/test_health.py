@@ -120,6 +120,17 @@ def test_constant_rewards_are_counted_and_warned_every_n_steps(caplog):
     assert len(warned) == 2
     assert warned[0].startswith("step 2: every scorable reward of the last 2 steps was the same "
                                 "(reward/mean=0.25, reward/std=0)")
+    # another rank than 0 (speak=False) counts alike and says nothing: the metrics are reduced,
+    # so rank 0's line is every rank's
+    caplog.clear()
+    quiet = _health(constant_reward_steps=2, speak=False)
+    with caplog.at_level(logging.WARNING, logger="flowrl.runtime.control.health"):
+        quiet_counts = []
+        for s, std in enumerate([0.0, 0.0, 0.0, 0.3, 0.0, 0.0], 1):
+            m = _step(0.0, std=std)
+            quiet.update(s, m)
+            quiet_counts.append(m["reward/constant_steps"])
+    assert quiet_counts == counts and caplog.records == []
 
 
 def test_a_step_without_a_scorable_reward_leaves_the_constant_count_alone():

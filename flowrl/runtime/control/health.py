@@ -48,11 +48,13 @@ class RunHealth:
         history: the checkpointed per-step history of a resumed run (its last
             ``train/skipped_steps`` / ``train/optimizer_steps`` continue the count).
         max_unscorable_steps: steps in a row with no scorable sample that stop the run (0 = off).
+        speak: log the warnings (rank 0: the metrics are reduced over ranks, so every rank would
+            say the same; all ranks still count and stop alike).
     """
 
     def __init__(self, max_skipped_steps: int, max_skipped_frac: float, constant_reward_steps: int,
                  total_steps: int, history: Sequence[Mapping[str, Any]] = (),
-                 max_unscorable_steps: int = 0):
+                 max_unscorable_steps: int = 0, speak: bool = True):
         self.max_skipped_steps, self.max_skipped_frac = max_skipped_steps, max_skipped_frac
         self.constant_reward_steps, self.total_steps = constant_reward_steps, total_steps
         last = history[-1] if history else {}
@@ -62,6 +64,7 @@ class RunHealth:
         self.unscorable = int(last.get(UNSCORABLE_KEY, 0))
         self.max_unscorable_steps = max_unscorable_steps
         self.steps = len(history)
+        self.speak = speak
 
     def update(self, step: int, m: dict[str, float]) -> None:
         """Add this step's counters to ``m`` (in place) and apply the budgets.
@@ -84,7 +87,7 @@ class RunHealth:
             self.constant = self.constant + 1 if std == 0.0 else 0
             m[CONSTANT_KEY] = float(self.constant)
             n_const = self.constant_reward_steps
-            if n_const and self.constant and self.constant % n_const == 0:
+            if n_const and self.constant and self.constant % n_const == 0 and self.speak:
                 log.warning("step %d: every scorable reward of the last %d steps was the same "
                             "(reward/mean=%s, reward/std=0): GRPO gets no signal; check the "
                             "reward function or verifier (trainer.constant_reward_steps=%d)",

@@ -464,7 +464,8 @@ class _Job:
             t = self.cfg.trainer
             self.health = RunHealth(t.max_skipped_steps, t.max_skipped_frac,
                                     t.constant_reward_steps, t.total_steps, self.history,
-                                    max_unscorable_steps=t.max_unscorable_steps)
+                                    max_unscorable_steps=t.max_unscorable_steps,
+                                    speak=self.dinfo.rank == 0)
         try:
             self.health.update(step, m)  # raises RunStopped past the skipped-step budget
         finally:  # the step that broke the budget is in metrics.jsonl too
