@@ -47,6 +47,8 @@ a bundle and ``inputs``) is refused, so a bundle never silently overrides a line
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -93,7 +95,8 @@ def fold_problems(problems: list[tuple[str, str, str]]
     Order (stable within a rank): a file that does not parse; a cycle; a misspelt name (a
     "did you mean" or "rename it to"); the rest. Follow-on: a required input "not bound" in a
     stage whose ``inputs`` is misspelt or malformed (an unknown stage field, a non-mapping) or
-    whose ``batch`` has a problem (an unknown bundle); another problem of the field that closes a cycle; the same problem repeated in later stages.
+    whose ``batch`` has a problem (an unknown bundle); another problem of the field that closes a cycle; the same problem repeated in later stages (for an input a bundle
+    wires, the same field of the same bundle, whichever op the stage runs).
     """
     unique = list(dict.fromkeys(problems))
     lost_inputs = {st for st, fld, msg in unique
@@ -102,8 +105,12 @@ def fold_problems(problems: list[tuple[str, str, str]]
     cycle_fields = {(st, fld) for st, fld, msg in unique if CYCLE in msg}
     roots, follow_on, seen = [], [], set()
     for st, fld, msg in unique:
-        repeat = (fld, msg) in seen and not st.startswith("<")
-        seen.add((fld, msg))
+        # one bundle's wrong key is a problem of every stage that takes the bundle, each
+        # message naming its own op: the bundle's line once
+        bundle = re.search(r"\(wired by bundle '([^']+)'", msg)
+        key = ("bundle", bundle[1], fld) if bundle else (fld, msg)
+        repeat = key in seen and not st.startswith("<")
+        seen.add(key)
         if (UNBOUND in msg and st in lost_inputs) or \
                 ((st, fld) in cycle_fields and CYCLE not in msg) or repeat:
             follow_on.append((st, fld, msg))

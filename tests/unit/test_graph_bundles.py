@@ -180,3 +180,15 @@ def test_an_unused_or_malformed_bundle_is_refused():
         "lines, got 'rollout.rollout_logprobs'")
     assert problems_of(BASE.replace("  batch: tokens\n", "  batch: {a: 1}\n")).startswith(
         "stage 'update', field 'batch': must be a bundle name or a list of them")
+
+
+def test_a_wrong_key_in_a_bundle_is_one_line_whichever_ops_take_it():
+    """A misspelt key under bundles.tokens is a problem of each stage that takes the bundle, and
+    each stage runs another op (so the messages differ): one line, the rest a count."""
+    text = BASE.replace("  tokens:\n    prompt_ids:", "  tokens:\n    prompt_idz:", 1)
+    assert text != BASE
+    line = problems_of(text)
+    assert "\n" not in line, line
+    assert line.startswith("stage 'old_logprobs', field 'inputs.prompt_idz': op 'logprobs' has no "
+                           "input 'prompt_idz'; rename it to 'prompt_ids' (wired by bundle "
+                           "'tokens': fix it under bundles.tokens) (+"), line
