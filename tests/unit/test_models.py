@@ -22,6 +22,10 @@ from flowrl.models.bundled import SMOLLM2_GGUF
     ({"tiny": {"hidden_size": 8}}, "model.tiny must be a dict with a 'model_type' key"),
     ({"path": "/nonexistent/model"}, "model.path must be 'smollm2' or an existing local directory"),
     ({"gguf_file": "model.bin"}, "model.gguf_file must name a .gguf file"),
+    # model=tiny model.path=DIR trained a random model without a word (a new user's report)
+    ({"tiny": {"model_type": "llama"}, "path": "/tmp"},
+     r"^model.path='/tmp' is not read when model.tiny is set \(a random model with SmolLM2's "
+     r"tokenizer\): drop model.path, or drop model=tiny to train that folder's model$"),
 ])
 def test_model_config_validation(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
