@@ -48,7 +48,6 @@ a bundle and ``inputs``) is refused, so a bundle never silently overrides a line
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
