@@ -48,6 +48,7 @@ def test_auto_starts_only_for_two_or_more_engine_processes(monkeypatch):
                                "one-process jobs only (multi-rank jobs under MPS are untested)"),
     (["trainer.device=cpu"], {}, "trainer.device=cpu"),
     ([], {"control": None}, "no nvidia-cuda-mps-control on PATH (NVIDIA's driver utilities)"),
+    ([], {"compute_mode": None, "control": None}, "no NVIDIA GPU visible (nvidia-smi reports none)"),
     ([], {"compute_mode": "Exclusive_Process"}, "the GPU's compute mode is Exclusive_Process; a "
                                                 "job's own daemon needs Default (nvidia-smi -c DEFAULT)"),
     ([], {"cuda_initialized": True}, "CUDA was initialised in this process before the job started "
@@ -114,7 +115,8 @@ def test_prepare_refuses_true_in_one_line_on_a_machine_without_mps(tmp_path, mon
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-cuda-mps-control, no nvidia-smi
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    with pytest.raises(ConfigError, match="^launcher.mps=true: no nvidia-cuda-mps-control on PATH"):
+    with pytest.raises(ConfigError, match=r"^launcher.mps=true: no NVIDIA GPU visible \(nvidia-smi "
+                                          r"reports none\)$"):
         prepare(["model=tiny", "trainer=smoke", "launcher.mps=true", f"hydra.run.dir={tmp_path / 'r'}"])
     # auto on a machine without a GPU: nothing started, nothing said
     spec = prepare(["model=tiny", "trainer=smoke", "data.limit=8", "trainer.eval.limit=0",

@@ -146,10 +146,10 @@ def decide(cfg: "TrainConfig", facts: MPSFacts,
                    "one-process jobs only (multi-rank jobs under MPS are untested)")
     elif cfg.trainer.device == "cpu":
         blocker = "trainer.device=cpu"
+    elif facts.compute_mode is None:
+        blocker = "no NVIDIA GPU visible (nvidia-smi reports none)"
     elif facts.control is None:
         blocker = f"no {CONTROL} on PATH (NVIDIA's driver utilities)"
-    elif facts.compute_mode is None:
-        blocker = "nvidia-smi reports no GPU"
     elif facts.compute_mode != "Default":
         blocker = (f"the GPU's compute mode is {facts.compute_mode}; a job's own daemon needs "
                    "Default (nvidia-smi -c DEFAULT)")
