@@ -176,3 +176,24 @@ def test_a_refused_sweep_leaves_no_multirun_folder(tmp_path):
     (sweep,) = (tmp_path / "multirun").glob("*/*")
     assert (sweep / "multirun.yaml").is_file() and (sweep / "0" / "metrics.jsonl").is_file()
     assert not (sweep / "1").exists()
+
+
+def test_resuming_a_finished_run_from_the_command_line_keeps_its_hydra_record(tmp_path):
+    """`flowrl train ... trainer.resume=true` on a finished run: the same one line, exit 0, and the
+    run's .hydra/ still holds the config it trained with (Hydra's job rewrote it with the new
+    invocation, here one that drops an override; a new user's report)."""
+    out = tmp_path / "run"
+    base = ["model=tiny", "trainer=smoke", "trainer.total_steps=1", "trainer.eval.before=false",
+            "trainer.eval.after=false", "logger.progress=false", f"trainer.output_dir={out}"]
+    first = subprocess.run([sys.executable, "-m", "flowrl.train", *base, "trainer.engine.lr=3e-4"],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    hydra = {p.name: p.read_text() for p in (out / ".hydra").iterdir()}
+    again = subprocess.run([sys.executable, "-m", "flowrl.train", *base, "trainer.resume=true"],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.strip().splitlines()[-1] == (
+        "run already complete at step 1 (trainer.total_steps=1); raise trainer.total_steps to "
+        "train further")
+    assert {p.name: p.read_text() for p in (out / ".hydra").iterdir()} == hydra
+    assert "trainer.engine.lr=3e-4" in hydra["overrides.yaml"]
