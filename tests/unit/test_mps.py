@@ -18,6 +18,7 @@ from flowrl.config import compose, to_train_config
 from flowrl.runtime.control import mps
 from flowrl.runtime.control.preflight import ConfigError
 
+REPO = Path(__file__).resolve().parents[2]
 GPU = mps.MPSFacts(control="/usr/bin/nvidia-cuda-mps-control", compute_mode="Default",
                    device_memory=80 << 30, cuda_initialized=False, own_daemon=False,
                    vllm_installed=True)
@@ -280,3 +281,19 @@ def test_plan_previews_the_decision_without_starting_a_daemon(tmp_path, monkeypa
     refused = mps.preview(cfg_of("trainer.device=cuda", "launcher.mps=true", "launcher.nproc=2"))
     assert str(refused).startswith("launcher.mps=refused (the job runs 2 process(es) on 1 node(s)")
     assert not record.exists()  # nothing started
+
+
+def test_a_graph_that_declares_staleness_counts_as_overlapped(tmp_path, monkeypatch):
+    """placement.staleness null takes the graph's weight_sync.staleness (compiler/placement.py
+    staleness_of): a graph declaring 1 is an overlapped run, whose one engine process shares the
+    GPU with the update, so auto starts MPS for it as for placement.staleness=1."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    text = (REPO / "graphs" / "grpo.yaml").read_text()
+    assert "weight_sync:\n- from: update\n  to: rollout\n" in text
+    graph = tmp_path / "lagged.yaml"
+    graph.write_text(text.replace("weight_sync:\n- from: update\n  to: rollout\n",
+                                  "weight_sync:\n- from: update\n  to: rollout\n  staleness: 1\n"))
+    lagged = cfg_of(f"graph.path={graph}")
+    assert lagged.placement.staleness is None and mps.overlapped_run(lagged)
+    assert mps.decide(lagged, GPU, lambda: 1).start
+    assert not mps.overlapped_run(cfg_of()) and not mps.decide(cfg_of(), GPU, lambda: 1).start

@@ -111,6 +111,19 @@ def engine_procs_expected(cfg: "TrainConfig", device_memory: Optional[int]) -> O
                                              job=rollout_job(cfg, world_size=1))
 
 
+def overlapped_run(cfg: "TrainConfig") -> bool:
+    """:func:`overlapped` of the run's graph file (False where the file does not load: the run's
+    own checks then say why)."""
+    from flowrl.graph.validate import load_graph
+
+    if (cfg.placement.staleness or 0) >= 1:
+        return True
+    try:
+        return overlapped(cfg, load_graph(cfg.graph.resolve()))
+    except (OSError, ValueError):
+        return False
+
+
 def overlapped(cfg: "TrainConfig", graph) -> bool:
     """The run trains one step behind its rollout (``placement.staleness``, or the graph's
     ``weight_sync.staleness`` when null, >= 1)."""
@@ -173,7 +186,7 @@ def decide(cfg: "TrainConfig", facts: MPSFacts,
         return MPSDecision(False, "false", "the graph or the model's size could not be read to "
                                            "count the engine processes")
     # an overlapped run's update runs beside its one engine process: that pair shares the GPU too
-    least = 1 if (cfg.placement.staleness or 0) >= 1 else MIN_ENGINE_PROCS
+    least = 1 if overlapped_run(cfg) else MIN_ENGINE_PROCS
     if procs < least:
         where = ("no engine process: the vLLM engine runs in the trainer's process, or the "
                  "graph has no rollout" if procs == 0 else "one vLLM engine process")
