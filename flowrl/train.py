@@ -145,12 +145,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sys.exit(_refused(str(e)))
     except (HydraException, OmegaConfBaseException) as e:  # Hydra's own report takes 6-15 lines
         sys.exit(_refused(explain(e, args)))
-    t = spec.config.trainer
-    if t.resume and (done := _finished(Path(t.output_dir), t.total_steps)):
-        # nothing to train: say so before Hydra's job (or torchrun) rewrites the run's .hydra/
+    if _finished(spec):
+        # nothing to train: said before Hydra's job (or torchrun) rewrites the run's .hydra/
         # with this invocation's config, which would no longer be the one the run trained with
-        print(f"run already complete at step {done[0]} (trainer.total_steps={t.total_steps}); "
-              "raise trainer.total_steps to train further", flush=True)
         return None
     if spec.config.launcher.distributed and "LOCAL_RANK" not in os.environ:
         from flowrl.runtime.control import supervise
@@ -162,15 +159,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     _hydra_job(spec)
 
 
-def _finished(out_dir: Path, total_steps: int) -> "Optional[tuple[int, dict]]":
-    """``runtime/io/rundir.finished_run_summary``, or None where the newest checkpoint cannot be
-    read here (the job's own checks then refuse it in one line, as for any resume)."""
-    from flowrl.runtime.io import rundir
+def _finished(spec: RunSpec) -> bool:
+    """A resumed run that is already complete, said in one line (``job.finished_run``); False
+    where the newest checkpoint cannot be read here (the job's own checks then refuse it in one
+    line, as for any resume)."""
+    from flowrl.runtime.control.job import finished_run
 
     try:
-        return rundir.finished_run_summary(out_dir, total_steps)
+        return finished_run(spec.config, Path(spec.config.trainer.output_dir), rank0=True) is not None
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return False
 
 
 def _hydra_job(spec: RunSpec) -> None:

@@ -155,8 +155,8 @@ def decide(cfg: "TrainConfig", facts: MPSFacts,
     # the reasons a daemon cannot be had, in the order a user would fix them
     blocker = None
     if lc.nproc > 1 or lc.nnodes > 1 or "LOCAL_RANK" in os.environ:
-        blocker = (f"runs {lc.nproc} process(es) on {lc.nnodes} node(s): flowrl starts MPS for "
-                   "one-process jobs only (multi-rank jobs under MPS are untested)")
+        blocker = (f"the job runs {lc.nproc} process(es) on {lc.nnodes} node(s): flowrl starts "
+                   "MPS for one-process jobs only (multi-rank jobs under MPS are untested)")
     elif cfg.trainer.device == "cpu":
         blocker = "trainer.device=cpu"
     elif facts.compute_mode is None:
@@ -171,11 +171,10 @@ def decide(cfg: "TrainConfig", facts: MPSFacts,
                    "before the daemon never joins it): call flowrl.train.train before any CUDA call")
     if mode == "true":
         if blocker:
-            raise MPSError(f"launcher.mps=true: the job {blocker}" if blocker.startswith("runs")
-                           else f"launcher.mps=true: {blocker}")
+            raise MPSError(f"launcher.mps=true: {blocker}")
         return MPSDecision(True, "true", "asked for")
     if blocker:
-        return MPSDecision(False, "false", f"the job {blocker}" if blocker.startswith("runs") else blocker)
+        return MPSDecision(False, "false", blocker)
     backend = cfg.rollout.backend
     if backend == "auto":  # machine.resolve_machine_defaults' rule, before it runs
         backend = "vllm" if facts.vllm_installed and not cfg.data.has_images else "hf"
