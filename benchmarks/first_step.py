@@ -14,11 +14,18 @@ process) at which each start-up milestone appeared:
 
 Variants run in the order given (``--rounds`` repeats the list: A, B, A, B, ...). vLLM's
 torch.compile cache lives in ``~/.cache/vllm``: a CUDA-graph variant run first compiles cold, later
-ones find it warm; the table says which round each run was.
+ones find it warm; the table says which round each run was. ``--fresh-caches`` gives every run
+empty compile caches of its own (vLLM's, Triton's, TorchInductor's, FlashInfer's and flowrl's
+GGUF cache, through their environment variables), so a cold start can be measured again and
+again on one machine, interleaved with its alternative; it also drops the OS page cache
+before each run where the process may (root, a writable ``/proc/sys/vm/drop_caches``: the
+table's "page cache" column says which). What it cannot make cold: the driver's and the
+GPU's state.
 
 Run (GPU):  python benchmarks/first_step.py --variants default,graphs --rounds 1 \\
                 --md-out benchmarks/results/first_step_h200.md
             python benchmarks/first_step.py --variants default -- trainer.total_steps=3   (overrides)
+            python benchmarks/first_step.py --variants default,v1runner --rounds 3 --fresh-caches
 """
 from __future__ import annotations
 
@@ -62,7 +69,15 @@ VARIANTS: dict[str, list[str]] = {
     # the default job with vLLM's torch.compile on (the job-sized default turns it off for a job
     # this short): its start-up cost against its step times
     "compile": ["rollout.vllm.torch_compile=true"],
+    # the default job on vLLM's V1 model runner (environment below): vLLM 0.26's V2 runner
+    # JIT-compiles its Triton kernels after graph capture, 16.3 s of a cold H100 start (a033fa5)
+    "v1runner": [],
 }
+# the environment of each variant on top of this process's
+VARIANT_ENV: dict[str, dict[str, str]] = {"v1runner": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
+# each compile cache's environment variable (--fresh-caches points every one at an empty folder)
+CACHE_ENV = ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "FLOWRL_CACHE",
+             "FLASHINFER_WORKSPACE_BASE", "XDG_CACHE_HOME")
 MILESTONES = {
     "checked": re.compile(r"start-up: checked"),
     "model": re.compile(r"start-up: model loaded"),
@@ -73,11 +88,29 @@ MILESTONES = {
 }
 
 
-def run_variant(name: str, overrides: list[str], timeout_s: float) -> dict:
+def drop_page_cache() -> str:
+    """Write back and drop the OS page cache (what a machine's first run reads from disk), where
+    this process may: "dropped", else why not."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return "dropped"
+    except OSError as e:
+        return f"kept ({e.strerror or e})"
+
+
+def run_variant(name: str, overrides: list[str], timeout_s: float, *,
+                fresh_caches: bool = False) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"flowrl_first_step_{name}_"))
     cmd = [sys.executable, "-m", "flowrl.train", *VARIANTS[name], *overrides,
            f"hydra.run.dir={run_dir}", "logger.progress=false"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **VARIANT_ENV.get(name, {})}
+    caches = None
+    page_cache = "-"
+    if fresh_caches:
+        caches = Path(tempfile.mkdtemp(prefix=f"flowrl_first_step_caches_{name}_"))
+        env.update({k: str(caches / k.lower()) for k in CACHE_ENV})
+        page_cache = drop_page_cache()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
@@ -104,12 +137,37 @@ def run_variant(name: str, overrides: list[str], timeout_s: float) -> dict:
     resolved = [ln.split("| ", 1)[1].strip() for ln in lines
                 if "resolved rollout" in ln or "vLLM engine" in ln or "start-up: checked" in ln]
     shutil.rmtree(run_dir, ignore_errors=True)
+    if caches is not None:
+        shutil.rmtree(caches, ignore_errors=True)
     return {"variant": name, "rc": rc, "milestones": seen, "step_s": steps, "cmd": cmd,
-            "resolved": resolved, "log": lines}
+            "resolved": resolved, "log": lines, "env": VARIANT_ENV.get(name, {}),
+            "caches": "fresh" if fresh_caches else "as found", "page_cache": page_cache}
 
 
 def fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}"
+
+
+def summarize(results: list[dict]) -> tuple[list[str], list[list]] | None:
+    """Per variant with 2+ runs that finished: the median [min-max] of "step 1" and "end", and
+    each against the first variant's medians (headers, rows); None with fewer."""
+    by: dict[str, list[dict]] = {}
+    for res in results:
+        if res["rc"] == 0 and "step 1" in res["milestones"]:
+            by.setdefault(res["variant"], []).append(res["milestones"])
+    if not by or all(len(v) < 2 for v in by.values()):
+        return None
+    base = next(iter(by))
+    headers = ["variant", "runs", "step 1 s", "end s", f"step 1 / {base}", f"end / {base}"]
+    meds = {n: {k: statistics.median(m[k] for m in ms) for k in ("step 1", "end")}
+            for n, ms in by.items()}
+    rows = []
+    for n, ms in by.items():
+        cells = [f"{meds[n][k]:.1f} [{min(m[k] for m in ms):.1f}-{max(m[k] for m in ms):.1f}]"
+                 for k in ("step 1", "end")]
+        ratios = [f"{meds[n][k] / meds[base][k]:.2f}x" for k in ("step 1", "end")]
+        rows.append([n, len(ms), *cells, *ratios])
+    return headers, rows
 
 
 def main() -> int:
@@ -119,6 +177,8 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=float, default=400)
     ap.add_argument("--md-out", type=Path)
     ap.add_argument("--log-dir", type=Path, help="each run's timestamped console here")
+    ap.add_argument("--fresh-caches", action="store_true", help="every run with empty compile "
+                    "caches of its own (and the OS page cache dropped where allowed): cold starts")
     ap.add_argument("overrides", nargs="*", help="flowrl train overrides for every variant (after --)")
     args = ap.parse_args()
     names = args.variants.split(",")
@@ -128,7 +188,7 @@ def main() -> int:
     results = []
     for r in range(args.rounds):
         for name in names:
-            res = run_variant(name, args.overrides, args.timeout_s)
+            res = run_variant(name, args.overrides, args.timeout_s, fresh_caches=args.fresh_caches)
             res["round"] = r + 1
             results.append(res)
             m = res["milestones"]
@@ -140,14 +200,18 @@ def main() -> int:
                     "\n".join(res["log"]) + "\n")
             if res["rc"] != 0:
                 print("\n".join(res["log"][-30:]), flush=True)
-    headers = ["round", "variant", "rc", *MILESTONES, "end", "steps", "step s median (min-max)"]
+    headers = ["round", "variant", "caches", "page cache", "rc", *MILESTONES, "end", "steps",
+               "step s median (min-max)"]
     rows = []
     for res in results:
         m, st = res["milestones"], res["step_s"]
         med = (f"{statistics.median(st):.2f} ({min(st):.2f}-{max(st):.2f})" if st else "-")
-        rows.append([res["round"], res["variant"], res["rc"], *(fmt(m.get(k)) for k in MILESTONES),
-                     fmt(m.get("end")), len(st), med])
+        rows.append([res["round"], res["variant"], res["caches"], res["page_cache"], res["rc"],
+                     *(fmt(m.get(k)) for k in MILESTONES), fmt(m.get("end")), len(st), med])
     print(text_table(headers, rows))
+    summary = summarize(results)
+    if summary:
+        print(text_table(*summary))
     if args.md_out:
         info = machine_info()
         try:
@@ -164,9 +228,13 @@ def main() -> int:
                "Seconds from spawning `python -m flowrl.train` to the console line of each "
                "milestone (see the script's docstring); steps = training steps in metrics.jsonl.", "",
                markdown_table(headers, rows), ""]
+        if summary:
+            out += ["Per variant, over its rounds: median [min-max] seconds.", "",
+                    markdown_table(*summary), ""]
         for res in results:
+            env = "".join(f"{k}={v} " for k, v in res["env"].items())
             out += [f"## round {res['round']}, {res['variant']}", "",
-                    "`" + " ".join(res["cmd"][1:]) + "`", ""]
+                    "`" + env + " ".join(res["cmd"][1:]) + "`", ""]
             out += [f"- {ln}" for ln in res["resolved"]] + [""]
         args.md_out.parent.mkdir(parents=True, exist_ok=True)
         args.md_out.write_text("\n".join(out))

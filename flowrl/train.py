@@ -112,8 +112,30 @@ def train(source: "RunSpec | DictConfig | dict") -> dict[str, Any]:
     from flowrl.runtime.control.job import run_job
 
     spec = source if isinstance(source, RunSpec) else prepare(source)
-    check_machine(spec.config)
+    _start_prefetch(spec)
+    try:
+        check_machine(spec.config)
+    except ConfigError:
+        _cancel_prefetch()
+        raise
     return run_job(spec)
+
+
+def _start_prefetch(spec: RunSpec) -> None:
+    """vLLM's model-info inspection started now, beside the machine check and the model load
+    (``engines/rollout/vllm_prefetch.py``); not in torchrun's supervisor, whose ranks build."""
+    if spec.config.launcher.distributed and "LOCAL_RANK" not in os.environ:
+        return
+    from flowrl.runtime.step.resources import start_vllm_prefetch
+
+    start_vllm_prefetch(spec.config, set(spec.plan.roles))
+
+
+def _cancel_prefetch() -> None:
+    if "flowrl.engines.rollout.vllm_prefetch" in sys.modules:  # else none was started
+        from flowrl.engines.rollout import vllm_prefetch
+
+        vllm_prefetch.cancel_all()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -135,6 +157,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         spec = prepare(args)
         rundir.check_run_dir(Path(spec.config.trainer.output_dir), spec.config.trainer)
         t0 = time.perf_counter()
+        _start_prefetch(spec)  # its ~18 s (cold) beside the check's liger import and the model load
         check_machine(spec.config)
         if spec.startup:  # one of the start-up line's parts: on the H100 the default job's took
             # 7.3 s, liger-kernel's import (torch._dynamo, peft, triton) to check the model type,
@@ -142,10 +165,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             part = ("machine check (packages, kernels)", time.perf_counter() - t0)
             spec = dataclasses.replace(spec, startup=(*spec.startup, part))
     except (ConfigError, rundir.RunDirError) as e:
+        _cancel_prefetch()
         sys.exit(_refused(str(e)))
     except (HydraException, OmegaConfBaseException) as e:  # Hydra's own report takes 6-15 lines
         sys.exit(_refused(explain(e, args)))
     if _finished(spec):
+        _cancel_prefetch()
         # nothing to train: said before Hydra's job (or torchrun) rewrites the run's .hydra/
         # with this invocation's config, which would no longer be the one the run trained with
         return None

@@ -48,6 +48,12 @@ phase_first_step() {  # ~3 min: the default job twice: cold (fresh machine), the
   python3 benchmarks/first_step.py --variants ${FIRST_STEP_VARIANTS:-default} --rounds ${FIRST_STEP_ROUNDS:-2} --timeout-s 200 \
     --md-out "$OUT/first_step_h200.md" --log-dir "$OUT/first_step_logs" -- ${X:-}
 }
+phase_first_step_ab() {  # ~6 min: cold starts again and again on one machine (--fresh-caches: empty
+  # compile caches per run, the page cache dropped where allowed): the default job against vLLM's
+  # V1 model runner (the V2 runner's Triton JIT took 16.3 s of a cold H100 start at a033fa5)
+  python3 benchmarks/first_step.py --variants ${FIRST_STEP_VARIANTS:-default,v1runner} --rounds ${FIRST_STEP_ROUNDS:-3} \
+    --fresh-caches --timeout-s 150 --md-out "$OUT/first_step_ab_h200.md" --log-dir "$OUT/first_step_ab_logs" -- ${X:-}
+}
 phase_learning() {  # ~9 min: the arith task, full fine-tuning and LoRA side by side (and the tier)
   # two runs share the GPU: half the default vLLM budget each (their KV caches are fixed anyway)
   local mem=rollout.vllm.gpu_memory_utilization=0.25

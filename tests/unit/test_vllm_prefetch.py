@@ -12,6 +12,12 @@ from flowrl.engines.rollout import vllm_prefetch
 from flowrl.models.bundled import SMOLLM2
 
 
+@pytest.fixture(autouse=True)
+def _no_prefetch_left():
+    yield
+    vllm_prefetch.cancel_all()
+
+
 def test_cache_dir_follows_vllms_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "v"))
     assert vllm_prefetch.cache_dir() == tmp_path / "v" / "modelinfos"
@@ -71,7 +77,7 @@ def test_build_engines_prefetches_the_policys_architecture(monkeypatch, backend,
     model = SimpleNamespace(path=SMOLLM2, tiny=None)
     cfg = SimpleNamespace(rollout=SimpleNamespace(backend=backend), model=model,
                           teacher=SimpleNamespace(is_set=False))
-    assert resources._start_vllm_prefetch(cfg, roles) == []
+    assert resources.start_vllm_prefetch(cfg, roles) == []
     assert started == expected
 
 
@@ -83,5 +89,55 @@ def test_a_generating_teacher_is_prefetched_too(monkeypatch):
     cfg = SimpleNamespace(rollout=SimpleNamespace(backend="vllm"),
                           model=SimpleNamespace(path=SMOLLM2, tiny=None),
                           teacher=SimpleNamespace(is_set=True, path="", tiny={"model_type": "qwen2"}))
-    resources._start_vllm_prefetch(cfg, {"actor", "rollout", "teacher_rollout"})
+    resources.start_vllm_prefetch(cfg, {"actor", "rollout", "teacher_rollout"})
     assert started == ["LlamaForCausalLM", "Qwen2ForCausalLM"]
+
+
+def test_a_running_prefetch_is_taken_not_started_twice_and_cancel_ends_it(monkeypatch, tmp_path):
+    # `flowrl train` starts it before the machine check; the engine build later takes that one
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setattr(vllm_prefetch, "_SCRIPT", "import time; time.sleep(60)")
+    first = vllm_prefetch.start("LlamaForCausalLM")
+    assert first is not None and first.proc is not None
+    assert vllm_prefetch.start("LlamaForCausalLM") is first
+    other = vllm_prefetch.start("Qwen2ForCausalLM")
+    assert other is not first
+    procs = [first.proc, other.proc]
+    vllm_prefetch.cancel_all()
+    assert [p.poll() for p in procs] == [-9, -9]  # killed, not left running
+    assert first.proc is None and first.wait() is None
+    assert vllm_prefetch._RUNNING == {}
+
+
+def test_flowrl_train_starts_it_before_the_machine_check_and_ends_it_on_refusal(monkeypatch, tmp_path):
+    # a run refused by the machine check (after the prefetch started) leaves no process behind
+    from flowrl import train as train_mod
+    from flowrl.runtime.control.preflight import ConfigError
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    monkeypatch.setattr(vllm_prefetch, "_SCRIPT", "import time; time.sleep(60)")
+    seen: list = []
+
+    def refuse(cfg):
+        seen.extend(h.proc for h in vllm_prefetch._RUNNING.values())
+        raise ConfigError("machine says no")
+
+    monkeypatch.setattr(train_mod, "check_machine", refuse)
+    with pytest.raises(SystemExit) as e:
+        train_mod.main(["rollout=vllm", f"trainer.output_dir={tmp_path / 'run'}"])
+    assert e.value.code == 2
+    assert len(seen) == 1 and seen[0].args[-1] == "LlamaForCausalLM"  # SmolLM2's class
+    assert seen[0].poll() == -9
+    assert vllm_prefetch._RUNNING == {}
+    assert not (tmp_path / "run").exists()
+
+
+def test_no_prefetch_in_torchruns_supervisor(monkeypatch):
+    from flowrl import train as train_mod
+
+    started: list = []
+    monkeypatch.setattr(vllm_prefetch, "start", lambda a: started.append(a) or None)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    spec = SimpleNamespace(config=SimpleNamespace(launcher=SimpleNamespace(distributed=True)))
+    train_mod._start_prefetch(spec)
+    assert started == []

@@ -11,9 +11,14 @@ against 6.3 s with a warm one.
 
 :func:`start` answers it in a background process of its own (the registry's inspection in that
 process, which holds no CUDA context either, so the registry's own extra process is not needed),
-started before the model loads; the rollout builder :meth:`ModelInfoPrefetch.wait`\\ s for it,
-so vLLM then finds its cache. Nothing is started when the cache already holds the class; a
-failure of the prefetch changes nothing (vLLM inspects the class itself, as without it).
+started as soon as ``flowrl train`` has accepted the run (before the machine check, whose
+liger-kernel import took 10.2 s on a fresh H100), so it runs beside the check and the model load;
+the rollout builder :meth:`ModelInfoPrefetch.wait`\\ s for it, so vLLM then finds its cache.
+Started at the model load instead (through ce93b88), the H100's cold default job
+waited 10.5 s of its 17.8 s. One prefetch per architecture per process (:data:`_RUNNING`): the
+builder takes the one already running. Nothing is started when the cache already holds the
+class; a failure of the prefetch changes nothing (vLLM inspects the class itself, as without
+it); :func:`cancel_all` ends them where the run is refused after all.
 """
 from __future__ import annotations
 
@@ -105,14 +110,24 @@ class ModelInfoPrefetch:
         return waited
 
 
+# this process's prefetches by architecture: started early by `flowrl train`, taken by the builder
+_RUNNING: dict[str, ModelInfoPrefetch] = {}
+
+
 def start(architecture: Optional[str]) -> Optional[ModelInfoPrefetch]:
-    """Start the prefetch of ``architecture`` unless vLLM's cache has it (or it is None).
+    """Start the prefetch of ``architecture`` unless vLLM's cache has it (or it is None); the
+    one this process already started for it, while that has not been waited for.
 
     Returns the handle to :meth:`ModelInfoPrefetch.wait` on before the engine is built, or None.
     The process inherits this environment (``VLLM_CACHE_ROOT`` included), writes nothing but
     vLLM's cache file, and prints nothing (its output is discarded).
     """
-    if architecture is None or cached(architecture):
+    if architecture is None:
+        return None
+    running = _RUNNING.get(architecture)
+    if running is not None and running.proc is not None:
+        return running
+    if cached(architecture):
         return None
     try:
         proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, architecture],
@@ -121,7 +136,19 @@ def start(architecture: Optional[str]) -> Optional[ModelInfoPrefetch]:
     except OSError as e:  # no process to spare: vLLM does it later itself
         log.info("start-up: vLLM's model-info prefetch not started (%s)", e)
         return None
-    return ModelInfoPrefetch(architecture, proc)
+    _RUNNING[architecture] = handle = ModelInfoPrefetch(architecture, proc)
+    return handle
 
 
-__all__ = ["ModelInfoPrefetch", "cache_dir", "cached", "causal_lm_architecture", "start"]
+def cancel_all() -> None:
+    """End every prefetch this process started and nobody waited for (a run refused after its
+    prefetch started): no process outlives the refusal."""
+    for handle in list(_RUNNING.values()):
+        if handle.proc is not None:
+            handle.proc.kill()
+            handle.proc.wait()
+            handle.proc = None
+    _RUNNING.clear()
+
+
+__all__ = ["ModelInfoPrefetch", "cache_dir", "cached", "cancel_all", "causal_lm_architecture", "start"]

@@ -266,9 +266,12 @@ class BuildContext:
             p.wait()
 
 
-def _start_vllm_prefetch(cfg: "TrainConfig", roles: set[str]) -> list["ModelInfoPrefetch"]:
+def start_vllm_prefetch(cfg: "TrainConfig", roles: "set[str] | frozenset[str]"
+                        ) -> list["ModelInfoPrefetch"]:
     """vLLM's model-info inspection of the policy (and a teacher that generates) in the
-    background, while the model loads (``engines/rollout/vllm_prefetch.py`` says why)."""
+    background, while the machine check and the model load run (``flowrl train`` starts it once
+    the run is accepted; the engine build takes the running ones:
+    ``engines/rollout/vllm_prefetch.py`` says why). ``roles``: the plan's roles."""
     if cfg.rollout.backend != "vllm" or not roles & {"rollout", "teacher_rollout"}:
         return []
     from flowrl.engines.rollout import vllm_prefetch
@@ -434,7 +437,7 @@ def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
     device = run_device(cfg)
     t0 = time.perf_counter()
     roles = set(plan.roles)
-    prefetch = _start_vllm_prefetch(cfg, roles)
+    prefetch = start_vllm_prefetch(cfg, roles)
     model = load_model(cfg.model, device)
     log.info("start-up: model loaded on %s in %.1f s", device, time.perf_counter() - t0)
     # a partitioned rollout pool trains nothing: no FSDP, no world collectives
