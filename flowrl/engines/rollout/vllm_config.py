@@ -48,6 +48,13 @@ SEQS_PER_ENGINE_PROC = 64
 # device memory an engine process takes besides its KV cache and weights (profiling activations,
 # the sampler's logits, CUDA graphs) when flowrl fixes the cache size up front
 ENGINE_OVERHEAD_BYTES = 3 << 30
+# the job-sized KV cache (rollout.vllm.kv_cache_memory_gb null on CUDA): the job's largest generate
+# call at its longest (every prompt at data.max_prompt_tokens, every response at its full width)
+# times this, for the block rounding, a chat template's tools in the prompt and prefix blocks not
+# yet freed. Before it (through ce93b88) the engines took the whole budget: at the e2e pair's 0.5B
+# shape 256 x 512 tokens need 1.5 GiB, and flowrl's process tree held 1.24x TRL's device memory
+# with a fixed 8 GiB cache. Too small costs time, never a result: vLLM preempts and recomputes.
+KV_HEADROOM = 2.0
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # decode steps of a whole job (RolloutJob.decode_steps) from which vLLM's torch.compile is turned on
 # when rollout.vllm.torch_compile is null. Compiling costs start-up on every run: on the H200 the
@@ -71,12 +78,39 @@ class RolloutJob:
         decode_steps: decode steps of the whole job (training steps × ``max_new_tokens`` +
             eval passes × their ``max_new_tokens``): the longest row sets a call's decode steps.
         ranks: ranks running a rollout engine (1: the engine may live in the trainer's process).
+        seq_tokens: tokens of a training generate call's longest sequence (``data.max_prompt_tokens``
+            + the response width: ``max_new_tokens``, a multi-turn stage's ``max_total_tokens``);
+            0 = not known (the KV cache is then not sized to the job).
+        eval_seq_tokens: the same for an eval call (its ``max_new_tokens``).
     """
 
     seqs_per_step: int
     eval_seqs: int = 0
     decode_steps: int = 0
     ranks: int = 1
+    seq_tokens: int = 0
+    eval_seq_tokens: int = 0
+
+    def kv_tokens(self) -> int:
+        """Tokens of KV cache the largest generate call holds at its longest (0: unknown)."""
+        if not self.seq_tokens:
+            return 0
+        return max(self.seqs_per_step * self.seq_tokens, self.eval_seqs * self.eval_seq_tokens)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What the policy's KV cache costs in vLLM, from its config (``engines/rollout/vllm.kv_shape``).
+
+    Attributes:
+        bytes_per_token: KV-cache bytes of one token over all layers (2 × layers × KV heads ×
+            head dim × the engine dtype's bytes; an upper bound for sliding-window layers).
+        max_model_len: the longest sequence vLLM will admit (``rollout.vllm.max_model_len``, else
+            the config's ``max_position_embeddings``): vLLM refuses a cache that cannot hold one.
+    """
+
+    bytes_per_token: int
+    max_model_len: int
 
 
 @dataclass
@@ -250,7 +284,8 @@ class VLLMRolloutConfig:
         return max(n, 1) if own_process else n
 
     def sized_for(self, job: "RolloutJob", weight_bytes: int, device_memory: Optional[int], *,
-                  own_process: bool = False) -> tuple[int, "VLLMRolloutConfig", list[str]]:
+                  own_process: bool = False, kv: Optional[KVShape] = None
+                  ) -> tuple[int, "VLLMRolloutConfig", list[str]]:
         """This rank's engine sized to the job: (engine processes, the configuration with every
         job-sized ``None`` filled in, one reason per filled setting for the console).
 
@@ -258,9 +293,12 @@ class VLLMRolloutConfig:
         ``engine_procs`` (:meth:`engine_procs_for`); ``torch_compile`` (on from
         ``TORCH_COMPILE_MIN_DECODE_STEPS`` decode steps); ``max_cudagraph_capture_size``
         (the job's largest generate call, rounded up to 8 sequences per engine, at most
-        ``max_num_seqs``); ``kv_cache_memory_gb`` when several engines share the device (the
-        memory budget less each engine's weights and ``ENGINE_OVERHEAD_BYTES``, so the engines
-        start side by side instead of one after the other).
+        ``max_num_seqs``); ``kv_cache_memory_gb``: the job's KV demand
+        (:meth:`RolloutJob.kv_tokens` × ``kv.bytes_per_token`` × ``KV_HEADROOM``, at least one
+        ``max_model_len`` sequence per engine) where it fits the budget less each engine's
+        weights and ``ENGINE_OVERHEAD_BYTES``; else, with several engines, that whole remainder
+        (fixed either way, so several engines start side by side instead of one after the
+        other, and a fixed cache skips vLLM's memory profiling); else vLLM's own sizing.
 
         Args:
             job: the run's rollout demand per rank (:class:`RolloutJob`).
@@ -268,6 +306,7 @@ class VLLMRolloutConfig:
                 vLLM's copy). device_memory: the device's total bytes; None on CPU (nothing but
                 ``engine_procs`` is filled there).
             own_process: as in :meth:`engine_procs_for`.
+            kv: the policy's KV cost in the engine (None: the cache is not sized to the job).
         """
         procs = self.engine_procs_for(weight_bytes, device_memory, own_process=own_process, job=job)
         why: list[str] = []
@@ -291,13 +330,21 @@ class VLLMRolloutConfig:
             why.append(f"rollout.vllm.torch_compile={str(compile_).lower()} ({job.decode_steps:,} "
                        f"decode steps in the job, {'>=' if compile_ else '<'} "
                        f"{TORCH_COMPILE_MIN_DECODE_STEPS:,}: compiling costs ~36 s of start-up)")
-        if cfg.kv_cache_memory_gb is None and engines > 1:
+        if cfg.kv_cache_memory_gb is None:
             budget = cfg.gpu_memory_utilization * device_memory
-            kv = (budget - engines * (weight_bytes + ENGINE_OVERHEAD_BYTES)) / 2**30
-            if kv >= engines * 0.5:  # else leave it to vLLM's profiling, one engine at a time
-                kv = math.floor(kv * 4) / 4
-                cfg = dataclasses.replace(cfg, kv_cache_memory_gb=kv)
-                why.append(f"rollout.vllm.kv_cache_memory_gb={kv:g} (the rank's budget less "
+            room = (budget - engines * (weight_bytes + ENGINE_OVERHEAD_BYTES)) / 2**30
+            need = _job_kv_gb(job, kv, engines)
+            if need is not None and need <= room:
+                cfg = dataclasses.replace(cfg, kv_cache_memory_gb=need)
+                assert kv is not None
+                why.append(f"rollout.vllm.kv_cache_memory_gb={need:g} (the job's largest call: "
+                           f"{job.kv_tokens():,} tokens x {kv.bytes_per_token:,} B x "
+                           f"{KV_HEADROOM:g} headroom over {engines} engine(s); the budget "
+                           f"leaves {math.floor(room * 4) / 4:g})")
+            elif engines > 1 and room >= engines * 0.5:  # else vLLM's profiling, one at a time
+                room = math.floor(room * 4) / 4
+                cfg = dataclasses.replace(cfg, kv_cache_memory_gb=room)
+                why.append(f"rollout.vllm.kv_cache_memory_gb={room:g} (the rank's budget less "
                            f"{engines} engines' weights and overhead: they start side by side)")
         return procs, cfg, why
 
@@ -372,3 +419,15 @@ def check_model_for_vllm(hf_config, on_cpu: bool) -> None:
         raise ValueError(f"vLLM's CPU backend supports head sizes {CPU_HEAD_SIZES}; the model has "
                          f"{head}. For a tiny model set e.g. model.tiny.num_attention_heads=2 "
                          "model.tiny.num_key_value_heads=1 (hidden 64 / 2 heads = 32)")
+
+
+def _job_kv_gb(job: RolloutJob, kv: Optional[KVShape], engines: int) -> Optional[float]:
+    """The rank's KV cache for ``job`` in GiB, rounded up to 0.25 (None: the job's sequence
+    length or the model's KV cost is unknown): :meth:`RolloutJob.kv_tokens` × bytes per token ×
+    ``KV_HEADROOM``, and at least 1.1 × one ``max_model_len`` sequence per engine."""
+    tokens = job.kv_tokens()
+    if kv is None or not tokens or kv.bytes_per_token <= 0:
+        return None
+    need = max(tokens * kv.bytes_per_token * KV_HEADROOM,
+               engines * 1.1 * kv.max_model_len * kv.bytes_per_token)
+    return math.ceil(need / 2**30 * 4) / 4

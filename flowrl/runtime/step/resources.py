@@ -242,6 +242,9 @@ class BuildContext:
         rollout_apart: the rollout runs while the actor updates (``placement.staleness=1`` on a
             colocated run): it must hold weights of its own (``shared`` is off) and a vLLM
             engine runs in engine processes.
+        response_tokens: the widest response region a stage of the plan generates when wider
+            than ``max_new_tokens`` (a multi-turn stage's ``max_total_tokens``; 0: none), for
+            :func:`rollout_job`.
     """
 
     cfg: "TrainConfig"
@@ -259,6 +262,7 @@ class BuildContext:
     kw: dict[str, Any] = field(default_factory=dict)
     vllm_prefetch: list["ModelInfoPrefetch"] = field(default_factory=list)
     rollout_apart: bool = False
+    response_tokens: int = 0
 
     def wait_for_vllm_prefetch(self) -> None:
         """Let every prefetch started for this build finish (each is waited for once)."""
@@ -373,7 +377,7 @@ def _build_rollout(b: BuildContext) -> "RolloutEngine":
     return rollout_engines.build_rollout_engine(
         b.cfg.rollout, b.model, b.tokenizer, shared=b.shared,
         own_process=b.group is not None or b.rollout_apart,
-        job=rollout_job(b.cfg, b.world_size), lora=_lora_spec(b),
+        job=rollout_job(b.cfg, b.world_size, b.response_tokens), lora=_lora_spec(b),
         image_processor=image_processor(b.cfg.model) if is_vision_config(b.cfg.model) else None)
 
 
@@ -385,7 +389,8 @@ def _build_teacher_rollout(b: BuildContext) -> "RolloutEngine":
     b.wait_for_vllm_prefetch()
     return rollout_engines.build_rollout_engine(
         teacher_rollout_config(b.cfg.rollout), load_model(b.cfg.teacher, b.device), b.tokenizer,
-        shared=False, own_process=b.group is not None, job=rollout_job(b.cfg, b.world_size))
+        shared=False, own_process=b.group is not None,
+        job=rollout_job(b.cfg, b.world_size, b.response_tokens))
 
 
 @dataclass(frozen=True)
@@ -461,7 +466,8 @@ def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
     ref_copy = copy.deepcopy(model) if "ref" in roles and lora is None else None
     engines = Engines()
     ctx = BuildContext(cfg, model, device, tokenizer, roles, fsdp, train_cls, shared, ref_copy,
-                       world_size, group, engines, kw, prefetch, rollout_apart)
+                       world_size, group, engines, kw, prefetch, rollout_apart,
+                       response_tokens(plan))
     for role, builder in ENGINE_BUILDERS.items():
         if role in roles:
             t1 = time.perf_counter()
@@ -493,12 +499,24 @@ def teacher_rollout_config(rollout_cfg: Any) -> Any:
     return dataclasses.replace(rollout_cfg, vllm=dataclasses.replace(v, **fixes)) if fixes else rollout_cfg
 
 
-def rollout_job(cfg: "TrainConfig", world_size: int | None = None) -> "RolloutJob":
+def response_tokens(plan: "ExecutionPlan") -> int:
+    """The widest response region a stage of ``plan`` generates beyond ``max_new_tokens``: a
+    multi-turn stage's ``max_total_tokens`` (policy turns and observations); 0 without one."""
+    from flowrl.envs.config import MultiTurnConfig
+
+    return max((c.config.max_total_tokens for c in plan.stages
+                if isinstance(c.config, MultiTurnConfig)), default=0)
+
+
+def rollout_job(cfg: "TrainConfig", world_size: int | None = None,
+                response_tokens: int = 0) -> "RolloutJob":
     """What this run asks of one rank's rollout engine (sizes vLLM's job-sized defaults).
 
     Each rank generates ``prompts_per_step × algorithm.n`` sequences per step and evaluates
     ``min(eval.limit, eval.batch_size)`` prompts per call; the decode steps count every step's
-    ``max_new_tokens`` and the evaluations (before, after and every ``eval.every`` steps)."""
+    ``max_new_tokens`` and the evaluations (before, after and every ``eval.every`` steps). A
+    sequence is at most ``data.max_prompt_tokens`` (longer prompts are skipped) plus the response
+    width: ``max_new_tokens``, or ``response_tokens`` (:func:`response_tokens`) where wider."""
     from flowrl.engines.rollout.vllm_config import RolloutJob
     from flowrl.runtime.io.distributed import dist_info
 
@@ -510,8 +528,11 @@ def rollout_job(cfg: "TrainConfig", world_size: int | None = None) -> "RolloutJo
     passes = EVAL_PASSES + (t.total_steps // ev.every if ev.every else 0)  # + periodic evals
     decode = (t.total_steps * cfg.rollout.sampling.max_new_tokens
               + passes * calls * ev.max_new_tokens)
+    prompt = cfg.data.max_prompt_tokens
     return RolloutJob(seqs_per_step=t.prompts_per_step * cfg.algorithm.n, eval_seqs=eval_seqs,
-                      decode_steps=decode, ranks=world_size or dist_info().world_size)
+                      decode_steps=decode, ranks=world_size or dist_info().world_size,
+                      seq_tokens=prompt + max(cfg.rollout.sampling.max_new_tokens, response_tokens),
+                      eval_seq_tokens=prompt + ev.max_new_tokens)
 
 
 def resolve_offload(cfg: "TrainConfig", engines: Engines) -> tuple["Swap", str]:
