@@ -78,8 +78,8 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
         # before anything initialises CUDA in this process (the machine defaults ask torch): a
         # context made before the job's MPS daemon never joins it
         mps_line = None if plan_only else mps.engage(cfg)
-        if mps_line is not None and mps_line.value == "true":
-            done("CUDA MPS daemon")
+        if mps_line is not None:  # its decision reads nvidia-smi and the model's size: timed apart
+            done("CUDA MPS daemon" if mps_line.value == "true" else "CUDA MPS decision")
         resolved = resolve_machine_defaults(cfg)
         done("machine defaults")
         plan, placement = check_run(cfg, task, given, plan_only=plan_only)

@@ -54,6 +54,18 @@ phase_first_step_ab() {  # ~6 min: cold starts again and again on one machine (-
   python3 benchmarks/first_step.py --variants ${FIRST_STEP_VARIANTS:-default,v1runner} --rounds ${FIRST_STEP_ROUNDS:-3} \
     --fresh-caches --timeout-s 150 --md-out "$OUT/first_step_ab_h200.md" --log-dir "$OUT/first_step_ab_logs" -- ${X:-}
 }
+phase_startup_profile() {  # ~1 min: where the default job's seconds before the model load go (the
+  # H200 at ce93b88, warm: machine defaults 6.3 s and machine check 10.2 s of a 34.6 s step 1):
+  # Python's import times twice (cold, then warm), then a cProfile of prepare + the machine check
+  local code='import time, flowrl.train as t; t0 = time.perf_counter(); s = t.prepare([]); t1 = time.perf_counter(); t.check_machine(s.config); print(f"prepare {t1 - t0:.2f} s, check {time.perf_counter() - t1:.2f} s; parts", s.startup)'
+  for r in 1 2; do
+    python3 -X importtime -c "$code" 2> "$OUT/importtime_r$r.txt" | tail -n 1
+    sort -t'|' -k2 -n -r "$OUT/importtime_r$r.txt" | head -n 25
+  done
+  printf '%s\n' "$code" > /tmp/startup_code.py
+  python3 -m cProfile -s cumulative /tmp/startup_code.py > "$OUT/prepare_profile.txt" 2>&1
+  grep -v "^$" "$OUT/prepare_profile.txt" | head -n 70
+}
 phase_learning() {  # ~9 min: the arith task, full fine-tuning and LoRA side by side (and the tier)
   # two runs share the GPU: half the default vLLM budget each (their KV caches are fixed anyway)
   local mem=rollout.vllm.gpu_memory_utilization=0.25

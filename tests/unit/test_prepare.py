@@ -191,3 +191,17 @@ def test_flowrl_train_times_its_machine_check_as_a_start_up_part(monkeypatch, tm
                                             "machine defaults", "graph, placement and input checks",
                                             "machine check (packages, kernels)"]
     assert spec.startup[-1][1] >= 0
+
+
+def test_the_mps_decision_is_its_own_start_up_part_where_it_was_made(monkeypatch, tmp_path):
+    # on a GPU machine the decision reads nvidia-smi and the model's size: timed apart from the
+    # machine defaults, as "CUDA MPS daemon" when it started one
+    import flowrl.train
+    from flowrl.machine import Resolved
+    from flowrl.runtime.control import mps
+
+    for value, part in (("false", "CUDA MPS decision"), ("true", "CUDA MPS daemon")):
+        monkeypatch.setattr(mps, "engage", lambda cfg, v=value: Resolved("launcher.mps", v, "test"))
+        spec = flowrl.train.prepare([*SMOKE, f"hydra.run.dir={tmp_path / value}"])
+        parts = [p for p, _ in spec.startup]
+        assert parts[parts.index("config") + 1:parts.index("machine defaults")] == [part]
