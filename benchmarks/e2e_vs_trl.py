@@ -113,7 +113,11 @@ GPU_SUITE = dict(device="cuda", model="qwen05b,smollm2,qwen15b", rollout="hf,vll
 # GRPOConfig.cache_implementation=None (the dynamic cache, which transformers does not compile),
 # flowrl's rollout.hf.compile=null (off: compiled it measured slower than eager in this pair,
 # 7.77 s against TRL's 5.85 s on 2026-12-06, where eager had 6.10 against 6.04 on 2026-12-04)
-GPU_SUITE_OVERRIDES = ["rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.torch_compile=true"]
+# model.liger_kernel=true for the same reason: auto turns liger on from 10 PFLOP of update in the
+# job (its import costs ~10 s of start-up); a 7-step pair has ~2.7 at 0.5B, a long job's steady
+# state has liger's kernels (TRL runs without them: GRPOConfig.use_liger_kernel=False, its default)
+GPU_SUITE_OVERRIDES = ["rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.torch_compile=true",
+                       "model.liger_kernel=true"]
 # the CPU check of the round machinery (a tiny random model, a few minutes on 2 cores)
 CPU_SUITE = dict(device="cpu", model="tiny", rollout="hf", prompts_per_step=2, n=2,
                  max_new_tokens=8, steps=2, rounds=3, warmup=1, micro_batch_size=2,

@@ -72,6 +72,8 @@ VARIANTS: dict[str, list[str]] = {
     # the default job on vLLM's V1 model runner (environment below): vLLM 0.26's V2 runner
     # JIT-compiles its Triton kernels after graph capture, 16.3 s of a cold H100 start (a033fa5)
     "v1runner": [],
+    # liger-kernel's kernels on (auto leaves them off for a job this short: their import)
+    "liger": ["model.liger_kernel=true"],
 }
 # the environment of each variant on top of this process's
 VARIANT_ENV: dict[str, dict[str, str]] = {"v1runner": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}

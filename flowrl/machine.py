@@ -28,10 +28,12 @@ micro_batch`` (null)                  padded: rows x longest row)           / nu
 ``rollout.sampling.logprobs``        ``all`` when ``algorithm.rollout_is`` is set or the
                                       backend is hf; else ``sampled`` (steps 1, 9, 17, ...: vLLM
                                       decodes ~8% faster without them) / the same rule
-``model.liger_kernel``                ``true`` when liger-kernel imports and the model is a
+``model.liger_kernel``                ``true`` when liger-kernel imports, the model is a
                                       llama/qwen2/qwen3/mistral (fused Triton RMSNorm, SwiGLU,
                                       RoPE: the update 0.85x on the H200,
-                                      ``benchmarks/results/update_step_h200.md``)  / ``false``
+                                      ``benchmarks/results/update_step_h200.md``) and the job's
+                                      updates come to ``LIGER_MIN_JOB_PFLOP`` (10 PFLOP: liger's
+                                      import takes ~10 s)                   / ``false``
 ====================================  ===========================================================
 
 An explicit setting always wins. ``trainer.offload`` (``auto``) is resolved when the models are
@@ -47,6 +49,8 @@ from flowrl.engines.base import LOGPROB_SAMPLE_EVERY
 from flowrl.models.bundled import SMOLLM2
 from flowrl.models.kernels import (
     AUTO_MODEL_TYPES,
+    LIGER_MIN_JOB_PFLOP,
+    job_update_pflop,
     liger_importable,
     liger_supported_types,
     model_type_of,
@@ -173,12 +177,18 @@ def resolve_machine_defaults(cfg, *, cuda: bool | None = None, vllm: bool | None
     if m.liger_kernel == "auto":
         liger = liger_importable() if liger is None else liger
         kind = model_type_of(m.path, m.tiny, SMOLLM2)
-        on = on_gpu and liger and kind in AUTO_MODEL_TYPES
+        supported = on_gpu and liger and kind in AUTO_MODEL_TYPES
+        pflop = _liger_job_pflop(cfg) if supported else None
+        on = supported and (pflop is None or pflop >= LIGER_MIN_JOB_PFLOP)
         m.liger_kernel = "true" if on else "false"
+        job = "" if pflop is None else f"; the job's updates ~{pflop:.3g} PFLOP"
         out.append(Resolved("model.liger_kernel", m.liger_kernel,
                             "CPU: liger's Triton kernels need a GPU" if not on_gpu else
                             "liger-kernel is not installed (pip install liger-kernel)" if not liger else
-                            f"fused RMSNorm/SwiGLU/RoPE for the {kind} model" if on else
+                            f"fused RMSNorm/SwiGLU/RoPE for the {kind} model{job}" if on else
+                            f"the job's updates ~{pflop:.3g} PFLOP, < {LIGER_MIN_JOB_PFLOP:g}: "
+                            "liger's import (~10 s) would cost more than its kernels save; "
+                            "model.liger_kernel=true turns it on" if supported else
                             f"model type {kind!r}: not one auto turns liger on for "
                             f"({', '.join(AUTO_MODEL_TYPES)}; model.liger_kernel=true tries it)"))
     if m.attn_implementation == "auto":
@@ -250,6 +260,22 @@ def machine_problems(cfg, *, cuda: bool | None = None, vllm: bool | None = None,
         out.append("model.attn_implementation=flex_attention runs on CUDA only (on CPU its kernels "
                    "fail to compile); use auto or sdpa")
     return out
+
+
+def _liger_job_pflop(cfg) -> float | None:
+    """:func:`flowrl.models.kernels.job_update_pflop` of the run (None where the model's size
+    cannot be read without loading it: auto then keeps liger on, as before the job rule)."""
+    from flowrl.models.size import model_size
+
+    try:
+        n_params = model_size(cfg.model).n_params
+    except (OSError, ValueError, KeyError):
+        return None
+    t = cfg.trainer
+    rows = t.total_steps * t.prompts_per_step * cfg.algorithm.n
+    return job_update_pflop(n_params, rows,
+                            cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens,
+                            cfg.algorithm.ppo_epochs)
 
 
 def check_machine(cfg) -> None:

@@ -54,6 +54,23 @@ LIGER_MODES = ("auto", "true", "false")
 # model types `auto` turns liger on for: measured on the H200 (qwen2) or the same kernels on the
 # same module layout (llama: SmolLM2; mistral, qwen3), and covered by tests/gpu/test_liger_gpu.py
 AUTO_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# ... and only for a job whose updates are long enough to repay liger's import: importing its
+# monkey_patch (torch._dynamo, triton, peft and a transformers model module per supported type)
+# took 7.3 s on an H100 and 10.2 s of the default job's 34.6 s to step 1 on a warm H200
+# (benchmarks/results/first_step_h200.md), against an update 0.85x as long with its kernels
+# (update_step_h200.md). 10 PFLOP of update (6 x params x tokens, tokens counted at
+# data.max_prompt_tokens + max_new_tokens per row) is ~30-55 s of update at the 20-35 % MFU
+# measured there, of which 15 % repays ~5-8 s. The default job (SmolLM2-135M, 20 x 64 rows) has
+# 0.5 PFLOP; 100 steps of the e2e pair's 256 rows at the 0.5B shape 38.
+LIGER_MIN_JOB_PFLOP = 10.0
+
+
+def job_update_pflop(n_params: int, rows: int, tokens_per_row: int, passes: int = 1) -> float:
+    """The training FLOP of a whole job's updates in PFLOP: 6 x ``n_params`` x tokens (forward
+    and backward of a dense decoder, Kaplan et al. 2020, eq. 2.1), tokens = ``rows`` (all steps)
+    x ``tokens_per_row`` (an upper bound: prompt limit + response width) x ``passes``
+    (``algorithm.ppo_epochs``)."""
+    return 6 * n_params * rows * tokens_per_row * passes / 1e15
 
 
 @contextlib.contextmanager

@@ -48,10 +48,11 @@ phase_first_step() {  # ~3 min: the default job twice: cold (fresh machine), the
   python3 benchmarks/first_step.py --variants ${FIRST_STEP_VARIANTS:-default} --rounds ${FIRST_STEP_ROUNDS:-2} --timeout-s 200 \
     --md-out "$OUT/first_step_h200.md" --log-dir "$OUT/first_step_logs" -- ${X:-}
 }
-phase_first_step_ab() {  # ~6 min: cold starts again and again on one machine (--fresh-caches: empty
+phase_first_step_ab() {  # ~7 min: cold starts again and again on one machine (--fresh-caches: empty
   # compile caches per run, the page cache dropped where allowed): the default job against vLLM's
-  # V1 model runner (the V2 runner's Triton JIT took 16.3 s of a cold H100 start at a033fa5)
-  python3 benchmarks/first_step.py --variants ${FIRST_STEP_VARIANTS:-default,v1runner} --rounds ${FIRST_STEP_ROUNDS:-3} \
+  # V1 model runner (the V2 runner's Triton JIT took 16.3 s of a cold H100 start at a033fa5) and
+  # against liger on (auto leaves it off for the default job since 2026-12-06's second stop)
+  python3 benchmarks/first_step.py --variants ${FIRST_STEP_VARIANTS:-default,v1runner,liger} --rounds ${FIRST_STEP_ROUNDS:-2} \
     --fresh-caches --timeout-s 150 --md-out "$OUT/first_step_ab_h200.md" --log-dir "$OUT/first_step_ab_logs" -- ${X:-}
 }
 phase_startup_profile() {  # ~1 min: where the default job's seconds before the model load go (the

@@ -204,16 +204,27 @@ def test_liger_kernel_auto_is_on_for_measured_model_types_on_a_gpu(tmp_path):
     def liger(*overrides, cuda=True, installed=True):
         return _resolve("model.liger_kernel", *overrides, cuda=cuda, liger=installed)
 
-    assert liger() == ("true", "model.liger_kernel=true (fused RMSNorm/SwiGLU/RoPE for the llama "
-                               "model)")
-    assert liger("model.tiny.model_type=qwen2") == (
-        "true", "model.liger_kernel=true (fused RMSNorm/SwiGLU/RoPE for the qwen2 model)")
+    # a job long enough to repay liger's import: 20,000 steps x 64 rows x (256 + 48) tokens x
+    # 6,365,504 params x 6 = 14.9 PFLOP
+    long = "trainer.total_steps=20000"
+    assert liger(long) == ("true", "model.liger_kernel=true (fused RMSNorm/SwiGLU/RoPE for the llama "
+                                   "model; the job's updates ~14.9 PFLOP)")
+    assert liger(long, "model.tiny.model_type=qwen2") == (
+        "true", "model.liger_kernel=true (fused RMSNorm/SwiGLU/RoPE for the qwen2 model; the job's "
+                "updates ~14.9 PFLOP)")
+    # this config's 20 steps: 0.0149 PFLOP, the import would cost more than the kernels save
+    assert liger() == ("false", "model.liger_kernel=false (the job's updates ~0.0149 PFLOP, < 10: "
+                                "liger's import (~10 s) would cost more than its kernels save; "
+                                "model.liger_kernel=true turns it on)")
+    assert liger("trainer.total_steps=13000")[0] == "false"  # 9.66 PFLOP
+    assert liger("trainer.total_steps=13000", "algorithm.ppo_epochs=2",
+                 "algorithm.recompute_old_logprobs=true")[0] == "true"  # two passes: 19.3
     assert liger(cuda=False) == ("false", "model.liger_kernel=false (CPU: liger's Triton kernels "
                                           "need a GPU)")
     assert liger(installed=False) == ("false", "model.liger_kernel=false (liger-kernel is not "
                                                "installed (pip install liger-kernel))")
-    assert liger("model.tiny.model_type=gpt2")[0] == "false"
-    assert "not one auto turns liger on for" in liger("model.tiny.model_type=gpt2")[1]
+    assert liger(long, "model.tiny.model_type=gpt2")[0] == "false"
+    assert "not one auto turns liger on for" in liger(long, "model.tiny.model_type=gpt2")[1]
     # an HF directory: its config.json's model_type, read without loading the model
     d = tmp_path / "m"
     d.mkdir()
@@ -354,3 +365,11 @@ def test_rollout_is_with_unmeasured_rollout_logprobs_is_refused_before_any_model
                                             f"{mode} {what}: use auto or all"):
             prepare(compose(["model=tiny", "trainer.output_dir=/tmp/unused",
                              "algorithm.rollout_is=tis", f"rollout.sampling.logprobs={mode}"]))
+
+
+def test_job_update_pflop():
+    from flowrl.models.kernels import job_update_pflop
+
+    # 100 steps of the e2e pair: 256 rows x (256 + 256) tokens at the Qwen2.5-0.5B shape
+    assert job_update_pflop(494_032_768, 100 * 256, 512) == pytest.approx(38.853, abs=1e-3)
+    assert job_update_pflop(1_000_000, 1000, 100, passes=4) == pytest.approx(2.4e-3)
