@@ -97,7 +97,8 @@ def kv_shape(model: nn.Module, cfg: VLLMRolloutConfig) -> KVShape | None:
     dtype's bytes (``rollout.vllm.dtype``, "auto" = the module's parameter dtype, what the export
     hands vLLM). None when the config lacks a field it needs."""
     try:
-        text = model.config.get_text_config()  # transformers' PretrainedConfig: itself for a text model
+        # transformers' PretrainedConfig (itself for a text model, its text part for a VLM)
+        text = cast("PretrainedConfig", model.config).get_text_config()
         layers, heads = int(text.num_hidden_layers), int(text.num_attention_heads)
         kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
