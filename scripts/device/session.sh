@@ -18,18 +18,21 @@
 #   (.flowrl_commit: `git rev-parse --short HEAD > .flowrl_commit` here first; git-ignored, so it
 #   travels only when carried; the device copy's .git is stale and reports an old commit)
 # Phases: first_step, learning, e2e, tier, vlm, nan, hfgen, distill_teacher, distill_arms, gsm8k_mv,
-# tools, sync, lora_sync, neighbours, profile_vllm, profile_hf, profile_solo, sdpa, shapes, rollout_lp, gpu_new, e2e_mps (see each below);
+# tools, sync, lora_sync, neighbours, profile_vllm, profile_hf, profile_solo, sdpa, shapes, rollout_lp, gpu_new, e2e_mps,
+# first_step_ab, startup_profile (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
-# Next lease (issue 24, after fb3e351: launcher.mps=auto gave 2.00x TRL on an H100 at ff564e2), in this order:
-#   pieces p1-p4, then carry [".vllm/p5", ".flowrl_commit"]:
-#   BYTE_COMPILE=0 TIER_TIMEOUT_S=480 ... install tier      (~5.5 min: the whole tier at HEAD; on an H100 add nothing)
-#   E2E_TAG=_overlap E2E_ARGS="--model qwen05b --rollout vllm" X="placement.staleness=1 rollout.vllm.gpu_memory_utilization=0.2" ... e2e
-#       (~4 min: the overlap with the trainer and its engine process under the job's own MPS daemon; af80c05
-#       without MPS: 1.56x against 1.74x on-policy)
+# Next lease (issue 24, after 7174064: job-sized KV cache and liger rule, early prefetch; on the H200 at
+# ce93b88: 2.20x / 1.71x / 1.81x on-policy, first step 87.1 s cold / 34.6 s warm), in this order:
+#   pieces p1-p4, model a-c, then carry [".vllm/p5", ".flowrl_commit"]:
+#   FIRST_STEP_ROUNDS=2 ... install first_step startup_profile   (~5 min: cold then warm at HEAD, against
+#       ce93b88's 87.1 / 34.6 s; then where the seconds before the model load go)
+#   E2E_ARGS="--models qwen05b,smollm2 --rollout vllm" X="rollout.vllm.gpu_memory_utilization=0.2" ... e2e
+#       (~8 min: the pair with the job-sized KV cache: memory against ce93b88's 0.91x / 0.76x)
+#   first_step_ab   (~7 min: cold starts with fresh caches, default vs V1 model runner vs liger on)
+#   TIER_TIMEOUT_S=480 ... tier   (~4 min: the whole tests/gpu folder, test_mps_gpu.py included)
 #   E2E_TAG=_procs2 E2E_ARGS="--model qwen05b --rollout vllm" X="rollout.vllm.engine_procs=2 rollout.vllm.gpu_memory_utilization=0.2" ... e2e
-#       (~4 min: under MPS, do 2 engines generate as fast as 4 with half the contexts' memory? NVML tree 1.24x TRL now)
-#   on an H200 only: E2E_ARGS="--model qwen15b --rollout vllm" ... e2e   (the 1.5B pair never ran: OOM on the H100)
+#       (~4 min: under MPS, do 2 engines generate as fast as 4 with half the host RSS? 1.07x TRL now)
 # Short of device time and without vLLM: carry [".whl", ".flowrl_commit"]:
 #   TIER_K="not vllm" TIER_TIMEOUT_S=200 bash scripts/device/session.sh wheels tier   (the HF half of the tier)
 set -uo pipefail
@@ -220,8 +223,9 @@ phase_rollout_lp() {  # ~2 min: flowrl's 4 vLLM engine processes, 256 sequences,
   local rc=$?; tail -n 25 "$OUT/rollout_lp.log"; return $rc
 }
 phase_tier() {  # ~5 min: the GPU tier (TIER_K: a -k selection)
-  timeout -k 10 ${TIER_TIMEOUT_S:-540} python3 -m pytest ${TIER_K:+-k "$TIER_K"} -m "gpu or vllm" tests/gpu/test_train_gpu.py tests/gpu/test_multi_turn_gpu.py \
-    tests/gpu/test_vlm_vllm_gpu.py tests/gpu/test_sdpa_varlen_gpu.py tests/gpu/test_liger_gpu.py tests/gpu/test_attention_backends_gpu.py tests/gpu/test_hf_compile_gpu.py tests/gpu/test_overlap_gpu.py tests/vllm_backend/test_vllm_gpu.py -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
+  # the whole folder: a list kept by hand left test_mps_gpu.py out of the tier at ce93b88
+  timeout -k 10 ${TIER_TIMEOUT_S:-540} python3 -m pytest ${TIER_K:+-k "$TIER_K"} -m "gpu or vllm" tests/gpu tests/vllm_backend/test_vllm_gpu.py \
+    -n ${TIER_N:-8} -p no:cacheprovider -q -rA ${TIER_ARGS:-} \
     2>&1 | tee "$OUT/gpu_tier.log" | tail -n 60
 }
 
