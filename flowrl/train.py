@@ -112,30 +112,57 @@ def train(source: "RunSpec | DictConfig | dict") -> dict[str, Any]:
     from flowrl.runtime.control.job import run_job
 
     spec = source if isinstance(source, RunSpec) else prepare(source)
-    _start_prefetch(spec)
+    _start_ahead(spec)
     try:
         check_machine(spec.config)
     except ConfigError:
-        _cancel_prefetch()
+        _cancel_ahead()
         raise
     return run_job(spec)
 
 
-def _start_prefetch(spec: RunSpec) -> None:
-    """vLLM's model-info inspection started now, beside the machine check and the model load
-    (``engines/rollout/vllm_prefetch.py``); not in torchrun's supervisor, whose ranks build."""
-    if spec.config.launcher.distributed and "LOCAL_RANK" not in os.environ:
+def _start_ahead(spec: RunSpec) -> None:
+    """What the engine build will wait for, started now, beside the machine check and the model
+    load: vLLM's model-info inspection (``engines/rollout/vllm_prefetch.py``) and, for a
+    one-process job whose vLLM runs in engine processes, those processes (their imports:
+    ``vllm_proc.start_ahead``). Not in torchrun's supervisor, whose ranks build."""
+    cfg = spec.config
+    if cfg.launcher.distributed and "LOCAL_RANK" not in os.environ:
         return
     from flowrl.runtime.step.resources import start_vllm_prefetch
 
-    start_vllm_prefetch(spec.config, set(spec.plan.roles))
+    start_vllm_prefetch(cfg, set(spec.plan.roles))
+    if cfg.launcher.distributed or cfg.rollout.backend != "vllm" or "rollout" not in spec.plan.roles:
+        return  # a rank of a multi-process job: its device and pool are the job's to set
+    from flowrl.machine import vllm_importable
+
+    if not vllm_importable():
+        return  # the machine check refuses the run
+    import torch
+
+    from flowrl.runtime.control.mps import engine_procs_expected
+    from flowrl.runtime.step.resources import run_device
+
+    device = run_device(cfg)
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" \
+        else None
+    procs = engine_procs_expected(cfg, memory)
+    if procs:
+        from flowrl.engines.rollout import vllm_proc
+
+        vllm_proc.start_ahead(procs, device)
 
 
-def _cancel_prefetch() -> None:
+def _cancel_ahead() -> None:
+    """End what :func:`_start_ahead` started (a run refused after all): nothing outlives it."""
     if "flowrl.engines.rollout.vllm_prefetch" in sys.modules:  # else none was started
         from flowrl.engines.rollout import vllm_prefetch
 
         vllm_prefetch.cancel_all()
+    if "flowrl.engines.rollout.vllm_proc" in sys.modules:
+        from flowrl.engines.rollout import vllm_proc
+
+        vllm_proc.discard_ahead()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -157,7 +184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         spec = prepare(args)
         rundir.check_run_dir(Path(spec.config.trainer.output_dir), spec.config.trainer)
         t0 = time.perf_counter()
-        _start_prefetch(spec)  # its ~18 s (cold) beside the check's liger import and the model load
+        _start_ahead(spec)  # its ~18 s (cold) beside the check's liger import and the model load
         check_machine(spec.config)
         if spec.startup:  # one of the start-up line's parts: on the H100 the default job's took
             # 7.3 s, liger-kernel's import (torch._dynamo, peft, triton) to check the model type,
@@ -165,12 +192,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             part = ("machine check (packages, kernels)", time.perf_counter() - t0)
             spec = dataclasses.replace(spec, startup=(*spec.startup, part))
     except (ConfigError, rundir.RunDirError) as e:
-        _cancel_prefetch()
+        _cancel_ahead()
         sys.exit(_refused(str(e)))
     except (HydraException, OmegaConfBaseException) as e:  # Hydra's own report takes 6-15 lines
         sys.exit(_refused(explain(e, args)))
     if _finished(spec):
-        _cancel_prefetch()
+        _cancel_ahead()
         # nothing to train: said before Hydra's job (or torchrun) rewrites the run's .hydra/
         # with this invocation's config, which would no longer be the one the run trained with
         return None

@@ -139,5 +139,5 @@ def test_no_prefetch_in_torchruns_supervisor(monkeypatch):
     monkeypatch.setattr(vllm_prefetch, "start", lambda a: started.append(a) or None)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     spec = SimpleNamespace(config=SimpleNamespace(launcher=SimpleNamespace(distributed=True)))
-    train_mod._start_prefetch(spec)
+    train_mod._start_ahead(spec)
     assert started == []

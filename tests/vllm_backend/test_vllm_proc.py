@@ -12,6 +12,7 @@ from vllm_helpers import PROMPTS, TINY_VLLM, TOL, trainer_logprobs
 from vllm_helpers import max_mismatch as max_gap
 
 from flowrl.engines.base import SamplingConfig
+from flowrl.engines.rollout import vllm_proc
 from flowrl.engines.rollout.hf import HFRolloutEngine
 from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
 from flowrl.engines.rollout.vllm_proc import VLLMProcessEngine
@@ -20,6 +21,10 @@ from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
 
 @pytest.fixture(scope="module")
 def setup():
+    # one of the two engine processes started ahead (as `flowrl train` does before the model
+    # loads): the engine takes it and spawns the other; every test below runs on both
+    vllm_proc.start_ahead(1, torch.device("cpu"))
+    ahead_pid = vllm_proc._AHEAD[0].proc.pid
     mcfg = ModelConfig(tiny=TINY_VLLM)
     tok = load_tokenizer(mcfg)
     model = load_model(mcfg)
@@ -27,6 +32,7 @@ def setup():
     eng = VLLMProcessEngine(model, tok, VLLMRolloutConfig(
         kv_cache_memory_gb=0.25, enforce_eager=True, max_model_len=256, max_num_seqs=16,
         engine_procs=2))
+    assert [p.pid for p in eng._procs][0] == ahead_pid and vllm_proc._AHEAD == []
     enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
     yield eng, model, tok, enc.input_ids, enc.attention_mask.bool()
     eng.close()

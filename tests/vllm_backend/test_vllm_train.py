@@ -51,6 +51,23 @@ def test_two_step_run_reports_mismatch_and_swap_times(tmp_path):
     assert summary["eval_after"]["eval/n"] == 4
 
 
+def test_engine_process_started_ahead_serves_the_run(tmp_path, capfd):
+    """`flowrl train` with an engine process (rollout.vllm.engine_procs=1): the process starts
+    before the model loads, the engine build takes it, and the weights it serves are the
+    trainer's (the mismatch), with nothing left over after the run."""
+    from flowrl.engines.rollout import vllm_proc
+    from flowrl.train import main
+
+    main(ARGS + ["rollout.vllm.engine_procs=1", "trainer.eval.before=false",
+                 "trainer.eval.after=false", f"trainer.output_dir={tmp_path}"])
+    out, err = capfd.readouterr()  # the job's console (Hydra's handlers, not pytest's caplog)
+    assert "building 1 vLLM engine process(es) on cpu, side by side (1 started ahead, beside the " \
+           "model load)" in out + err
+    rows = metrics(tmp_path)
+    assert rows[2]["rollout/logprob_mismatch"] < TOL  # step 1's update reached the engine
+    assert vllm_proc._AHEAD == []
+
+
 def test_skipped_weight_load_shows_in_the_mismatch_metric(tmp_path, monkeypatch):
     """With the sync check off (``rollout.verify_sync=false``) only the metric shows it."""
     monkeypatch.setattr(VLLMRolloutEngine, "load_weights", lambda self, named: None)

@@ -18,10 +18,13 @@ Dataflow (one engine process per box; the parent is the rank's controller)::
             CUDA IPC on GPU, pickled on CPU; the buffers kept for the next load: StagingBuffers)
 
 Each child runs :class:`~flowrl.engines.rollout.vllm.VLLMRolloutEngine` in-process on the parent's
-export, so sampling, logprob, sleep and load semantics are that engine's, per child.
+export, so sampling, logprob, sleep and load semantics are that engine's, per child. A child does
+its imports first and then waits for its build request (the export and its share of the
+config), so `flowrl train` can start the children before the model loads (:func:`start_ahead`).
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import math
@@ -39,7 +42,6 @@ from torch import Tensor, nn
 
 from flowrl.engines.base import RolloutBatch, SamplingConfig
 from flowrl.engines.rollout.vllm import (
-    PolicyExport,
     _groups,
     _prompt_rows,
     export_policy,
@@ -106,8 +108,11 @@ def _child_env(device: torch.device) -> dict[str, str]:
     return env
 
 
-def _serve(conn, exported: PolicyExport, cfg: VLLMRolloutConfig, env: dict[str, str]) -> None:
-    """Engine process main loop: one request in, one reply out, until ``close`` or EOF."""
+def _serve(conn, env: dict[str, str]) -> None:
+    """Engine process main loop: the imports, then ``("build", export, cfg)`` (the engine), then
+    one request in, one reply out, until ``close`` or EOF. The imports come first, before the
+    parent has a model to export: a process started ahead (:func:`start_ahead`) pays them
+    beside the parent's model load."""
     # Ctrl-C reaches the whole process group: the parent handles it and closes its engines (or
     # dies, and this loop sees EOF); a traceback from here would only be noise
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -115,9 +120,21 @@ def _serve(conn, exported: PolicyExport, cfg: VLLMRolloutConfig, env: dict[str, 
         if k in _JOB_VARS or k.startswith("TORCHELASTIC_"):
             del os.environ[k]
     os.environ.update(env)
-    from flowrl.engines.rollout.vllm import VLLMRolloutEngine
-
+    failed: BaseException | None = None
     try:
+        from flowrl.engines.rollout.vllm import VLLMRolloutEngine
+    except BaseException as e:  # noqa: BLE001 (reported when the build is asked for)
+        failed = e
+    try:
+        msg = conn.recv()
+    except EOFError:  # the parent is gone (a run refused, or ended, before its engines were built)
+        return
+    if msg[0] != "build":  # "close": started ahead, never needed
+        return
+    _, exported, cfg = msg
+    try:
+        if failed is not None:
+            raise failed
         engine = VLLMRolloutEngine.from_export(exported, cfg)
     except BaseException as e:  # noqa: BLE001 (reported to the parent, which raises it)
         conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
@@ -245,27 +262,27 @@ class VLLMProcessEngine:
         self.weight_names = lora.tensor_names if lora is not None and \
             self.lora_sync == "adapter" else self.exported.weight_names
         self.eos_token_id, self.pad_token_id = self.exported.eos_token_id, self.exported.pad_token_id
-        ctx = mp.get_context("spawn")
         env = _child_env(device)
-        self._conns, self._procs = [], []
         self._staging = StagingBuffers()
         # vLLM sizes its KV cache from the device-wide memory it sees used while it loads: engines
-        # profiling side by side would count each other's allocations. They start one after the
-        # other unless the cache size is fixed (kv_cache_memory_gb), then side by side.
+        # profiling side by side would count each other's allocations. They are built one after
+        # the other unless the cache size is fixed (kv_cache_memory_gb), then side by side.
         one_by_one = device.type == "cuda" and cfg.kv_cache_memory_gb is None
         ready: list[tuple[Any, dict]] = []
         t0 = time.perf_counter()
-        how = "one after the other (vLLM sizes each KV cache)" if one_by_one else "side by side"
-        log.info("starting %d vLLM engine process(es) on %s, %s", self.procs_n, device, how)
+        self._conns: list[Any] = []
+        self._procs: list[Any] = []
         try:
+            # the processes: those `flowrl train` started ahead (imports done or under way), the
+            # rest now; all are spawned before any builds (the imports need no device memory)
+            spawned, ahead = _take(self.procs_n, env)
+            self._conns += [sp.conn for sp in spawned]
+            self._procs += [sp.proc for sp in spawned]
+            how = "one after the other (vLLM sizes each KV cache)" if one_by_one else "side by side"
+            log.info("building %d vLLM engine process(es) on %s, %s%s", self.procs_n, device, how,
+                     f" ({ahead} started ahead, beside the model load)" if ahead else "")
             for i in range(self.procs_n):
-                parent, child = ctx.Pipe()
-                p = ctx.Process(target=_serve, name=f"flowrl-vllm-{i}",
-                                args=(child, self.exported, engine_share(cfg, self.procs_n, i), env))
-                p.start()
-                child.close()
-                self._conns.append(parent)
-                self._procs.append(p)
+                self._send(i, ("build", self.exported, engine_share(cfg, self.procs_n, i)))
                 if one_by_one:
                     ready += self._collect([i])
                     log.info("  vLLM engine %d/%d ready at %.1f s", i + 1, self.procs_n,
@@ -596,6 +613,58 @@ class _CudaHandle:
 
     def tensor(self) -> Tensor:
         return self.rebuild(*self.args)
+
+
+@dataclasses.dataclass
+class _Spawned:
+    """An engine process and the parent's end of its pipe; ``env`` as :func:`_child_env` gave it."""
+
+    conn: Any
+    proc: Any
+    env: dict[str, str]
+
+
+# engine processes `flowrl train` started ahead (start_ahead), waiting for their build request
+_AHEAD: list[_Spawned] = []
+
+
+def _spawn(env: dict[str, str]) -> _Spawned:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve, name="flowrl-vllm", args=(child, env))
+    proc.start()
+    child.close()
+    return _Spawned(parent, proc, env)
+
+
+def start_ahead(n: int, device: torch.device) -> int:
+    """Start ``n`` engine processes for ``device`` now, before the model is loaded: each imports
+    torch, vLLM and flowrl's engine (~20 s side by side on the H200, 2026-12-03's console:
+    ``starting 4`` to vLLM's first line) while the parent checks the machine and loads the
+    model; :class:`VLLMProcessEngine` then takes them (:func:`_take`). Processes nobody takes
+    are stopped by :func:`discard_ahead` (the engines' build, a refused run, or exit).
+    Returns how many were started."""
+    if not _AHEAD:
+        atexit.register(discard_ahead)  # idle ones wait on their pipe: never left behind
+    env = _child_env(device)
+    _AHEAD.extend(_spawn(env) for _ in range(n))
+    return n
+
+
+def discard_ahead() -> None:
+    """Stop every engine process started ahead that no engine took."""
+    if _AHEAD:
+        _shutdown([s.conn for s in _AHEAD], [s.proc for s in _AHEAD], None)
+        _AHEAD.clear()
+
+
+def _take(n: int, env: dict[str, str]) -> tuple[list[_Spawned], int]:
+    """``n`` engine processes for ``env``: those started ahead for it (alive), then new ones;
+    returns them and how many were started ahead."""
+    mine = [s for s in _AHEAD if s.env == env and s.proc.is_alive()][:n]
+    for s in mine:
+        _AHEAD.remove(s)
+    return mine + [_spawn(env) for _ in range(n - len(mine))], len(mine)
 
 
 def _shutdown(conns: list, procs: list, tmp_dir: str | None) -> None:

@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, cast
@@ -475,6 +476,10 @@ def build_engines(cfg: "TrainConfig", plan: "ExecutionPlan", tokenizer,
             log.info("start-up: %s engine built in %.1f s", role, time.perf_counter() - t1)
     log.info("start-up: engines of %s built in %.1f s", ", ".join(sorted(roles)) or "no roles",
              time.perf_counter() - t0)
+    if "flowrl.engines.rollout.vllm_proc" in sys.modules:  # engine processes started ahead and
+        from flowrl.engines.rollout.vllm_proc import discard_ahead  # not taken: not needed
+
+        discard_ahead()
     return engines
 
 
