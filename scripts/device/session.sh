@@ -28,11 +28,14 @@
 #   FIRST_STEP_ROUNDS=2 ... install first_step startup_profile   (~5 min: cold then warm at HEAD, against
 #       ce93b88's 87.1 / 34.6 s; then where the seconds before the model load go)
 #   E2E_ARGS="--models qwen05b,smollm2 --rollout vllm" X="rollout.vllm.gpu_memory_utilization=0.2" ... e2e
-#       (~8 min: the pair with the job-sized KV cache: memory against ce93b88's 0.91x / 0.76x)
+#       (~8 min: the pair with the job-sized KV cache: memory against ce93b88's 0.91x / 0.76x; engine
+#       build with the engine processes started ahead: ce93b88's 75.6 s / 65.0 s against TRL's 52.5 / 50.9)
 #   first_step_ab   (~7 min: cold starts with fresh caches, default vs V1 model runner vs liger on)
 #   TIER_TIMEOUT_S=480 ... tier   (~4 min: the whole tests/gpu folder, test_mps_gpu.py included)
 #   E2E_TAG=_procs2 E2E_ARGS="--model qwen05b --rollout vllm" X="rollout.vllm.engine_procs=2 rollout.vllm.gpu_memory_utilization=0.2" ... e2e
 #       (~4 min: under MPS, do 2 engines generate as fast as 4 with half the host RSS? 1.07x TRL now)
+#   on an H200: E2E_TAG=_qwen15b_procs2 E2E_ARGS="--model qwen15b --rollout vllm" X="rollout.vllm.engine_procs=2 rollout.vllm.gpu_memory_utilization=0.2" ... e2e
+#       (~4 min: two engine processes under MPS against ce93b88's one in-process engine, 1.81x)
 # Short of device time and without vLLM: carry [".whl", ".flowrl_commit"]:
 #   TIER_K="not vllm" TIER_TIMEOUT_S=200 bash scripts/device/session.sh wheels tier   (the HF half of the tier)
 set -uo pipefail
