@@ -34,10 +34,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -90,6 +92,15 @@ MILESTONES = {
 }
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group of ``proc`` (started with ``start_new_session``): the run and
+    every process it started."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group is gone already
+        pass
+
+
 def drop_page_cache() -> str:
     """Write back and drop the OS page cache (what a machine's first run reads from disk), where
     this process may: "dropped", else why not."""
@@ -114,21 +125,26 @@ def run_variant(name: str, overrides: list[str], timeout_s: float, *,
         env.update({k: str(caches / k.lower()) for k in CACHE_ENV})
         page_cache = drop_page_cache()
     t0 = time.perf_counter()
+    # a session of its own: at the timeout (or after it ends) its whole process tree goes, engine
+    # processes and a model-info prefetch included (killing the leader alone orphaned them)
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+                            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+    timer = threading.Timer(timeout_s, kill_tree, args=(proc,))  # also when it prints nothing
+    timer.start()
     seen: dict[str, float] = {}
     lines: list[str] = []
     assert proc.stdout is not None
-    for line in proc.stdout:
-        t = time.perf_counter() - t0
-        lines.append(f"{t:7.1f}s | {line.rstrip()}")
-        for key, pat in MILESTONES.items():
-            if key not in seen and pat.search(line):
-                seen[key] = t
-        if t > timeout_s:
-            proc.kill()
-            break
-    rc = proc.wait()
+    try:
+        for line in proc.stdout:
+            t = time.perf_counter() - t0
+            lines.append(f"{t:7.1f}s | {line.rstrip()}")
+            for key, pat in MILESTONES.items():
+                if key not in seen and pat.search(line):
+                    seen[key] = t
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+        kill_tree(proc)  # whatever of its tree outlived it
     seen["end"] = time.perf_counter() - t0
     steps = []
     metrics = run_dir / "metrics.jsonl"

@@ -201,6 +201,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # nothing to train: said before Hydra's job (or torchrun) rewrites the run's .hydra/
         # with this invocation's config, which would no longer be the one the run trained with
         return None
+    out = Path(spec.config.trainer.output_dir)
+    try:  # Hydra's job would make it, and fail in a traceback where it cannot (/proc/..., a file)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _cancel_ahead()
+        sys.exit(_refused(f"trainer.output_dir={out}: the run directory cannot be created "
+                          f"({e.strerror or e})"))
     if spec.config.launcher.distributed and "LOCAL_RANK" not in os.environ:
         from flowrl.runtime.control import supervise
 

@@ -9,8 +9,9 @@ activation peak (benchmarks/results/update_step_h200.md).
 Only these three are used: the LM head and its log-softmax are flowrl's own chunked path
 (``algorithms/logprobs.linear_logprobs``), so liger's fused linear cross-entropy is left off.
 
-``model.liger_kernel`` (``ModelConfig``): ``auto`` = on with a CUDA device, the package installed
-and a model type in :data:`AUTO_MODEL_TYPES` (the ones measured and GPU-tested); ``true`` = any
+``model.liger_kernel`` (``ModelConfig``): ``auto`` = on with a CUDA device, the package installed,
+a model type in :data:`AUTO_MODEL_TYPES` (the ones measured and GPU-tested) and a job whose
+updates come to :data:`LIGER_MIN_JOB_PFLOP` (its import costs ~10 s of start-up); ``true`` = any
 model type liger-kernel supports (refused before loading when the package, CUDA or the type is
 missing); ``false`` = never. Resolved in ``flowrl/machine.py``.
 
@@ -61,7 +62,7 @@ AUTO_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # (update_step_h200.md). 10 PFLOP of update (6 x params x tokens, tokens counted at
 # data.max_prompt_tokens + max_new_tokens per row) is ~30-55 s of update at the 20-35 % MFU
 # measured there, of which 15 % repays ~5-8 s. The default job (SmolLM2-135M, 20 x 64 rows) has
-# 0.5 PFLOP; 100 steps of the e2e pair's 256 rows at the 0.5B shape 38.
+# 0.3 PFLOP; 100 steps of the e2e pair's 256 rows at the 0.5B shape 38.
 LIGER_MIN_JOB_PFLOP = 10.0
 
 

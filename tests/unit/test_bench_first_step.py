@@ -38,13 +38,11 @@ def test_fresh_caches_point_every_cache_at_an_empty_folder_of_the_run(monkeypatc
             seen.update(env=env, cmd=cmd)
             self.stdout = iter(["start-up: checked 1.0 s\n", "step 1 done\n"])
 
-        def kill(self):
-            pass
-
         def wait(self):
             return 0
 
     monkeypatch.setattr(fs.subprocess, "Popen", _Proc)
+    monkeypatch.setattr(fs, "kill_tree", lambda proc: None)
     monkeypatch.setattr(fs, "drop_page_cache", lambda: "kept (test)")
     monkeypatch.setattr(fs.tempfile, "tempdir", str(tmp_path))
     res = fs.run_variant("v1runner", ["trainer.total_steps=1"], 60, fresh_caches=True)
@@ -57,3 +55,35 @@ def test_fresh_caches_point_every_cache_at_an_empty_folder_of_the_run(monkeypatc
     assert res["caches"] == "fresh" and res["page_cache"] == "kept (test)" and res["rc"] == 0
     assert set(res["milestones"]) == {"checked", "step 1", "end"}
     assert "trainer.total_steps=1" in seen["cmd"]
+
+
+def test_a_run_past_its_timeout_goes_with_its_whole_tree(monkeypatch, tmp_path):
+    # a silent run (no console line to check the time at) that started a child of its own: both
+    # are killed at the timeout, and nothing of either is left
+    import os
+    import subprocess
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time; "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(120)")
+    real = subprocess.Popen
+    monkeypatch.setattr(fs.subprocess, "Popen",
+                        lambda cmd, **kw: real([sys.executable, "-c", script], **kw))
+    t0 = time.perf_counter()
+    res = fs.run_variant("default", [], 3)
+    assert time.perf_counter() - t0 < 60
+    assert res["rc"] == -9 and "step 1" not in res["milestones"]
+    child = int(pid_file.read_text())
+    stat = Path(f"/proc/{child}/stat")
+    for _ in range(50):  # killed: gone, or a zombie where the container's init does not reap
+        try:
+            os.kill(child, 0)
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except (ProcessLookupError, FileNotFoundError):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the run's child {child} outlived it")

@@ -205,3 +205,17 @@ def test_the_mps_decision_is_its_own_start_up_part_where_it_was_made(monkeypatch
         spec = flowrl.train.prepare([*SMOKE, f"hydra.run.dir={tmp_path / value}"])
         parts = [p for p, _ in spec.startup]
         assert parts[parts.index("config") + 1:parts.index("machine defaults")] == [part]
+
+
+def test_a_run_directory_that_cannot_be_made_is_one_line(monkeypatch, tmp_path, capsys):
+    # procfs makes no folders: Hydra's job failed there in a 20-line traceback
+    import flowrl.train
+
+    where = "/proc/flowrl-no/run"
+    monkeypatch.setattr(flowrl.train, "_hydra_job", lambda spec: pytest.fail("the job ran"))
+    with pytest.raises(SystemExit) as e:
+        flowrl.train.main([*SMOKE, f"trainer.output_dir={where}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"flowrl train: error: trainer.output_dir={where}: the run directory cannot be created (")

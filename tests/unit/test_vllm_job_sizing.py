@@ -157,8 +157,11 @@ def test_a_tiny_job_still_holds_one_longest_sequence_per_engine():
     # vLLM refuses a cache that cannot hold one max_model_len sequence: 1.1 x 32,768 x 12,288 B
     # per engine = 0.41 GiB, x 4 engines = 1.65 GiB, rounded up to 1.75
     job = RolloutJob(seqs_per_step=256, eval_seqs=0, decode_steps=100, ranks=1, seq_tokens=16)
-    _, cfg, _ = VLLMRolloutConfig().sized_for(job, QWEN05B, H200, kv=QWEN05B_KV)
+    _, cfg, why = VLLMRolloutConfig().sized_for(job, QWEN05B, H200, kv=QWEN05B_KV)
     assert cfg.kv_cache_memory_gb == 1.75
+    assert why[-1] == ("rollout.vllm.kv_cache_memory_gb=1.75 (4 engine(s) x 1.1 x one 32,768-token "
+                       "sequence, vLLM's least (the job's largest call needs 0.09 GiB with "
+                       "headroom); the budget leaves 54.75)")
 
 
 def test_a_job_too_large_for_the_budget_falls_back():
@@ -169,8 +172,11 @@ def test_a_job_too_large_for_the_budget_falls_back():
         (0.5 * H200 - 4 * (QWEN05B + ENGINE_OVERHEAD_BYTES)) / GiB * 4) / 4
     assert "they start side by side" in why[-1]
     one = RolloutJob(seqs_per_step=32, eval_seqs=0, decode_steps=100, ranks=1, seq_tokens=1 << 24)
-    procs, cfg, _ = VLLMRolloutConfig().sized_for(one, QWEN05B, H200, kv=QWEN05B_KV)
+    procs, cfg, why = VLLMRolloutConfig().sized_for(one, QWEN05B, H200, kv=QWEN05B_KV)
     assert procs == 0 and cfg.kv_cache_memory_gb is None  # one engine: vLLM's own sizing
+    assert why[-1] == ("rollout.vllm.kv_cache_memory_gb=null (the job's largest call: 536,870,912 "
+                       "tokens x 12,288 B x 2 headroom over 1 engine(s): 12288 GiB, more than the "
+                       "budget leaves 66.5: vLLM sizes it)")
 
 
 def test_unknown_sequence_length_or_kv_cost_leaves_the_old_rules():

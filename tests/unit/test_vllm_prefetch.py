@@ -141,3 +141,26 @@ def test_no_prefetch_in_torchruns_supervisor(monkeypatch):
     spec = SimpleNamespace(config=SimpleNamespace(launcher=SimpleNamespace(distributed=True)))
     train_mod._start_ahead(spec)
     assert started == []
+
+
+def test_a_prefetch_nobody_waited_for_ends_with_its_process(tmp_path):
+    # a run refused inside its job (a corrupt checkpoint on resume) exits without building an
+    # engine: its prefetch must not outlive it (it kept running ~17 s and wrote vLLM's cache)
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (f"import os; os.environ['VLLM_CACHE_ROOT'] = {str(tmp_path)!r}\n"
+            "from flowrl.engines.rollout import vllm_prefetch\n"
+            "vllm_prefetch._SCRIPT = 'import time; time.sleep(120)'\n"
+            "h = vllm_prefetch.start('LlamaForCausalLM')\n"
+            "print(h.proc.pid, flush=True)\n"
+            "raise SystemExit(3)\n")
+    repo = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert r.returncode == 3, r.stderr
+    pid = int(r.stdout.split()[0])
+    with pytest.raises(ProcessLookupError):  # killed and reaped by its parent at exit
+        os.kill(pid, 0)

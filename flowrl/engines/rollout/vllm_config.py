@@ -121,7 +121,8 @@ class VLLMRolloutConfig:
         gpu_memory_utilization: fraction of the device memory vLLM may take for weights, activations
             and KV cache (CUDA). Colocated with a trainer, keep it well below 1.
         kv_cache_memory_gb: fixed KV-cache size in GiB per rank; overrides
-            ``gpu_memory_utilization`` for the cache. None = vLLM's own sizing on CUDA;
+            ``gpu_memory_utilization`` for the cache. None on CUDA = sized to the job where it
+            fits the budget (:meth:`sized_for`), else vLLM's own sizing;
             ``CPU_KV_CACHE_GB`` (1 GiB) on CPU unless ``VLLM_CPU_KVCACHE_SPACE`` is set.
         tensor_parallel_size: ranks one engine spans (the placement compiler sizes the rollout
             pool by it). Only 1 runs today (one whole engine per rank or engine process).
@@ -333,19 +334,19 @@ class VLLMRolloutConfig:
         if cfg.kv_cache_memory_gb is None:
             budget = cfg.gpu_memory_utilization * device_memory
             room = (budget - engines * (weight_bytes + ENGINE_OVERHEAD_BYTES)) / 2**30
-            need = _job_kv_gb(job, kv, engines)
-            if need is not None and need <= room:
-                cfg = dataclasses.replace(cfg, kv_cache_memory_gb=need)
-                assert kv is not None
-                why.append(f"rollout.vllm.kv_cache_memory_gb={need:g} (the job's largest call: "
-                           f"{job.kv_tokens():,} tokens x {kv.bytes_per_token:,} B x "
-                           f"{KV_HEADROOM:g} headroom over {engines} engine(s); the budget "
-                           f"leaves {math.floor(room * 4) / 4:g})")
+            sized = _job_kv_gb(job, kv, engines)
+            left = f"the budget leaves {math.floor(room * 4) / 4:g}"
+            if sized is not None and sized[0] <= room:
+                cfg = dataclasses.replace(cfg, kv_cache_memory_gb=sized[0])
+                why.append(f"rollout.vllm.kv_cache_memory_gb={sized[0]:g} ({sized[1]}; {left})")
             elif engines > 1 and room >= engines * 0.5:  # else vLLM's profiling, one at a time
                 room = math.floor(room * 4) / 4
                 cfg = dataclasses.replace(cfg, kv_cache_memory_gb=room)
                 why.append(f"rollout.vllm.kv_cache_memory_gb={room:g} (the rank's budget less "
                            f"{engines} engines' weights and overhead: they start side by side)")
+            elif sized is not None:
+                why.append(f"rollout.vllm.kv_cache_memory_gb=null ({sized[1]}: {sized[0]:g} GiB, "
+                           f"more than {left}: vLLM sizes it)")
         return procs, cfg, why
 
     def lora_sync_for(self, lora: Optional["LoraAdapterSpec"]) -> str:
@@ -421,13 +422,20 @@ def check_model_for_vllm(hf_config, on_cpu: bool) -> None:
                          "model.tiny.num_key_value_heads=1 (hidden 64 / 2 heads = 32)")
 
 
-def _job_kv_gb(job: RolloutJob, kv: Optional[KVShape], engines: int) -> Optional[float]:
-    """The rank's KV cache for ``job`` in GiB, rounded up to 0.25 (None: the job's sequence
-    length or the model's KV cost is unknown): :meth:`RolloutJob.kv_tokens` × bytes per token ×
-    ``KV_HEADROOM``, and at least 1.1 × one ``max_model_len`` sequence per engine."""
+def _job_kv_gb(job: RolloutJob, kv: Optional[KVShape], engines: int
+               ) -> Optional[tuple[float, str]]:
+    """The rank's KV cache for ``job`` in GiB, rounded up to 0.25, and how it was reached, for
+    the console (None: the job's sequence length or the model's KV cost is unknown):
+    :meth:`RolloutJob.kv_tokens` × bytes per token × ``KV_HEADROOM``, and at least 1.1 × one
+    ``max_model_len`` sequence per engine (vLLM refuses a cache that cannot hold one)."""
     tokens = job.kv_tokens()
     if kv is None or not tokens or kv.bytes_per_token <= 0:
         return None
-    need = max(tokens * kv.bytes_per_token * KV_HEADROOM,
-               engines * 1.1 * kv.max_model_len * kv.bytes_per_token)
-    return math.ceil(need / 2**30 * 4) / 4
+    demand = tokens * kv.bytes_per_token * KV_HEADROOM
+    floor = engines * 1.1 * kv.max_model_len * kv.bytes_per_token
+    how = (f"the job's largest call: {tokens:,} tokens x {kv.bytes_per_token:,} B x "
+           f"{KV_HEADROOM:g} headroom over {engines} engine(s)")
+    if floor > demand:
+        how = (f"{engines} engine(s) x 1.1 x one {kv.max_model_len:,}-token sequence, vLLM's "
+               f"least (the job's largest call needs {demand / 2**30:.2f} GiB with headroom)")
+    return math.ceil(max(demand, floor) / 2**30 * 4) / 4, how

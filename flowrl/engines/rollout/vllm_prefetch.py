@@ -22,6 +22,7 @@ it); :func:`cancel_all` ends them where the run is refused after all.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import subprocess
@@ -136,6 +137,8 @@ def start(architecture: Optional[str]) -> Optional[ModelInfoPrefetch]:
     except OSError as e:  # no process to spare: vLLM does it later itself
         log.info("start-up: vLLM's model-info prefetch not started (%s)", e)
         return None
+    if not _RUNNING:  # a run that fails inside its job (a refused resume) leaves none behind
+        atexit.register(cancel_all)
     _RUNNING[architecture] = handle = ModelInfoPrefetch(architecture, proc)
     return handle
 
