@@ -143,9 +143,12 @@ def _start_ahead(spec: RunSpec) -> None:
     from flowrl.runtime.control.mps import engine_procs_expected
     from flowrl.runtime.step.resources import run_device
 
-    device = run_device(cfg)
-    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" \
-        else None
+    try:
+        device = run_device(cfg)
+        memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" \
+            else None
+    except (RuntimeError, ValueError):  # no usable CUDA device: the machine check says so
+        return
     procs = engine_procs_expected(cfg, memory)
     if procs:
         from flowrl.engines.rollout import vllm_proc

@@ -122,3 +122,19 @@ def test_no_engine_processes_ahead_for_a_rank_of_a_multi_process_job(monkeypatch
         plan=SimpleNamespace(roles=["actor", "rollout"]))
     train_mod._start_ahead(spec)
     assert started == []
+
+
+def test_no_engine_processes_ahead_without_a_usable_device(monkeypatch, tmp_path):
+    # trainer.device=cuda on a machine without one: the machine check refuses the run in one
+    # line; starting engines ahead must not raise first
+    from flowrl import machine
+    from flowrl import train as train_mod
+
+    started: list = []
+    monkeypatch.setattr(machine, "vllm_importable", lambda: True)
+    monkeypatch.setattr(vllm_proc, "start_ahead", lambda n, d: started.append(n))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spec = _spec(tmp_path)
+    spec.config.trainer.device = "cuda"
+    train_mod._start_ahead(spec)
+    assert started == []
