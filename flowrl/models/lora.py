@@ -138,7 +138,7 @@ def _gguf_architecture(path: str) -> str:
     return str(gguf.GGUFReader(path).fields["general.architecture"].contents())
 
 
-def _hf_config(model_cfg: Any):
+def hf_config(model_cfg: Any):
     """The transformers config of ``model_cfg`` (tiny dict, HF dir, or a GGUF's architecture with
     default sizes: module *names* do not depend on sizes), without loading weights."""
     from pathlib import Path
@@ -162,7 +162,7 @@ def module_names(model_cfg: Any) -> set[str]:
     instance: no weights are read or allocated."""
     from flowrl.models.size import meta_model, text_config
 
-    config = _hf_config(model_cfg)
+    config = hf_config(model_cfg)
     text_config(config).num_hidden_layers = 1
     return {n for n, _ in meta_model(config).named_modules() if n}
 

