@@ -112,13 +112,12 @@ def train(source: "RunSpec | DictConfig | dict") -> dict[str, Any]:
     from flowrl.runtime.control.job import run_job
 
     spec = source if isinstance(source, RunSpec) else prepare(source)
-    _start_ahead(spec)
+    _start_ahead(spec)  # `flowrl train` did already: nothing is started twice
     try:
         check_machine(spec.config)
-    except ConfigError:
+        return run_job(spec)
+    finally:  # the build took what it needed; a refused or failed run leaves nothing running
         _cancel_ahead()
-        raise
-    return run_job(spec)
 
 
 def _start_ahead(spec: RunSpec) -> None:

@@ -141,3 +141,16 @@ def test_no_engine_processes_ahead_without_a_usable_device(monkeypatch, tmp_path
     spec.config.trainer.device = "cuda"
     train_mod._start_ahead(spec)
     assert started == []
+
+
+def test_a_second_start_only_tops_up(monkeypatch):
+    # flowrl train asks before the machine check and again inside its job: one set of processes
+    spawned = []
+    monkeypatch.setattr(vllm_proc, "_spawn", lambda env: spawned.append(env) or
+                        vllm_proc._Spawned(None, _Proc(), env))
+    cpu = torch.device("cpu")
+    assert vllm_proc.start_ahead(2, cpu) == 2
+    assert vllm_proc.start_ahead(2, cpu) == 0
+    assert vllm_proc.start_ahead(3, cpu) == 1
+    assert len(spawned) == 3 and len(vllm_proc._AHEAD) == 3
+    vllm_proc._AHEAD.clear()  # stand-ins: nothing to stop

@@ -51,13 +51,16 @@ def test_two_step_run_reports_mismatch_and_swap_times(tmp_path):
     assert summary["eval_after"]["eval/n"] == 4
 
 
-def test_engine_process_started_ahead_serves_the_run(tmp_path, capfd):
+def test_engine_process_started_ahead_serves_the_run(tmp_path, capfd, monkeypatch):
     """`flowrl train` with an engine process (rollout.vllm.engine_procs=1): the process starts
     before the model loads, the engine build takes it, and the weights it serves are the
     trainer's (the mismatch), with nothing left over after the run."""
     from flowrl.engines.rollout import vllm_proc
     from flowrl.train import main
 
+    spawned = []
+    real = vllm_proc._spawn
+    monkeypatch.setattr(vllm_proc, "_spawn", lambda env: spawned.append(env) or real(env))
     main(ARGS + ["rollout.vllm.engine_procs=1", "trainer.eval.before=false",
                  "trainer.eval.after=false", f"trainer.output_dir={tmp_path}"])
     out, err = capfd.readouterr()  # the job's console (Hydra's handlers, not pytest's caplog)
@@ -66,6 +69,7 @@ def test_engine_process_started_ahead_serves_the_run(tmp_path, capfd):
     rows = metrics(tmp_path)
     assert rows[2]["rollout/logprob_mismatch"] < TOL  # step 1's update reached the engine
     assert vllm_proc._AHEAD == []
+    assert len(spawned) == 1  # started once, before the machine check; the job's ask found it
 
 
 def test_skipped_weight_load_shows_in_the_mismatch_metric(tmp_path, monkeypatch):

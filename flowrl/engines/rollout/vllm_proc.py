@@ -638,17 +638,20 @@ def _spawn(env: dict[str, str]) -> _Spawned:
 
 
 def start_ahead(n: int, device: torch.device) -> int:
-    """Start ``n`` engine processes for ``device`` now, before the model is loaded: each imports
-    torch, vLLM and flowrl's engine (~20 s side by side on the H200, 2026-12-03's console:
-    ``starting 4`` to vLLM's first line) while the parent checks the machine and loads the
-    model; :class:`VLLMProcessEngine` then takes them (:func:`_take`). Processes nobody takes
-    are stopped by :func:`discard_ahead` (the engines' build, a refused run, or exit).
-    Returns how many were started."""
-    if not _AHEAD:
-        atexit.register(discard_ahead)  # idle ones wait on their pipe: never left behind
+    """Have ``n`` engine processes for ``device`` started now, before the model is loaded: each
+    imports torch, vLLM and flowrl's engine (~20 s side by side on the H200, 2026-12-03's
+    console: ``starting 4`` to vLLM's first line) while the parent checks the machine and loads
+    the model; :class:`VLLMProcessEngine` then takes them (:func:`_take`). Processes nobody takes
+    are stopped by :func:`discard_ahead` (the engines' build, a refused run, or exit). A second
+    call for the same device only tops up to ``n`` (``flowrl train`` asks before the machine
+    check and again inside the job). Returns how many were started."""
     env = _child_env(device)
-    _AHEAD.extend(_spawn(env) for _ in range(n))
-    return n
+    waiting = sum(s.env == env and s.proc.is_alive() for s in _AHEAD)
+    todo = max(n - waiting, 0)
+    if todo and not _AHEAD:
+        atexit.register(discard_ahead)  # idle ones wait on their pipe: never left behind
+    _AHEAD.extend(_spawn(env) for _ in range(todo))
+    return todo
 
 
 def discard_ahead() -> None:
