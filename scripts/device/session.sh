@@ -22,8 +22,9 @@
 # first_step_ab, startup_profile (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
-# Next lease (issue 24, after 7174064: job-sized KV cache and liger rule, early prefetch; on the H200 at
-# ce93b88: 2.20x / 1.71x / 1.81x on-policy, first step 87.1 s cold / 34.6 s warm), in this order:
+# Next lease (issue 24, after ef1c9bc: job-sized KV cache and liger rule, the model-info prefetch and the
+# engine processes started ahead; on the H200 at ce93b88: 2.20x / 1.71x / 1.81x on-policy, first step
+# 87.1 s cold / 34.6 s warm), in this order:
 #   pieces p1-p4, model a-c, then carry [".vllm/p5", ".flowrl_commit"]:
 #   FIRST_STEP_ROUNDS=2 ... install first_step startup_profile   (~5 min: cold then warm at HEAD, against
 #       ce93b88's 87.1 / 34.6 s; then where the seconds before the model load go)
