@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -246,9 +248,31 @@ def _hydra_job(spec: RunSpec) -> None:
     # command line used to leave them in a stray ./outputs/<date>/<time>/ of the working directory
     spec.raw.hydra.run.dir = os.path.abspath(spec.config.trainer.output_dir)
     context = HydraContext(config_loader=cast(Any, None), callbacks=cast(Any, _NoCallbacks()))
-    ret = run_job(task_function=lambda _: _run(spec), config=spec.raw,
-                  job_dir_key="hydra.run.dir", job_subdir_key=None, hydra_context=context)
-    _ = ret.return_value  # re-raises what the job raised
+    # a resumed run's .hydra/ holds the config it trained with: Hydra's job rewrites it with this
+    # invocation's, which a refusal inside the job (a corrupt checkpoint) must not leave behind
+    record = Path(spec.raw.hydra.run.dir) / ".hydra"
+    kept = _copy_aside(record)
+    try:
+        ret = run_job(task_function=lambda _: _run(spec), config=spec.raw,
+                      job_dir_key="hydra.run.dir", job_subdir_key=None, hydra_context=context)
+        _ = ret.return_value  # re-raises what the job raised
+    except SystemExit as e:
+        if kept is not None and e.code == 2:  # refused (_refused): the run's record goes back
+            shutil.rmtree(record, ignore_errors=True)
+            shutil.copytree(kept, record)
+        raise
+    finally:
+        if kept is not None:
+            shutil.rmtree(kept.parent, ignore_errors=True)
+
+
+def _copy_aside(folder: Path) -> Optional[Path]:
+    """A copy of ``folder`` in a temporary directory (None where there is no such folder)."""
+    if not folder.is_dir():
+        return None
+    aside = Path(tempfile.mkdtemp(prefix="flowrl-hydra-record-")) / folder.name
+    shutil.copytree(folder, aside)
+    return aside
 
 
 class _NoCallbacks:

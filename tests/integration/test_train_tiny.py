@@ -197,3 +197,24 @@ def test_resuming_a_finished_run_from_the_command_line_keeps_its_hydra_record(tm
         "train further")
     assert {p.name: p.read_text() for p in (out / ".hydra").iterdir()} == hydra
     assert "trainer.engine.lr=3e-4" in hydra["overrides.yaml"]
+
+
+def test_a_refused_resume_keeps_the_runs_hydra_record(tmp_path):
+    """A resume refused inside the job (its checkpoint does not read) exits 2 in one line, and
+    the run's .hydra/ still holds the config it trained with: Hydra's job had rewritten it with
+    the refused invocation's (a new user's report)."""
+    out = tmp_path / "run"
+    base = ["model=tiny", "trainer=smoke", "trainer.total_steps=1", "trainer.eval.before=false",
+            "trainer.eval.after=false", "logger.progress=false", f"trainer.output_dir={out}"]
+    first = subprocess.run([sys.executable, "-m", "flowrl.train", *base],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    hydra = {p.name: p.read_text() for p in (out / ".hydra").iterdir()}
+    for f in (out / "checkpoints").glob("step_*/*.distcp"):
+        f.write_bytes(b"not a checkpoint")
+    again = subprocess.run([sys.executable, "-m", "flowrl.train", *base, "trainer.resume=true",
+                            "trainer.total_steps=2"],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2, again.stderr[-2000:]
+    assert again.stderr.strip().splitlines()[-1].startswith("flowrl train: error: ")
+    assert {p.name: p.read_text() for p in (out / ".hydra").iterdir()} == hydra
