@@ -347,8 +347,9 @@ class Graph:
         problems: list[tuple[str, str, str]] = []
         damaged: dict[str, set[str]] = {}
         if not isinstance(d, dict):
+            got = "an empty file" if d is None else f"a {type(d).__name__}"  # YAML's empty: None
             raise GraphError([("<graph>", "<root>", "a graph file is a mapping with keys "
-                               f"{', '.join(_GRAPH_KEYS)}; got a {type(d).__name__}")])
+                               f"{', '.join(_GRAPH_KEYS)}; got {got}")])
         unknown = sorted(set(d) - set(_GRAPH_KEYS))
         if unknown:
             problems.append(("<graph>", unknown[0], f"unknown top-level key(s) {unknown}"
