@@ -71,13 +71,28 @@ def text_config(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
+def attention_shape(config: Any) -> tuple[int, int, int]:
+    """``(layers, KV heads, head dim)`` of an HF config's language model (what one token of the KV
+    cache holds: 2 × layers × KV heads × head dim elements). ``num_key_value_heads`` absent = MHA
+    (the query heads); ``head_dim`` absent = hidden size / heads.
+
+    Raises:
+        AttributeError / TypeError: a config without ``num_hidden_layers``,
+            ``num_attention_heads`` or ``hidden_size``.
+    """
+    text = text_config(config)
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    kv = int(getattr(text, "num_key_value_heads", None) or heads)
+    return int(text.num_hidden_layers), kv, head_dim
+
+
 def _size_from_hf_config(config: Any, dtype_bytes: int) -> ModelSize:
     model = meta_model(config)
     n = sum(p.numel() for p in model.parameters())  # parameters() yields tied weights once
     text = text_config(config)
     heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
+    _, kv, head_dim = attention_shape(config)
     inter = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
     tied = getattr(config, "tie_word_embeddings", None)
     if tied is None:

@@ -45,6 +45,7 @@ from flowrl.engines.rollout.vllm_config import (
     check_model_for_vllm,
 )
 from flowrl.models.lora import LoraAdapterSpec
+from flowrl.models.size import attention_shape, text_config
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +98,9 @@ def kv_shape(model: nn.Module, cfg: VLLMRolloutConfig) -> KVShape | None:
     dtype's bytes (``rollout.vllm.dtype``, "auto" = the module's parameter dtype, what the export
     hands vLLM). None when the config lacks a field it needs."""
     try:
-        # transformers' PretrainedConfig (itself for a text model, its text part for a VLM)
-        text = cast("PretrainedConfig", model.config).get_text_config()
-        layers, heads = int(text.num_hidden_layers), int(text.num_attention_heads)
-        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-        max_len = int(cfg.max_model_len or text.max_position_embeddings)
+        config = model.config
+        layers, kv_heads, head_dim = attention_shape(config)
+        max_len = int(cfg.max_model_len or text_config(config).max_position_embeddings)
     except (AttributeError, TypeError, ValueError):
         return None
     elem = (_DTYPE_BYTES[cfg.dtype] if cfg.dtype in _DTYPE_BYTES
