@@ -3,13 +3,15 @@
 # back 30 s after a call, so the calls go in a row, prepared here). Everything installed lives in
 # the device's /tmp while the machine stays warm.
 #
-# Here, once: ../shared/tools/vllm-on-device.sh prepare; bash scripts/device/wheels.sh;
+# Here, once: ../shared/tools/vllm-on-device.sh prepare; OUT=. bash scripts/device/session.sh repiece;
+#             bash scripts/device/wheels.sh;
 #             bash scripts/device/smollm2_pieces.sh split 3  (the tree is ~19 MiB: 3 pieces fit the 64 MiB)
 # Device calls, in a row:
 #   carry [".vllm/p1"]:           bash scripts/device/session.sh piece p1
 #   carry [".vllm/p2"]:           bash scripts/device/session.sh piece p2
 #   carry [".vllm/p3"]:           bash scripts/device/session.sh piece p3
 #   carry [".vllm/p4", ".whl"]:   bash scripts/device/session.sh piece p4
+#   carry [".vllm/p6"]:           bash scripts/device/session.sh piece p6   (the tree is ~22 MiB: vLLM in 4 pieces of 30 MB, see below)
 #   carry [".model/a"]:           bash scripts/device/session.sh model a
 #   carry [".model/b"]:           bash scripts/device/session.sh model b
 #   carry [".model/c"]:           bash scripts/device/session.sh model c    (the last piece joins)
@@ -234,6 +236,18 @@ phase_tier() {  # ~5 min: the GPU tier (TIER_K: a -k selection)
 }
 
 case "${1:-}" in
+repiece)  # HERE, not on the device, after the shared tool's `prepare`: its 40 MB vLLM pieces plus the
+  # tree (~22 MiB of tracked files) pass the 64 MiB a call carries no more; re-cut into 4 × 30 MB
+  # (.vllm/p1 p2 p3 p6) and let p5's install.sh join however many parts came
+  set -e
+  cat .vllm/p1/part0* .vllm/p2/part0* .vllm/p3/part0* .vllm/p6/part0* 2>/dev/null > /tmp/vllm_repiece.tar.xz
+  rm -f .vllm/p1/part0* .vllm/p2/part0* .vllm/p3/part0* .vllm/p6/part0*; mkdir -p .vllm/p6
+  split -b 30000000 -d /tmp/vllm_repiece.tar.xz /tmp/vllm_repiece.
+  mv /tmp/vllm_repiece.00 .vllm/p1/part00; mv /tmp/vllm_repiece.01 .vllm/p2/part01
+  mv /tmp/vllm_repiece.02 .vllm/p3/part02; mv /tmp/vllm_repiece.03 .vllm/p6/part03
+  rm -f /tmp/vllm_repiece.*
+  sed -i 's|cat /tmp/vparts/part00 /tmp/vparts/part01 /tmp/vparts/part02 |cat /tmp/vparts/part0[0-9] |' .vllm/p5/install.sh
+  du -sh .vllm/p*; exit 0 ;;
 piece)
   mkdir -p /tmp/vparts && cp .vllm/"$2"/* /tmp/vparts/ && ls /tmp/vparts | wc -l
   if [ -d .whl ]; then mkdir -p /tmp/whl && cp .whl/*.whl /tmp/whl/; fi
