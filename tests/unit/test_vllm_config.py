@@ -14,6 +14,7 @@ from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig, check_model_fo
     ("gpu_memory_utilization", 0.0), ("gpu_memory_utilization", 1.5), ("kv_cache_memory_gb", 0),
     ("tensor_parallel_size", 0), ("tensor_parallel_size", 2), ("max_num_seqs", 0), ("max_num_batched_tokens", 0),
     ("max_model_len", 0), ("dtype", "fp8"), ("sleep_level", 3), ("logprobs_mode", "raw"),
+    ("serve_threads", 0),
 ])
 def test_config_rejects_bad_field_naming_it(field, value):
     with pytest.raises(ValueError, match=f"rollout.vllm.{field}"):

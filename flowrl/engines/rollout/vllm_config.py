@@ -191,6 +191,17 @@ class VLLMRolloutConfig:
             is removed); "auto" = ``AUTO_LORA_SYNC`` where the adapter path can run
             (targets among ``VLLM_LORA_MODULES``, no ``modules_to_save``, rank <= 512,
             ``sleep_level`` < 2), else merged (:meth:`lora_sync_for`). Ignored without LoRA.
+        serve_threads: torch's intra-op CPU threads in an engine *process* on CUDA once its
+            engine is built (the build keeps torch's default: weight loading does use threads).
+            1 (default): nothing in a GPU engine's decode loop gains from intra-op threads, and
+            each multi-threaded CPU op leaves its OpenMP workers spin-waiting after it, taking
+            cycles from the step's serial Python, in this process and in the 3 other engines
+            and the trainer beside it (16 threads each on a 16-core host before this); vLLM
+            itself sets its GPU workers to 1 thread from 0.2x on for that reason, but not its
+            in-process (UniProc) engine, which is what each flowrl engine process runs. None =
+            leave torch's default (OMP_NUM_THREADS, else the core count). Not applied to an
+            in-process engine (``engine_procs=0``: the trainer's threads are the trainer's) or
+            on CPU (vLLM-CPU computes with them).
         max_images_per_prompt: a vision-language policy's most images in one prompt (vLLM's
             ``limit_mm_per_prompt``: it sizes the vision encoder's start-up profiling by it, and
             refuses a request with more). Ignored for a text model.
@@ -213,6 +224,7 @@ class VLLMRolloutConfig:
     model_dir: Optional[str] = None
     engine_procs: Optional[int] = None
     weight_load: str = "auto"  # "auto" | "direct" | "reload" (OmegaConf has no Literal)
+    serve_threads: Optional[int] = 1
     max_images_per_prompt: int = 1
     lora_sync: str = "auto"  # "auto" | "merged" | "adapter" (OmegaConf has no Literal)
 
@@ -235,6 +247,9 @@ class VLLMRolloutConfig:
             raise ValueError(f"rollout.vllm.tensor_parallel_size must be 1 (engines are data "
                              f"parallel, one per rank or engine process), got "
                              f"{self.tensor_parallel_size}")
+        if self.serve_threads is not None and self.serve_threads < 1:
+            raise ValueError(f"rollout.vllm.serve_threads must be >= 1 or null, "
+                             f"got {self.serve_threads}")
         if self.max_num_seqs < 1:
             raise ValueError(f"rollout.vllm.max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_images_per_prompt < 1:

@@ -139,8 +139,12 @@ def _serve(conn, env: dict[str, str]) -> None:
     except BaseException as e:  # noqa: BLE001 (reported to the parent, which raises it)
         conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
         return
+    if engine.on_cuda and cfg.serve_threads is not None:
+        # from here on this process only serves (rollout.vllm.serve_threads: why 1)
+        torch.set_num_threads(cfg.serve_threads)
     conn.send(("ok", {"sleep_supported": engine.sleep_supported,
-                      "weight_load_path": engine.weight_load_path}))
+                      "weight_load_path": engine.weight_load_path,
+                      "serve_threads": torch.get_num_threads()}))
 
     ended = [True]
     # bucket position -> the parent's staging buffer, mapped once (CUDA IPC): later loads refill
@@ -226,6 +230,8 @@ class VLLMProcessEngine:
             parent's wall time of the whole call).
         last_load_counts: ``{"tensors": n, "bytes": b}`` the last ``load_weights`` sent.
         weight_load_path: "direct" or "reload", as the engines resolved ``weight_load``.
+        serve_threads: torch intra-op CPU threads of each engine process once built
+            (``cfg.serve_threads`` on CUDA; torch's default on CPU).
         last_prefix_cache: prompt tokens of the last ``generate`` and how many the engines'
             prefix caches served, summed over the engines.
 
@@ -301,6 +307,10 @@ class VLLMProcessEngine:
         self.sleep_supported = all(r["sleep_supported"] for r, _ in ready)
         # every engine resolves rollout.vllm.weight_load on the same model: one path
         self.weight_load_path = ready[0][0]["weight_load_path"]
+        # torch CPU threads each engine process serves with (rollout.vllm.serve_threads)
+        self.serve_threads = [r["serve_threads"] for r, _ in ready]
+        log.info("vLLM engine processes serve with %s torch thread(s) each",
+                 "/".join(map(str, sorted(set(self.serve_threads)))))
         self.last_timings: dict[str, float] = {}
         self.last_load_counts: dict[str, int] = {"tensors": 0, "bytes": 0}
         self.last_prefix_cache: dict[str, int] = {"prompt_tokens": 0, "cached_tokens": 0}
