@@ -59,7 +59,7 @@ def plan_main(argv: list[str]) -> int:
         from flowrl.runtime.control import mps
 
         mps_line = mps.preview(cfg)
-        for r in [*spec.resolved, *start_up_resolutions(cfg), *([mps_line] if mps_line else [])]:
+        for r in [*spec.resolved, *start_up_resolutions(cfg, pp), *([mps_line] if mps_line else [])]:
             print(f"  {r}")
         from flowrl.machine import machine_problems
 
@@ -68,11 +68,12 @@ def plan_main(argv: list[str]) -> int:
     return 0
 
 
-def start_up_resolutions(cfg) -> list[str]:
+def start_up_resolutions(cfg, pp=None) -> list[str]:
     """The settings ``flowrl train`` resolves only once its engines exist, as far as the config
     decides them: what ``trainer.offload`` does with the timeline's swap actions
-    (``resolve_offload``; ``auto`` on CUDA waits for the engines' sizes), and (HF rollout)
-    ``rollout.hf.compile`` by ``HFRolloutConfig.sized_for``'s rule."""
+    (``resolve_offload``; ``auto`` on CUDA waits for the engines' sizes), (HF rollout)
+    ``rollout.hf.compile`` by ``HFRolloutConfig.sized_for``'s rule, and (vLLM rollout, with the
+    placement plan ``pp``) every job-sized ``rollout.vllm`` setting (:func:`vllm_start_up`)."""
     from flowrl.runtime.control.preflight import world_size
     from flowrl.runtime.step.resources import SWAP_MEANS, Engines, resolve_offload, rollout_job
 
@@ -89,7 +90,54 @@ def start_up_resolutions(cfg) -> list[str]:
         _, why = cfg.rollout.hf.sized_for(rollout_job(cfg, world_size(cfg)),
                                           on_cuda=cfg.trainer.device == "cuda")
         lines += why
+    if cfg.rollout.backend == "vllm" and pp is not None:
+        lines += vllm_start_up(cfg, pp)
     return lines
+
+
+def vllm_start_up(cfg, pp) -> list[str]:
+    """``rollout.vllm``'s job-sized settings as the engine build will resolve them
+    (``VLLMRolloutConfig.sized_for``: engine processes, KV cache, CUDA-graph sizes, compile), one
+    line each with its reason, from what the build reads without loading the model: the
+    parameter bytes (``model_size`` × ``model.dtype``'s bytes, as the loaded master copy), the
+    KV cost per token (layers × KV heads × head dim × ``rollout.vllm.dtype``'s bytes), the job
+    (``rollout_job``: sequences, lengths, decode steps per rollout rank) and the device's memory:
+    this machine's first CUDA device, or (planned elsewhere) the H200 device profile, said so.
+    A line saying why where the model's size cannot be read here."""
+    from flowrl.compiler.devices import DEVICES
+    from flowrl.compiler.modes import mode_of
+    from flowrl.engines.rollout.vllm_config import KVShape
+    from flowrl.models.size import DTYPE_BYTES, model_size
+    from flowrl.runtime.step.resources import response_tokens, rollout_job
+
+    v = cfg.rollout.vllm
+    try:
+        size = model_size(cfg.model)
+    except (OSError, ValueError, KeyError) as e:
+        return [f"rollout.vllm: sized at start-up (the model's size cannot be read here: {e})"]
+    device_memory, where = None, "CPU (vLLM-CPU)"
+    if cfg.trainer.device == "cuda":
+        from flowrl.machine import cuda_available
+
+        if cuda_available():
+            import torch
+
+            props = torch.cuda.get_device_properties(0)
+            device_memory, where = props.total_memory, f"this machine's {props.name}"
+        else:
+            device_memory = DEVICES["h200"].memory
+            where = "an H200 (device profile; no CUDA device here)"
+    concurrent = mode_of(pp.mode).concurrent_pools
+    pool = next((p for p in pp.pools.values() if "rollout" in p.roles), None)
+    ranks = len(pool.ranks) if concurrent and pool is not None else pp.world_size
+    job = rollout_job(cfg, ranks, response_tokens(pp.full))
+    max_len = v.max_model_len or size.max_positions
+    elem = DTYPE_BYTES.get(v.dtype, size.dtype_bytes)  # "auto": the exported weights' dtype
+    kv = KVShape(bytes_per_token=2 * size.n_layers * size.n_kv_heads * size.head_dim * elem,
+                 max_model_len=max_len) if max_len else None
+    _, _, why = v.sized_for(job, size.n_params * size.dtype_bytes, device_memory,
+                            own_process=concurrent or pp.overlapped, kv=kv)
+    return [f"rollout.vllm, sized at start-up for {where}:", *(f"  {line}" for line in why)]
 
 
 def measured_prompt_tokens(cfg, notes: list[str]) -> "int | None":

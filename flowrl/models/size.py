@@ -28,6 +28,8 @@ class ModelSize:
         hidden_size, n_heads, vocab_size, intermediate_size, tied_embeddings: the rest of the
             shape, for the cluster planner's FLOP and activation counts (0 / False where the
             source does not say).
+        max_positions: the longest sequence the model takes (``max_position_embeddings``, a
+            GGUF's ``context_length``): vLLM's ``max_model_len`` when none is set; 0 = unknown.
     """
 
     n_params: int
@@ -40,6 +42,7 @@ class ModelSize:
     vocab_size: int = 0
     intermediate_size: int = 0
     tied_embeddings: bool = False
+    max_positions: int = 0
 
     @property
     def weight_bytes(self) -> int:
@@ -100,7 +103,8 @@ def _size_from_hf_config(config: Any, dtype_bytes: int) -> ModelSize:
     return ModelSize(int(n), text.num_hidden_layers, kv, head_dim, dtype_bytes,
                      hidden_size=text.hidden_size, n_heads=heads,
                      vocab_size=int(getattr(text, "vocab_size", 0) or 0),
-                     intermediate_size=int(inter), tied_embeddings=bool(tied))
+                     intermediate_size=int(inter), tied_embeddings=bool(tied),
+                     max_positions=int(getattr(text, "max_position_embeddings", 0) or 0))
 
 
 def gguf_vocab_size(reader: Any, path: str) -> int:
@@ -144,7 +148,9 @@ def _gguf_size(path: str, dtype_bytes: int) -> ModelSize:
                      hidden // heads, dtype_bytes, hidden_size=hidden, n_heads=heads,
                      vocab_size=gguf_vocab_size(reader, path),
                      intermediate_size=meta("feed_forward_length"),
-                     tied_embeddings="output.weight" not in names)
+                     tied_embeddings="output.weight" not in names,
+                     max_positions=meta("context_length") if f"{arch}.context_length"
+                     in reader.fields else 0)
 
 
 def model_size(cfg: Any) -> ModelSize:

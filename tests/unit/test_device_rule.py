@@ -373,3 +373,39 @@ def test_job_update_pflop():
     # 100 steps of the e2e pair: 256 rows x (256 + 256) tokens at the Qwen2.5-0.5B shape
     assert job_update_pflop(494_032_768, 100 * 256, 512) == pytest.approx(38.853, abs=1e-3)
     assert job_update_pflop(1_000_000, 1000, 100, passes=4) == pytest.approx(2.4e-3)
+
+
+@pytest.mark.parametrize("overrides, procs_line", [
+    ((), "rollout.vllm.engine_procs=0 (in the trainer's process"),
+    (("placement.staleness=1",), "rollout.vllm.engine_procs=1 (1 engine process(es)"),
+])
+def test_plan_sizes_vllm_as_the_engine_build_does(monkeypatch, overrides, procs_line):
+    """`flowrl plan` of a GPU job with vLLM (planned on this CPU machine: the H200 profile's
+    memory) prints the job-sized rollout.vllm settings exactly as the engine build resolves them
+    from the *loaded* model (its parameter bytes and kv_shape): the plan reads the size from the
+    config alone, so a disagreement between the two would show here."""
+    import flowrl.machine
+    from flowrl.compiler.devices import DEVICES
+    from flowrl.engines.rollout.vllm import kv_shape, weights_and_device_memory
+    from flowrl.models.loading import load_model
+    from flowrl.plan import vllm_start_up
+    from flowrl.runtime.step.resources import response_tokens, rollout_job
+    from flowrl.train import prepare
+
+    monkeypatch.setattr(flowrl.machine, "cuda_available", lambda: False)
+    spec = prepare(["model=tiny", "trainer.device=cuda", "rollout=vllm",
+                    "trainer.output_dir=/tmp/unused", *overrides], plan_only=True)
+    cfg, pp = spec.config, spec.placement
+    lines = vllm_start_up(cfg, pp)
+    assert lines[0] == "rollout.vllm, sized at start-up for an H200 (device profile; no CUDA device here):"
+
+    v = cfg.rollout.vllm
+    model = load_model(cfg.model)  # fp32 master weights on CPU: the bytes a GPU run loads too
+    weight_bytes, _ = weights_and_device_memory(model)
+    _, _, why = v.sized_for(rollout_job(cfg, 1, response_tokens(pp.full)), weight_bytes,
+                            DEVICES["h200"].memory, own_process=pp.overlapped,
+                            kv=kv_shape(model, v))
+    assert lines[1:] == [f"  {line}" for line in why]
+    assert lines[1].startswith(f"  {procs_line}")
+    assert any(line.startswith("  rollout.vllm.torch_compile=false (") for line in lines)
+    assert any(line.startswith("  rollout.vllm.kv_cache_memory_gb=") for line in lines)
