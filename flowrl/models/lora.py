@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
+
+from flowrl.models.gguf_header import read_gguf_header
 
 ALL_LINEAR = "all-linear"  # peft's name: every linear layer except the LM head
 
@@ -113,29 +114,14 @@ def as_lora_config(value: Any) -> Optional[LoraConfig]:
 
 # ------------------------------------------------------------------ validation (no weights)
 def _gguf_architecture(path: str) -> str:
-    """``general.architecture`` from a GGUF header: reads the first key-value pairs only
-    (``gguf.GGUFReader`` maps every tensor: seconds on a 135M file)."""
-    with open(path, "rb") as f:
-        magic, _version, _n_tensors, n_kv = struct.unpack("<4sIQQ", f.read(24))
-        if magic != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-        for _ in range(n_kv):
-            (klen,) = struct.unpack("<Q", f.read(8))
-            key = f.read(klen).decode()
-            (vtype,) = struct.unpack("<I", f.read(4))
-            if vtype == 8:  # string
-                (vlen,) = struct.unpack("<Q", f.read(8))
-                value = f.read(vlen).decode()
-                if key == "general.architecture":
-                    return value
-            elif vtype in sizes:
-                f.read(sizes[vtype])
-            else:  # an array before the architecture: leave it to the gguf library
-                break
-    import gguf
+    """``general.architecture`` from a GGUF header (``models/gguf_header.py``: no tensor read).
 
-    return str(gguf.GGUFReader(path).fields["general.architecture"].contents())
+    Raises:
+        ValueError: not a GGUF file, or one without the key."""
+    arch = read_gguf_header(path).fields.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ValueError(f"{path}: GGUF metadata has no general.architecture")
+    return arch
 
 
 def hf_config(model_cfg: Any):

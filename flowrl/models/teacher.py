@@ -74,15 +74,11 @@ def vocab_size(cfg: ModelConfig) -> tuple[int, str]:
         return tok.get_vocab_size(with_added_tokens=True), "the bundled SmolLM2 tokenizer"
     folder = smollm2_dir() if cfg.path == SMOLLM2 else Path(cfg.path)
     if cfg.gguf_file is not None:
-        import gguf
+        from flowrl.models.gguf_header import read_gguf_header
+        from flowrl.models.size import gguf_vocab_size
 
-        reader = gguf.GGUFReader(str(folder / cfg.gguf_file))
-        arch = reader.fields["general.architecture"].contents()
-        if f"{arch}.vocab_size" in reader.fields:
-            return int(reader.fields[f"{arch}.vocab_size"].contents()), f"{cfg.gguf_file} ({arch}.vocab_size)"
-        # gguf lists a tensor's dims fastest first: token_embd.weight is [hidden, vocab]
-        emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
-        return int(emb.shape[-1]), f"{cfg.gguf_file} (token_embd.weight)"
+        path = str(folder / cfg.gguf_file)
+        return gguf_vocab_size(read_gguf_header(path), path), f"{cfg.gguf_file} (its header)"
     conf = json.loads((folder / "config.json").read_text())
     text = conf.get("text_config") or {}
     size = conf.get("vocab_size", text.get("vocab_size"))
