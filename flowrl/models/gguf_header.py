@@ -122,7 +122,10 @@ def read_gguf_header(path: str) -> GGUFHeader:
         if magic != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (magic {magic!r})")
         if version not in (2, 3):
-            raise ValueError(f"{path}: GGUF version {version}; versions 2 and 3 are read")
+            swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+            kind = "a big-endian GGUF (flowrl reads little-endian files)" if swapped in (2, 3) \
+                else f"GGUF version {version}; versions 2 and 3 are read"
+            raise ValueError(f"{path}: {kind}")
         n_tensors, n_kv = c.unpack("<QQ")
         header = GGUFHeader(version)
         for _ in range(n_kv):
