@@ -3,7 +3,8 @@
 Variants (``FLOWRL_VARIANTS``, name -> engine processes): ``flowrl-vllm`` is
 :class:`~flowrl.engines.rollout.vllm.VLLMRolloutEngine` in the benchmark's process;
 ``flowrl-vllm-procsN`` is :class:`~flowrl.engines.rollout.vllm_proc.VLLMProcessEngine` with N engine
-processes on the same device, each with a slice of every batch and an even share of the same totals
+processes on the same device (``-threads``: each serving with torch's default threads instead of
+``serve_threads=1``; ``-v1runner``: vLLM's V1 model runner), each with a slice of every batch and an even share of the same totals
 (``engine_share``). Each engine gets the HF module built on the device and a minimal tokenizer and
 exports them itself, as in a training run.
 
@@ -19,7 +20,18 @@ import math
 import time
 
 FLOWRL_VARIANTS = {"flowrl-vllm": 0, "flowrl-vllm-procs2": 2, "flowrl-vllm-procs4": 4,
-                   "flowrl-vllm-procs8": 8}  # name -> engine processes (0 = in process)
+                   "flowrl-vllm-procs8": 8,  # name -> engine processes (0 = in process)
+                   # A/B partners of flowrl-vllm-procs4 (FLOWRL_CONFIG / FLOWRL_ENV below)
+                   "flowrl-vllm-procs4-threads": 4, "flowrl-vllm-procs4-v1runner": 4,
+                   "flowrl-vllm-v1runner": 0}
+# rollout.vllm fields a variant sets beyond engine_config's: serve_threads=None is torch's
+# default thread count in each engine process (before 2026-12-07; the default is now 1)
+FLOWRL_CONFIG: dict[str, dict] = {"flowrl-vllm-procs4-threads": {"serve_threads": None}}
+# environment of a variant's worker process (its engine processes inherit it): vLLM 0.26's V1
+# model runner instead of its default V2 one (whose Triton kernels JIT at a cold start)
+FLOWRL_ENV: dict[str, dict[str, str]] = {
+    "flowrl-vllm-procs4-v1runner": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+    "flowrl-vllm-v1runner": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
 RNG = ("seeded", "unseeded")  # generate with a torch.Generator (what the rollout op does) or None
 KV_MARGIN = 1.5   # KV cache = 1.5x the tokens of the largest batch: preemption never limits it
 SMOKE_KV_GB = 0.25  # vLLM-CPU smoke (as tests/vllm_backend): the tiny model needs ~nothing
@@ -93,7 +105,8 @@ def run_flowrl(args, variant: str, build_model, prompts_for, sync) -> list[dict]
     on_cuda = torch.cuda.is_available()
     model = build_model(args.smoke).to("cuda" if on_cuda else "cpu")
     tok = bench_tokenizer(model.config.eos_token_id)
-    cfg = engine_config(args, model.config, on_cuda)
+    cfg = dataclasses.replace(engine_config(args, model.config, on_cuda),
+                              **FLOWRL_CONFIG.get(variant, {}))
     procs = FLOWRL_VARIANTS[variant]
     t0 = time.perf_counter()
     eng = make_engine(variant, model, tok, cfg)

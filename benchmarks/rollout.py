@@ -70,7 +70,7 @@ from benchmarks._common import (  # noqa: E402
     utc_now,
     versions,
 )
-from benchmarks._rollout_flowrl import FLOWRL_VARIANTS, RNG, run_flowrl  # noqa: E402
+from benchmarks._rollout_flowrl import FLOWRL_ENV, FLOWRL_VARIANTS, RNG, run_flowrl  # noqa: E402
 from benchmarks._rollout_report import floor_tokens_per_s, report  # noqa: E402,F401 (API)
 
 EOS = 151643
@@ -307,7 +307,8 @@ def run_variants(args) -> dict:
             worker_main(argparse.Namespace(**{**vars(args), "worker": v, "worker_out": str(out)}))
             rc = 0
         else:
-            env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **VLLM_VARIANTS.get(v, ({}, {}))[1]}
+            env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                   **VLLM_VARIANTS.get(v, ({}, {}))[1], **FLOWRL_ENV.get(v, {})}
             cmd = [sys.executable, __file__, "--worker", v, "--worker-out", str(out), *args.argv]
             try:
                 rc = subprocess.run(cmd, env=env, timeout=args.child_timeout).returncode

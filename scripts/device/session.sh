@@ -21,7 +21,7 @@
 #   travels only when carried; the device copy's .git is stale and reports an old commit)
 # Phases: first_step, learning, e2e, tier, vlm, nan, hfgen, distill_teacher, distill_arms, gsm8k_mv,
 # tools, sync, lora_sync, neighbours, profile_vllm, profile_hf, profile_solo, sdpa, shapes, rollout_lp, gpu_new, e2e_mps,
-# first_step_ab, startup_profile (see each below);
+# first_step_ab, startup_profile, decode_ab (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
 # Next lease (issue 24; nothing of 2026-12-06's second stop or 2026-12-07's has run on a GPU yet:
@@ -39,7 +39,7 @@
 #   first_step_ab   (~7 min: cold starts with fresh caches, default vs V1 model runner vs liger on)
 #   E2E_TAG=_procs2 E2E_ARGS="--model qwen05b --rollout vllm" X="rollout.vllm.engine_procs=2 rollout.vllm.gpu_memory_utilization=0.2" ... e2e
 #       (~4 min: under MPS, do 2 engines generate as fast as 4 with half the host RSS? 1.07x TRL now)
-#   E2E_TAG=_threads X="rollout.vllm.serve_threads=null ..." ... e2e   (the serve_threads A/B, if the pair moved)
+#   decode_ab   (~4 min: serve_threads 1 vs torch's default, V1 vs V2 model runner, per decode step)
 #   on an H200: E2E_TAG=_qwen15b_procs2 E2E_ARGS="--model qwen15b --rollout vllm" X="rollout.vllm.engine_procs=2 rollout.vllm.gpu_memory_utilization=0.2" ... e2e
 #       (~4 min: two engine processes under MPS against ce93b88's one in-process engine, 1.81x)
 # Short of device time and without vLLM: carry [".whl", ".flowrl_commit"]:
@@ -230,6 +230,16 @@ phase_rollout_lp() {  # ~2 min: flowrl's 4 vLLM engine processes, 256 sequences,
     --batches 256 --prompt-len 64 --flowrl-logprobs all,none --rounds 3 --child-timeout 300 \
     --json-out "$OUT/rollout_lp.json" --md-out "$OUT/rollout_lp.md" > "$OUT/rollout_lp.log" 2>&1
   local rc=$?; tail -n 25 "$OUT/rollout_lp.log"; return $rc
+}
+phase_decode_ab() {  # ~4 min: flowrl's 4 engine processes, 256 sequences of the 0.5B shape: serving with
+  # 1 torch thread (the default since 2026-12-07) against torch's default, and vLLM's V1 model runner
+  # against its default V2 (the V2 runner's Triton JIT costs a cold start 16 s), 3 interleaved rounds
+  # per variant on its own engines (variants one after the other: no MPS here, as in rollout_h200.md)
+  timeout -k 10 ${DAB_TIMEOUT_S:-330} python3 benchmarks/rollout.py \
+    --variants ${DAB_VARIANTS:-flowrl-vllm-procs4,flowrl-vllm-procs4-threads,flowrl-vllm-procs4-v1runner} \
+    --batches 256 --prompt-len 128 --flowrl-logprobs none --rounds 3 --child-timeout 150 \
+    --json-out "$OUT/decode_ab.json" --md-out "$OUT/decode_ab.md" > "$OUT/decode_ab.log" 2>&1
+  local rc=$?; tail -n 25 "$OUT/decode_ab.log"; return $rc
 }
 phase_tier() {  # ~5 min: the GPU tier (TIER_K: a -k selection)
   # the whole folder: a list kept by hand left test_mps_gpu.py out of the tier at ce93b88

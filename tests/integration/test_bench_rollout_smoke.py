@@ -112,3 +112,21 @@ def test_flowrl_engine_settings_of_the_gpu_run(tmp_path):
     tok.save_pretrained(tmp_path)  # what the engines' export does; vLLM reloads it from there
     back = AutoTokenizer.from_pretrained(str(tmp_path))
     assert (back.eos_token_id, back.pad_token_id, tok.eos_token_id) == (151643, 151643, 151643)
+
+
+def test_flowrl_ab_variants_name_real_settings():
+    """Each A/B partner of a flowrl variant sets real rollout.vllm fields to the values it names
+    (a misspelt field would only fail inside the GPU run's child) and keeps its engine count."""
+    import dataclasses
+
+    from benchmarks._rollout_flowrl import FLOWRL_CONFIG, FLOWRL_ENV, FLOWRL_VARIANTS
+    from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
+
+    assert set(FLOWRL_CONFIG) | set(FLOWRL_ENV) <= set(FLOWRL_VARIANTS)
+    base = VLLMRolloutConfig()
+    for fields in FLOWRL_CONFIG.values():
+        cfg = dataclasses.replace(base, **fields)
+        assert {k: getattr(cfg, k) for k in fields} == fields != {k: getattr(base, k) for k in fields}
+    assert FLOWRL_CONFIG["flowrl-vllm-procs4-threads"] == {"serve_threads": None}
+    assert FLOWRL_ENV["flowrl-vllm-procs4-v1runner"] == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert FLOWRL_VARIANTS["flowrl-vllm-procs4-threads"] == FLOWRL_VARIANTS["flowrl-vllm-procs4"] == 4
