@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import struct
 from dataclasses import dataclass, field
-from typing import Union
+from typing import BinaryIO, Union
 
 # value type -> struct format of one element (GGUFValueType of the gguf package)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -116,7 +117,14 @@ def read_gguf_header(path: str) -> GGUFHeader:
         ValueError: not a GGUF file, a version other than 2 or 3, an unknown value type, or a
             header cut short.
     """
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size < 24:  # mmap refuses an empty file with no name in it
+            raise ValueError(f"{path} is not a GGUF file (shorter than a GGUF header)")
+        return _read(f, path)
+
+
+def _read(f: BinaryIO, path: str) -> GGUFHeader:
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         c = _Cursor(buf, path)
         magic, version = c.unpack("<4sI")
         if magic != b"GGUF":

@@ -81,6 +81,7 @@ def test_model_size_of_a_gguf_reads_its_header_only(tmp_path):
 
 @pytest.mark.parametrize("content, match", [
     (b"GGML" + b"\0" * 20, "is not a GGUF file"),
+    (b"", "shorter than a GGUF header"),
     (b"GGUF" + (1).to_bytes(4, "little") + b"\0" * 16, "GGUF version 1"),
     (b"GGUF" + (3).to_bytes(4, "big") + b"\0" * 16, "big-endian GGUF"),
     (b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (1).to_bytes(8, "little"),
