@@ -33,7 +33,10 @@ def test_cached_reads_the_class_file(monkeypatch, tmp_path):
     (tmp_path / "modelinfos" / "vllm-model_executor-models-llama-LlamaForCausalLM.json").write_text("{}")
     assert vllm_prefetch.cached("LlamaForCausalLM")
     assert not vllm_prefetch.cached("Qwen2ForCausalLM")
-    assert vllm_prefetch.start("LlamaForCausalLM") is None  # nothing to do
+    # the model type's check, without transformers: vLLM's module is named like the type
+    assert vllm_prefetch.likely_cached("llama") and not vllm_prefetch.likely_cached("qwen2")
+    assert not vllm_prefetch.likely_cached("lla")  # a whole module name, not a prefix
+    assert vllm_prefetch.start("llama") is None  # nothing to do
     assert vllm_prefetch.start(None) is None
 
 
@@ -47,25 +50,25 @@ def test_architecture_of_a_model_type():
 def test_a_failed_prefetch_is_reported_and_changes_nothing(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     monkeypatch.setattr(vllm_prefetch, "_SCRIPT", "import sys; sys.exit(3)")
-    p = vllm_prefetch.start("LlamaForCausalLM")
+    p = vllm_prefetch.start("llama")
     assert p is not None
     with caplog.at_level(logging.INFO, logger="flowrl"):
         assert p.wait(timeout_s=60) >= 0
-    assert "prefetch for LlamaForCausalLM did not finish (exit 3)" in caplog.text
+    assert "prefetch for model type 'llama' did not finish (exit 3)" in caplog.text
     assert p.wait() is None  # waited for once
 
 
 def test_a_hung_prefetch_is_killed_at_its_timeout(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     monkeypatch.setattr(vllm_prefetch, "_SCRIPT", "import time; time.sleep(60)")
-    p = vllm_prefetch.start("LlamaForCausalLM")
+    p = vllm_prefetch.start("llama")
     with caplog.at_level(logging.INFO, logger="flowrl"):
         assert p.wait(timeout_s=0.5) < 30
     assert "did not finish (timed out)" in caplog.text
 
 
 @pytest.mark.parametrize("backend, roles, expected", [
-    ("vllm", {"actor", "rollout"}, ["LlamaForCausalLM"]),
+    ("vllm", {"actor", "rollout"}, ["llama"]),
     ("hf", {"actor", "rollout"}, []),
     ("vllm", {"actor", "ref"}, []),  # a pool without a rollout engine
 ])
@@ -90,17 +93,17 @@ def test_a_generating_teacher_is_prefetched_too(monkeypatch):
                           model=SimpleNamespace(path=SMOLLM2, tiny=None),
                           teacher=SimpleNamespace(is_set=True, path="", tiny={"model_type": "qwen2"}))
     resources.start_vllm_prefetch(cfg, {"actor", "rollout", "teacher_rollout"})
-    assert started == ["LlamaForCausalLM", "Qwen2ForCausalLM"]
+    assert started == ["llama", "qwen2"]
 
 
 def test_a_running_prefetch_is_taken_not_started_twice_and_cancel_ends_it(monkeypatch, tmp_path):
     # `flowrl train` starts it before the machine check; the engine build later takes that one
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     monkeypatch.setattr(vllm_prefetch, "_SCRIPT", "import time; time.sleep(60)")
-    first = vllm_prefetch.start("LlamaForCausalLM")
+    first = vllm_prefetch.start("llama")
     assert first is not None and first.proc is not None
-    assert vllm_prefetch.start("LlamaForCausalLM") is first
-    other = vllm_prefetch.start("Qwen2ForCausalLM")
+    assert vllm_prefetch.start("llama") is first
+    other = vllm_prefetch.start("qwen2")
     assert other is not first
     procs = [first.proc, other.proc]
     vllm_prefetch.cancel_all()
@@ -126,7 +129,7 @@ def test_flowrl_train_starts_it_before_the_machine_check_and_ends_it_on_refusal(
     with pytest.raises(SystemExit) as e:
         train_mod.main(["rollout=vllm", f"trainer.output_dir={tmp_path / 'run'}"])
     assert e.value.code == 2
-    assert len(seen) == 1 and seen[0].args[-1] == "LlamaForCausalLM"  # SmolLM2's class
+    assert len(seen) == 1 and seen[0].args[-2] == "llama"  # SmolLM2's model type
     assert seen[0].poll() == -9
     assert vllm_prefetch._RUNNING == {}
     assert not (tmp_path / "run").exists()
@@ -154,7 +157,7 @@ def test_a_prefetch_nobody_waited_for_ends_with_its_process(tmp_path):
     code = (f"import os; os.environ['VLLM_CACHE_ROOT'] = {str(tmp_path)!r}\n"
             "from flowrl.engines.rollout import vllm_prefetch\n"
             "vllm_prefetch._SCRIPT = 'import time; time.sleep(120)'\n"
-            "h = vllm_prefetch.start('LlamaForCausalLM')\n"
+            "h = vllm_prefetch.start('llama')\n"
             "print(h.proc.pid, flush=True)\n"
             "raise SystemExit(3)\n")
     repo = Path(__file__).resolve().parents[2]
@@ -164,3 +167,21 @@ def test_a_prefetch_nobody_waited_for_ends_with_its_process(tmp_path):
     pid = int(r.stdout.split()[0])
     with pytest.raises(ProcessLookupError):  # killed and reaped by its parent at exit
         os.kill(pid, 0)
+
+
+def test_the_process_looks_the_class_up_and_stops_where_vllms_cache_has_it(monkeypatch, tmp_path,
+                                                                           caplog):
+    """The real script, before it would import vLLM: transformers' class of the type, then the
+    cache (a module named otherwise than the type: the parent's quick check cannot tell); a type
+    transformers has no causal LM for ends there too. Neither imports vLLM (not installed here)."""
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    (tmp_path / "modelinfos").mkdir()
+    (tmp_path / "modelinfos" / "vllm-model_executor-models-other-LlamaForCausalLM.json").write_text("{}")
+    assert not vllm_prefetch.likely_cached("llama")
+    with caplog.at_level(logging.INFO, logger="flowrl"):
+        p = vllm_prefetch.start("llama")
+        assert p is not None and p.wait(timeout_s=120) is not None
+        q = vllm_prefetch.start("no_such_type")
+        assert q is not None and q.wait(timeout_s=120) is not None
+    assert "model info for model type 'llama' was in its cache" in caplog.text
+    assert "model type 'no_such_type' did not finish (no transformers causal-LM class)" in caplog.text

@@ -11,18 +11,22 @@ against 6.3 s with a warm one.
 
 :func:`start` answers it in a background process of its own (the registry's inspection in that
 process, which holds no CUDA context either, so the registry's own extra process is not needed),
-started as soon as ``flowrl train`` has accepted the run (before the machine check, whose
-liger-kernel import took 10.2 s on a fresh H100), so it runs beside the check and the model load;
-the rollout builder :meth:`ModelInfoPrefetch.wait`\\ s for it, so vLLM then finds its cache.
-Started at the model load instead (through ce93b88), the H100's cold default job
-waited 10.5 s of its 17.8 s. One prefetch per architecture per process (:data:`_RUNNING`): the
-builder takes the one already running. Nothing is started when the cache already holds the
-class; a failure of the prefetch changes nothing (vLLM inspects the class itself, as without
-it); :func:`cancel_all` ends them where the run is refused after all.
+started as soon as ``flowrl train`` has accepted the run, so it runs beside the machine check and
+the model load; the rollout builder :meth:`ModelInfoPrefetch.wait`\\ s for it, so vLLM then finds
+its cache. Started at the model load instead (through ce93b88), the H100's cold default job
+waited 10.5 s of its 17.8 s; started after looking up the model type's class name in
+transformers' tables (through b1cbc10), it began 10.9 s into a cold H100's start-up, 6.7 s of
+them that import, and the build still waited 6.9 s for it (``first_step_h200.md``, 2026-12-07): the
+process now looks the class up itself. One prefetch per model type per process
+(:data:`_RUNNING`): the builder takes the one already running. Nothing is started when the
+cache evidently holds the class (:func:`likely_cached`); a failure of the prefetch changes
+nothing (vLLM inspects the class itself, as without it); :func:`cancel_all` ends them where the
+run is refused after all.
 """
 from __future__ import annotations
 
 import atexit
+import glob
 import logging
 import os
 import subprocess
@@ -33,17 +37,28 @@ from typing import Optional
 
 log = logging.getLogger("flowrl")
 
-# run by the background process: vLLM's own inspection of the class, with the registry's
-# "run it in a fresh process" done in this (already fresh) process, then its cache written
+# run by the background process, given a transformers model type and vLLM's cache folder: the
+# causal-LM class of the type (transformers' table: importing it took ~6.7 s of a cold H100's
+# start-up in the parent, before this process could start), nothing more when vLLM's cache has
+# it, else vLLM's own inspection of the class, with the registry's "run it in a fresh process"
+# done in this (already fresh) process, then its cache written
 _SCRIPT = """
-import sys
+import glob, os, sys
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(sys.argv[1])
+if not isinstance(arch, str):
+    sys.exit(4)
+if glob.glob(os.path.join(glob.escape(sys.argv[2]), "*-" + arch + ".json")):
+    sys.exit(5)
 from vllm.model_executor.models import registry
-model = registry.ModelRegistry.models.get(sys.argv[1])
+model = registry.ModelRegistry.models.get(arch)
 if model is None:
     sys.exit(3)
 registry._run_in_subprocess = lambda fn: fn()
 model.inspect_model_cls()
 """
+# the script's exits that are not failures: 5 = vLLM's cache had the class already
+_EXIT_CACHED = 5
 
 
 def cache_dir() -> Path:
@@ -63,9 +78,18 @@ def cached(architecture: str) -> bool:
     return any(cache_dir().glob(f"*-{architecture}.json"))
 
 
+def likely_cached(model_type: str) -> bool:
+    """vLLM's cache holds a causal-LM class of vLLM's module named like ``model_type``
+    (``vllm-model_executor-models-llama-LlamaForCausalLM.json`` for ``llama``), told without
+    importing transformers for the type's class name. A type whose vLLM module is named
+    otherwise reads as not cached: the prefetch process then finds the entry itself and exits."""
+    return any(cache_dir().glob(f"*-models-{glob.escape(model_type)}-*ForCausalLM.json"))
+
+
 def causal_lm_architecture(model_type: Optional[str]) -> Optional[str]:
     """The transformers causal-LM class name of ``model_type`` (``llama`` -> ``LlamaForCausalLM``,
-    what flowrl's vLLM export writes in ``config.json``), None when transformers has none."""
+    what flowrl's vLLM export writes in ``config.json``), None when transformers has none.
+    Imports transformers' auto-model tables (seconds on a cold machine)."""
     if model_type is None:
         return None
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -75,15 +99,15 @@ def causal_lm_architecture(model_type: Optional[str]) -> Optional[str]:
 
 
 class ModelInfoPrefetch:
-    """A running (or finished) prefetch of one architecture's model info.
+    """A running (or finished) prefetch of one model type's model info.
 
     Attributes:
-        architecture: the vLLM architecture name (``LlamaForCausalLM``).
-        proc: the background process (None: nothing was started, the cache already had it).
+        model_type: the transformers model type (``llama``) whose causal-LM class is inspected.
+        proc: the background process (None: it was waited for, or cancelled).
     """
 
-    def __init__(self, architecture: str, proc: Optional[subprocess.Popen]) -> None:
-        self.architecture, self.proc = architecture, proc
+    def __init__(self, model_type: str, proc: Optional[subprocess.Popen]) -> None:
+        self.model_type, self.proc = model_type, proc
         self.started = time.perf_counter()
 
     def wait(self, timeout_s: float = 180.0) -> Optional[float]:
@@ -101,37 +125,43 @@ class ModelInfoPrefetch:
         waited = time.perf_counter() - t0
         took = time.perf_counter() - self.started
         if rc == 0:
-            log.info("start-up: vLLM's model info for %s prefetched in %.1f s (waited %.1f s for "
-                     "it)", self.architecture, took, waited)
+            log.info("start-up: vLLM's model info for model type %r prefetched in %.1f s "
+                     "(waited %.1f s for it)", self.model_type, took, waited)
+        elif rc == _EXIT_CACHED:
+            log.info("start-up: vLLM's model info for model type %r was in its cache (checked in "
+                     "%.1f s, waited %.1f s)", self.model_type, took, waited)
         else:  # vLLM inspects the class itself: slower, not wrong
-            log.info("start-up: vLLM's model-info prefetch for %s did not finish (%s); vLLM "
-                     "inspects the class itself", self.architecture,
-                     "timed out" if rc is None else f"exit {rc}")
+            log.info("start-up: vLLM's model-info prefetch for model type %r did not finish (%s); "
+                     "vLLM inspects the class itself", self.model_type,
+                     "timed out" if rc is None else
+                     "no transformers causal-LM class" if rc == 4 else f"exit {rc}")
         self.proc = None
         return waited
 
 
-# this process's prefetches by architecture: started early by `flowrl train`, taken by the builder
+# this process's prefetches by model type: started early by `flowrl train`, taken by the builder
 _RUNNING: dict[str, ModelInfoPrefetch] = {}
 
 
-def start(architecture: Optional[str]) -> Optional[ModelInfoPrefetch]:
-    """Start the prefetch of ``architecture`` unless vLLM's cache has it (or it is None); the
-    one this process already started for it, while that has not been waited for.
+def start(model_type: Optional[str]) -> Optional[ModelInfoPrefetch]:
+    """Start the prefetch of ``model_type``'s causal-LM class unless vLLM's cache evidently has
+    it (:func:`likely_cached`) or the type is None; the one this process already started for
+    it, while that has not been waited for. The class name is looked up in the background
+    process, not here: this returns in milliseconds whatever is imported yet.
 
     Returns the handle to :meth:`ModelInfoPrefetch.wait` on before the engine is built, or None.
     The process inherits this environment (``VLLM_CACHE_ROOT`` included), writes nothing but
     vLLM's cache file, and prints nothing (its output is discarded).
     """
-    if architecture is None:
+    if model_type is None:
         return None
-    running = _RUNNING.get(architecture)
+    running = _RUNNING.get(model_type)
     if running is not None and running.proc is not None:
         return running
-    if cached(architecture):
+    if likely_cached(model_type):
         return None
     try:
-        proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, architecture],
+        proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, model_type, str(cache_dir())],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
     except OSError as e:  # no process to spare: vLLM does it later itself
@@ -139,7 +169,7 @@ def start(architecture: Optional[str]) -> Optional[ModelInfoPrefetch]:
         return None
     if not _RUNNING:  # a run that fails inside its job (a refused resume) leaves none behind
         atexit.register(cancel_all)
-    _RUNNING[architecture] = handle = ModelInfoPrefetch(architecture, proc)
+    _RUNNING[model_type] = handle = ModelInfoPrefetch(model_type, proc)
     return handle
 
 
@@ -154,4 +184,5 @@ def cancel_all() -> None:
     _RUNNING.clear()
 
 
-__all__ = ["ModelInfoPrefetch", "cache_dir", "cached", "cancel_all", "causal_lm_architecture", "start"]
+__all__ = ["ModelInfoPrefetch", "cache_dir", "cached", "cancel_all", "causal_lm_architecture",
+           "likely_cached", "start"]

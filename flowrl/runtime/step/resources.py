@@ -284,9 +284,8 @@ def start_vllm_prefetch(cfg: "TrainConfig", roles: "set[str] | frozenset[str]"
     from flowrl.models.kernels import model_type_of
 
     models = [cfg.model] + ([cfg.teacher] if "teacher_rollout" in roles and cfg.teacher.is_set else [])
-    archs = {vllm_prefetch.causal_lm_architecture(model_type_of(m.path, m.tiny, SMOLLM2))
-             for m in models}
-    started = [vllm_prefetch.start(a) for a in sorted(a for a in archs if a)]
+    kinds = {model_type_of(m.path, m.tiny, SMOLLM2) for m in models}
+    started = [vllm_prefetch.start(k) for k in sorted(k for k in kinds if k)]
     return [p for p in started if p is not None]
 
 
