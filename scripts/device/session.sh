@@ -24,24 +24,26 @@
 # first_step_ab, startup_profile, decode_ab (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
-# Next lease (issue 24; nothing of 2026-12-06's second stop or 2026-12-07's has run on a GPU yet:
-# job-sized KV cache, liger job rule, model-info prefetch and engine processes started ahead,
-# serve_threads=1 in the engine processes; on the H200 at ce93b88: 2.20x / 1.71x / 1.81x on-policy,
-# first step 87.1 s cold / 34.6 s warm), in this order:
+# Next lease (issue 24). Last GPU runs: the e2e pairs at ce93b88 (H200: 2.20x / 1.71x / 1.81x
+# on-policy), the default job's first step at b1cbc10 (H100: 49.3 s cold / 24.2 s warm). Not run on
+# a GPU yet: the prefetch that starts at once (after b1cbc10), serve_threads=1 (faed55c), the
+# job-sized KV cache and engine processes started ahead in the e2e pairs, the GPU tier since ce93b88.
+# In this order:
 #   pieces p1-p4 and p6, model a-c, then carry [".vllm/p5", ".flowrl_commit"]:
-#   FIRST_STEP_ROUNDS=2 ... install first_step   (~4 min: cold then warm at HEAD, against ce93b88's 87.1 / 34.6 s)
+#   E2E_ARGS="--models qwen05b,smollm2 --rollout vllm" X="rollout.vllm.gpu_memory_utilization=0.2" ... install e2e
+#       (~9 min: memory with the job-sized KV cache against ce93b88's 0.91x / 0.76x; engine build with
+#       the engine processes started ahead against ce93b88's 75.6 / 65.0 s (TRL 52.5 / 50.9); generate
+#       ms per decode step with serve_threads=1 against ce93b88's 5.21 / 2.77 ms)
 #   TIER_TIMEOUT_S=420 ... tier   (~4.5 min: the whole tests/gpu folder, test_mps_gpu.py included)
-#   E2E_ARGS="--models qwen05b,smollm2 --rollout vllm" X="rollout.vllm.gpu_memory_utilization=0.2" ... e2e
-#       (~8 min: the pair with the job-sized KV cache: memory against ce93b88's 0.91x / 0.76x; engine
-#       build with the engine processes started ahead: ce93b88's 75.6 s / 65.0 s against TRL's 52.5 / 50.9;
-#       generate ms / decode step with 1 serving thread per engine: ce93b88's 5.2 ms at 0.5B)
-#   startup_profile   (~1 min: where the seconds before the model load go)
+#   FIRST_STEP_ROUNDS=1 ... first_step   (~1.5 min on the now-warm machine: the prefetch that starts at
+#       once; a cold number needs a fresh machine: put first_step right after install there)
+#   decode_ab   (~4 min: serve_threads 1 vs torch's default, V1 vs V2 model runner, per decode step)
 #   first_step_ab   (~7 min: cold starts with fresh caches, default vs V1 model runner vs liger on)
 #   E2E_TAG=_procs2 E2E_ARGS="--model qwen05b --rollout vllm" X="rollout.vllm.engine_procs=2 rollout.vllm.gpu_memory_utilization=0.2" ... e2e
 #       (~4 min: under MPS, do 2 engines generate as fast as 4 with half the host RSS? 1.07x TRL now)
-#   decode_ab   (~4 min: serve_threads 1 vs torch's default, V1 vs V2 model runner, per decode step)
 #   on an H200: E2E_TAG=_qwen15b_procs2 E2E_ARGS="--model qwen15b --rollout vllm" X="rollout.vllm.engine_procs=2 rollout.vllm.gpu_memory_utilization=0.2" ... e2e
 #       (~4 min: two engine processes under MPS against ce93b88's one in-process engine, 1.81x)
+# A start that fails costs 1.5-3 min of the 30: on 2026-12-07 nine of ten did; plan for less.
 # Short of device time and without vLLM: carry [".whl", ".flowrl_commit"]:
 #   TIER_K="not vllm" TIER_TIMEOUT_S=200 bash scripts/device/session.sh wheels tier   (the HF half of the tier)
 set -uo pipefail
