@@ -133,8 +133,8 @@ def vllm_start_up(cfg, pp) -> list[str]:
     job = rollout_job(cfg, ranks, response_tokens(pp.full))
     max_len = v.max_model_len or size.max_positions
     elem = DTYPE_BYTES.get(v.dtype, size.dtype_bytes)  # "auto": the exported weights' dtype
-    kv = KVShape(bytes_per_token=2 * size.n_layers * size.n_kv_heads * size.head_dim * elem,
-                 max_model_len=max_len) if max_len else None
+    kv = KVShape.of(size.n_layers, size.n_kv_heads, size.head_dim, elem, max_len) \
+        if max_len else None
     _, _, why = v.sized_for(job, size.n_params * size.dtype_bytes, device_memory,
                             own_process=concurrent or pp.overlapped, kv=kv)
     return [f"rollout.vllm, sized at start-up for {where}:", *(f"  {line}" for line in why)]

@@ -129,7 +129,7 @@ def test_flowrl_train_starts_it_before_the_machine_check_and_ends_it_on_refusal(
     with pytest.raises(SystemExit) as e:
         train_mod.main(["rollout=vllm", f"trainer.output_dir={tmp_path / 'run'}"])
     assert e.value.code == 2
-    assert len(seen) == 1 and seen[0].args[-2] == "llama"  # SmolLM2's model type
+    assert len(seen) == 1 and seen[0].args[-1] == "llama"  # SmolLM2's model type
     assert seen[0].poll() == -9
     assert vllm_prefetch._RUNNING == {}
     assert not (tmp_path / "run").exists()

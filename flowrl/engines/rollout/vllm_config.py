@@ -112,6 +112,12 @@ class KVShape:
     bytes_per_token: int
     max_model_len: int
 
+    @classmethod
+    def of(cls, layers: int, kv_heads: int, head_dim: int, elem_bytes: int,
+           max_model_len: int) -> "KVShape":
+        """2 (K and V) × ``layers`` × ``kv_heads`` × ``head_dim`` × ``elem_bytes`` per token."""
+        return cls(2 * layers * kv_heads * head_dim * elem_bytes, max_model_len)
+
 
 @dataclass
 class VLLMRolloutConfig:
@@ -194,12 +200,13 @@ class VLLMRolloutConfig:
         serve_threads: torch's intra-op CPU threads in an engine *process* on CUDA once its
             engine is built (the build keeps torch's default: weight loading does use threads).
             1 (default): nothing in a GPU engine's decode loop gains from intra-op threads, and
-            each multi-threaded CPU op leaves its OpenMP workers spin-waiting after it, taking
-            cycles from the step's serial Python, in this process and in the 3 other engines
-            and the trainer beside it (16 threads each on a 16-core host before this); vLLM
-            itself sets its GPU workers to 1 thread from 0.2x on for that reason, but not its
-            in-process (UniProc) engine, which is what each flowrl engine process runs. None =
-            leave torch's default (OMP_NUM_THREADS, else the core count). Not applied to an
+            each multi-threaded CPU op wakes a pool of OpenMP workers (16 per process on a
+            16-core host before this, in each of 4 engines beside the trainer's 16; flowrl's
+            ``OMP_WAIT_POLICY=PASSIVE`` keeps them from spinning, not from waking); vLLM sets
+            its own GPU workers to 1 thread in later releases, but not its in-process (UniProc)
+            engine, which is what each flowrl engine process runs. Not measured yet
+            (``session.sh decode_ab``). None = leave torch's default (OMP_NUM_THREADS, else the
+            core count). Not applied to an
             in-process engine (``engine_procs=0``: the trainer's threads are the trainer's) or
             on CPU (vLLM-CPU computes with them).
         max_images_per_prompt: a vision-language policy's most images in one prompt (vLLM's

@@ -37,18 +37,18 @@ from typing import Optional
 
 log = logging.getLogger("flowrl")
 
-# run by the background process, given a transformers model type and vLLM's cache folder: the
+# run by the background process, given a transformers model type (this module's own lookups): the
 # causal-LM class of the type (transformers' table: importing it took ~6.7 s of a cold H100's
 # start-up in the parent, before this process could start), nothing more when vLLM's cache has
 # it, else vLLM's own inspection of the class, with the registry's "run it in a fresh process"
 # done in this (already fresh) process, then its cache written
 _SCRIPT = """
-import glob, os, sys
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(sys.argv[1])
-if not isinstance(arch, str):
+import sys
+from flowrl.engines.rollout.vllm_prefetch import cached, causal_lm_architecture
+arch = causal_lm_architecture(sys.argv[1])
+if arch is None:
     sys.exit(4)
-if glob.glob(os.path.join(glob.escape(sys.argv[2]), "*-" + arch + ".json")):
+if cached(arch):
     sys.exit(5)
 from vllm.model_executor.models import registry
 model = registry.ModelRegistry.models.get(arch)
@@ -161,7 +161,7 @@ def start(model_type: Optional[str]) -> Optional[ModelInfoPrefetch]:
     if likely_cached(model_type):
         return None
     try:
-        proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, model_type, str(cache_dir())],
+        proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, model_type],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
     except OSError as e:  # no process to spare: vLLM does it later itself
