@@ -196,7 +196,8 @@ def check_model_dir(folder: Path, gguf_file: Optional[str] = None, *, tokenizer:
     transformers traceback about sentencepiece or tiktoken.
 
     Raises:
-        ValueError: naming the folder and what is missing.
+        ValueError: naming the folder and what is missing, or a ``gguf_file`` whose header does
+            not read (:func:`~flowrl.models.gguf_header.read_gguf_header`).
     """
     weights = (folder / gguf_file) if gguf_file else (folder / "config.json")
     missing = [] if weights.is_file() else [weights.name]
@@ -206,6 +207,13 @@ def check_model_dir(folder: Path, gguf_file: Optional[str] = None, *, tokenizer:
         raise ValueError(f"model.path {str(folder)!r} holds no Hugging Face model (no "
                          f"{' and no '.join(missing)}): point it at a model directory "
                          "(save_pretrained output), or use model=smollm2 / model=tiny")
+    if gguf_file:  # its header, in milliseconds: an empty or cut file is named before any load
+        from flowrl.models.gguf_header import read_gguf_header
+
+        try:
+            read_gguf_header(str(weights))
+        except ValueError as e:
+            raise ValueError(f"model.gguf_file {gguf_file!r}: {e}") from None
 
 
 def load_tokenizer(cfg: ModelConfig) -> "PreTrainedTokenizerBase":

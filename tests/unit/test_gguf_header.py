@@ -115,3 +115,16 @@ def test_the_bundled_smollm2_header_matches_the_gguf_library():
     assert got.tensors == {t.name: tuple(int(d) for d in t.shape) for t in ref.tensors}
     assert got.fields["tokenizer.ggml.tokens"].count == len(ref.fields["tokenizer.ggml.tokens"].contents())
     assert got.fields["llama.context_length"] == ref.fields["llama.context_length"].contents()
+
+
+def test_a_users_empty_gguf_is_refused_before_anything_loads(tmp_path):
+    """Fresh-user report: an empty model.gguf_file beside tokenizer files passed the input checks
+    and `flowrl train` ended in a transformers traceback; the header check names the file."""
+    from flowrl.models.loading import check_model_dir
+
+    (tmp_path / "x.gguf").write_bytes(b"")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"model.gguf_file 'x.gguf': .*x.gguf is not a GGUF file"):
+        check_model_dir(tmp_path, "x.gguf", tokenizer=True)
+    _write(tmp_path / "ok.gguf")
+    check_model_dir(tmp_path, "ok.gguf", tokenizer=True)  # a readable header passes
