@@ -140,7 +140,7 @@ def test_the_kv_cache_is_sized_to_the_jobs_largest_call():
     assert procs == 4
     assert cfg.kv_cache_memory_gb == 3.0
     assert why[-1] == ("rollout.vllm.kv_cache_memory_gb=3 (the job's largest call: 131,072 tokens "
-                       "x 12,288 B x 2 headroom over 4 engine(s); the budget leaves 54.75)")
+                       "x 12,288 B x 2 headroom over 4 engine(s); the budget leaves 54.75 GiB)")
 
 
 def test_one_engine_gets_a_job_sized_cache_too():
@@ -161,7 +161,7 @@ def test_a_tiny_job_still_holds_one_longest_sequence_per_engine():
     assert cfg.kv_cache_memory_gb == 1.75
     assert why[-1] == ("rollout.vllm.kv_cache_memory_gb=1.75 (4 engine(s) x 1.1 x one 32,768-token "
                        "sequence, vLLM's least (the job's largest call needs 0.09 GiB with "
-                       "headroom); the budget leaves 54.75)")
+                       "headroom); the budget leaves 54.75 GiB)")
 
 
 def test_a_job_too_large_for_the_budget_falls_back():
@@ -176,7 +176,7 @@ def test_a_job_too_large_for_the_budget_falls_back():
     assert procs == 0 and cfg.kv_cache_memory_gb is None  # one engine: vLLM's own sizing
     assert why[-1] == ("rollout.vllm.kv_cache_memory_gb=null (the job's largest call: 536,870,912 "
                        "tokens x 12,288 B x 2 headroom over 1 engine(s): 12288 GiB, more than the "
-                       "budget leaves 66.5: vLLM sizes it)")
+                       "budget leaves 66.5 GiB: vLLM sizes it)")
 
 
 def test_unknown_sequence_length_or_kv_cost_leaves_the_old_rules():

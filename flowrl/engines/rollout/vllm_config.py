@@ -357,7 +357,7 @@ class VLLMRolloutConfig:
             budget = cfg.gpu_memory_utilization * device_memory
             room = (budget - engines * (weight_bytes + ENGINE_OVERHEAD_BYTES)) / 2**30
             sized = _job_kv_gb(job, kv, engines)
-            left = f"the budget leaves {math.floor(room * 4) / 4:g}"
+            left = f"the budget leaves {math.floor(room * 4) / 4:g} GiB"
             if sized is not None and sized[0] <= room:
                 cfg = dataclasses.replace(cfg, kv_cache_memory_gb=sized[0])
                 why.append(f"rollout.vllm.kv_cache_memory_gb={sized[0]:g} ({sized[1]}; {left})")
