@@ -8,6 +8,7 @@ checkpoint is dequantized at load time and its quantization flags are cleared, s
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import os
@@ -286,7 +287,7 @@ def build_tiny(cfg: ModelConfig, dtype: "torch.dtype", auto_cls=None,
         raise ValueError("build_tiny needs model.tiny (the config of the random-init model)")
     auto_cls = AutoModelForCausalLM if auto_cls is None else auto_cls
     tok = load_tokenizer(cfg)
-    tiny = dict(cfg.tiny)
+    tiny = copy.deepcopy(dict(cfg.tiny))  # transformers fills nested sections in place
     model_type = tiny.pop("model_type")
     tiny.setdefault("vocab_size", len(tok))
     for name in ("pad_token_id", "eos_token_id", "bos_token_id"):

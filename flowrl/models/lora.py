@@ -28,6 +28,7 @@ How the roles share one model (``build_lora_actor``, called by ``flowrl.train.bu
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -134,7 +135,7 @@ def hf_config(model_cfg: Any):
     from flowrl.models.bundled import SMOLLM2, smollm2_dir
 
     if model_cfg.tiny is not None:
-        tiny = dict(model_cfg.tiny)
+        tiny = copy.deepcopy(dict(model_cfg.tiny))  # transformers fills nested sections in place
         return AutoConfig.for_model(tiny.pop("model_type"), **tiny)
     folder = smollm2_dir() if model_cfg.path == SMOLLM2 else Path(model_cfg.path)
     if model_cfg.gguf_file is not None:

@@ -8,6 +8,7 @@ compiler's cost model (``ModelConfig.size()``; the compiler imports no model cod
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -168,7 +169,7 @@ def model_size(cfg: Any) -> ModelSize:
     if cfg.tiny is not None:
         from transformers import AutoConfig
 
-        tiny = dict(cfg.tiny)
+        tiny = copy.deepcopy(dict(cfg.tiny))  # transformers fills nested sections in place
         if "vocab_size" not in tiny:  # load_model takes it from the bundled tokenizer
             from tokenizers import Tokenizer
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from flowrl.ops.collectives import all_reduce_sum
 from flowrl.runtime.control import recovery
 from flowrl.runtime.io import distributed as fdist
 from flowrl.runtime.io import supervisor_dir
@@ -35,7 +36,7 @@ def main() -> int:
             if step == 3 and info.rank == 1:
                 time.sleep(1.5)  # rank 0's monitor reads this step's heartbeat first
                 os.kill(os.getpid(), signal.SIGKILL if mode == "dead" else signal.SIGSTOP)
-            fdist.all_reduce_sum(torch.ones(1))
+            all_reduce_sum(torch.ones(1))
         return 0
     except BaseException as e:
         return recovery.report_crash(e, out)

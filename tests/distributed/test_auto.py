@@ -20,6 +20,7 @@ ARGS = ["model=tiny", "trainer=smoke", "data.limit=64", "logger.progress=false",
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
+@pytest.mark.slow  # default tier time (CI runs the slow tier too: .ci/run)
 def test_switch_to_partitioned_keeps_global_batch_and_weights_in_sync(tmp_path):
     proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2",
                            str(REPO / "tests" / "distributed" / "auto_worker.py"), *ARGS,

@@ -62,6 +62,7 @@ def partitioned_run(tmp_path_factory):
     return out, first, read_metrics(out)
 
 
+@pytest.mark.slow  # default tier time (CI runs the slow tier too: .ci/run)
 def test_partitioned_resume_keeps_the_adapted_kl_coefficient(partitioned_run):
     out, first, m = partitioned_run
     samples = 2 * 4  # one rollout rank: trainer.prompts_per_step × algorithm.n
@@ -75,6 +76,7 @@ def test_partitioned_resume_keeps_the_adapted_kl_coefficient(partitioned_run):
                                                                         rel=1e-6)
 
 
+@pytest.mark.slow  # default tier time (CI runs the slow tier too: .ci/run)
 def test_partitioned_saves_are_async_and_timed(partitioned_run):
     out, first, m = partitioned_run
     for rank in (0, 1):  # every rank joins each save; only the final one is synchronous
@@ -130,6 +132,7 @@ def test_in_reward_kl_coefficient_is_the_same_on_every_rank(tmp_path):
     assert betas == [pytest.approx(expected, rel=1e-6)] * 2
 
 
+@pytest.mark.slow  # default tier time (CI runs the slow tier too: .ci/run)
 def test_partitioned_resume_when_rank_0_rolls_out(tmp_path):
     """Train pool [1], rollout pool [0]: global rank 0 writes the checkpoint metadata, but the
     prompt sampler state and the history are the train pool's (its logging rank's); before they

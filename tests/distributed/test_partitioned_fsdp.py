@@ -70,6 +70,7 @@ def dcp_index(ckpt: Path) -> dict:
 EVAL = ["trainer.eval.after=true"]  # smoke: greedy on 4 test prompts, 16 tokens
 
 
+@pytest.mark.slow  # default tier time (CI runs the slow tier too: .ci/run)
 def test_two_fsdp_train_ranks_match_one_colocated_rank(tmp_path):
     colo, part = tmp_path / "colocated", tmp_path / "partitioned"
     train(compose(ARGS + [f"trainer.output_dir={colo}"]))

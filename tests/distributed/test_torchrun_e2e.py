@@ -58,6 +58,7 @@ def test_two_ranks_train_export_and_resume_on_one(tmp_path):
     assert (run / "checkpoints" / "step_000003" / ".metadata").is_file()
 
 
+@pytest.mark.slow  # default tier time (CI runs the slow tier too: .ci/run)
 def test_ctrl_c_on_two_ranks_ends_in_one_resume_line(tmp_path):
     """A terminal's Ctrl-C (SIGINT to the whole process group: torchrun's agent and both ranks):
     one `interrupted` line with the resume command, the job's last, no traceback of the agent or

@@ -93,6 +93,7 @@ def test_overlap_resume_saves_the_trained_batch_position(tmp_path):
     assert prompt_state(stopped, 3) == prompt_state(straight, 3)
 
 
+@pytest.mark.slow  # default tier time (CI runs the slow tier too: .ci/run)
 def test_overlap_on_two_ranks(tmp_path):
     """`launcher.nproc=2`: each rank runs both halves; the update's FSDP collectives (world group,
     in the update thread) and the rollout half's (a group of its own, in the main thread) never

@@ -159,6 +159,7 @@ def test_machine_line_names_what_was_resolved(tmp_path, capsys):
             "(trainer.offload=rollout)") in out
 
 
+@pytest.mark.slow  # default tier time (CI runs the slow tier too: .ci/run)
 def test_a_refused_sweep_leaves_no_multirun_folder(tmp_path):
     """`flowrl train -m` whose first job is refused writes nothing: Hydra's `multirun.yaml` and its
     `multirun/<date>/<time>` folders go with the refusal. A sweep that already ran a job keeps
@@ -199,6 +200,7 @@ def test_resuming_a_finished_run_from_the_command_line_keeps_its_hydra_record(tm
     assert "trainer.engine.lr=3e-4" in hydra["overrides.yaml"]
 
 
+@pytest.mark.slow  # default tier time (CI runs the slow tier too: .ci/run)
 def test_a_refused_resume_keeps_the_runs_hydra_record(tmp_path):
     """A resume refused inside the job (its checkpoint does not read) exits 2 in one line, and
     the run's .hydra/ still holds the config it trained with: Hydra's job had rewritten it with

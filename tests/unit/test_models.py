@@ -216,3 +216,27 @@ def test_smollm2_gguf_loads_generates_and_round_trips(tmp_path):
         out = model.eval().generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
     assert tok.decode(out[0, len(prompt):]) == "2 + 3 = 5<|im_end|>"
     _assert_plain_and_round_trips(model, tmp_path / "out")
+
+
+def test_sizing_and_building_a_tiny_vl_leave_model_tiny_as_written():
+    """transformers fills a nested ``text_config`` dict in place (``rope_theta``, ``rope_type``):
+    a shallow copy of ``model.tiny`` let the size read, the LoRA config and the build write into
+    the run's config, so a checkpoint recorded values the next run's config did not have and
+    ``trainer.resume=true`` refused it (the slow tier's tiny-VL resume)."""
+    import copy
+
+    from flowrl.models.lora import hf_config
+    from flowrl.models.loading import build_tiny
+    from flowrl.models.size import model_size
+    from flowrl.models.vision import tiny_vl_config
+
+    written = tiny_vl_config()
+    cfg = ModelConfig(tiny=copy.deepcopy(written))
+    model_size(cfg)
+    hf_config(cfg)
+    assert cfg.tiny == written
+    text = ModelConfig(tiny={**tiny_model_config(), "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    before = copy.deepcopy(text.tiny)
+    model_size(text)
+    build_tiny(text, torch.float32)
+    assert text.tiny == before
