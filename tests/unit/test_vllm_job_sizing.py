@@ -32,6 +32,8 @@ def test_small_job_runs_one_engine_in_process_with_graphs_for_its_batch():
                                               "rollout.vllm.torch_compile"]
     assert why[2] == ("rollout.vllm.torch_compile=false (3,200 decode steps in the job, < 50,000: "
                       "compiling costs ~36 s of start-up)")
+    assert why[0] == ("rollout.vllm.engine_procs=0 (in the trainer's process: 64 sequences per "
+                      "step: one engine per 64, at most 4)")
 
 
 def test_small_job_on_two_ranks_keeps_a_child_process():
@@ -53,6 +55,8 @@ def test_large_job_gets_four_engines_graphs_sized_to_the_batch_and_a_fixed_cache
     assert cfg.kv_cache_memory_gb == 56.25
     assert cfg.torch_compile is False  # 19,200 decode steps
     assert len(why) == 4
+    assert why[0] == ("rollout.vllm.engine_procs=4 (4 engine process(es): 256 sequences per step: "
+                      "one engine per 64, at most 4)")
 
 
 @pytest.mark.parametrize("decode_steps, expected", [(49_999, False), (50_000, True), (10**6, True)])

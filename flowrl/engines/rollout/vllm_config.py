@@ -336,7 +336,8 @@ class VLLMRolloutConfig:
         if self.engine_procs is None:
             where = "in the trainer's process" if procs == 0 else f"{procs} engine process(es)"
             why.append(f"rollout.vllm.engine_procs={procs} ({where}: {job.seqs_per_step} sequences "
-                       f"per step, {SEQS_PER_ENGINE_PROC}+ per engine pays for another)")
+                       f"per step: one engine per {SEQS_PER_ENGINE_PROC}, at most "
+                       f"{AUTO_ENGINE_PROCS})")
         if device_memory is None:
             return procs, self, why
         cfg = self
