@@ -33,11 +33,33 @@ def _canonical(sign: str, digits: str) -> Optional[str]:
     return format(value.normalize(), "f")
 
 
-def _number_in(text: str, last: bool) -> Optional[str]:
-    matches = list(_NUMBER.finditer(text))
-    if not matches:
+# what a _NUMBER match is made of: a match never crosses any other character
+_NUMBER_CHARS = frozenset("0123456789,.$+-\u2212")
+
+
+def _last_match(text: str) -> Optional["re.Match[str]"]:
+    """The last ``_NUMBER`` match of ``text``, scanning only the run of number characters around
+    its last digit: the whole-text scan took 0.4 ms per 256-token response (0.1 s of a 256-row
+    reward stage), and long reasoning texts scale it. Every digit lies in some match, so the last
+    match ends at the last digit; it starts inside the maximal run of ``_NUMBER_CHARS`` ending
+    there, and a left-to-right scan from that run's start (the lookbehind still sees the character
+    before it) finds the same matches there as one from the text's start."""
+    end = max(text.rfind(d) for d in "0123456789")
+    if end < 0:
         return None
-    m = matches[-1] if last else matches[0]
+    start = end
+    while start > 0 and text[start - 1] in _NUMBER_CHARS:
+        start -= 1
+    m = None
+    for m in _NUMBER.finditer(text, start, end + 1):
+        pass
+    return m
+
+
+def _number_in(text: str, last: bool) -> Optional[str]:
+    m = _last_match(text) if last else _NUMBER.search(text)
+    if m is None:
+        return None
     return _canonical(m.group("sign") or "", m.group("digits"))
 
 

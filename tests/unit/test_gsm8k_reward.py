@@ -91,3 +91,40 @@ def test_unparsable_ground_truth_raises():
 def test_registry():
     assert REWARD_FUNCTIONS["gsm8k"] is gsm8k_reward
     assert REWARD_FUNCTIONS["gsm8k"]("#### 1,000", "1000") == 1.0
+
+
+@pytest.mark.parametrize("text, last", [
+    ("1,2345", "2345"),            # not a thousands group: the scan restarts inside the run
+    ("total 1,234,567.5 units", "1234567.5"),
+    ("x-12", "12"),                # a word character before '-': a binary minus, no sign
+    ("(-3", "-3"),
+    ("a 7 then $-1,000", "-1000"),
+    ("ends 4.", "4"),
+    ("2.5.3", "0.3"),              # "2.5" then ".3"
+    ("no digits at all", None),
+    ("", None),
+])
+def test_the_last_number_is_the_whole_texts_last_match(text, last):
+    assert extract_gsm8k_answer(text, fallback_last_number=True) == last
+
+
+def test_the_last_number_scan_agrees_with_a_scan_of_the_whole_text():
+    """The fallback scans only the run of number characters around the last digit; a full
+    left-to-right scan of the text (the definition) must give the same number on any text."""
+    import random
+
+    from flowrl.rewards.gsm8k import _NUMBER, _canonical, _number_in
+
+    def whole_text(text: str, last: bool):
+        ms = list(_NUMBER.finditer(text))
+        if not ms:
+            return None
+        m = ms[-1] if last else ms[0]
+        return _canonical(m.group("sign") or "", m.group("digits"))
+
+    rng = random.Random(0)
+    alphabet = "0123456789,.$+-\u2212 )]ax\n#"
+    for _ in range(20_000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        for last in (True, False):
+            assert _number_in(text, last) == whole_text(text, last), (text, last)
