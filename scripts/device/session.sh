@@ -29,7 +29,7 @@
 # a GPU yet: the prefetch that starts at once (after b1cbc10), serve_threads=1 (faed55c), the
 # job-sized KV cache and engine processes started ahead in the e2e pairs, the GPU tier since ce93b88,
 # the GSM8K fallback's short scan (f8e8227: the 0.5B pair's reward stage was 0.09-0.16 s a step;
-# reward_stage_cpu.md). 2026-12-07's second session: 9 starts refused, no machine (30 min budget).
+# reward_stage_cpu.md). 2026-12-07 03:34-05:10 UTC: 15 start attempts refused (H200 and H100), no machine.
 # In this order:
 #   pieces p1-p4 and p6, model a-c, then carry [".vllm/p5", ".flowrl_commit"]:
 #   E2E_ARGS="--models qwen05b,smollm2 --rollout vllm" X="rollout.vllm.gpu_memory_utilization=0.2" ... install e2e
