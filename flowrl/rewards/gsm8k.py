@@ -7,6 +7,7 @@ Only the RESPONSE is scored: callers pass the decoded response tokens, never pro
 from __future__ import annotations
 
 import re
+from collections import deque
 from decimal import Decimal, InvalidOperation
 from typing import Optional
 
@@ -50,10 +51,8 @@ def _last_match(text: str) -> Optional["re.Match[str]"]:
     start = end
     while start > 0 and text[start - 1] in _NUMBER_CHARS:
         start -= 1
-    m = None
-    for m in _NUMBER.finditer(text, start, end + 1):
-        pass
-    return m
+    last = deque(_NUMBER.finditer(text, start, end + 1), maxlen=1)
+    return last[0] if last else None
 
 
 def _number_in(text: str, last: bool) -> Optional[str]:
