@@ -376,7 +376,7 @@ def test_job_update_pflop():
 
 
 @pytest.mark.parametrize("overrides, procs_line", [
-    ((), "rollout.vllm.engine_procs=0 (in the trainer's process"),
+    ((), "rollout.vllm.engine_procs=0 (one engine, in the trainer's process"),
     (("placement.staleness=1",), "rollout.vllm.engine_procs=1 (1 engine process(es)"),
 ])
 def test_plan_sizes_vllm_as_the_engine_build_does(monkeypatch, overrides, procs_line):

@@ -32,8 +32,9 @@ def test_small_job_runs_one_engine_in_process_with_graphs_for_its_batch():
                                               "rollout.vllm.torch_compile"]
     assert why[2] == ("rollout.vllm.torch_compile=false (3,200 decode steps in the job, < 50,000: "
                       "compiling costs ~36 s of start-up)")
-    assert why[0] == ("rollout.vllm.engine_procs=0 (in the trainer's process: 64 sequences per "
-                      "step: one engine per 64, at most 4)")
+    assert why[0] == ("rollout.vllm.engine_procs=0 (one engine, in the trainer's process: 64 "
+                      "sequences per step: one engine per 64, at most 4; a one-rank job's only "
+                      "engine needs no process of its own)")
 
 
 def test_small_job_on_two_ranks_keeps_a_child_process():

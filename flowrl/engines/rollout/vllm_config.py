@@ -334,10 +334,12 @@ class VLLMRolloutConfig:
         procs = self.engine_procs_for(weight_bytes, device_memory, own_process=own_process, job=job)
         why: list[str] = []
         if self.engine_procs is None:
-            where = "in the trainer's process" if procs == 0 else f"{procs} engine process(es)"
-            why.append(f"rollout.vllm.engine_procs={procs} ({where}: {job.seqs_per_step} sequences "
-                       f"per step: one engine per {SEQS_PER_ENGINE_PROC}, at most "
-                       f"{AUTO_ENGINE_PROCS})")
+            rule = (f"{job.seqs_per_step} sequences per step: one engine per "
+                    f"{SEQS_PER_ENGINE_PROC}, at most {AUTO_ENGINE_PROCS}")
+            why.append(f"rollout.vllm.engine_procs={procs} (" + (
+                f"one engine, in the trainer's process: {rule}; a one-rank job's only engine "
+                "needs no process of its own" if procs == 0 else
+                f"{procs} engine process(es): {rule}") + ")")
         if device_memory is None:
             return procs, self, why
         cfg = self
