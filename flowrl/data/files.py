@@ -61,8 +61,9 @@ def _read_jsonl(path: Path) -> tuple[list[dict], Callable[[int], str]]:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
+            try:  # without its newline: an unclosed object is reported at the line's end, not
+                # at "line 2, column 1" of the one-line string (the column the message gives)
+                row = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
                 raise DataError(f"{path} line {lineno}: not valid JSON ({e.msg} at column "
                                 f"{e.colno})") from None

@@ -88,6 +88,8 @@ def _bad(tmp_path, name, text):
 @pytest.mark.parametrize("name, text, kw, message", [
     ("a.jsonl", '{"prompt": "x", "answer": "1"}\n\n{"prompt": "y", "answer": 2,}\n', {},
      "a.jsonl line 3: not valid JSON (Expecting property name enclosed in double quotes at column 29)"),
+    ("a.jsonl", '{"prompt": "x", "answer": "1"}\n{"prompt": "b"\n', {},  # unclosed: its end
+     "a.jsonl line 2: not valid JSON (Expecting ',' delimiter at column 15)"),
     ("a.jsonl", '["x", 1]\n', {}, "a.jsonl line 1: expected a JSON object, got list"),
     ("a.jsonl", '{"question": "x", "answer": "1"}\n', {},
      "a.jsonl: no column 'prompt' (data.prompt_key); columns: question, answer"),
