@@ -30,20 +30,26 @@ from benchmarks._common import (  # noqa: E402
 )
 
 
+def whole_text_number(text: str, last: bool):
+    """The first or last number of ``text`` by the definition: every ``_NUMBER`` match of the whole
+    text listed (the scan ``gsm8k._number_in`` did before; tests/unit/test_gsm8k_reward.py holds
+    the fast scan to it)."""
+    from flowrl.rewards.gsm8k import _NUMBER, _canonical
+
+    ms = list(_NUMBER.finditer(text))
+    if not ms:
+        return None
+    m = ms[-1] if last else ms[0]
+    return _canonical(m.group("sign") or "", m.group("digits"))
+
+
 def whole_text_reward(text: str, truth: str) -> float:
-    """gsm8k_reward with fallback_last_number=True as it was: every number match of the text
-    listed, the last one kept (the definition the fast scan must equal)."""
+    """gsm8k_reward with fallback_last_number=True as it was (:func:`whole_text_number`)."""
     from decimal import Decimal
 
-    from flowrl.rewards.gsm8k import _NUMBER, MARKER, _canonical
+    from flowrl.rewards.gsm8k import MARKER
 
-    def number_in(s: str, last: bool):
-        ms = list(_NUMBER.finditer(s))
-        if not ms:
-            return None
-        m = ms[-1] if last else ms[0]
-        return _canonical(m.group("sign") or "", m.group("digits"))
-
+    number_in = whole_text_number
     _, marker, tail = text.rpartition(MARKER)
     if marker and (found := number_in(tail.lstrip().split("\n", 1)[0], False)) is not None:
         return 1.0 if Decimal(found) == Decimal(truth) else 0.0

@@ -112,15 +112,12 @@ def test_the_last_number_scan_agrees_with_a_scan_of_the_whole_text():
     """The fallback scans only the run of number characters around the last digit; a full
     left-to-right scan of the text (the definition) must give the same number on any text."""
     import random
+    import sys
+    from pathlib import Path
 
-    from flowrl.rewards.gsm8k import _NUMBER, _canonical, _number_in
-
-    def whole_text(text: str, last: bool):
-        ms = list(_NUMBER.finditer(text))
-        if not ms:
-            return None
-        m = ms[-1] if last else ms[0]
-        return _canonical(m.group("sign") or "", m.group("digits"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.reward_stage import whole_text_number as whole_text
+    from flowrl.rewards.gsm8k import _number_in
 
     rng = random.Random(0)
     alphabet = "0123456789,.$+-\u2212 )]ax\n#"
