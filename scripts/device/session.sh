@@ -257,7 +257,8 @@ repiece)  # HERE, not on the device, after the shared tool's `prepare`: its 40 M
   # tree (~22 MiB of tracked files) pass the 64 MiB a call carries no more; re-cut into 4 × 30 MB
   # (.vllm/p1 p2 p3 p6) and let p5's install.sh join however many parts came
   set -e
-  cat .vllm/p1/part0* .vllm/p2/part0* .vllm/p3/part0* .vllm/p6/part0* 2>/dev/null > /tmp/vllm_repiece.tar.xz
+  shopt -s nullglob  # .vllm/p6 exists only after a first repiece (a fresh prepare has none: cat failed)
+  cat .vllm/p1/part0* .vllm/p2/part0* .vllm/p3/part0* .vllm/p6/part0* > /tmp/vllm_repiece.tar.xz
   rm -f .vllm/p1/part0* .vllm/p2/part0* .vllm/p3/part0* .vllm/p6/part0*; mkdir -p .vllm/p6
   split -b 30000000 -d /tmp/vllm_repiece.tar.xz /tmp/vllm_repiece.
   mv /tmp/vllm_repiece.00 .vllm/p1/part00; mv /tmp/vllm_repiece.01 .vllm/p2/part01
