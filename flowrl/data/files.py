@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -52,6 +53,47 @@ def check_path(path: str, field: str) -> None:
     if p.is_file() and p.suffix.lower() not in FILE_SUFFIXES:
         raise ValueError(f"{field}: {path!r} must end in one of {', '.join(FILE_SUFFIXES)} (or be a "
                          "directory datasets can load)")
+    if p.is_dir():
+        _check_dataset_dir(p, path, field)
+
+
+# a ``datasets`` directory of data files holds a few split files (or shards of them); more than
+# this many files under it is a folder that is not one (``data.path=/tmp``): ``load_dataset``
+# would list and type every file under it first (193 s for /tmp on a dev box, then a vague error)
+DATASET_DIR_MAX_FILES = 1000
+# what ``datasets.load_dataset`` can build a dataset from (its packaged builders) that has columns
+_DATASET_DIR_SUFFIXES = (*FILE_SUFFIXES, ".arrow", ".tsv")
+# ``save_to_disk`` output: loaded with ``load_from_disk``, no scan
+_SAVED_DATASET_MARKERS = ("dataset_dict.json", "state.json")
+
+
+def _check_dataset_dir(p: Path, path: str, field: str) -> None:
+    """A directory as ``data.path``: ``save_to_disk`` output, or at most
+    :data:`DATASET_DIR_MAX_FILES` files under it (``datasets`` skips names starting with ``.``
+    or ``__``, and so does this count), some of them data files.
+
+    Raises:
+        ValueError: naming ``field``, the directory and what it holds.
+    """
+    if any((p / m).is_file() for m in _SAVED_DATASET_MARKERS):
+        return
+    seen, data_files = 0, 0
+    for root, dirs, files in os.walk(p):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
+        for f in files:
+            if f.startswith((".", "__")):
+                continue
+            seen += 1
+            data_files += Path(f).suffix.lower() in _DATASET_DIR_SUFFIXES
+            if seen > DATASET_DIR_MAX_FILES:
+                raise ValueError(
+                    f"{field}: {path!r} holds more than {DATASET_DIR_MAX_FILES:,} files, so it is not "
+                    "a dataset folder (datasets would read every file under it): name the data file, "
+                    "or a folder with only the dataset's files (train.jsonl, test.parquet, ...)")
+    if data_files == 0:
+        raise ValueError(
+            f"{field}: the directory {path!r} holds no data file "
+            f"({', '.join(_DATASET_DIR_SUFFIXES)}) and is not a datasets save_to_disk folder")
 
 
 # ----------------------------------------------------------------------------- reading rows

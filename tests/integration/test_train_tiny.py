@@ -150,6 +150,16 @@ def test_resuming_a_finished_run_keeps_its_record(tmp_path, capsys):
     assert summary["eval_before"] == before and "eval_after" in summary
 
 
+def test_resume_with_no_checkpoint_says_so_on_the_console(tmp_path, capsys):
+    """trainer.resume=true where no checkpoint was written starts at step 1 (a requeued job's
+    auto-resume) and says so on the console: a mistyped output_dir was an INFO line in the log."""
+    run(tmp_path, "trainer.total_steps=1", "trainer.eval.limit=0", "trainer.resume=true")
+    out = capsys.readouterr().out
+    assert (f"setup: trainer.resume=true but no checkpoint in {tmp_path / 'checkpoints'}: starting "
+            "at step 1") in out
+    assert json.loads((tmp_path / "summary.json").read_text())["checkpoint"].endswith("step_000001")
+
+
 def test_machine_line_names_what_was_resolved(tmp_path, capsys):
     """The console's machine line gives the strategy the engines were built with (auto at one CPU
     rank: local) and what trainer.offload resolved to, not the raw 'auto' (fresh-user check)."""

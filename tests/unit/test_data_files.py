@@ -169,6 +169,41 @@ def test_config_names_the_field(tmp_path, monkeypatch, kw, message):
     assert str(e.value).startswith(message)
 
 
+def test_a_directory_that_is_no_dataset_is_refused_at_once(tmp_path, monkeypatch):
+    # data.path=/tmp took 193 s in datasets.load_dataset (every file under it listed) and then
+    # failed vaguely: the config check refuses such a folder without reading it
+    from flowrl.data import files
+
+    monkeypatch.setattr(files, "DATASET_DIR_MAX_FILES", 5)
+    big = tmp_path / "big"
+    (big / "sub").mkdir(parents=True)
+    for i in range(3):
+        (big / f"a{i}.log").write_text("x")
+        (big / "sub" / f"b{i}.jsonl").write_text("{}")
+    with pytest.raises(ValueError) as e:
+        DataConfig(path=str(big))
+    assert str(e.value) == (f"data.path: {str(big)!r} holds more than 5 files, so it is not a dataset "
+                            "folder (datasets would read every file under it): name the data file, "
+                            "or a folder with only the dataset's files (train.jsonl, test.parquet, ...)")
+    # hidden and dunder names are not counted (datasets skips them too)
+    for name in ("a0.log", "a1.log"):
+        (big / name).rename(big / f".{name}")
+    (big / "a2.log").rename(big / "__a2.log")
+    assert DataConfig(path=str(big)).path == str(big)
+    # no data file at all
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "run.log").write_text("x")
+    (logs / ".hidden.jsonl").write_text("{}")
+    with pytest.raises(ValueError) as e:
+        DataConfig(eval_path=str(logs))
+    assert str(e.value) == (f"data.eval_path: the directory {str(logs)!r} holds no data file (.jsonl, "
+                            ".json, .parquet, .csv, .arrow, .tsv) and is not a datasets save_to_disk folder")
+    # save_to_disk output: not scanned
+    (logs / "dataset_dict.json").write_text("{}")
+    assert DataConfig(eval_path=str(logs)).eval_path == str(logs)
+
+
 def test_a_single_file_has_no_heldout_split(tmp_path):
     c = cfg(write_jsonl(tmp_path / "d.jsonl", ROWS))
     with pytest.raises(DataError, match="is a single file, so it has no held-out split to evaluate "

@@ -363,7 +363,11 @@ class _Job:
             start, earlier = self.resume(resume_from, prompts)
             say(f"setup: resumed from {resume_from} in {time.perf_counter() - t0:.1f} s")
         elif cfg.trainer.resume:
-            log.info("trainer.resume=true but no checkpoint in %s: starting fresh", self.ckpts.root)
+            # on the console, not only in the log: auto-resume of a requeued job wants this, and a
+            # mistyped trainer.output_dir would otherwise go unnoticed until the run ends
+            msg = f"trainer.resume=true but no checkpoint in {self.ckpts.root}: starting at step 1"
+            log.info(msg)
+            say(f"setup: {msg}")
         self.save_steps = {s for s in range(start, T + 1)
                            if s == T or (cfg.trainer.save_every and s % cfg.trainer.save_every == 0)}
         summary: dict[str, Any] = place.summary_fields(earlier, start)
