@@ -78,7 +78,7 @@ def _check_dataset_dir(p: Path, path: str, field: str) -> None:
     if any((p / m).is_file() for m in _SAVED_DATASET_MARKERS):
         return
     seen, data_files = 0, 0
-    for root, dirs, files in os.walk(p):
+    for _root, dirs, files in os.walk(p):
         dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
         for f in files:
             if f.startswith((".", "__")):

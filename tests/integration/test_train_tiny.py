@@ -160,6 +160,21 @@ def test_resume_with_no_checkpoint_says_so_on_the_console(tmp_path, capsys):
     assert json.loads((tmp_path / "summary.json").read_text())["checkpoint"].endswith("step_000001")
 
 
+def test_resume_names_the_settings_it_changed(tmp_path, capsys):
+    """A resume may change a setting (a lower lr to go on with) but says which, on the console
+    and in the log; what a resume is expected to change (total_steps, eval, logging) is not
+    listed, and an unchanged resume lists nothing."""
+    off = ("trainer.eval.before=false", "trainer.eval.after=false")
+    run(tmp_path, "trainer.total_steps=1", *off)
+    run(tmp_path, "trainer.total_steps=2", "trainer.resume=true", "trainer.eval.limit=2", *off)
+    assert "settings changed" not in capsys.readouterr().out
+    run(tmp_path, "trainer.total_steps=3", "trainer.resume=true", "algorithm.kl_coef=0.05",
+        "trainer.engine.lr=5e-05", *off)
+    (line,) = [l for l in capsys.readouterr().out.splitlines() if "settings changed" in l]
+    assert line == ("setup: settings changed since step_000002: algorithm.kl_coef: 0.0 -> 0.05; "
+                    "trainer.engine.lr: 0.0001 -> 5e-05")
+
+
 def test_machine_line_names_what_was_resolved(tmp_path, capsys):
     """The console's machine line gives the strategy the engines were built with (auto at one CPU
     rank: local) and what trainer.offload resolved to, not the raw 'auto' (fresh-user check)."""

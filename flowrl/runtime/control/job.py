@@ -360,8 +360,10 @@ class _Job:
         start, earlier = 1, dict[str, Any]()
         if cfg.trainer.resume and resume_from is not None:
             t0 = time.perf_counter()
-            start, earlier = self.resume(resume_from, prompts)
+            start, earlier, changed = self.resume(resume_from, prompts)
             say(f"setup: resumed from {resume_from} in {time.perf_counter() - t0:.1f} s")
+            if changed:  # allowed (a lower lr to go on with), but never silently
+                say(f"setup: settings changed since {resume_from.name}: {'; '.join(changed)}")
         elif cfg.trainer.resume:
             # on the console, not only in the log: auto-resume of a requeued job wants this, and a
             # mistyped trainer.output_dir would otherwise go unnoticed until the run ends
@@ -435,9 +437,12 @@ class _Job:
         return summary
 
     # ---- resume --------------------------------------------------------------------------------
-    def resume(self, path: Path, prompts: Any) -> tuple[int, dict[str, Any]]:
+    def resume(self, path: Path, prompts: Any) -> tuple[int, dict[str, Any], list[str]]:
         """Load ``path`` into this rank's engines, sampler and op states; returns (first step,
-        the earlier part's summary). Collective: every rank loads (DCP), holding state or not."""
+        the earlier part's summary, the settings this run changed: ``rundir.changed_settings``).
+        Collective: every rank loads (DCP), holding state or not."""
+        from flowrl.runtime.io.rundir import changed_settings
+
         place, executor = self.place, self.executor
         tensors = self.engines.train_state() if place.holds_state else {}
         meta = self.ckpts.load(path, tensors)
@@ -457,7 +462,10 @@ class _Job:
         if self.dinfo.rank == 0:  # once, not once per rank
             log.info("resumed from %s: continuing at step %d of %d", path, start,
                      self.cfg.trainer.total_steps)
-        return start, earlier
+        changed = changed_settings(meta.get("settings"), self.cfg)
+        for c in changed:
+            log.info("resume: setting changed since %s: %s", path.name, c)
+        return start, earlier, changed
 
     # ---- JobEvents -----------------------------------------------------------------------------
     def record(self, step: int, m: dict[str, float]) -> None:

@@ -304,7 +304,8 @@ def run_record(cfg, roles: list[str], overrides: Optional[list[str]]) -> dict[st
     record: dict[str, Any] = {
         "model": _plain(dataclasses.asdict(cfg.model)),
         "graph": {"path": cfg.graph.path, "file": str(cfg.graph.resolve())},
-        "trained_roles": [r for r in TRAINED_ROLES if r in roles]}
+        "trained_roles": [r for r in TRAINED_ROLES if r in roles],
+        "settings": settings_record(cfg)}
     if overrides is not None:
         # a graph file given relative to where the run started: absolute, so the printed
         # resume command works from any directory
@@ -312,6 +313,34 @@ def run_record(cfg, roles: list[str], overrides: Optional[list[str]]) -> dict[st
                                if _key(o) == "graph.path" and _cwd_relative(o.split("=", 1)[1])
                                else o for o in overrides]
     return record
+
+
+# config sections a resume compares by their own rules (model, graph), or that are not a run's
+_NOT_SETTINGS = ("model", "graph", "cluster")
+
+
+def settings_record(cfg) -> dict[str, Any]:
+    """Every field of the resolved run config ``cfg`` (a ``TrainConfig``: ``auto`` values as
+    this machine resolved them) but the model and graph (:func:`check_resume` compares those),
+    as JSON: what :func:`changed_settings` compares a resume against."""
+    return {k: v for k, v in _plain(dataclasses.asdict(cfg)).items() if k not in _NOT_SETTINGS}
+
+
+def changed_settings(saved: Any, cfg) -> list[str]:
+    """``name: checkpoint's value -> this run's`` for each setting of ``cfg`` that differs from
+    ``saved`` (a checkpoint's :func:`settings_record`; none from a checkpoint written before it
+    was recorded), leaving out those a resume is expected to change (:data:`_RESUME_MAY_CHANGE`,
+    the run directory's keys). A resume may change them (a lower learning rate to continue
+    with): the run announces them, it does not refuse them."""
+    if not isinstance(saved, dict):
+        return []
+    was, has = _differences("", saved, settings_record(cfg))
+    out = []
+    for a, b in zip(was, has):
+        name, old = a[1:].split("=", 1)  # "" prefix: each name starts with "."
+        if not _under(name, _RESUME_MAY_CHANGE + _RUN_DIR_KEYS):
+            out.append(f"{name}: {old} -> {b.split('=', 1)[1]}")
+    return out
 
 
 def _value(x: Any) -> str:
