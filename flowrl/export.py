@@ -14,9 +14,8 @@ tokenizer). Works for checkpoints of any world size (DCP re-shards on load) in o
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 
 def _check_exists(ckpt: Path) -> None:
@@ -25,25 +24,6 @@ def _check_exists(ckpt: Path) -> None:
         near = sorted(p.name for p in ckpt.parent.glob("step_*")) if ckpt.parent.is_dir() else []
         raise FileNotFoundError(f"export: no checkpoint at {ckpt} (not found" + (
             f"; {ckpt.parent} has {', '.join(near)})" if near else ")"))
-
-
-@contextmanager
-def progress_bars_off(off: bool = True) -> Iterator[None]:
-    """transformers' (and huggingface_hub's) tqdm bars off inside the block, restored after.
-
-    ``save_pretrained`` draws "Writing model shards" with carriage returns: in a log file (stderr
-    not a terminal) that is one garbled line per redraw. The CLI turns them off there and prints
-    one summary line instead (:func:`export_main`)."""
-    from transformers.utils import logging as hf_logging
-
-    was_on = hf_logging.is_progress_bar_enabled()
-    if off and was_on:
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if off and was_on:
-            hf_logging.enable_progress_bar()
 
 
 def written_tensors(out: Path) -> tuple[int, int]:
@@ -166,6 +146,8 @@ def export_main(argv: list[str]) -> int:
         cfg.trainer.output_dir = str(args.out_dir)  # no Hydra run dir when composing
         model_cfg = to_train_config(cfg).model
     import time
+
+    from flowrl.models.loading import progress_bars_off
 
     t0 = time.perf_counter()
     with progress_bars_off(not sys.stderr.isatty()):  # a bar garbles a log file: one line instead

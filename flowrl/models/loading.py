@@ -12,6 +12,7 @@ import copy
 import functools
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
@@ -342,6 +343,39 @@ def _write_gguf_cache(model: "PreTrainedModel", target: Path) -> None:
 
 
 @contextlib.contextmanager
+def progress_bars_off(off: bool = True) -> Iterator[None]:
+    """transformers' (and huggingface_hub's) tqdm bars off inside the block, and the GGUF
+    dequantizer's ("Converting and de-quantizing GGUF tensors...", a plain ``tqdm`` that
+    transformers' switch does not reach: patched by name for the block), restored after.
+
+    A bar redraws with carriage returns: in a log file (stderr not a terminal, a batch job's
+    ``> run.log 2>&1``) each redraw is garbage on one line. :func:`load_model` and ``flowrl
+    export`` turn them off there (``off=not sys.stderr.isatty()``)."""
+    if not off:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    if was_on:
+        hf_logging.disable_progress_bar()
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # a transformers without GGUF support: nothing to patch
+        gguf_utils = None
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
 def gguf_parsed_once() -> Iterator[None]:
     """While open, every ``gguf.GGUFReader(path)`` of one file is the same reader, and
     ``gguf.get_tensor_name_map(arch, n_blocks)`` is built once per arguments.
@@ -425,7 +459,9 @@ def load_model(cfg: ModelConfig, device: "torch.device | str" = "cpu") -> "PreTr
                 # dequantize=True: dense trainable weights even where a GGUF matmul kernel exists
                 kwargs.update(gguf_file=cfg.gguf_file,
                               quantization_config=GgufConfig(dequantize=True))
-        with gguf_parsed_once() if "gguf_file" in kwargs else contextlib.nullcontext():
+        # no progress bars where stderr is a file (a batch job's log): carriage-return garbage
+        with gguf_parsed_once() if "gguf_file" in kwargs else contextlib.nullcontext(), \
+                progress_bars_off(not sys.stderr.isatty()):
             if vision:  # Qwen2-VL / Qwen2.5-VL: not an AutoModelForCausalLM class
                 from transformers import AutoModelForImageTextToText
 

@@ -240,3 +240,26 @@ def test_sizing_and_building_a_tiny_vl_leave_model_tiny_as_written():
     model_size(text)
     build_tiny(text, torch.float32)
     assert text.tiny == before
+
+
+def test_progress_bars_off_silences_the_gguf_dequantizer_and_restores(capsys):
+    """A batch job's log (stderr a file) got the GGUF dequantizer's tqdm redraws as carriage-return
+    garbage: that bar is a plain tqdm transformers' switch does not reach; both are off in the
+    block and back after it."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from flowrl.models.loading import progress_bars_off
+
+    bar = gguf_utils.tqdm
+    with progress_bars_off(True):
+        assert not hf_logging.is_progress_bar_enabled()
+        for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+    assert capsys.readouterr().err == ""
+    assert gguf_utils.tqdm is bar and hf_logging.is_progress_bar_enabled()
+    with progress_bars_off(False):  # a terminal: bars as transformers draws them
+        assert gguf_utils.tqdm is bar
+        for _ in gguf_utils.tqdm(range(3), desc="Converting"):
+            pass
+    assert "Converting" in capsys.readouterr().err
