@@ -147,6 +147,11 @@ class ModelConfig:
             raise ValueError(f"model.path={self.path!r} is not read when model.tiny is set (a "
                              "random model with SmolLM2's tokenizer): drop model.path, or drop "
                              "model=tiny to train that folder's model")
+        if self.tiny is not None and self.gguf_file not in (None, SMOLLM2_GGUF):
+            # the same silent tiny run: a GGUF named beside model=tiny was never read
+            raise ValueError(f"model.gguf_file={self.gguf_file!r} is not read when model.tiny is set "
+                             "(a random model): drop model.gguf_file, or drop model=tiny to train "
+                             "that file's model")
         if self.tiny is None and self.path != SMOLLM2 and not os.path.isdir(self.path):
             raise ValueError(f"model.path must be 'smollm2' or an existing local directory, "
                              f"got {self.path!r} (hub downloads are not used)")

@@ -26,6 +26,10 @@ from flowrl.models.bundled import SMOLLM2_GGUF
     ({"tiny": {"model_type": "llama"}, "path": "/tmp"},
      r"^model.path='/tmp' is not read when model.tiny is set \(a random model with SmolLM2's "
      r"tokenizer\): drop model.path, or drop model=tiny to train that folder's model$"),
+    # and model=tiny model.gguf_file=F (a fresh user's report: F was never read)
+    ({"tiny": {"model_type": "llama"}, "gguf_file": "other.gguf"},
+     r"^model.gguf_file='other.gguf' is not read when model.tiny is set \(a random model\): drop "
+     r"model.gguf_file, or drop model=tiny to train that file's model$"),
 ])
 def test_model_config_validation(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
