@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
@@ -364,6 +365,7 @@ def progress_bars_off(off: bool = True) -> Iterator[None]:
     was_on = hf_logging.is_progress_bar_enabled()
     if was_on:
         hf_logging.disable_progress_bar()
+    gguf_utils: Optional[types.ModuleType]
     try:
         from transformers import modeling_gguf_pytorch_utils as gguf_utils
     except ImportError:  # a transformers without GGUF support: nothing to patch
