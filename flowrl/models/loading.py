@@ -10,10 +10,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import importlib
 import logging
 import os
 import sys
-import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
@@ -365,9 +365,9 @@ def progress_bars_off(off: bool = True) -> Iterator[None]:
     was_on = hf_logging.is_progress_bar_enabled()
     if was_on:
         hf_logging.disable_progress_bar()
-    gguf_utils: Optional[types.ModuleType]
     try:
-        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+        # Any: the module's tqdm is patched by name (no stubs for it)
+        gguf_utils: Any = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
     except ImportError:  # a transformers without GGUF support: nothing to patch
         gguf_utils = None
     bar = getattr(gguf_utils, "tqdm", None)
