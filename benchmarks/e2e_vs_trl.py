@@ -118,6 +118,40 @@ GPU_SUITE = dict(device="cuda", model="qwen05b,smollm2,qwen15b", rollout="hf,vll
 # state has liger's kernels (TRL runs without them: GRPOConfig.use_liger_kernel=False, its default)
 GPU_SUITE_OVERRIDES = ["rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.torch_compile=true",
                        "model.liger_kernel=true"]
+# Device memory (GiB, NVML, the whole device) a pair was seen to need: both frameworks' processes
+# stay resident for all its rounds (one idles at its gate holding weights, optimizer state and
+# engine while the other runs), so a card smaller than the two together fails mid-pair. qwen15b:
+# 108.2 GiB device-wide at ce93b88 on the H200 (flowrl 61.1, TRL 67.3 GiB allocated at their
+# peaks); on an 80 GB H100 (bcc9a72) flowrl's first update OOMed beside TRL's idle 25.4 GiB.
+PAIR_DEVICE_GIB = {"qwen15b": 108.2}
+
+
+def pair_memory_gap(model: str, device_gib: Optional[float]) -> Optional[str]:
+    """Why the GPU suite's pair of ``model`` cannot run on a device of ``device_gib`` GiB (total
+    memory; None = unknown, never refused), or None when it fits (:data:`PAIR_DEVICE_GIB`)."""
+    need = PAIR_DEVICE_GIB.get(model)
+    if need is None or device_gib is None or device_gib >= need:
+        return None
+    return (f"not run: the {model} pair needs ~{need:g} GiB of device memory with both frameworks' "
+            f"processes resident (measured on an H200); this GPU has {device_gib:.1f} GiB "
+            "(--no-memory-check runs it anyway)")
+
+
+def device_total_gib(index: int) -> Optional[float]:
+    """Total memory of GPU ``index`` in GiB from NVML (no CUDA context in this process); None
+    without nvidia-ml-py or a driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).total / 2**30
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no nvidia-ml-py, no driver, no such GPU: unknown
+        return None
+
+
 # the CPU check of the round machinery (a tiny random model, a few minutes on 2 cores)
 CPU_SUITE = dict(device="cpu", model="tiny", rollout="hf", prompts_per_step=2, n=2,
                  max_new_tokens=8, steps=2, rounds=3, warmup=1, micro_batch_size=2,
@@ -1366,6 +1400,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, help="peak for MFU (default: "
                    f"{H200_BF16_PEAK_TFLOPS:g} on CUDA = H200 dense BF16; none on CPU)")
     p.add_argument("--only", choices=FRAMEWORKS)
+    p.add_argument("--no-memory-check", action="store_true", help="run a GPU pair even where the "
+                   "card has less memory than the pair was seen to need (PAIR_DEVICE_GIB)")
     p.add_argument("--plan", action="store_true", help="print the runs and their estimated H200 "
                    "time, run nothing")
     p.add_argument("--child-timeout", type=float, help="seconds before a framework process is "
@@ -1489,6 +1525,14 @@ def main(argv: list[str] | None = None) -> int:
             mp = prep["models"][model]
             for rollout in rollouts:
                 pp = prep["pairs"].get(f"{model}/{rollout}", {})
+                gap = None if base.device != "cuda" or args.no_memory_check else \
+                    pair_memory_gap(model, device_total_gib(_gpu_index()))
+                if gap is not None:  # a skip the report names, not a failure
+                    print(f"{model} / rollout {rollout}: {gap}", flush=True)
+                    doc["runs"] += [{"model": model, "rollout": rollout, "framework": fw,
+                                     "error": gap} for fw in fws]
+                    save()
+                    continue
                 if "error" in mp or "error" in pp:
                     failed = True
                     doc["runs"] += [{"model": model, "rollout": rollout, "framework": fw,

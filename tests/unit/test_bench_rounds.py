@@ -228,3 +228,25 @@ def test_device_growth_reports_memory_kept_from_step_to_step():
     assert two[3] == pytest.approx(0.8)
     assert bench.device_growth(leak[:1]) is None  # one step: no growth to state
     assert bench.device_growth([{"perf": {}}, {"perf": {}}]) is None  # a CPU run: none recorded
+
+
+def test_a_pair_that_cannot_fit_the_card_is_named_not_run():
+    # the 1.5B pair needs ~108 GiB with both processes resident: an 80 GB H100 (79.2 GiB) refuses it
+    gap = bench.pair_memory_gap("qwen15b", 79.18)
+    assert gap == ("not run: the qwen15b pair needs ~108.2 GiB of device memory with both "
+                   "frameworks' processes resident (measured on an H200); this GPU has 79.2 GiB "
+                   "(--no-memory-check runs it anyway)")
+    assert bench.pair_memory_gap("qwen15b", 139.8) is None  # an H200
+    assert bench.pair_memory_gap("qwen15b", None) is None  # unknown memory: never refused
+    assert bench.pair_memory_gap("qwen05b", 79.18) is None  # 62.6 GiB device-wide on the H100
+    assert bench.main(["--suite", "gpu", "--plan", "--no-memory-check"]) == 0
+
+
+def test_device_total_gib_without_a_driver_is_unknown(monkeypatch):
+    import types
+
+    def no_driver():
+        raise OSError("NVML Shared Library Not Found")
+
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=no_driver))
+    assert bench.device_total_gib(0) is None
