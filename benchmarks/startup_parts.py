@@ -3,6 +3,7 @@
     python benchmarks/startup_parts.py data            # the "setup: data" phase: tokenizer + PromptSource
     python benchmarks/startup_parts.py export-key      # hashing a SmolLM2-135M-shaped policy for its vLLM export
     python benchmarks/startup_parts.py overlap {import,setup,both}   # import vllm in a thread vs set-up work
+    python benchmarks/startup_parts.py engine-ahead [WAIT_S]   # an engine process started ahead: its build
     python benchmarks/startup_parts.py gguf-size [--rounds 3] [--md-out FILE]   # a GGUF's ModelSize:
                                            # its header (models/gguf_header.py) vs gguf.GGUFReader
 
@@ -76,7 +77,10 @@ def overlap(mode: str) -> None:
     t0 = time.perf_counter()
     thread = None
     if mode in ("import", "both"):
-        thread = threading.Thread(target=lambda: __import__("vllm"), daemon=True)
+        from flowrl.engines.rollout.vllm import import_vllm_engine
+
+        # vLLM and its engine front end (vllm.LLM), what the engine build imports first
+        thread = threading.Thread(target=import_vllm_engine, daemon=True)
         thread.start()
     if mode in ("setup", "both"):
         tok = load_tokenizer(ModelConfig())
@@ -86,6 +90,38 @@ def overlap(mode: str) -> None:
     if thread is not None:
         thread.join()
     print(f"overlap {mode}: set-up {setup_s:.2f} s, all done {time.perf_counter() - t0:.2f} s")
+
+
+def engine_ahead(wait_s: float) -> None:
+    """One vLLM engine process started ahead (``vllm_proc.start_ahead``, as ``flowrl train``
+    does before the model loads), ``wait_s`` seconds standing in for the parent's machine check
+    and model load, then a one-process engine build of a tiny model on it: the build's seconds.
+    Run it from two checkouts, interleaved, to compare what the process imports ahead. Needs
+    vLLM (.venv-vllm on CPU)."""
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                    "vllm_backend"))
+    from vllm_helpers import TINY_VLLM
+
+    from flowrl.engines.rollout import vllm_proc
+    from flowrl.engines.rollout.vllm_config import VLLMRolloutConfig
+    from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
+
+    vllm_proc.start_ahead(1, torch.device("cpu"))
+    t0 = time.perf_counter()
+    mcfg = ModelConfig(tiny=TINY_VLLM)
+    tok, model = load_tokenizer(mcfg), load_model(mcfg)
+    time.sleep(max(wait_s - (time.perf_counter() - t0), 0.0))
+    t1 = time.perf_counter()
+    eng = vllm_proc.VLLMProcessEngine(model, tok, VLLMRolloutConfig(
+        kv_cache_memory_gb=0.25, enforce_eager=True, max_model_len=256, max_num_seqs=16,
+        engine_procs=1))
+    build_s = time.perf_counter() - t1
+    timings = getattr(eng, "import_timings", None)  # None: a checkout before they were reported
+    eng.close()
+    print(f"engine-ahead: build {build_s:.2f} s after {wait_s:g} s of stand-in set-up; "
+          f"process imports {timings}")
 
 
 def gguf_size(rounds: int, md_out: str | None) -> None:
@@ -147,6 +183,8 @@ if __name__ == "__main__":
         export_key_time()
     elif what == "overlap" and len(sys.argv) > 2 and sys.argv[2] in ("import", "setup", "both"):
         overlap(sys.argv[2])
+    elif what == "engine-ahead":
+        engine_ahead(float(sys.argv[2]) if len(sys.argv) > 2 else 10.0)
     elif what == "gguf-size":
         import argparse
 
@@ -156,4 +194,5 @@ if __name__ == "__main__":
         a = p.parse_args(sys.argv[2:])
         gguf_size(a.rounds, a.md_out)
     else:
-        sys.exit("usage: startup_parts.py data | export-key | overlap {import,setup,both} | gguf-size")
+        sys.exit("usage: startup_parts.py data | export-key | overlap {import,setup,both} | gguf-size | "
+                 "engine-ahead [WAIT_S]")

@@ -33,6 +33,10 @@ def setup():
         kv_cache_memory_gb=0.25, enforce_eager=True, max_model_len=256, max_num_seqs=16,
         engine_procs=2))
     assert [p.pid for p in eng._procs][0] == ahead_pid and vllm_proc._AHEAD == []
+    # each process imported vLLM's engine front end (vllm.LLM: seconds on any CPU) before its
+    # engine build began, not within it (flowrl's own module alone imports in ~0.05 s)
+    assert len(eng.import_timings) == 2
+    assert all(t["imports_s"] > 1.0 and t["idle_s"] >= 0.0 for t in eng.import_timings)
     enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
     yield eng, model, tok, enc.input_ids, enc.attention_mask.bool()
     eng.close()

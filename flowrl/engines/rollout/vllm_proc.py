@@ -121,14 +121,23 @@ def _serve(conn, env: dict[str, str]) -> None:
             del os.environ[k]
     os.environ.update(env)
     failed: BaseException | None = None
+    t0 = time.perf_counter()
     try:
-        from flowrl.engines.rollout.vllm import VLLMRolloutEngine
+        # vLLM's engine imports too, not only flowrl's module (which imports vLLM lazily): a
+        # process started ahead pays them before the build request instead of after it
+        from flowrl.engines.rollout.vllm import VLLMRolloutEngine, import_vllm_engine
+
+        import_vllm_engine()
     except BaseException as e:  # noqa: BLE001 (reported when the build is asked for)
         failed = e
+    imported = time.perf_counter()
     try:
         msg = conn.recv()
     except EOFError:  # the parent is gone (a run refused, or ended, before its engines were built)
         return
+    # how long the imports took, and how long the process then waited for its build request
+    # (0 when the request was already there: the imports were on the build's critical path)
+    imports = {"imports_s": imported - t0, "idle_s": time.perf_counter() - imported}
     if msg[0] != "build":  # "close": started ahead, never needed
         return
     _, exported, cfg = msg
@@ -144,7 +153,7 @@ def _serve(conn, env: dict[str, str]) -> None:
         torch.set_num_threads(cfg.serve_threads)
     conn.send(("ok", {"sleep_supported": engine.sleep_supported,
                       "weight_load_path": engine.weight_load_path,
-                      "serve_threads": torch.get_num_threads()}))
+                      "serve_threads": torch.get_num_threads(), **imports}))
 
     ended = [True]
     # bucket position -> the parent's staging buffer, mapped once (CUDA IPC): later loads refill
@@ -311,6 +320,11 @@ class VLLMProcessEngine:
         self.serve_threads = [r["serve_threads"] for r, _ in ready]
         log.info("vLLM engine processes serve with %s torch thread(s) each",
                  "/".join(map(str, sorted(set(self.serve_threads)))))
+        # per process: its imports (torch's import precedes them) and its idle wait for the build
+        self.import_timings = [{"imports_s": r["imports_s"], "idle_s": r["idle_s"]} for r, _ in ready]
+        log.info("vLLM engine processes' imports (vLLM and its engine): %.1f s at most; %d of %d "
+                 "done before their build request", max(t["imports_s"] for t in self.import_timings),
+                 sum(t["idle_s"] > IDLE_BEFORE_BUILD_S for t in self.import_timings), self.procs_n)
         self.last_timings: dict[str, float] = {}
         self.last_load_counts: dict[str, int] = {"tensors": 0, "bytes": 0}
         self.last_prefix_cache: dict[str, int] = {"prompt_tokens": 0, "cached_tokens": 0}
@@ -634,6 +648,9 @@ class _Spawned:
     env: dict[str, str]
 
 
+# an engine process that waited longer than this for its build request had finished its imports
+# before the request came (the pipe's own latency is far below it)
+IDLE_BEFORE_BUILD_S = 0.05
 # engine processes `flowrl train` started ahead (start_ahead), waiting for their build request
 _AHEAD: list[_Spawned] = []
 
