@@ -24,27 +24,22 @@
 # first_step_ab, startup_profile, decode_ab (see each below);
 # `a+b` runs phases a and b side by side (e.g. tier+vlm: a learning or tier run beside another). Results land in $OUT.
 # X="<flowrl overrides>" is appended to every flowrl run of a phase (e.g. a fallback setting).
-# Next lease (issue 24). Last GPU runs: the e2e pairs at ce93b88 (H200: 2.20x / 1.71x / 1.81x
-# on-policy), the default job's first step at b1cbc10 (H100: 49.3 s cold / 24.2 s warm). Not run on
-# a GPU yet: the prefetch that starts at once (after b1cbc10), serve_threads=1 (faed55c), the
-# job-sized KV cache and engine processes started ahead in the e2e pairs, the GPU tier since ce93b88,
-# the GSM8K fallback's short scan (f8e8227: the 0.5B pair's reward stage was 0.09-0.16 s a step;
-# reward_stage_cpu.md). 2026-12-07 03:34-05:10 UTC: 15 start attempts refused (H200 and H100), no machine.
-# In this order:
+# Next lease (issue 24). Last GPU runs (2026-12-07 09:37-09:54, an H100, bcc9a72): e2e 2.07x (0.5B)
+# / 1.32x (SmolLM2), the 1.5B pair OOMed (both processes resident need ~108 GiB: the suite now
+# skips it on a smaller card), GPU tier green (55 passed), first step 32.8 s (warm vLLM, cold GGUF
+# cache). Not run on a GPU yet: engine processes that import vLLM's engine before their build
+# request (c37c84f: 8.4 -> 3.0 s per build on the CPU, engine_ahead_cpu.md).
+# In this order (an H200 if offered: the 1.5B pair needs its memory):
 #   pieces p1-p4 and p6, model a-c, then carry [".vllm/p5", ".flowrl_commit"]:
-#   E2E_ARGS="--models qwen05b,smollm2 --rollout vllm" X="rollout.vllm.gpu_memory_utilization=0.2" ... install e2e
-#       (~9 min: memory with the job-sized KV cache against ce93b88's 0.91x / 0.76x; engine build with
-#       the engine processes started ahead against ce93b88's 75.6 / 65.0 s (TRL 52.5 / 50.9); generate
-#       ms per decode step with serve_threads=1 against ce93b88's 5.21 / 2.77 ms)
-#   TIER_TIMEOUT_S=420 ... tier   (~4.5 min: the whole tests/gpu folder, test_mps_gpu.py included)
-#   FIRST_STEP_ROUNDS=1 ... first_step   (~1.5 min on the now-warm machine: the prefetch that starts at
-#       once; a cold number needs a fresh machine: put first_step right after install there)
-#   decode_ab   (~4 min: serve_threads 1 vs torch's default, V1 vs V2 model runner, per decode step)
-#   first_step_ab   (~7 min: cold starts with fresh caches, default vs V1 model runner vs liger on)
+#   FIRST_STEP_ROUNDS=1 ... install first_step   (~1.5 min: a cold first step on the fresh machine)
+#   E2E_ARGS="--models qwen05b,smollm2 --rollout vllm" X="rollout.vllm.gpu_memory_utilization=0.2" ... e2e
+#       (~8.5 min: engine build with the engine processes' imports ahead against bcc9a72's 154.2 /
+#       68.4 s cold; the log's "imports ... N of 4 done before their build request")
 #   E2E_TAG=_procs2 E2E_ARGS="--model qwen05b --rollout vllm" X="rollout.vllm.engine_procs=2 rollout.vllm.gpu_memory_utilization=0.2" ... e2e
-#       (~4 min: under MPS, do 2 engines generate as fast as 4 with half the host RSS? 1.07x TRL now)
-#   on an H200: E2E_TAG=_qwen15b_procs2 E2E_ARGS="--model qwen15b --rollout vllm" X="rollout.vllm.engine_procs=2 rollout.vllm.gpu_memory_utilization=0.2" ... e2e
-#       (~4 min: two engine processes under MPS against ce93b88's one in-process engine, 1.81x)
+#       (~4 min: under MPS, do 2 engines generate as fast as 4 with half the host RSS? 1.06x TRL now)
+#   on an H200: E2E_TAG=_qwen15b E2E_ARGS="--model qwen15b --rollout vllm" X="rollout.vllm.gpu_memory_utilization=0.2" ... e2e
+#   TIER_TIMEOUT_S=420 ... tier   (~4 min: the whole tests/gpu folder)
+#   decode_ab, first_step_ab   (V1 vs V2 model runner; cold starts with fresh caches)
 # A start that fails costs 1.5-3 min of the 30: on 2026-12-07 nine of ten did; plan for less.
 # Short of device time and without vLLM: carry [".whl", ".flowrl_commit"]:
 #   TIER_K="not vllm" TIER_TIMEOUT_S=200 bash scripts/device/session.sh wheels tier   (the HF half of the tier)
