@@ -30,16 +30,21 @@ def test_processes_started_ahead_are_taken_and_the_rest_stopped():
     taken, ahead = vllm_proc._take(1, env)
     assert ahead == 1 and [s.proc for s in taken] == [first]
     assert [s.proc for s in vllm_proc._AHEAD] == [second]
-    vllm_proc.discard_ahead()  # the engines are built: the one nobody took stops
-    assert second.exitcode == 0 and vllm_proc._AHEAD == []
-    # the taken one did its imports and waits for its build; a bad one is answered, not hung
-    conn = taken[0].conn
-    conn.send(("build", None, None))
-    assert conn.poll(120)
-    reply = conn.recv()
-    assert reply[0] == "error" and reply[1] in ("AttributeError", "ImportError", "ModuleNotFoundError")
-    first.join(30)
-    assert first.exitcode == 0
+    try:
+        vllm_proc.discard_ahead()  # the engines are built: the one nobody took stops
+        # closed when idle, terminated (SIGTERM) when still starting after DISCARD_GRACE_S
+        assert not second.is_alive() and second.exitcode in (0, -15) and vllm_proc._AHEAD == []
+        # the taken one did its imports and waits for its build; a bad one is answered, not hung
+        conn = taken[0].conn
+        conn.send(("build", None, None))
+        assert conn.poll(120)
+        reply = conn.recv()
+        assert reply[0] == "error" and reply[1] in ("AttributeError", "ImportError", "ModuleNotFoundError")
+        first.join(30)
+        assert first.exitcode == 0
+    finally:  # a failed assertion must not leave the taken process waiting for its build
+        if first.is_alive():
+            first.terminate()
 
 
 class _Proc:
@@ -154,3 +159,24 @@ def test_a_second_start_only_tops_up(monkeypatch):
     assert vllm_proc.start_ahead(3, cpu) == 1
     assert len(spawned) == 3 and len(vllm_proc._AHEAD) == 3
     vllm_proc._AHEAD.clear()  # stand-ins: nothing to stop
+
+
+def _busy(conn):  # an engine process still importing: it reads no pipe for a long while
+    import time as _time
+
+    _time.sleep(60)
+
+
+def test_an_unused_process_still_importing_is_terminated_after_the_grace():
+    import multiprocessing as mp
+    import time
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_busy, args=(child,))
+    proc.start()
+    t0 = time.monotonic()
+    vllm_proc._shutdown([parent], [proc], None, grace_s=0.5)
+    assert time.monotonic() - t0 < 10  # not the 60 s it would sleep
+    assert not proc.is_alive() and proc.exitcode == -15  # SIGTERM
+    assert vllm_proc.DISCARD_GRACE_S == 1.0

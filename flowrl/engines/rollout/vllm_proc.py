@@ -681,10 +681,17 @@ def start_ahead(n: int, device: torch.device) -> int:
     return todo
 
 
+# seconds an unused engine process started ahead gets to read "close" before it is terminated:
+# one still importing vLLM (~6 s) would otherwise hold a refused run's exit until its imports end
+DISCARD_GRACE_S = 1.0
+
+
 def discard_ahead() -> None:
-    """Stop every engine process started ahead that no engine took."""
+    """Stop every engine process started ahead that no engine took: asked to close, then
+    terminated after :data:`DISCARD_GRACE_S` (it holds no engine, no device memory yet)."""
     if _AHEAD:
-        _shutdown([s.conn for s in _AHEAD], [s.proc for s in _AHEAD], None)
+        _shutdown([s.conn for s in _AHEAD], [s.proc for s in _AHEAD], None,
+                  grace_s=DISCARD_GRACE_S)
         _AHEAD.clear()
 
 
@@ -697,14 +704,16 @@ def _take(n: int, env: dict[str, str]) -> tuple[list[_Spawned], int]:
     return mine + [_spawn(env) for _ in range(n - len(mine))], len(mine)
 
 
-def _shutdown(conns: list, procs: list, tmp_dir: str | None) -> None:
+def _shutdown(conns: list, procs: list, tmp_dir: str | None, grace_s: float = 60.0) -> None:
+    """Ask each process to close, wait up to ``grace_s`` in all for them, then terminate the rest."""
     for c in conns:
         try:
             c.send(("close",))
         except (BrokenPipeError, OSError):
             pass
+    end = time.monotonic() + grace_s
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=max(end - time.monotonic(), 0.0))
         if p.is_alive():
             p.terminate()
             p.join(timeout=10)
