@@ -31,7 +31,9 @@ def test_profiled_step_writes_a_summary_and_a_trace(tmp_path):
                            "flowrl/offload/actor", "flowrl/onload/rollout",
                            "flowrl/offload/rollout", "flowrl/onload/actor", "flowrl/sync/rollout"}
     assert ranges["flowrl/run/rollout"] > 0 and ranges["flowrl/run/update"] > 0
-    assert sum(ranges.values()) <= wall  # the ranges are disjoint parts of the step
+    # the ranges are disjoint parts of the step; each figure is printed to 1 ms, so the sum of
+    # 11 rounded ranges may pass the rounded wall by up to 6 ms (0.588 + 1e-16 was seen)
+    assert sum(ranges.values()) <= wall + 0.0005 * (len(ranges) + 1)
     assert list(ranges.values()) == sorted(ranges.values(), reverse=True)
     assert "aten::mm" in text  # the operator table
     with gzip.open(root / "step_000002" / "rank0.trace.json.gz", "rt") as f:
