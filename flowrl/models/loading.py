@@ -11,6 +11,7 @@ import contextlib
 import copy
 import functools
 import importlib
+import json
 import logging
 import os
 import sys
@@ -215,6 +216,8 @@ def check_model_dir(folder: Path, gguf_file: Optional[str] = None, *, tokenizer:
         raise ValueError(f"model.path {str(folder)!r} holds no Hugging Face model (no "
                          f"{' and no '.join(missing)}): point it at a model directory "
                          "(save_pretrained output), or use model=smollm2 / model=tiny")
+    if not gguf_file:  # config.json and the weights' headers, in milliseconds, before any load
+        check_hf_files(folder)
     if gguf_file:  # its header, in milliseconds: an empty or cut file is named before any load
         from flowrl.models.gguf_header import read_gguf_header
 
@@ -222,6 +225,56 @@ def check_model_dir(folder: Path, gguf_file: Optional[str] = None, *, tokenizer:
             read_gguf_header(str(weights))
         except ValueError as e:
             raise ValueError(f"model.gguf_file {gguf_file!r}: {e}") from None
+
+
+def check_hf_files(folder: Path) -> None:
+    """``folder``'s ``config.json`` parses as a JSON object, and every ``*.safetensors`` file in it
+    has a readable header and is as long as that header says (a copy cut short, a file
+    overwritten), read without loading a tensor: a broken model directory is one line naming the
+    file before any model loads, not a transformers or safetensors traceback after.
+
+    Raises:
+        ValueError: naming the file and what is wrong with it.
+    """
+    cfg_file = folder / "config.json"
+    if cfg_file.is_file():
+        try:
+            parsed = json.loads(cfg_file.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"model.path: {cfg_file} is not valid JSON ({e})") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"model.path: {cfg_file} holds a JSON {type(parsed).__name__}, not "
+                             "a model config object")
+    for f in sorted(folder.glob("*.safetensors")):
+        why = _safetensors_damage(f)
+        if why is not None:
+            raise ValueError(f"model.path: {f} is damaged ({why}): copy the model folder again")
+
+
+def _safetensors_damage(path: Path) -> Optional[str]:
+    """What is wrong with a ``.safetensors`` file's layout (None: nothing): an 8-byte header
+    length, a JSON header, then the tensors' bytes up to the largest ``data_offsets`` end."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, shorter than the 8-byte header length"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"its header claims {n:,} bytes, the file holds {size:,}"
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, ValueError) as e:
+            return f"its header is not JSON: {e}"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"
+            and isinstance(v, dict) and isinstance(v.get("data_offsets"), list)
+            and len(v["data_offsets"]) == 2 and isinstance(v["data_offsets"][1], int)]
+    need = 8 + n + max(ends, default=0)
+    if size < need:
+        return f"{size:,} bytes, its header needs {need:,}: cut short"
+    return None
 
 
 def load_tokenizer(cfg: ModelConfig) -> "PreTrainedTokenizerBase":

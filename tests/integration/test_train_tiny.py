@@ -138,6 +138,19 @@ def test_train_rejects_bad_config_in_one_line_before_loading_anything(tmp_path):
     assert not (tmp_path / "run").exists()  # no .hydra/, no empty train.log: nothing at all
 
 
+def test_a_data_refusal_only_the_tokenizer_can_make_is_one_line_and_leaves_nothing(tmp_path):
+    # every prompt over data.max_prompt_tokens is known once the job has the tokenizer (after
+    # the run directory is locked): still one line, no model loaded, the directory removed
+    r = subprocess.run([sys.executable, "-m", "flowrl.train", "model=tiny", "trainer=smoke",
+                        "data.max_prompt_tokens=1", f"hydra.run.dir={tmp_path / 'run'}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        "flowrl train: error: data: all 7100 prompts exceed data.max_prompt_tokens=1")
+    assert "Traceback" not in r.stderr + r.stdout and "model loaded" not in r.stdout + r.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_resuming_a_finished_run_keeps_its_record(tmp_path, capsys):
     run(tmp_path, "trainer.total_steps=1")
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()

@@ -267,3 +267,33 @@ def test_progress_bars_off_silences_the_gguf_dequantizer_and_restores(capsys):
         for _ in gguf_utils.tqdm(range(3), desc="Converting"):
             pass
     assert "Converting" in capsys.readouterr().err
+
+
+def _saved_tiny(tmp_path):
+    model = load_model(ModelConfig(tiny=tiny_model_config()))
+    tok = load_tokenizer(ModelConfig(tiny=tiny_model_config()))
+    out = tmp_path / "m"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_a_broken_model_folder_is_one_line_naming_the_file(tmp_path):
+    folder = _saved_tiny(tmp_path)
+    ModelConfig(path=str(folder))  # intact: accepted
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 1000])  # a copy cut short
+    with pytest.raises(ValueError, match=rf"model.path: {weights} is damaged \({len(data) - 1000:,} "
+                       rf"bytes, its header needs {len(data):,}: cut short\)"):
+        ModelConfig(path=str(folder))
+    weights.write_bytes(b"\x05\x00")
+    with pytest.raises(ValueError, match=r"is damaged \(2 bytes, shorter than the 8-byte header"):
+        ModelConfig(path=str(folder))
+    weights.write_bytes(data)
+    (folder / "config.json").write_text('{"model_type": "llama",')
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON \(Expecting property name"):
+        ModelConfig(path=str(folder))
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config.json holds a JSON list, not a model config object"):
+        ModelConfig(path=str(folder))

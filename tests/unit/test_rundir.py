@@ -112,6 +112,30 @@ def test_a_rejected_run_leaves_nothing_behind(tmp_path):
     assert (d / ".hydra" / "config.yaml").read_text() == "old"
 
 
+def test_a_run_refused_inside_its_job_removes_its_released_lock_file(tmp_path):
+    d = tmp_path / "run"
+    (d / ".hydra").mkdir(parents=True)
+    RunDirLock(d).acquire().release()  # the job's lock, released before the refusal is handled
+    remove_hydra_leftovers(d)
+    assert not d.exists()
+    (d / ".hydra").mkdir(parents=True)
+    import subprocess
+    import sys
+
+    # another process holds the lock: its file stays (the rest of Hydra's files go)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(60)"), str(d / LOCK_FILE)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        remove_hydra_leftovers(d)
+        assert (d / LOCK_FILE).is_file() and not (d / ".hydra").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_the_interrupt_hint_tells_whether_there_is_anything_to_continue(tmp_path):
     assert resume_hint(tmp_path, str(tmp_path)) == (
         f"no checkpoint was written yet, so there is nothing to continue; start again with: "

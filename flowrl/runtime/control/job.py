@@ -312,20 +312,26 @@ class _Job:
         cfg, dinfo, out_dir, T = self.cfg, self.dinfo, self.out_dir, self.cfg.trainer.total_steps
         place = self.place = rank_placement(cfg, self.pp, dinfo)
         torch.manual_seed(cfg.trainer.seed)
-        if dinfo.rank == 0:
-            (out_dir / "plan.txt").write_text("\n".join([format_plan(self.full),
-                                                         *overlap_lines(self.pp)]) + "\n")
 
         # ---- setup: this rank's engines, resources, executor; a console line for each phase
         # as it ends, from the first second (a file gets them as a terminal does)
         say = _Say(place.logs and cfg.logger.console)
         say(place.header(cfg, out_dir))
         t0 = time.perf_counter()
-        tokenizer = load_tokenizer(cfg.model)
-        prompts = PromptSource(cfg.data, tokenizer, rank=place.dist.rank,
-                               world_size=place.dist.world_size,
-                               image_encoder=image_encoder(cfg.model, tokenizer))
+        try:
+            tokenizer = load_tokenizer(cfg.model)
+            prompts = PromptSource(cfg.data, tokenizer, rank=place.dist.rank,
+                                   world_size=place.dist.world_size,
+                                   image_encoder=image_encoder(cfg.model, tokenizer))
+        except ValueError as e:
+            # what only the tokenizer can tell (every prompt over data.max_prompt_tokens, a
+            # chat template that fails on a row): refused in one line like any input check, no
+            # model loaded, and the run directory left as it was found (plan.txt comes after)
+            raise ConfigError(str(e) if str(e).startswith(("data", "model")) else f"data: {e}") from e
         say(f"setup: data {len(prompts)} prompts in {time.perf_counter() - t0:.1f} s")
+        if dinfo.rank == 0:
+            (out_dir / "plan.txt").write_text("\n".join([format_plan(self.full),
+                                                         *overlap_lines(self.pp)]) + "\n")
         t0 = time.perf_counter()
         built = build_engines(cfg, place.plan, tokenizer, world_size=place.engine_ranks,
                               group=place.engine_group, rollout_apart=place.overlaps)

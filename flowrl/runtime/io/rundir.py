@@ -180,6 +180,11 @@ def remove_hydra_leftovers(run_dir: Path) -> None:
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
+    # a run refused inside its job (its data, after the lock was taken) leaves the lock file:
+    # released, so gone with the rest unless another process holds it now
+    lock = run_dir / LOCK_FILE
+    if lock.is_file() and RunDirLock(run_dir).held_elsewhere() is None:
+        lock.unlink(missing_ok=True)
     if not any(run_dir.iterdir()):
         run_dir.rmdir()
 
