@@ -26,6 +26,22 @@ def _check_exists(ckpt: Path) -> None:
             f"; {ckpt.parent} has {', '.join(near)})" if near else ")"))
 
 
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """``OUT_DIR`` before anything loads: a file there, or a folder that already holds files
+    (an earlier export a new one would silently replace), is refused unless ``overwrite``.
+
+    Raises:
+        ValueError: naming the path and what is in it.
+    """
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"export: {out} is a file, not a directory: choose a new directory")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:4]) + (f", ... ({len(held)} in all)" if len(held) > 4 else "")
+        raise ValueError(f"export: {out} already holds {shown}: choose a new or empty directory, "
+                         "or pass --overwrite to write over it")
+
+
 def written_tensors(out: Path) -> tuple[int, int]:
     """(tensors, bytes) of the ``*.safetensors`` files in ``out`` (the weights an export wrote;
     a tied weight counts once, as stored)."""
@@ -40,7 +56,8 @@ def written_tensors(out: Path) -> tuple[int, int]:
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=None, *,
-                      role: str = "actor", adapter_only: bool = False) -> Path:
+                      role: str = "actor", adapter_only: bool = False,
+                      overwrite: bool = False) -> Path:
     """Load ``role``'s weights from a checkpoint and ``save_pretrained`` them with the tokenizer.
 
     Args:
@@ -51,6 +68,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
         role: which trainable engine's weights (``actor``; ``critic`` is a value model, not a LM).
         adapter_only: a LoRA checkpoint: write the PEFT adapter directory instead of the merged
             model.
+        overwrite: write into an ``out_dir`` that already holds files (else refused).
 
     Returns: ``out_dir``.
 
@@ -58,16 +76,18 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
         FileNotFoundError: no such directory, or not a complete checkpoint. ValueError: no model
             config anywhere, a tampered / corrupt checkpoint
             (``runtime.io.checkpoint.verify_checkpoint``; nothing is loaded, connected or written
-            then), or ``adapter_only`` for a checkpoint without ``model.lora``.
+            then), a shard whose content does not load, ``adapter_only`` for a checkpoint
+            without ``model.lora``, or an ``out_dir`` that is a file or (without ``overwrite``)
+            already holds files (:func:`check_out_dir`).
     """
     ckpt = Path(checkpoint)
     _check_exists(ckpt)
+    check_out_dir(Path(out_dir), overwrite)
 
-    import torch.distributed.checkpoint as dcp
     from omegaconf import OmegaConf
 
     from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
-    from flowrl.runtime.io.checkpoint import WeightsOnlyReader, verify_checkpoint
+    from flowrl.runtime.io.checkpoint import load_tensors, verify_checkpoint
 
     meta_path = ckpt / "trainer_state.json"
     if not (meta_path.is_file() and (ckpt / ".metadata").is_file()):
@@ -94,7 +114,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     wanted = {n: t for n, t in model.state_dict().items() if peft_model is None or n in trainable}
     state = {role: {"model": wanted}}
-    dcp.load(state, storage_reader=WeightsOnlyReader(ckpt))
+    try:
+        load_tensors(ckpt, state)
+    except ValueError as e:  # a damaged shard (CorruptCheckpointError): one line, nothing written
+        raise ValueError(f"export: {e}") from e
     model.load_state_dict(state[role]["model"], strict=peft_model is None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,8 +159,11 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("--role", default="actor")
     p.add_argument("--adapter-only", action="store_true",
                    help="LoRA checkpoint: write the PEFT adapter directory, not the merged model")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into OUT_DIR even when it already holds files (else refused)")
     args, overrides = p.parse_known_args(argv)
     _check_exists(args.checkpoint)
+    check_out_dir(args.out_dir, args.overwrite)  # before composing or loading anything
     model_cfg: Optional[object] = None
     if overrides:
         from flowrl.config import compose, to_train_config
@@ -152,7 +178,7 @@ def export_main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     with progress_bars_off(not sys.stderr.isatty()):  # a bar garbles a log file: one line instead
         out = export_checkpoint(args.checkpoint, args.out_dir, model_cfg, role=args.role,
-                                adapter_only=args.adapter_only)
+                                adapter_only=args.adapter_only, overwrite=args.overwrite)
     n, size = written_tensors(out)
     print(f"exported {args.checkpoint} ({args.role}) to {out} ({n} tensors, "
           f"{size / 2**30:.3g} GiB) in {time.perf_counter() - t0:.1f} s")

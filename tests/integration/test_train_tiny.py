@@ -238,6 +238,44 @@ def test_resuming_a_finished_run_from_the_command_line_keeps_its_hydra_record(tm
     assert "trainer.engine.lr=3e-4" in hydra["overrides.yaml"]
 
 
+def test_resume_past_a_newest_checkpoint_whose_shard_is_damaged_in_place(tmp_path):
+    """A shard overwritten in place (its length kept: no size check sees it) made every resume
+    fail the same way, with a traceback and a resume command that failed again (fresh-user
+    report). The run resumes from the checkpoint before it and sets the damaged one aside."""
+    out = tmp_path / "run"
+    base = ["model=tiny", "trainer=smoke", "trainer.save_every=1", "trainer.eval.before=false",
+            "trainer.eval.after=false", "logger.progress=false", f"trainer.output_dir={out}"]
+    first = subprocess.run([sys.executable, "-m", "flowrl.train", *base], cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000001", "step_000002"]
+    for shard in (ckpts / "step_000002").glob("*.distcp"):
+        shard.write_bytes(b"\0" * shard.stat().st_size)
+    # flowrl export of it: one line naming the checkpoint, nothing written
+    exp = subprocess.run([sys.executable, "-m", "flowrl.cli", "export", str(ckpts / "step_000002"),
+                          str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert exp.returncode == 2 and "Traceback" not in exp.stderr
+    assert exp.stderr.strip().splitlines()[-1].startswith(
+        f"flowrl export: error: export: {ckpts / 'step_000002'}: its tensors did not load (")
+    assert not (tmp_path / "hf").exists()
+    again = subprocess.run([sys.executable, "-m", "flowrl.train", *base, "trainer.resume=true",
+                            "trainer.total_steps=3"], cwd=REPO, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    said = [ln for ln in again.stdout.splitlines() if "did not load" in ln or "set aside" in ln]
+    assert len(said) == 2, said
+    assert "resume: " in said[0] and "step_000002 did not load (" in said[0] and \
+        "its tensors did not load" in said[0] and said[0].endswith("moved to step_000002.corrupt")
+    assert said[1] == ("setup: resuming from step_000001 instead (step_000002 set aside as "
+                       "step_000002.corrupt)")
+    steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-2:] == [2, 3]  # step 2 trained again, then step 3
+    # trainer.keep_last=2 pruned step 1; the damaged copy is kept for inspection, never pruned
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000002.corrupt",
+                                                       "step_000003"]
+
+
 @pytest.mark.slow  # default tier time (CI runs the slow tier too: .ci/run)
 def test_a_refused_resume_keeps_the_runs_hydra_record(tmp_path):
     """A resume refused inside the job (its checkpoint does not read) exits 2 in one line, and

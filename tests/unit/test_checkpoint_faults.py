@@ -288,6 +288,23 @@ def test_resume_falls_back_past_a_corrupt_newest_checkpoint(tmp_path, damage):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000002.corrupt"]
 
 
+def test_a_damaged_shard_of_the_right_length_fails_its_load_by_name(tmp_path):
+    """Bytes overwritten in place (the length kept) pass verify_checkpoint; the load names the
+    checkpoint and the cause, previous() finds the older one, set_aside() renames the bad one."""
+    m = saved(tmp_path, 1, 2)
+    newest = tmp_path / "step_000002"
+    for shard in newest.glob("*.distcp"):
+        shard.write_bytes(b"\0" * shard.stat().st_size)
+    assert m.latest() == newest  # nothing a length check can see
+    with pytest.raises(CorruptCheckpointError, match=r"step_000002: its tensors did not load \("):
+        loaded(m, newest)
+    assert m.previous(newest) == tmp_path / "step_000001" and m.previous(tmp_path / "step_000001") is None
+    assert loaded(m, m.previous(newest)) == 1.0
+    assert m.set_aside(newest, "damaged") == tmp_path / "step_000002.corrupt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000002.corrupt"]
+    assert m.resume_point() == tmp_path / "step_000001"
+
+
 def test_no_loadable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     m = saved(tmp_path, 1)
     (tmp_path / "step_000001/trainer_state.json").write_text("{")

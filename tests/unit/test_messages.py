@@ -37,3 +37,33 @@ def test_export_of_a_missing_checkpoint_says_not_found_before_importing_torch(tm
     assert r.stderr.strip() == (f"flowrl export: error: export: no checkpoint at "
                                 f"{tmp_path}/checkpoints/step_000003 (not found; "
                                 f"{tmp_path}/checkpoints has step_000002)")
+
+
+@pytest.mark.parametrize("case", ["file", "full", "overwrite"])
+def test_export_refuses_an_out_dir_it_would_clobber_before_importing_torch(tmp_path, case):
+    ckpt = tmp_path / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    out = tmp_path / "out"
+    if case == "file":
+        out.write_text("notes")
+    else:
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        (out / "notes.txt").write_text("mine")
+    extra = ", '--overwrite'" if case == "overwrite" else ""
+    code = (f"import sys; from flowrl.cli import main; rc = main(['export', sys.argv[1], sys.argv[2]{extra}]); "
+            "print(rc, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code, str(ckpt), str(out)], cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                       timeout=120)
+    # refused before torch loads; past the check (--overwrite), the checkpoint's own check answers
+    assert r.stdout.split() == ["2", "True" if case == "overwrite" else "False"]
+    expected = {
+        "file": f"export: {out} is a file, not a directory: choose a new directory",
+        "full": f"export: {out} already holds config.json, notes.txt: choose a new or empty "
+                "directory, or pass --overwrite to write over it",
+        # --overwrite passes the check: the next one (an empty checkpoint folder) answers
+        "overwrite": f"export: {ckpt} is not a complete flowrl checkpoint (needs "
+                     "trainer_state.json and .metadata)"}[case]
+    assert r.stderr.strip() == f"flowrl export: error: {expected}"
+    assert (out / "notes.txt").read_text() == "mine" if case != "file" else out.read_text() == "notes"

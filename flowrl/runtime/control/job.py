@@ -293,6 +293,7 @@ class _Job:
         from flowrl.data import PromptSource
         from flowrl.models.loading import load_tokenizer
         from flowrl.runtime.io import distributed as fdist
+        from flowrl.runtime.io.checkpoint import CorruptCheckpointError
         from flowrl.runtime.io.metrics import MetricsLogger
         from flowrl.runtime.io.profiling import StepProfiler
         from flowrl.runtime.step.evaluate import eval_line
@@ -366,7 +367,11 @@ class _Job:
         start, earlier = 1, dict[str, Any]()
         if cfg.trainer.resume and resume_from is not None:
             t0 = time.perf_counter()
-            start, earlier, changed = self.resume(resume_from, prompts)
+            try:
+                start, earlier, changed = self.resume(resume_from, prompts)
+            except CorruptCheckpointError as e:  # its files' content: try the one before it
+                resume_from, (start, earlier, changed) = self.resume_previous(resume_from, e, prompts,
+                                                                              say)
             say(f"setup: resumed from {resume_from} in {time.perf_counter() - t0:.1f} s")
             if changed:  # allowed (a lower lr to go on with), but never silently
                 say(f"setup: settings changed since {resume_from.name}: {'; '.join(changed)}")
@@ -472,6 +477,32 @@ class _Job:
         for c in changed:
             log.info("resume: setting changed since %s: %s", path.name, c)
         return start, earlier, changed
+
+    def resume_previous(self, path: Path, error: Exception, prompts: Any,
+                        say: "_Say") -> tuple[Path, tuple[int, dict[str, Any], list[str]]]:
+        """``path`` passed :func:`verify_checkpoint` but its tensors did not load (``error``: a
+        damaged shard of the right length): resume from the checkpoint before it and, once that
+        one has loaded, set ``path`` aside as ``step_N.corrupt``. A checkpoint that cannot load
+        for another reason (another model) fails the older one too: then nothing is moved.
+
+        Raises:
+            ConfigError: no older checkpoint, or it does not load either (nothing moved).
+        """
+        from flowrl.runtime.io.checkpoint import CorruptCheckpointError
+
+        previous = self.ckpts.previous(path)
+        if previous is None:
+            raise ConfigError(f"trainer.resume: {error}; no older checkpoint to resume from "
+                              "(nothing was moved)") from error
+        try:
+            got = self.resume(previous, prompts)  # every tensor loaded again: none kept of path's
+        except CorruptCheckpointError as e:
+            raise ConfigError(f"trainer.resume: {error}; {previous.name}, the one before it, does "
+                              f"not load either ({e}): nothing was moved") from e
+        bad = self.ckpts.set_aside(path, str(error))
+        # the cause is in the set-aside warning above (log and console): here the outcome
+        say(f"setup: resuming from {previous.name} instead ({path.name} set aside as {bad.name})")
+        return previous, got
 
     # ---- JobEvents -----------------------------------------------------------------------------
     def record(self, step: int, m: dict[str, float]) -> None:

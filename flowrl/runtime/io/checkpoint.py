@@ -301,16 +301,73 @@ class CheckpointManager:
     def load(self, path: str | Path, tensors: dict[str, Any]) -> dict[str, Any]:
         """Load in place into ``tensors`` (same structure as saved); return the JSON metadata.
 
-        Raises: UnsafeCheckpointError / CorruptCheckpointError (see :func:`verify_checkpoint`).
+        Raises: UnsafeCheckpointError / CorruptCheckpointError (see :func:`verify_checkpoint`;
+            also a load that fails on the files' content, naming the checkpoint and the cause).
         """
         path = Path(path)
         meta = verify_checkpoint(path)
-        dcp.load(tensors, storage_reader=WeightsOnlyReader(path))
+        load_tensors(path, tensors)
         return meta
+
+    def previous(self, path: str | Path) -> Optional[Path]:
+        """The newest complete checkpoint older than ``path`` that passes
+        :func:`verify_checkpoint`, or None."""
+        name = Path(path).name
+        for p in reversed(self.complete()):
+            if p.name < name:
+                try:
+                    verify_checkpoint(p)
+                    return p
+                except CorruptCheckpointError:
+                    continue
+        return None
+
+    def set_aside(self, path: str | Path, why: str) -> Path:
+        """Rename ``path`` to ``step_N.corrupt`` (kept for inspection, never loaded or pruned):
+        a checkpoint whose tensors did not load while an older one did. Rank 0 renames; every
+        rank calls it (a barrier). Returns the new path."""
+        path = Path(path)
+        bad = path.with_name(path.name + ".corrupt")
+        if fdist.is_rank0():
+            shutil.rmtree(bad, ignore_errors=True)
+            os.replace(path, bad)
+            log.warning("resume: %s did not load (%s); moved to %s", path, why, bad.name)
+        fdist.barrier()
+        return bad
 
     def _prune(self) -> None:
         for p in self.complete()[: -self.keep_last]:
             shutil.rmtree(p, ignore_errors=True)
+
+
+
+def load_tensors(path: str | Path, tensors: dict[str, Any]) -> None:
+    """DCP load of checkpoint ``path`` into ``tensors`` (in place, the saved structure), through
+    :class:`WeightsOnlyReader`; call :func:`verify_checkpoint` first.
+
+    Raises:
+        CorruptCheckpointError: the files' content does not load (a damaged shard of the right
+            length: a zip or pickle error), naming the checkpoint and the cause.
+        UnsafeCheckpointError: a tampered index. KeyboardInterrupt: Ctrl-C inside the load.
+    """
+    path = Path(path)
+    try:
+        dcp.load(tensors, storage_reader=WeightsOnlyReader(path))
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        causes = _causes(e)
+        if any(isinstance(c, KeyboardInterrupt) for c in causes):
+            raise KeyboardInterrupt from e
+        unsafe = [c for c in causes if isinstance(c, UnsafeCheckpointError)]
+        if unsafe:
+            raise unsafe[0] from e
+        # a shard of the right length whose bytes are damaged passes verify_checkpoint and
+        # fails here (a zip or pickle error from torch.load), as would a checkpoint of
+        # another model: the caller tells them apart by trying an older checkpoint
+        c = causes[0]
+        text = " ".join(str(c).split())
+        raise CorruptCheckpointError(
+            f"{path}: its tensors did not load ({type(c).__name__}: "
+            f"{text[:300] + ' ...' if len(text) > 300 else text})") from e
 
 
 class UnsafeCheckpointError(ValueError):
