@@ -36,10 +36,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
-        from flowrl.train import main as train_main
+        try:
+            from flowrl.train import main as train_main
 
-        sys.argv = [sys.argv[0] + " train", *rest]  # Hydra's own command line (-m, --help) reads it
-        train_main(rest)  # launcher.nproc > 1: becomes torchrun, never returns
+            sys.argv = [sys.argv[0] + " train", *rest]  # Hydra's command line (-m, --help) reads it
+            train_main(rest)  # launcher.nproc > 1: becomes torchrun, never returns
+        except KeyboardInterrupt:
+            # Ctrl-C while the run is checked, before its job (the job says its own resume line):
+            # nothing was written yet, and a traceback of whichever import it hit says nothing
+            print("\nflowrl train: interrupted before the run started (no step ran)",
+                  file=sys.stderr)
+            return 130
         return 0
     try:
         if cmd == "plan":

@@ -263,8 +263,11 @@ class TrainerConfig:
             raise ValueError(f"trainer.critic_lr must be >= 0 or null, got {self.critic_lr}")
         if self.offload not in ("auto", "always", "never", "rollout"):
             raise ValueError(f"trainer.offload must be auto, always, never or rollout, got {self.offload!r}")
-        if self.save_every < 0 or self.keep_last < 1:
-            raise ValueError("trainer.save_every must be >= 0 and trainer.keep_last >= 1")
+        if self.save_every < 0:
+            raise ValueError(f"trainer.save_every must be >= 0 (0: only the last step), got "
+                             f"{self.save_every}")
+        if self.keep_last < 1:
+            raise ValueError(f"trainer.keep_last must be >= 1, got {self.keep_last}")
         late = sorted(s for s in self.profile.steps if s > self.total_steps)
         if late:
             raise ValueError(f"trainer.profile.steps {late} come after the last step "

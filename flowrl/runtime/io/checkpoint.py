@@ -101,7 +101,6 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep_last = keep_last
         self._pending: Optional[_PendingSave] = None
-        self._warned: set[Path] = set()
 
     def save(self, step: int, tensors: dict[str, Any], meta: dict[str, Any], *,
              async_save: bool = False) -> Path:
@@ -243,9 +242,9 @@ class CheckpointManager:
                 verify_checkpoint(p)
                 return p
             except CorruptCheckpointError as e:
-                if p not in self._warned:
+                if p not in _WARNED:
                     log.warning("checkpoint %s is not loadable (%s); trying the previous one", p, e)
-                    self._warned.add(p)
+                    _WARNED.add(p)
         return None
 
     def remove_stale(self) -> None:
@@ -368,6 +367,12 @@ def load_tensors(path: str | Path, tensors: dict[str, Any]) -> None:
         raise CorruptCheckpointError(
             f"{path}: its tensors did not load ({type(c).__name__}: "
             f"{text[:300] + ' ...' if len(text) > 300 else text})") from e
+
+
+# checkpoints already warned about as not loadable, in this process: the run's start-up asks
+# several managers of one folder (the finished-run check, the resume point, the hint), and the
+# warning was printed four times (fresh-user report)
+_WARNED: set[Path] = set()
 
 
 class UnsafeCheckpointError(ValueError):
