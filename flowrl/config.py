@@ -177,9 +177,12 @@ class EvalConfig:
     every: int = 0
 
     def __post_init__(self) -> None:
-        if (self.limit is not None and self.limit < 0) or self.batch_size < 1 or self.max_new_tokens < 1:
-            raise ValueError("trainer.eval: limit must be >= 0 or null (the whole split), "
-                             "batch_size and max_new_tokens >= 1")
+        if self.limit is not None and self.limit < 0:
+            raise ValueError(f"trainer.eval.limit must be >= 0 or null (the whole split), got "
+                             f"{self.limit}")
+        for name in ("batch_size", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.eval.{name} must be >= 1, got {getattr(self, name)}")
         if self.every < 0:
             raise ValueError(f"trainer.eval.every must be >= 0 (0 = only before/after), got {self.every}")
 

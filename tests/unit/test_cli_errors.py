@@ -18,6 +18,10 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
      "must be >= 0 (0: only the last step), got -1"),
     (["train", "trainer.keep_last=0"],
      "flowrl train: error: invalid config: trainer.keep_last must be >= 1, got 0"),
+    (["train", "trainer.eval.limit=-5"], "flowrl train: error: invalid config: trainer.eval.limit "
+     "must be >= 0 or null (the whole split), got -5"),
+    (["train", "trainer.eval.batch_size=0"],
+     "flowrl train: error: invalid config: trainer.eval.batch_size must be >= 1, got 0"),
 ])
 def test_one_line_errors_name_the_field_and_its_value(args, expected, tmp_path):
     test_one_line_errors(args, expected, tmp_path)
