@@ -177,6 +177,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a.startswith("-") for a in args):  # Hydra's command line: -m, --cfg job, --help...
+        if "-m" in args or "--multirun" in args:
+            bad = check_sweep([a for a in args if "=" in a and not a.startswith("-")])
+            if bad is not None:  # before job 1 trains: a later job's typo would cost its hours
+                sys.exit(_refused(bad))
         sys.argv = [sys.argv[0], *args]
         return _hydra_app()
     from hydra.errors import HydraException
@@ -220,6 +224,42 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # group ends naming the rank and the resume command
         sys.exit(supervise.supervise(supervise.torchrun_args(spec.config.launcher, args), args))
     _hydra_job(spec)
+
+
+def check_sweep(overrides: list[str]) -> Optional[str]:
+    """Every job of a command-line sweep (``flowrl train -m a=1,2 b=x,y``: the jobs Hydra's basic
+    sweeper makes) composed and validated as a config (fields and values, no graph or data
+    checks, no model) before the first job runs. Returns the first bad job's one-line reason
+    (its number and overrides), None when all pass or when the overrides do not parse (Hydra's
+    own report then says why).
+
+    ``hydra._internal``'s :class:`BasicSweeper` expands the sweep exactly as the run will."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from flowrl.config_errors import explain
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return None
+    if not any(o.is_sweep_override() for o in parsed):
+        return None
+    jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    swept = {o.key_or_group for o in parsed if o.is_sweep_override()}
+    for i, job in enumerate(jobs, 1):
+        try:
+            to_train_config(task_section(compose(list(job), with_hydra=True)))
+            continue
+        except ValueError as e:
+            why = str(e)
+        except (HydraException, OmegaConfBaseException) as e:
+            why = explain(e, list(job))
+        which = " ".join(o for o in job if o.split("=", 1)[0].lstrip("+~") in swept)
+        return f"sweep job {i} of {len(jobs)} ({which}): {why}; no job was run"
+    return None
 
 
 def _finished(spec: RunSpec) -> bool:

@@ -345,3 +345,29 @@ def test_ctrl_c_before_the_job_is_one_line_not_a_traceback(monkeypatch, capsys):
     monkeypatch.setattr(flowrl.train, "main", interrupted)
     assert main(["train", "model=tiny"]) == 130
     assert capsys.readouterr().err == "\nflowrl train: interrupted before the run started (no step ran)\n"
+
+
+def test_every_job_of_a_sweep_is_checked_before_the_first_one_runs(tmp_path):
+    """`flowrl train -m ... algorithm.kl_coef=0,-1` trained job 1 fully and only then refused job 2
+    (fresh-user report): each job's config is now validated up front, in one line."""
+    from flowrl.train import check_sweep
+
+    assert check_sweep(["model=tiny", "trainer=smoke", "algorithm.kl_coef=0,-1"]) == (
+        "sweep job 2 of 2 (algorithm.kl_coef=-1): invalid config: algorithm.kl_coef must be >= 0, "
+        "got -1.0; no job was run")
+    assert check_sweep(["model=tiny,tinyy"]) == (
+        "sweep job 2 of 2 (model=tinyy): model=tinyy: no such option (did you mean model=tiny?); "
+        "choose one of smollm2, tiny, tiny_vl (or model.path=DIR for a local model folder); no job "
+        "was run")
+    assert check_sweep(["model=tiny", "algorithm.kl_coef=0,0.01"]) is None  # all good
+    assert check_sweep(["model=tiny", "algorithm.kl_coef=0"]) is None  # no sweep at all
+    # through the command line: exit status 2, nothing run, no sweep directory
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "train", "-m", "model=tiny",
+                           "trainer=smoke", "trainer.total_steps=range(0,2)",
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "flowrl train: error: sweep job 1 of 2 (trainer.total_steps=0): invalid config: "
+        "trainer.total_steps must be >= 1, got 0; no job was run"]
+    assert not (tmp_path / "sweep").exists() and not (tmp_path / "multirun").exists()
