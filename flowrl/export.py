@@ -35,6 +35,9 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
     """
     if out.exists() and not out.is_dir():
         raise ValueError(f"export: {out} is a file, not a directory: choose a new directory")
+    blocker = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"export: {out} cannot be created: {blocker} is a file")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held and not overwrite:
         shown = ", ".join(held[:4]) + (f", ... ({len(held)} in all)" if len(held) > 4 else "")

@@ -228,7 +228,8 @@ def check_model_dir(folder: Path, gguf_file: Optional[str] = None, *, tokenizer:
 
 
 def check_hf_files(folder: Path) -> None:
-    """``folder``'s ``config.json`` parses as a JSON object, and every ``*.safetensors`` file in it
+    """``folder``'s ``config.json`` (and its tokenizer's and generation's JSON files) parse as JSON
+    objects, and every ``*.safetensors`` file in it
     has a readable header and is as long as that header says (a copy cut short, a file
     overwritten), read without loading a tensor: a broken model directory is one line naming the
     file before any model loads, not a transformers or safetensors traceback after.
@@ -236,15 +237,19 @@ def check_hf_files(folder: Path) -> None:
     Raises:
         ValueError: naming the file and what is wrong with it.
     """
-    cfg_file = folder / "config.json"
-    if cfg_file.is_file():
+    # the config, and the tokenizer's and generation's JSON files transformers reads next
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "generation_config.json"):
+        cfg_file = folder / name
+        if not cfg_file.is_file():
+            continue
         try:
             parsed = json.loads(cfg_file.read_text())
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise ValueError(f"model.path: {cfg_file} is not valid JSON ({e})") from None
         if not isinstance(parsed, dict):
             raise ValueError(f"model.path: {cfg_file} holds a JSON {type(parsed).__name__}, not "
-                             "a model config object")
+                             "an object")
     for f in sorted(folder.glob("*.safetensors")):
         why = _safetensors_damage(f)
         if why is not None:

@@ -250,15 +250,19 @@ def test_resume_past_a_newest_checkpoint_whose_shard_is_damaged_in_place(tmp_pat
     assert first.returncode == 0, first.stderr[-2000:]
     ckpts = out / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000001", "step_000002"]
-    for shard in (ckpts / "step_000002").glob("*.distcp"):
+    shards = sorted((ckpts / "step_000002").glob("*.distcp"))
+    for shard in shards:
         shard.write_bytes(b"\0" * shard.stat().st_size)
-    # flowrl export of it: one line naming the checkpoint, nothing written
+    # flowrl export of it: one line naming the file its recorded checksum catches, nothing written
     exp = subprocess.run([sys.executable, "-m", "flowrl.cli", "export", str(ckpts / "step_000002"),
                           str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert exp.returncode == 2 and "Traceback" not in exp.stderr
     assert exp.stderr.strip().splitlines()[-1].startswith(
-        f"flowrl export: error: export: {ckpts / 'step_000002'}: its tensors did not load (")
+        f"flowrl export: error: export: {shards[0]}: its bytes changed since the save (CRC-32 ")
     assert not (tmp_path / "hf").exists()
+    # a checkpoint without recorded checksums (written before flowrl recorded them): the damage
+    # shows only when its tensors load; the job then resumes from the one before it
+    (ckpts / "step_000002" / "checksums.json").unlink()
     again = subprocess.run([sys.executable, "-m", "flowrl.train", *base, "trainer.resume=true",
                             "trainer.total_steps=3"], cwd=REPO, capture_output=True, text=True,
                            timeout=300)

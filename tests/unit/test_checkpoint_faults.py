@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import io
+import json
 import os
 import pickle
 import shutil
@@ -26,6 +27,7 @@ from flowrl.runtime.io.checkpoint import (
     CheckpointWriteError,
     CorruptCheckpointError,
     UnsafeCheckpointError,
+    verify_checkpoint,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -288,11 +290,32 @@ def test_resume_falls_back_past_a_corrupt_newest_checkpoint(tmp_path, damage):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000002.corrupt"]
 
 
-def test_a_damaged_shard_of_the_right_length_fails_its_load_by_name(tmp_path):
-    """Bytes overwritten in place (the length kept) pass verify_checkpoint; the load names the
-    checkpoint and the cause, previous() finds the older one, set_aside() renames the bad one."""
+def test_a_shard_changed_after_the_save_is_caught_by_its_checksum(tmp_path):
+    """Bytes overwritten in place (the length kept) pass a length check; the CRC-32 recorded at
+    save names the file, and resume falls back past it as past any corrupt checkpoint."""
     m = saved(tmp_path, 1, 2)
     newest = tmp_path / "step_000002"
+    sums = json.loads((newest / "checksums.json").read_text())
+    assert sorted(sums) == sorted(p.name for p in newest.iterdir()
+                                  if p.name not in ("checksums.json", "trainer_state.json"))
+    shard = sorted(newest.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte of tensor data
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=rf"{shard}: its bytes changed since the save "
+                                                     rf"\(CRC-32 [0-9a-f]{{8}}, recorded {sums[shard.name]}\)"):
+        verify_checkpoint(newest)
+    assert m.latest() == tmp_path / "step_000001"
+    assert m.resume_point() == tmp_path / "step_000001"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000002.corrupt"]
+
+
+def test_a_damaged_shard_without_recorded_checksums_fails_its_load_by_name(tmp_path):
+    """A checkpoint saved before checksums were recorded: the damage shows at load, which names
+    the checkpoint and the cause; previous() finds the older one, set_aside() renames."""
+    m = saved(tmp_path, 1, 2)
+    newest = tmp_path / "step_000002"
+    (newest / "checksums.json").unlink()
     for shard in newest.glob("*.distcp"):
         shard.write_bytes(b"\0" * shard.stat().st_size)
     assert m.latest() == newest  # nothing a length check can see

@@ -39,13 +39,16 @@ def test_export_of_a_missing_checkpoint_says_not_found_before_importing_torch(tm
                                 f"{tmp_path}/checkpoints has step_000002)")
 
 
-@pytest.mark.parametrize("case", ["file", "full", "overwrite"])
+@pytest.mark.parametrize("case", ["file", "full", "overwrite", "parent_file"])
 def test_export_refuses_an_out_dir_it_would_clobber_before_importing_torch(tmp_path, case):
     ckpt = tmp_path / "checkpoints" / "step_000002"
     ckpt.mkdir(parents=True)
     out = tmp_path / "out"
     if case == "file":
         out.write_text("notes")
+    elif case == "parent_file":
+        (tmp_path / "notes").write_text("notes")
+        out = tmp_path / "notes" / "sub"
     else:
         out.mkdir()
         (out / "config.json").write_text("{}")
@@ -60,10 +63,16 @@ def test_export_refuses_an_out_dir_it_would_clobber_before_importing_torch(tmp_p
     assert r.stdout.split() == ["2", "True" if case == "overwrite" else "False"]
     expected = {
         "file": f"export: {out} is a file, not a directory: choose a new directory",
+        "parent_file": f"export: {out} cannot be created: {tmp_path / 'notes'} is a file",
         "full": f"export: {out} already holds config.json, notes.txt: choose a new or empty "
                 "directory, or pass --overwrite to write over it",
         # --overwrite passes the check: the next one (an empty checkpoint folder) answers
         "overwrite": f"export: {ckpt} is not a complete flowrl checkpoint (needs "
                      "trainer_state.json and .metadata)"}[case]
     assert r.stderr.strip() == f"flowrl export: error: {expected}"
-    assert (out / "notes.txt").read_text() == "mine" if case != "file" else out.read_text() == "notes"
+    if case == "file":
+        assert out.read_text() == "notes"
+    elif case == "parent_file":
+        assert (tmp_path / "notes").read_text() == "notes"
+    else:
+        assert (out / "notes.txt").read_text() == "mine"

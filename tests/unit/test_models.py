@@ -295,5 +295,9 @@ def test_a_broken_model_folder_is_one_line_naming_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"config.json is not valid JSON \(Expecting property name"):
         ModelConfig(path=str(folder))
     (folder / "config.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match=r"config.json holds a JSON list, not a model config object"):
+    with pytest.raises(ValueError, match=r"config.json holds a JSON list, not an object"):
+        ModelConfig(path=str(folder))
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text("{bad")  # was "data: Expecting property name ..."
+    with pytest.raises(ValueError, match=rf"model.path: {folder / 'tokenizer.json'} is not valid JSON"):
         ModelConfig(path=str(folder))

@@ -319,16 +319,20 @@ class _Job:
         say = _Say(place.logs and cfg.logger.console)
         say(place.header(cfg, out_dir))
         t0 = time.perf_counter()
+        # what only the tokenizer can tell (every prompt over data.max_prompt_tokens, a chat
+        # template that fails on a row) is refused in one line like any input check, no model
+        # loaded, and the run directory left as it was found (plan.txt comes after)
         try:
             tokenizer = load_tokenizer(cfg.model)
+        except (ValueError, OSError) as e:
+            raise ConfigError(str(e) if str(e).startswith("model") else
+                              f"model: its tokenizer does not load ({e})") from e
+        try:
             prompts = PromptSource(cfg.data, tokenizer, rank=place.dist.rank,
                                    world_size=place.dist.world_size,
                                    image_encoder=image_encoder(cfg.model, tokenizer))
         except ValueError as e:
-            # what only the tokenizer can tell (every prompt over data.max_prompt_tokens, a
-            # chat template that fails on a row): refused in one line like any input check, no
-            # model loaded, and the run directory left as it was found (plan.txt comes after)
-            raise ConfigError(str(e) if str(e).startswith(("data", "model")) else f"data: {e}") from e
+            raise ConfigError(str(e) if str(e).startswith("data") else f"data: {e}") from e
         say(f"setup: data {len(prompts)} prompts in {time.perf_counter() - t0:.1f} s")
         if dinfo.rank == 0:
             (out_dir / "plan.txt").write_text("\n".join([format_plan(self.full),

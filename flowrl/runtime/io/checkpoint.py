@@ -1,8 +1,9 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): atomic directories, newest-loadable resume.
 
 Layout: ``<root>/step_000004/`` holds the DCP shards of the tensor state (model, optimizer,
-scheduler, RNG) and ``trainer_state.json`` (step, data position: plain JSON, so nothing is ever
-unpickled on load). A save is written to ``step_000004.tmp`` and renamed only when complete
+scheduler, RNG), ``checksums.json`` (the CRC-32 of every other file, checked by
+:func:`verify_checkpoint`) and ``trainer_state.json`` (step, data position: plain JSON, so nothing
+is ever unpickled on load). A save is written to ``step_000004.tmp`` and renamed only when complete
 (``trainer_state.json``, the folder and its parent fsynced first), so a save killed half-way is
 never picked up by resume; :meth:`CheckpointManager.resume_point` removes such leftovers at
 start-up and falls back past a corrupt newest checkpoint to the previous loadable one.
@@ -51,6 +52,11 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
                         "uninitialized", category=UserWarning)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _META = "trainer_state.json"
+# CRC-32 of every other file of the checkpoint, taken by rank 0 before publishing: a shard whose
+# bytes change after the save (damaged in place, its length kept) is caught at verify, where a
+# length check cannot see it (a fresh user's resume then trained on NaN weights)
+_SUMS = "checksums.json"
+_SUM_CHUNK = 16 << 20
 # headroom over the tensor bytes: DCP's per-file zip framing, the index, trainer_state.json
 _SPACE_MARGIN = 1.05
 _SPACE_SLACK_BYTES = 1 << 20
@@ -183,6 +189,12 @@ class CheckpointManager:
     def _finalize(self, tmp: Path, final: Path, meta_json: str) -> None:
         if not fdist.is_rank0():
             return
+        sums = json.dumps(file_checksums(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()
+                                                     and p.name not in (_META, _SUMS))), indent=1)
+        with open(tmp / _SUMS, "w") as f:
+            f.write(sums)
+            f.flush()
+            os.fsync(f.fileno())
         with open(tmp / _META, "w") as f:
             f.write(meta_json)
             f.flush()
@@ -490,7 +502,62 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         if size < end:
             raise CorruptCheckpointError(f"{f}: {'missing' if size < 0 else f'{size} bytes'}, "
                                          f"the index needs {end}")
+    _check_sums(path)
     return meta
+
+
+def file_checksums(folder: Path, names: list[str]) -> dict[str, str]:
+    """``{name: CRC-32 as 8 hex digits}`` of the files ``names`` in ``folder``, read in 16 MiB
+    chunks, the files side by side in threads (zlib releases the GIL while it sums)."""
+    import zlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    def crc(name: str) -> str:
+        c = 0
+        with open(folder / name, "rb") as f:
+            while chunk := f.read(_SUM_CHUNK):
+                c = zlib.crc32(chunk, c)
+        return f"{c:08x}"
+
+    with ThreadPoolExecutor(max_workers=min(8, max(len(names), 1))) as pool:
+        return dict(zip(names, pool.map(crc, names)))
+
+
+# (checkpoint path, its checksums file's mtime) already summed and found intact in this process:
+# start-up verifies the chosen checkpoint several times (latest, previous, load)
+_SUMS_OK: set[tuple[str, int]] = set()
+
+
+def _check_sums(path: Path) -> None:
+    """Compare ``path``'s files with the CRC-32 recorded at save (``checksums.json``; a checkpoint
+    written before flowrl recorded them has none: nothing to compare).
+
+    Raises:
+        CorruptCheckpointError: a recorded file missing or changed since the save, naming it.
+    """
+    sums_file = path / _SUMS
+    if not sums_file.is_file():
+        return
+    key = (str(path.resolve()), sums_file.stat().st_mtime_ns)
+    if key in _SUMS_OK:
+        return
+    try:
+        recorded = json.loads(sums_file.read_text())
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{sums_file}: {e}") from e
+    if not isinstance(recorded, dict):
+        raise CorruptCheckpointError(f"{sums_file}: not a JSON object")
+    missing = [n for n in recorded if not (path / n).is_file()]
+    if missing:
+        raise CorruptCheckpointError(f"{path / missing[0]}: missing (recorded at save)")
+    now = file_checksums(path, sorted(recorded))
+    changed = [n for n in sorted(recorded) if now[n] != recorded[n]]
+    if changed:
+        raise CorruptCheckpointError(
+            f"{path / changed[0]}: its bytes changed since the save (CRC-32 {now[changed[0]]}, "
+            f"recorded {recorded[changed[0]]})" + (f"; {len(changed) - 1} more file(s) too"
+                                                   if len(changed) > 1 else ""))
+    _SUMS_OK.add(key)
 
 
 class WeightsOnlyReader(FileSystemReader):
