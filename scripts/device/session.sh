@@ -28,7 +28,8 @@
 # / 1.32x (SmolLM2), the 1.5B pair OOMed (both processes resident need ~108 GiB: the suite now
 # skips it on a smaller card), GPU tier green (55 passed), first step 32.8 s (warm vLLM, cold GGUF
 # cache). Not run on a GPU yet: engine processes that import vLLM's engine before their build
-# request (c37c84f: 8.4 -> 3.0 s per build on the CPU, engine_ahead_cpu.md).
+# request (c37c84f: 8.4 -> 3.0 s per build on the CPU, engine_ahead_cpu.md); checkpoints' CRC-32
+# at save and verify (the default job's end: its 2.2 GB state summed once, ~0.6 s on the CPU).
 # In this order (an H200 if offered: the 1.5B pair needs its memory):
 #   pieces p1-p4 and p6, model a-c, then carry [".vllm/p5", ".flowrl_commit"]:
 #   FIRST_STEP_ROUNDS=1 ... install first_step   (~1.5 min: a cold first step on the fresh machine)
