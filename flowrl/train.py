@@ -345,11 +345,15 @@ def _run(source: "RunSpec | DictConfig") -> None:
     try:
         train(source)  # a multirun job (a DictConfig) is prepared here
     except (ConfigError, rundir.RunDirError) as e:  # rejected before any model loaded: one line
+        why = str(e)
         if isinstance(e, ConfigError):  # a multirun job's directory: Hydra's files only
             rundir.remove_hydra_leftovers(Path(hydra_dir))
             if HydraConfig.get().mode == RunMode.MULTIRUN:  # and a sweep that ran no job
                 rundir.remove_sweep_leftovers(Path(HydraConfig.get().sweep.dir))
-        sys.exit(_refused(str(e)))
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # which job of the sweep (its overrides)
+            hc = HydraConfig.get()
+            why = f"sweep job {hc.job.num + 1} ({' '.join(hc.overrides.task)}): {why}"
+        sys.exit(_refused(why))
     except KeyboardInterrupt:
         import signal
 

@@ -313,9 +313,9 @@ def test_a_loose_bool_is_refused_in_a_hydra_multirun_job_too(capsys, tmp_path, m
         main(["-m", "model=tiny", "trainer=smoke", "rollout.hf.cudnn_attention=yes",
               f"hydra.sweep.dir={tmp_path}"])
     assert e.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == (
-        "flowrl train: error: rollout.hf.cudnn_attention=yes: rollout.hf.cudnn_attention takes "
-        "true or false, got 'yes'")
+    assert capsys.readouterr().err.splitlines()[-1] == (  # named as the sweep's job it was
+        "flowrl train: error: sweep job 1 (model=tiny trainer=smoke rollout.hf.cudnn_attention=yes): "
+        "rollout.hf.cudnn_attention=yes: rollout.hf.cudnn_attention takes true or false, got 'yes'")
 
 
 @pytest.mark.parametrize("sub", ["", "/run"])
@@ -371,3 +371,18 @@ def test_every_job_of_a_sweep_is_checked_before_the_first_one_runs(tmp_path):
         "flowrl train: error: sweep job 1 of 2 (trainer.total_steps=0): invalid config: "
         "trainer.total_steps must be >= 1, got 0; no job was run"]
     assert not (tmp_path / "sweep").exists() and not (tmp_path / "multirun").exists()
+
+
+def test_a_sweep_job_refused_inside_its_run_is_named_with_its_overrides(tmp_path):
+    # the data check needs the tokenizer (inside the job): the up-front sweep check cannot see it
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "train", "-m", "model=tiny",
+                           "trainer=smoke", "trainer.total_steps=1", "trainer.eval.before=false",
+                           "trainer.eval.after=false", "data.max_prompt_tokens=512,1",
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "flowrl train: error: sweep job 2 (model=tiny trainer=smoke trainer.total_steps=1 "
+        "trainer.eval.before=False trainer.eval.after=False data.max_prompt_tokens=1): data: all "
+        "7100 prompts exceed data.max_prompt_tokens=1")
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["0", "multirun.yaml"]
