@@ -249,7 +249,14 @@ class CheckpointManager:
             UnsafeCheckpointError: a tampered index in a checkpoint that would be chosen: the run
                 must not silently train on from an older one.
         """
+        return self._newest_loadable(before=None)
+
+    def _newest_loadable(self, before: Optional[str]) -> Optional[Path]:
+        """The newest complete checkpoint (named below ``before``, if given) that passes
+        :func:`verify_checkpoint`; a corrupt one is skipped with a warning (once per process)."""
         for p in reversed(self.complete()):
+            if before is not None and p.name >= before:
+                continue
             try:
                 verify_checkpoint(p)
                 return p
@@ -302,9 +309,7 @@ class CheckpointManager:
             return None
         for p in done:
             if p.name > latest.name:
-                why, bad = _why_corrupt(p), p.with_name(p.name + ".corrupt")
-                shutil.rmtree(bad, ignore_errors=True)
-                os.replace(p, bad)
+                why, bad = _why_corrupt(p), _rename_corrupt(p)
                 log.warning("resume: %s is not loadable (%s); moved to %s, resuming from %s",
                             p, why, bad.name, latest.name)
         return str(latest)
@@ -323,15 +328,7 @@ class CheckpointManager:
     def previous(self, path: str | Path) -> Optional[Path]:
         """The newest complete checkpoint older than ``path`` that passes
         :func:`verify_checkpoint`, or None."""
-        name = Path(path).name
-        for p in reversed(self.complete()):
-            if p.name < name:
-                try:
-                    verify_checkpoint(p)
-                    return p
-                except CorruptCheckpointError:
-                    continue
-        return None
+        return self._newest_loadable(before=Path(path).name)
 
     def set_aside(self, path: str | Path, why: str) -> Path:
         """Rename ``path`` to ``step_N.corrupt`` (kept for inspection, never loaded or pruned):
@@ -340,8 +337,7 @@ class CheckpointManager:
         path = Path(path)
         bad = path.with_name(path.name + ".corrupt")
         if fdist.is_rank0():
-            shutil.rmtree(bad, ignore_errors=True)
-            os.replace(path, bad)
+            _rename_corrupt(path)
             log.warning("resume: %s did not load (%s); moved to %s", path, why, bad.name)
         fdist.barrier()
         return bad
@@ -463,6 +459,14 @@ def read_metadata(path: str | os.PathLike[str],
 
 class CorruptCheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded (truncated, empty or missing files)."""
+
+
+def _rename_corrupt(path: Path) -> Path:
+    """Rename ``path`` to ``step_N.corrupt`` (replacing an older one of that name); returns it."""
+    bad = path.with_name(path.name + ".corrupt")
+    shutil.rmtree(bad, ignore_errors=True)
+    os.replace(path, bad)
+    return bad
 
 
 def _why_corrupt(path: Path) -> str:
