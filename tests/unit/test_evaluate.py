@@ -124,3 +124,14 @@ def test_the_eval_scores_with_the_graphs_own_verifier():
     s = eval_scorer(compile_plan(graph, run))
     assert s.name == "reward.rule math_verify (stage 'reward')" and s.lenient is None
     assert s.score([r"so \boxed{4}"], [{"ground_truth": "4"}], [0]) == [1.0]
+
+
+def test_eval_line_says_how_many_answers_could_not_be_scored():
+    from flowrl.runtime.step.evaluate import eval_line
+
+    base = {"eval/accuracy": 0.0, "eval/n": 8.0}
+    assert eval_line({**base, "eval/unscorable_frac": 0.0}) == "accuracy 0.000 on 8"
+    assert eval_line(base) == "accuracy 0.000 on 8"
+    assert eval_line({**base, "eval/unscorable_frac": 0.375}) == (
+        "accuracy 0.000 on 8; 3 of 8 answers could not be scored (the reward function raised "
+        "or timed out: counted as wrong)")

@@ -240,3 +240,19 @@ def test_a_tiny_models_bad_shape_is_refused_before_it_is_built(tmp_path, extra, 
     assert not (tmp_path / "run").exists()
     prepare([*SMOKE, "rollout=vllm", "model.tiny.num_attention_heads=2",  # a size it has
              "model.tiny.num_key_value_heads=1", f"hydra.run.dir={tmp_path / 'ok'}"])
+
+
+@pytest.mark.parametrize("lr, warned", [(0.0, True), (1e-6, False)])
+def test_an_actor_with_lr_zero_is_said_never_to_change(tmp_path, caplog, lr, warned):
+    """``trainer.engine.lr=0`` is allowed (throughput and evaluation runs use it) but said: a run
+    that never moves a weight should not pass for one that trains."""
+    import logging
+
+    from flowrl.train import prepare
+
+    with caplog.at_level(logging.WARNING, logger="flowrl"):
+        prepare([*SMOKE, f"trainer.engine.lr={lr}", f"hydra.run.dir={tmp_path / 'r'}"])
+    said = [r.getMessage() for r in caplog.records if "trainer.engine.lr=0" in r.getMessage()]
+    assert said == ([
+        "trainer.engine.lr=0: the policy's weights never change (every update computes its "
+        "gradients and applies nothing); set trainer.engine.lr > 0 to train"] if warned else [])

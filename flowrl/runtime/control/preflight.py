@@ -14,6 +14,7 @@ before torch loads.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from flowrl.compiler.placement import PlacementPlan
     from flowrl.compiler.plan import ExecutionPlan
     from flowrl.config import TrainConfig
+
+log = logging.getLogger("flowrl")
 
 
 class ConfigError(ValueError):
@@ -62,6 +65,12 @@ def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = Non
     # first: a resume with forgotten overrides would fail the checks below less clearly
     check_resume(cfg, plan.roles, invocation_overrides() if overrides is None else overrides)
     _check_estimators(plan, cfg)
+    if "actor" in plan.roles and cfg.trainer.engine.lr == 0:
+        # allowed (a throughput or evaluation run, a test of everything but the update), but a
+        # run that trains for hours without moving a weight should not look like one that learns
+        log.warning("trainer.engine.lr=0: the policy's weights never change (every update "
+                    "computes its gradients and applies nothing); set trainer.engine.lr > 0 to "
+                    "train")
     if cfg.algorithm.rollout_is != "none" and cfg.rollout.sampling.logprobs in ("sampled", "none"):
         from flowrl.engines.base import LOGPROB_SAMPLE_EVERY as K
 

@@ -219,11 +219,17 @@ def greedy_evaluator(cfg: "TrainConfig", plan: "ExecutionPlan", engine: Any, pro
 
 def eval_line(m: dict[str, float]) -> str:
     """The console line of an eval: accuracy, and for GSM8K math-verify accuracy and the share of
-    ``#### n`` answers."""
+    ``#### n`` answers; the answers that could not be scored (``eval/unscorable_frac`` > 0)."""
     views = []
     if "eval/accuracy_math_verify" in m:
         views.append(f"math-verify {m['eval/accuracy_math_verify']:.3f}")
     if "eval/format_frac" in m:
         views.append(f"#### format {m['eval/format_frac']:.2f}")
     extra = f" ({', '.join(views)})" if views else ""
-    return f"accuracy {m['eval/accuracy']:.3f}{extra} on {m['eval/n']:.0f}"
+    line = f"accuracy {m['eval/accuracy']:.3f}{extra} on {m['eval/n']:.0f}"
+    u, n = m.get("eval/unscorable_frac", 0.0), m["eval/n"]
+    if u > 0:  # a reward function that raised or timed out: its answers count as wrong above,
+        # so an accuracy of 0.000 is not read as a model that learned nothing
+        line += (f"; {round(u * n):.0f} of {n:.0f} answers could not be scored (the reward "
+                 "function raised or timed out: counted as wrong)")
+    return line
