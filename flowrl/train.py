@@ -190,7 +190,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     try:
         spec = prepare(args)
-        rundir.check_run_dir(Path(spec.config.trainer.output_dir), spec.config.trainer)
+        rundir.check_run_dir(Path(spec.config.trainer.output_dir), spec.config.trainer,
+                             rundir.run_dir_field(args))
         t0 = time.perf_counter()
         _start_ahead(spec)  # its ~18 s (cold) beside the check's liger import and the model load
         check_machine(spec.config)
@@ -214,7 +215,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         _cancel_ahead()
-        sys.exit(_refused(f"trainer.output_dir={out}: the run directory cannot be created "
+        sys.exit(_refused(f"{rundir.run_dir_field(args)}={out}: the run directory cannot be created "
                           f"({e.strerror or e})"))
     if spec.config.launcher.distributed and "LOCAL_RANK" not in os.environ:
         from flowrl.runtime.control import supervise

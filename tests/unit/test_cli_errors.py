@@ -318,20 +318,22 @@ def test_a_loose_bool_is_refused_in_a_hydra_multirun_job_too(capsys, tmp_path, m
         "rollout.hf.cudnn_attention=yes: rollout.hf.cudnn_attention takes true or false, got 'yes'")
 
 
+@pytest.mark.parametrize("field", ["trainer.output_dir", "hydra.run.dir"])
 @pytest.mark.parametrize("sub", ["", "/run"])
-def test_an_output_dir_that_is_a_file_is_one_line(tmp_path, sub, capsys):
+def test_an_output_dir_that_is_a_file_is_one_line(tmp_path, sub, field, capsys):
     """`trainer.output_dir` naming a file (or a folder under one) was a FileExistsError traceback
-    after the checks; it is refused with the checks, nothing written."""
+    after the checks; it is refused with the checks, nothing written, naming the setting the user
+    gave (``hydra.run.dir`` was reported as trainer.output_dir, which they never set)."""
     from flowrl.train import main
 
     f = tmp_path / "afile"
     f.write_text("mine")
     with pytest.raises(SystemExit) as e:
-        main(["model=tiny", "trainer=smoke", f"trainer.output_dir={f}{sub}"])
+        main(["model=tiny", "trainer=smoke", f"{field}={f}{sub}"])
     assert e.value.code == 2
     assert capsys.readouterr().err.strip() == (
-        f"flowrl train: error: trainer.output_dir={f}{sub}: {f} is a file, not a directory; "
-        "choose another trainer.output_dir")
+        f"flowrl train: error: {field}={f}{sub}: {f} is a file, not a directory; "
+        f"choose another {field}")
     assert f.read_text() == "mine" and list(tmp_path.iterdir()) == [f]
 
 

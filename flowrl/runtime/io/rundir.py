@@ -437,9 +437,19 @@ def check_resume(cfg, roles: list[str], overrides: Optional[list[str]] = None) -
                       f"but this run has {', '.join(has)}; {how}")
 
 
-def check_run_dir(out_dir: Path, trainer_cfg) -> None:
+def run_dir_field(overrides: "list[str] | tuple[str, ...]") -> str:
+    """The setting a run's directory came from, for its messages: ``hydra.run.dir`` when the
+    command line set it and not ``trainer.output_dir`` (which defaults to Hydra's run dir), else
+    ``trainer.output_dir``."""
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    return "hydra.run.dir" if "hydra.run.dir" in keys and "trainer.output_dir" not in keys \
+        else "trainer.output_dir"
+
+
+def check_run_dir(out_dir: Path, trainer_cfg, field: str = "trainer.output_dir") -> None:
     """Before Hydra writes into ``out_dir``: no other process holds it, and it holds no previous
-    run unless ``trainer.resume`` / ``trainer.overwrite`` says what to do with it.
+    run unless ``trainer.resume`` / ``trainer.overwrite`` says what to do with it. ``field``: the
+    setting the user gave the directory by (:func:`run_dir_field`), which the errors name.
 
     Raises:
         RunDirError: naming the directory and the option to set; ``trainer.output_dir`` (or a
@@ -448,8 +458,8 @@ def check_run_dir(out_dir: Path, trainer_cfg) -> None:
     for p in (Path(out_dir), *Path(out_dir).parents):  # the run would fail at its first mkdir
         if p.exists():
             if not p.is_dir():
-                raise RunDirError(f"trainer.output_dir={out_dir}: {p} is a file, not a directory; "
-                                  "choose another trainer.output_dir")
+                raise RunDirError(f"{field}={out_dir}: {p} is a file, not a directory; "
+                                  f"choose another {field}")
             break
     owner = RunDirLock(out_dir).held_elsewhere()
     if owner is not None:
