@@ -121,8 +121,11 @@ def weight_sync_problems(graph: Graph, ops: Mapping[str, "OpSpec"]) -> list[Prob
         src, dst = by_name.get(w.src), by_name.get(w.dst)
         if src is None or dst is None:
             continue  # unknown stage: reported by validate
+        if any(s.role is not None and s.role not in ROLES for s in (src, dst)):
+            continue  # a misspelt role: reported by validate (with its "did you mean"); what
+            # the sync would need of that stage follows once the name is fixed
         hint_src = f" (e.g. '{trainers[0]}')" if trainers else ""
-        if src.role is None or src.role not in ROLES:
+        if src.role is None:
             problems.append((f"weight_sync[{i}]", "from", f"stage '{w.src}' has no role (it runs "
                              "no model), so it has no weights to send; sync from the stage that "
                              f"updates them{hint_src}"))
@@ -135,7 +138,7 @@ def weight_sync_problems(graph: Graph, ops: Mapping[str, "OpSpec"]) -> list[Prob
         servers = [s.name for s in graph.stages
                    if s.role in ROLES and ROLES[s.role].weights_from == src.role]
         hint_dst = f" (e.g. '{servers[0]}')" if servers else ""
-        if dst.role is None or dst.role not in ROLES:
+        if dst.role is None:
             problems.append((f"weight_sync[{i}]", "to", f"stage '{w.dst}' has no role (it runs no "
                              "model), so nothing would load the weights; sync into the stage "
                              f"that generates with role {src.role}'s weights{hint_dst}"))

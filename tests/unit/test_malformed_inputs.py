@@ -135,6 +135,11 @@ GRAPH_CASES = {
         "weight_sync[0].to: stage 'reward' has no role (it runs no model), so nothing would load "
         "the weights; sync into the stage that generates with role actor's weights (e.g. "
         "'rollout')"),
+    # the misspelt role was a root line, then a weight_sync line saying stage 'update' "has no
+    # role" and suggesting 'update' itself: one line now
+    "misspelt_role_of_the_synced_stage": (_edit(GRPO, lambda g: [
+        s.update(role="actr") for s in g["stages"] if s.get("role") == "actor"]),
+        "stage 'old_logprobs', field 'role': unknown role 'actr' (did you mean 'actor'?)"),
     "weight_sync_into_frozen_ref": (_edit(GRPO, lambda g: g.update(
         weight_sync=[{"from": "update", "to": "ref_logprobs", "staleness": 0}])),
         "weight_sync[0].to: stage 'ref_logprobs' (role ref) does not serve role actor's weights; "
