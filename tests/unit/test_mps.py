@@ -297,3 +297,36 @@ def test_a_graph_that_declares_staleness_counts_as_overlapped(tmp_path, monkeypa
     assert lagged.placement.staleness is None and mps.overlapped_run(lagged)
     assert mps.decide(lagged, GPU, lambda: 1).start
     assert not mps.overlapped_run(cfg_of()) and not mps.decide(cfg_of(), GPU, lambda: 1).start
+
+
+@pytest.mark.parametrize("overrides, asks_smi, line", [
+    # the default job's shape: one engine, in the trainer's process: settled without nvidia-smi
+    (["rollout=vllm"], False,
+     "launcher.mps=false (no engine process: the vLLM engine runs in the trainer's process, or "
+     "the graph has no rollout: nothing shares the GPU during a generate)"),
+    (["rollout=hf"], False, "launcher.mps=false (no vLLM engine processes beside the trainer)"),
+    # four engine processes: the daemon depends on the GPU's compute mode, so nvidia-smi is asked
+    (["rollout=vllm", "rollout.vllm.engine_procs=4"], True, None),
+])
+def test_auto_asks_nvidia_smi_only_when_the_engine_count_leaves_it_open(
+        tmp_path, monkeypatch, overrides, asks_smi, line):
+    """nvidia-smi took 2.6-4.5 s of the default job's start on an H100 (the "CUDA MPS decision"),
+    for a job whose one in-process engine never starts a daemon: auto settles such a job from its
+    config first."""
+    fake_control(tmp_path)
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f'#!/bin/sh\ntouch "{tmp_path}/smi_asked"\necho "Prohibited, 81559"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    for var in ("LOCAL_RANK", mps.PIPE_ENV, "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(mps, "gpu_nodes", lambda: True)
+    got = mps.engage(cfg_of("trainer.device=cuda", *overrides))
+    assert (tmp_path / "smi_asked").exists() == asks_smi
+    if asks_smi:  # the GPU's mode (Prohibited here) is what decides: the reason says so
+        assert got is not None and got.value == "false" and "compute mode is Prohibited" in got.why
+    else:
+        assert str(got) == line
+    monkeypatch.setattr(mps, "gpu_nodes", lambda: False)  # a CPU machine: nothing to say
+    if not asks_smi:
+        assert mps.engage(cfg_of("trainer.device=cuda", *overrides)) is None

@@ -175,9 +175,16 @@ def decide(cfg: "TrainConfig", facts: MPSFacts,
         return MPSDecision(True, "true", "asked for")
     if blocker:
         return MPSDecision(False, "false", blocker)
+    return _by_engine_count(cfg, facts.vllm_installed, engine_procs)
+
+
+def _by_engine_count(cfg: "TrainConfig", vllm_installed: bool,
+                     engine_procs: Callable[[], Optional[int]]) -> MPSDecision:
+    """``auto``'s rule once nothing blocks a daemon: one when 2+ vLLM engine processes (1+ for an
+    overlapped run) share the GPU with the trainer."""
     backend = cfg.rollout.backend
     if backend == "auto":  # machine.resolve_machine_defaults' rule, before it runs
-        backend = "vllm" if facts.vllm_installed and not cfg.data.has_images else "hf"
+        backend = "vllm" if vllm_installed and not cfg.data.has_images else "hf"
     if backend != "vllm" or cfg.rollout.vllm.engine_procs == 0:
         return MPSDecision(False, "false", "no vLLM engine processes beside the trainer")
     procs = engine_procs()
@@ -193,6 +200,28 @@ def decide(cfg: "TrainConfig", facts: MPSFacts,
     return MPSDecision(True, "true", f"{procs} vLLM engine process(es) share the GPU with the "
                                      "trainer: under MPS their kernels run at once instead of in "
                                      "time slices")
+
+
+# device memory that passes any memory rule of the engine count: the count's upper bound
+_ANY_MEMORY = 1 << 60
+
+
+def without_asking_the_gpu(cfg: "TrainConfig") -> Optional[MPSDecision]:
+    """``auto``'s "no daemon" where the job's engine count settles it whatever the GPU: no vLLM,
+    an in-process engine, or fewer engine processes than the rule asks even with unlimited device
+    memory (:func:`engine_procs_expected`'s upper bound). None when the GPU's facts are needed.
+
+    Why: the facts come from ``nvidia-smi`` (2.6-4.5 s of the default job's start on an H100,
+    ``benchmarks/results/first_step_h100.md``), and the default job (one in-process engine) never
+    starts a daemon."""
+    d = _by_engine_count(cfg, importlib.util.find_spec("vllm") is not None,
+                         lambda: engine_procs_expected(cfg, _ANY_MEMORY))
+    return d if not d.start else None
+
+
+def gpu_nodes() -> bool:
+    """An NVIDIA device node exists (``/dev/nvidiactl``; no ``nvidia-smi``, no torch)."""
+    return os.path.exists("/dev/nvidiactl")
 
 
 def machine_facts() -> MPSFacts:
@@ -321,6 +350,10 @@ def engage(cfg: "TrainConfig", facts: Optional[MPSFacts] = None,
     auto = cfg.launcher.mps == "auto"
     if cfg.launcher.mps == "false" or (auto and cfg.trainer.device == "cpu"):
         return None
+    if auto and facts is None and not os.environ.get(PIPE_ENV):
+        quick = without_asking_the_gpu(cfg)
+        if quick is not None:  # said on a GPU machine only (nothing to say on every CPU run)
+            return Resolved("launcher.mps", quick.value, quick.why) if gpu_nodes() else None
     facts = machine_facts() if facts is None else facts
     d = decide(cfg, facts, lambda: engine_procs_expected(cfg, facts.device_memory))
     if not d.start:
