@@ -99,8 +99,13 @@ phase_learning() {  # ~9 min: the arith task, full fine-tuning and LoRA side by 
 }
 phase_e2e() {  # ~6 min a model: flowrl vs TRL, interleaved rounds (E2E_ARGS --child-timeout >= the pair's --plan seconds: 240 s killed flowrl at 3c9da7b)
   # E2E_TAG names this call's files (two e2e phases in one call keep both)
+  # the whole console comes back gzipped (the call's reply keeps its last 12,000 characters): the
+  # children's start-up lines say where an engine build's seconds went
   python3 benchmarks/e2e_vs_trl.py --suite gpu ${E2E_ARGS:-} --out "$OUT/e2e_vs_trl_h200${E2E_TAG:-}.md" \
-    --json-out "$OUT/e2e_vs_trl_h200${E2E_TAG:-}.json" ${X:-}
+    --json-out "$OUT/e2e_vs_trl_h200${E2E_TAG:-}.json" ${X:-} 2>&1 | tee /tmp/e2e${E2E_TAG:-}.log
+  local rc=${PIPESTATUS[0]}
+  gzip -c /tmp/e2e${E2E_TAG:-}.log > "$OUT/e2e_console${E2E_TAG:-}.log.gz"
+  return $rc
 }
 phase_e2e_mps() {  # ~4.5 min: phase e2e under CUDA MPS, for the overlap (X="placement.staleness=1"): on
   # af80c05 vLLM's engine processes and the trainer, separate CUDA contexts, took the H100 in turns
