@@ -25,7 +25,7 @@ from flowrl.config import REPO_ROOT, compose, task_section, to_train_config
 from flowrl.config_errors import loose_bool_override
 from flowrl.machine import check_machine, resolve_machine_defaults
 from flowrl.runtime.control import mps
-from flowrl.runtime.control.preflight import ConfigError, check_run
+from flowrl.runtime.control.preflight import ConfigError, check_run, load_prompts
 from flowrl.runtime.control.spec import RunSpec
 
 if TYPE_CHECKING:
@@ -229,12 +229,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 def check_sweep(overrides: list[str]) -> Optional[str]:
     """Every job of a command-line sweep (``flowrl train -m a=1,2 b=x,y``: the jobs Hydra's basic
-    sweeper makes) composed and validated as a config (fields and values, no graph or data
-    checks, no model) before the first job runs. Returns the first bad job's one-line reason
+    sweeper makes) checked before the first job runs: first every job's config (fields and
+    values), then each job's run checks as ``flowrl plan`` makes them (machine defaults, graph,
+    placement, model folder and data files: :func:`prepare`) and its prompts through its
+    tokenizer (``data.max_prompt_tokens``, the chat template: ``preflight.load_prompts``, once
+    per distinct model and data). No model loads. Returns the first bad job's one-line reason
     (its number and overrides), None when all pass or when the overrides do not parse (Hydra's
     own report then says why).
 
-    ``hydra._internal``'s :class:`BasicSweeper` expands the sweep exactly as the run will."""
+    Why all of it: a sweep's jobs run one after the other, so a job refused at its start (a
+    ``data.max_prompt_tokens`` no prompt fits) was found only after every job before it had
+    trained. ``hydra._internal``'s :class:`BasicSweeper` expands the sweep exactly as the run will."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -250,7 +255,13 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
         return None
     jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
     swept = {o.key_or_group for o in parsed if o.is_sweep_override()}
-    for i, job in enumerate(jobs, 1):
+
+    def refused(i: int, why: str) -> str:
+        job = jobs[i - 1]
+        which = " ".join(o for o in job if o.split("=", 1)[0].lstrip("+~") in swept)
+        return f"sweep job {i} of {len(jobs)} ({which}): {why}; no job was run"
+
+    for i, job in enumerate(jobs, 1):  # the fields of all: a typo says so in a second
         try:
             to_train_config(task_section(compose(list(job), with_hydra=True)))
             continue
@@ -258,8 +269,23 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
             why = str(e)
         except (HydraException, OmegaConfBaseException) as e:
             why = explain(e, list(job))
-        which = " ".join(o for o in job if o.split("=", 1)[0].lstrip("+~") in swept)
-        return f"sweep job {i} of {len(jobs)} ({which}): {why}; no job was run"
+        return refused(i, why)
+    global _PREPARED
+    first, data_seen = _PREPARED, set()
+    try:
+        for i, job in enumerate(jobs, 1):
+            try:
+                # plan_only: no MPS daemon (a sweep starts none), a graph's unset teacher
+                # left to the job (flowrl plan's rule)
+                cfg = prepare(list(job), plan_only=True).config
+                key = repr((cfg.model, cfg.data))
+                if key not in data_seen:
+                    data_seen.add(key)
+                    load_prompts(cfg)
+            except ConfigError as e:
+                return refused(i, str(e))
+    finally:
+        _PREPARED = first  # job 1's start-up line still counts the process's imports
     return None
 
 

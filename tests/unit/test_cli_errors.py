@@ -375,16 +375,27 @@ def test_every_job_of_a_sweep_is_checked_before_the_first_one_runs(tmp_path):
     assert not (tmp_path / "sweep").exists() and not (tmp_path / "multirun").exists()
 
 
-def test_a_sweep_job_refused_inside_its_run_is_named_with_its_overrides(tmp_path):
-    # the data check needs the tokenizer (inside the job): the up-front sweep check cannot see it
-    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "train", "-m", "model=tiny",
-                           "trainer=smoke", "trainer.total_steps=1", "trainer.eval.before=false",
-                           "trainer.eval.after=false", "data.max_prompt_tokens=512,1",
-                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+def test_a_sweep_job_its_tokenizer_or_placement_refuses_is_found_before_job_1(tmp_path):
+    """Only the tokenizer can tell that no prompt fits ``data.max_prompt_tokens=1``, and only the
+    placement check that 3 rollout ranks do not fit a 2-rank job: such a job was refused when its
+    turn came, after every job before it had trained (fresh-user report). Both are now checked
+    for every job before job 1 runs."""
+    from flowrl.train import check_sweep
+
+    base = ["model=tiny", "trainer=smoke", "trainer.total_steps=1", "trainer.eval.limit=0"]
+    assert check_sweep([*base, "data.max_prompt_tokens=512,1"]) == (
+        "sweep job 2 of 2 (data.max_prompt_tokens=1): data: all 7100 prompts exceed "
+        "data.max_prompt_tokens=1; no job was run")
+    assert check_sweep([*base, "data.max_prompt_tokens=512,256"]) is None
+    assert check_sweep([*base, "launcher.nproc=2", "placement=partitioned",
+                        "placement.pools.train=[0],[0,1]"]) == (
+        "sweep job 2 of 2 (placement.pools.train=[0,1]): placement.pools: rank 1 is in both "
+        "'train' and 'rollout' (partitioned pools must not overlap); no job was run")
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "train", "-m", *base,
+                           "data.max_prompt_tokens=512,1", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "flowrl train: error: sweep job 2 (model=tiny trainer=smoke trainer.total_steps=1 "
-        "trainer.eval.before=False trainer.eval.after=False data.max_prompt_tokens=1): data: all "
-        "7100 prompts exceed data.max_prompt_tokens=1")
-    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["0", "multirun.yaml"]
+    assert proc.stderr.strip().splitlines() == [
+        "flowrl train: error: sweep job 2 of 2 (data.max_prompt_tokens=1): data: all 7100 prompts "
+        "exceed data.max_prompt_tokens=1; no job was run"]
+    assert not (tmp_path / "sweep").exists()  # job 1 did not run either

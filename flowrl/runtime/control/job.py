@@ -47,7 +47,7 @@ from flowrl.runtime.control import mps
 from flowrl.runtime.control.colocated import Colocated
 from flowrl.runtime.control.events import JobEvents
 from flowrl.runtime.control.health import RunHealth
-from flowrl.runtime.control.preflight import ConfigError
+from flowrl.runtime.control.preflight import ConfigError, load_prompts
 
 if TYPE_CHECKING:
     from flowrl.compiler.placement import PlacementPlan
@@ -290,7 +290,6 @@ class _Job:
         import torch
         from omegaconf import OmegaConf
 
-        from flowrl.data import PromptSource
         from flowrl.models.loading import load_tokenizer
         from flowrl.runtime.io import distributed as fdist
         from flowrl.runtime.io.checkpoint import CorruptCheckpointError
@@ -302,7 +301,6 @@ class _Job:
             RunResources,
             Swap,
             build_engines,
-            image_encoder,
             peak_rss_gib,
             resolve_offload,
             run_device,
@@ -322,17 +320,7 @@ class _Job:
         # what only the tokenizer can tell (every prompt over data.max_prompt_tokens, a chat
         # template that fails on a row) is refused in one line like any input check, no model
         # loaded, and the run directory left as it was found (plan.txt comes after)
-        try:
-            tokenizer = load_tokenizer(cfg.model)
-        except (ValueError, OSError) as e:
-            raise ConfigError(str(e) if str(e).startswith("model") else
-                              f"model: its tokenizer does not load ({e})") from e
-        try:
-            prompts = PromptSource(cfg.data, tokenizer, rank=place.dist.rank,
-                                   world_size=place.dist.world_size,
-                                   image_encoder=image_encoder(cfg.model, tokenizer))
-        except ValueError as e:
-            raise ConfigError(str(e) if str(e).startswith("data") else f"data: {e}") from e
+        tokenizer, prompts = load_prompts(cfg, place.dist.rank, place.dist.world_size)
         say(f"setup: data {len(prompts)} prompts in {time.perf_counter() - t0:.1f} s")
         if dinfo.rank == 0:
             (out_dir / "plan.txt").write_text("\n".join([format_plan(self.full),

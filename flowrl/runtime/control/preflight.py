@@ -104,6 +104,32 @@ def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = Non
     return plan, placement
 
 
+def load_prompts(cfg: "TrainConfig", rank: int = 0, world_size: int = 1) -> "tuple[Any, Any]":
+    """(tokenizer, :class:`flowrl.data.PromptSource` of this rank's shard): what only the
+    tokenizer can tell (every prompt over ``data.max_prompt_tokens``, a chat template that fails
+    on a row, a tokenizer that does not load) refused in one line like any input check. Loads
+    the tokenizer and tokenizes the prompts (seconds); no model.
+
+    Raises:
+        ConfigError: naming ``model`` (its tokenizer) or ``data`` and the cause.
+    """
+    from flowrl.data import PromptSource
+    from flowrl.models.loading import load_tokenizer
+    from flowrl.runtime.step.resources import image_encoder
+
+    try:
+        tokenizer = load_tokenizer(cfg.model)
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e) if str(e).startswith("model") else
+                          f"model: its tokenizer does not load ({e})") from e
+    try:
+        prompts = PromptSource(cfg.data, tokenizer, rank=rank, world_size=world_size,
+                               image_encoder=image_encoder(cfg.model, tokenizer))
+    except ValueError as e:
+        raise ConfigError(str(e) if str(e).startswith("data") else f"data: {e}") from e
+    return tokenizer, prompts
+
+
 def check_tiny_model(cfg, plan) -> None:
     """``model.tiny``'s shape, from its transformers config, before any model is built (the job
     builds the random model; a bad shape failed there in a 48-line traceback, after the run
