@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import re
@@ -591,6 +592,22 @@ def _process_facts() -> dict:
     return out
 
 
+class StartupLines(logging.Handler):
+    """flowrl's start-up log lines (``start-up: ...``, the engine build's) as the report states
+    them: where an engine build's seconds went (the console of a device call is cut to its tail)."""
+
+    PREFIXES = ("start-up:", "engines built", "building ", "  vLLM engine ", "vLLM engine")
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg.startswith(self.PREFIXES) and len(self.lines) < 60:
+            self.lines.append(msg.strip())
+
+
 def child_flowrl(bc: BenchConfig, out_dir: str) -> dict:
     """Train through flowrl's public API; per-step numbers from metrics.jsonl. Two observers only
     (behaviour unchanged): a precision hook on the loaded model and the rollout engine's type,
@@ -634,7 +651,16 @@ def child_flowrl(bc: BenchConfig, out_dir: str) -> dict:
 
     loading.load_model, Engines.close = observed_load, observed_close
     fdist.mark_step, _Job.record = gated_mark, gated_record
-    summary = ftrain.train(compose(flowrl_overrides(bc, out_dir)))
+    startup, flog = StartupLines(), logging.getLogger("flowrl")
+    level = flog.level
+    if not flog.isEnabledFor(logging.INFO):  # the API run configures no logging: INFO records
+        flog.setLevel(logging.INFO)          # reach the handler (and no console: none is set)
+    flog.addHandler(startup)
+    try:
+        summary = ftrain.train(compose(flowrl_overrides(bc, out_dir)))
+    finally:
+        flog.removeHandler(startup)
+        flog.setLevel(level)
     by_step: dict[int, dict] = {}
     for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
@@ -652,7 +678,8 @@ def child_flowrl(bc: BenchConfig, out_dir: str) -> dict:
                       "stages": {key[5:]: v for key, v in m.items() if key.startswith("time/")},
                       "perf": {key[5:]: v for key, v in m.items() if key.startswith("perf/")}})
     return {"steps": steps, "precision": seen, "rollout_engine": engine,
-            "build_s": summary.get("model_load_s"), **_process_facts()}
+            "build_s": summary.get("model_load_s"), "startup_log": startup.lines,
+            **_process_facts()}
 
 
 def child_trl(bc: BenchConfig, out_dir: str) -> dict:
@@ -835,6 +862,7 @@ def summarize(run: dict, peak_tflops: Optional[float]) -> dict:
            "gpu_tree_gib": mon["gpu_tree_peak_bytes"] / 2**30
            if mon.get("gpu_tree_peak_bytes") else None,
            "build_s": res.get("build_s"), "wall_s": child["wall_s"],
+           "startup_log": res.get("startup_log") or [],
            "reward_last": steps[-1]["reward_mean"],
            "reward_mean": sum(s["reward_mean"] for s in steps) / len(steps)}
     # weight sync per update: flowrl's sync actions; TRL's sync_weights timer (vLLM; HF: none)
@@ -1056,6 +1084,8 @@ def detail_lines(pair: dict) -> list[str]:
             lines.append(f"- flowrl peak device memory (`perf/peak_device_gib`), steps 1, 2 and last: "
                          f"{_fmt(first)}, {_fmt(second)}, {_fmt(last)} GiB: {_fmt(per)} GiB more per step "
                          f"after step 2 (step 1's weight sync allocates the staging buffers once)")
+        if f.get("startup_log"):
+            lines.append("- flowrl start-up (its log): " + "; ".join(f["startup_log"]))
     if t:
         lines.append("- TRL (s): " + ", ".join(f"{k} {_fmt(v)}" for k, v in t["stages"].items()))
         if t["profile"]:

@@ -80,6 +80,11 @@ def test_tiny_one_step_writes_both_rows(tmp_path):
             1000 * step["generate_s"] / step["length_max"], rel=0.01)
     assert flowrl["precision"]["train"] == {"device": "cpu", "weights": "float32", "autocast": "off"}
     assert flowrl["rollout_engine"]["type"] == "HFRolloutEngine"
+    # where the start-up's seconds went, from flowrl's own log lines, in the JSON and the report
+    assert [l.split(" in ")[0] for l in flowrl["startup_log"]
+            if l.startswith("start-up: model loaded")] == ["start-up: model loaded on cpu"]
+    assert any(l.startswith("engines built in ") for l in flowrl["startup_log"])
+    assert "- flowrl start-up (its log): " in text
     assert set(trl["steps"][0]["stages"]) == {"generate", "reward", "other_scoring",
                                               "forward_backward", "optimizer_and_rest"}
     # the report is rebuilt from the JSON alone
@@ -240,3 +245,20 @@ def test_overlap_pair_recomputes_old_logprobs_and_says_so(tmp_path):
         assert row[0].startswith("placement.staleness=1: one-step off-policy" if recompute
                                  else "on-policy")
         assert row[1] == "on-policy (TRL generates, then trains, in turn)"
+
+
+def test_startup_lines_keep_flowrls_start_up_records_only():
+    import logging
+
+    h = bench.StartupLines()
+    log = logging.getLogger("flowrl.test_startup_lines")
+    log.addHandler(h)
+    log.setLevel(logging.INFO)
+    try:
+        log.info("start-up: model loaded on %s in %.1f s", "cuda", 5.21)
+        log.info("step 1 done 49.3 s since the command started")
+        log.info("  vLLM engine %d/%d ready at %.1f s", 2, 4, 31.04)
+        log.debug("start-up: a debug record")
+    finally:
+        log.removeHandler(h)
+    assert h.lines == ["start-up: model loaded on cuda in 5.2 s", "vLLM engine 2/4 ready at 31.0 s"]
