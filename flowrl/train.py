@@ -230,8 +230,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 def check_sweep(overrides: list[str]) -> Optional[str]:
     """Every job of a command-line sweep (``flowrl train -m a=1,2 b=x,y``: the jobs Hydra's basic
     sweeper makes) checked before the first job runs: first every job's config (fields and
-    values), then each job's run checks as ``flowrl plan`` makes them (machine defaults, graph,
-    placement, model folder and data files: :func:`prepare`) and its prompts through its
+    values), then each job's run checks as ``flowrl train`` makes them before its models load
+    (machine defaults, graph, placement, model folder and data files: :func:`prepare`; what this
+    machine cannot run: ``machine.check_machine``) and its prompts through its
     tokenizer (``data.max_prompt_tokens``, the chat template: ``preflight.load_prompts``, once
     per distinct model and data). No model loads. Returns the first bad job's one-line reason
     (its number and overrides), None when all pass or when the overrides do not parse (Hydra's
@@ -278,6 +279,7 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
                 # plan_only: no MPS daemon (a sweep starts none), a graph's unset teacher
                 # left to the job (flowrl plan's rule)
                 cfg = prepare(list(job), plan_only=True).config
+                check_machine(cfg)  # vLLM not installed, no CUDA, ...
                 key = repr((cfg.model, cfg.data))
                 if key not in data_seen:
                     data_seen.add(key)

@@ -209,12 +209,20 @@ def test_a_refused_sweep_leaves_no_multirun_folder(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "placement.staleness=2 with placement=colocated" in r.stderr
     assert list(tmp_path.iterdir()) == []
+    # a later job's placement is checked before job 1 runs: nothing is written either
     r = subprocess.run([*base, "placement.staleness=0,2"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=600)
-    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        "flowrl train: error: sweep job 2 of 2 (placement.staleness=2): placement.staleness=2 "
+        "with placement=colocated"), r.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+    # refused inside its run (every job's run directory is the same one: job 1's run is there)
+    r = subprocess.run([*base, "trainer.seed=0,1", "hydra.sweep.subdir=same"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "holds a previous run" in r.stderr, r.stderr[-2000:]
     (sweep,) = (tmp_path / "multirun").glob("*/*")
-    assert (sweep / "multirun.yaml").is_file() and (sweep / "0" / "metrics.jsonl").is_file()
-    assert not (sweep / "1").exists()
+    assert (sweep / "multirun.yaml").is_file() and (sweep / "same" / "metrics.jsonl").is_file()
+    assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml", "same"]
 
 
 def test_resuming_a_finished_run_from_the_command_line_keeps_its_hydra_record(tmp_path):
