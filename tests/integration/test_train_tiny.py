@@ -220,6 +220,8 @@ def test_a_refused_sweep_leaves_no_multirun_folder(tmp_path):
     r = subprocess.run([*base, "trainer.seed=0,1", "hydra.sweep.subdir=same"], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "holds a previous run" in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().endswith("choose another run directory (hydra.sweep.dir=..., with a "
+                                     "hydra.sweep.subdir of its own per job)")
     (sweep,) = (tmp_path / "multirun").glob("*/*")
     assert (sweep / "multirun.yaml").is_file() and (sweep / "same" / "metrics.jsonl").is_file()
     assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml", "same"]
