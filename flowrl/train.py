@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from flowrl.config import REPO_ROOT, compose, task_section, to_train_config
+from flowrl.config import REPO_ROOT, compose, output_dir_is_hydras, task_section, to_train_config
 from flowrl.config_errors import loose_bool_override
 from flowrl.machine import check_machine, resolve_machine_defaults
 from flowrl.runtime.control import mps
@@ -190,6 +190,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     try:
         spec = prepare(args)
+        for o in args:  # an unset shell variable ($OUT) gives an empty value: Hydra and flowrl
+            # took it for the working directory (and trainer.overwrite=true would clear it)
+            key, _, value = o.partition("=")
+            if key.lstrip("+~") in ("hydra.run.dir", "trainer.output_dir") and \
+                    value.strip().strip("'\"") == "":
+                raise ConfigError(f"{key.lstrip('+~')} is empty: the run would write into the "
+                                  f"working directory ({os.getcwd()}); give it a path")
         rundir.check_run_dir(Path(spec.config.trainer.output_dir), spec.config.trainer,
                              rundir.run_dir_field(args))
         t0 = time.perf_counter()
@@ -250,16 +257,22 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
-    except HydraException:
+        # glob() over a config group needs Hydra's config loader, interval() an optimizing
+        # sweeper: those sweeps are Hydra's to expand (or refuse), unchecked here
+        jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    except HydraException as e:
+        if "does not support sweep type" in str(e):  # interval(): the basic sweeper's refusal
+            return (f"{e}: interval() sweeps need an optimizing sweeper plugin (Optuna, Ax); "
+                    "list the values (a=0,0.5,1) or use range()")
         return None
-    if not any(o.is_sweep_override() for o in parsed):
-        return None
-    jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
     swept = {o.key_or_group for o in parsed if o.is_sweep_override()}
 
     def refused(i: int, why: str) -> str:
         job = jobs[i - 1]
-        which = " ".join(o for o in job if o.split("=", 1)[0].lstrip("+~") in swept)
+        key = lambda o: o.split("=", 1)[0].lstrip("+~")  # noqa: E731
+        # a multirun of one job (nothing swept): its own overrides, Hydra's left out
+        which = " ".join(o for o in job if key(o) in swept or
+                         (not swept and not key(o).startswith("hydra.")))
         return f"sweep job {i} of {len(jobs)} ({which}): {why}; no job was run"
 
     for i, job in enumerate(jobs, 1):  # the fields of all: a typo says so in a second
@@ -272,22 +285,92 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
             why = explain(e, list(job))
         return refused(i, why)
     global _PREPARED
-    first, data_seen = _PREPARED, set()
+    first, data_seen, dirs = _PREPARED, set[str](), dict[str, int]()
     try:
+        bad_dir = _sweep_dir_problem(jobs[0])
+        if bad_dir is not None:
+            return f"{bad_dir}; no job was run"
         for i, job in enumerate(jobs, 1):
             try:
-                # plan_only: no MPS daemon (a sweep starts none), a graph's unset teacher
-                # left to the job (flowrl plan's rule)
-                cfg = prepare(list(job), plan_only=True).config
-                check_machine(cfg)  # vLLM not installed, no CUDA, ...
+                # plan_only: no MPS daemon now (the job decides its own), the teacher below
+                spec = prepare(list(job), plan_only=True)
+                cfg = spec.config
+                _check_sweep_job(spec)
+                if not output_dir_is_hydras(spec.raw):  # a trainer.output_dir of its own
+                    out = os.path.abspath(cfg.trainer.output_dir)
+                    if out in dirs:
+                        raise ConfigError(
+                            f"trainer.output_dir={cfg.trainer.output_dir}: sweep job {dirs[out]} "
+                            "writes into the same directory, so this job would find its run there; "
+                            "leave trainer.output_dir to the sweep (hydra.sweep.dir, a subdir per "
+                            "job) or give each job its own")
+                    dirs[out] = i
                 key = repr((cfg.model, cfg.data))
                 if key not in data_seen:
                     data_seen.add(key)
                     load_prompts(cfg)
             except ConfigError as e:
                 return refused(i, str(e))
+            except ValueError as e:  # the teacher check
+                return refused(i, str(e))
     finally:
         _PREPARED = first  # job 1's start-up line still counts the process's imports
+    return None
+
+
+def _check_sweep_job(spec: RunSpec) -> None:
+    """What a sweep job's own start would refuse beyond :func:`prepare` (``plan_only``): a
+    multi-rank launcher (a Hydra multirun runs each job in this one process), what this machine
+    cannot run, ``launcher.mps=true`` where it cannot be had, a graph's teacher left unset.
+
+    Raises:
+        ConfigError / ValueError: one line naming the field."""
+    from flowrl.runtime.control.preflight import check_teacher_role
+
+    cfg = spec.config
+    if cfg.launcher.nproc > 1 or cfg.launcher.nnodes > 1:
+        raise ConfigError(f"launcher.nproc={cfg.launcher.nproc}, launcher.nnodes="
+                          f"{cfg.launcher.nnodes}: a sweep (-m) runs its jobs one after the other "
+                          "in this process, on one rank each; start a multi-rank job on its own "
+                          "(flowrl train without -m), once per setting")
+    check_machine(cfg)  # vLLM not installed, no CUDA, ...
+    if cfg.launcher.mps == "true":
+        line = mps.preview(cfg)
+        if line is not None and line.value == "refused":
+            raise ConfigError(f"launcher.mps=true: {line.why}")
+    if {"teacher", "teacher_rollout"} & set(spec.plan.roles):
+        check_teacher_role(cfg, spec.plan)
+
+
+def _sweep_dir_problem(job: Sequence[str]) -> Optional[str]:
+    """``hydra.sweep.dir`` of a sweep (its first job's: every job's is the same) that cannot be
+    made: empty (the jobs would write into the working directory), a file or under one, or a
+    place where no directory can be created. None when it can be (nothing is left behind)."""
+    from omegaconf import OmegaConf
+
+    given = next((o.split("=", 1)[1] for o in job if o.split("=", 1)[0].lstrip("+~") ==
+                  "hydra.sweep.dir"), None)
+    if given is not None and given.strip().strip("'\"") == "":
+        return ("hydra.sweep.dir is empty: the jobs would write into the working directory; "
+                "give it a path")
+    try:
+        where = Path(str(OmegaConf.select(compose(list(job), with_hydra=True), "hydra.sweep.dir")))
+    except Exception:  # noqa: BLE001 - an unresolvable value: Hydra's own report says why
+        return None
+    field = f"hydra.sweep.dir={where}"
+    missing = []
+    for p in (where, *where.parents):
+        if p.exists():
+            if not p.is_dir():
+                return f"{field}: {p} is a file, not a directory; choose another hydra.sweep.dir"
+            break
+        missing.append(p)
+    if missing:  # made and removed again: the sweep makes it when job 1 starts
+        try:
+            missing[-1].mkdir()
+        except OSError as e:
+            return f"{field}: the sweep directory cannot be created ({e.strerror or e})"
+        missing[-1].rmdir()
     return None
 
 

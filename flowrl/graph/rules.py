@@ -121,9 +121,10 @@ def weight_sync_problems(graph: Graph, ops: Mapping[str, "OpSpec"]) -> list[Prob
         src, dst = by_name.get(w.src), by_name.get(w.dst)
         if src is None or dst is None:
             continue  # unknown stage: reported by validate
-        if any(s.role is not None and s.role not in ROLES for s in (src, dst)):
-            continue  # a misspelt role: reported by validate (with its "did you mean"); what
-            # the sync would need of that stage follows once the name is fixed
+        if any((s.role is not None and s.role not in ROLES) or
+               (s.role is None and s.op in ops and ops[s.op].roles) for s in (src, dst)):
+            continue  # a misspelt role, or none where the op needs one: reported by validate
+            # (with the names to use); what the sync needs of that stage follows once it is set
         hint_src = f" (e.g. '{trainers[0]}')" if trainers else ""
         if src.role is None:
             problems.append((f"weight_sync[{i}]", "from", f"stage '{w.src}' has no role (it runs "

@@ -302,8 +302,9 @@ def test_true_false_and_an_optional_null_pass(override):
 
 
 def test_a_loose_bool_is_refused_in_a_hydra_multirun_job_too(capsys, tmp_path, monkeypatch):
-    """``flowrl train -m ...``: each job composes inside Hydra, where the check reads Hydra's
-    own record of the overrides."""
+    """``flowrl train -m ...``: a multirun of one job is checked up front as a sweep is (each
+    job also composes inside Hydra, where the check reads Hydra's own record of the
+    overrides)."""
     import sys
 
     from flowrl.train import main
@@ -314,8 +315,9 @@ def test_a_loose_bool_is_refused_in_a_hydra_multirun_job_too(capsys, tmp_path, m
               f"hydra.sweep.dir={tmp_path}"])
     assert e.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (  # named as the sweep's job it was
-        "flowrl train: error: sweep job 1 (model=tiny trainer=smoke rollout.hf.cudnn_attention=yes): "
-        "rollout.hf.cudnn_attention=yes: rollout.hf.cudnn_attention takes true or false, got 'yes'")
+        "flowrl train: error: sweep job 1 of 1 (model=tiny trainer=smoke "
+        "rollout.hf.cudnn_attention=yes): rollout.hf.cudnn_attention=yes: "
+        "rollout.hf.cudnn_attention takes true or false, got 'yes'; no job was run")
 
 
 @pytest.mark.parametrize("field", ["trainer.output_dir", "hydra.run.dir"])
@@ -377,9 +379,9 @@ def test_every_job_of_a_sweep_is_checked_before_the_first_one_runs(tmp_path):
 
 def test_a_sweep_job_its_tokenizer_or_placement_refuses_is_found_before_job_1(tmp_path):
     """Only the tokenizer can tell that no prompt fits ``data.max_prompt_tokens=1``, and only the
-    placement check that 3 rollout ranks do not fit a 2-rank job: such a job was refused when its
-    turn came, after every job before it had trained (fresh-user report). Both are now checked
-    for every job before job 1 runs."""
+    placement check that a colocated rollout cannot run two steps ahead: such a job was refused
+    when its turn came, after every job before it had trained (fresh-user report). Both are now
+    checked for every job before job 1 runs."""
     from flowrl.train import check_sweep
 
     base = ["model=tiny", "trainer=smoke", "trainer.total_steps=1", "trainer.eval.limit=0"]
@@ -387,10 +389,11 @@ def test_a_sweep_job_its_tokenizer_or_placement_refuses_is_found_before_job_1(tm
         "sweep job 2 of 2 (data.max_prompt_tokens=1): data: all 7100 prompts exceed "
         "data.max_prompt_tokens=1; no job was run")
     assert check_sweep([*base, "data.max_prompt_tokens=512,256"]) is None
-    assert check_sweep([*base, "launcher.nproc=2", "placement=partitioned",
-                        "placement.pools.train=[0],[0,1]"]) == (
-        "sweep job 2 of 2 (placement.pools.train=[0,1]): placement.pools: rank 1 is in both "
-        "'train' and 'rollout' (partitioned pools must not overlap); no job was run")
+    assert check_sweep([*base, "placement.staleness=0,2"]) == (
+        "sweep job 2 of 2 (placement.staleness=2): placement.staleness=2 with "
+        "placement=colocated: the rollout can run at most one step ahead of the update on the "
+        "same devices (set placement.staleness=1, or placement=partitioned for a deeper queue "
+        "between two pools); no job was run")
     proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "train", "-m", *base,
                            "data.max_prompt_tokens=512,1", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
                           cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
@@ -399,3 +402,59 @@ def test_a_sweep_job_its_tokenizer_or_placement_refuses_is_found_before_job_1(tm
         "flowrl train: error: sweep job 2 of 2 (data.max_prompt_tokens=1): data: all 7100 prompts "
         "exceed data.max_prompt_tokens=1; no job was run"]
     assert not (tmp_path / "sweep").exists()  # job 1 did not run either
+
+
+def test_a_sweep_refuses_up_front_what_its_jobs_would_refuse_one_by_one(tmp_path):
+    """A fresh user's sweeps that trained job 1 and then refused job 2 (or ran every job wrong):
+    each is now one line before any job runs, naming the job."""
+    from flowrl.train import check_sweep
+
+    base = ["model=tiny", "trainer=smoke", "trainer.eval.limit=0"]
+    # a Hydra multirun runs its jobs in one process: launcher.nproc=2 was silently one rank
+    assert check_sweep([*base, "launcher.nproc=2", "algorithm.kl_coef=0,0.01"]) == (
+        "sweep job 1 of 2 (algorithm.kl_coef=0): launcher.nproc=2, launcher.nnodes=1: a sweep "
+        "(-m) runs its jobs one after the other in this process, on one rank each; start a "
+        "multi-rank job on its own (flowrl train without -m), once per setting; no job was run")
+    assert check_sweep([*base, "graph=grpo,distill"]) == (
+        "sweep job 2 of 2 (graph=distill): stage 'teacher_logprobs' runs role teacher, but no "
+        "teacher is set: give teacher.path=<HF model dir or flowrl export> (it must share the "
+        "student's tokenizer), or teacher=tiny for a tiny random one; no job was run")
+    shared = tmp_path / "kl"
+    assert check_sweep([*base, "algorithm.kl_coef=0,0.01", f"trainer.output_dir={shared}"]) == (
+        f"sweep job 2 of 2 (algorithm.kl_coef=0.01): trainer.output_dir={shared}: sweep job 1 "
+        "writes into the same directory, so this job would find its run there; leave "
+        "trainer.output_dir to the sweep (hydra.sweep.dir, a subdir per job) or give each job "
+        "its own; no job was run")
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    assert check_sweep([*base, "algorithm.kl_coef=0,0.01", f"hydra.sweep.dir={afile}/s"]) == (
+        f"hydra.sweep.dir={afile}/s: {afile} is a file, not a directory; choose another "
+        "hydra.sweep.dir; no job was run")
+    assert check_sweep([*base, "algorithm.kl_coef=0,0.01", "hydra.sweep.dir="]) == (
+        "hydra.sweep.dir is empty: the jobs would write into the working directory; give it a "
+        "path; no job was run")
+    assert check_sweep([*base, "algorithm.kl_coef=interval(0,1)"]).endswith(
+        ": interval() sweeps need an optimizing sweeper plugin (Optuna, Ax); list the values "
+        "(a=0,0.5,1) or use range()")
+    assert check_sweep([*base, "graph=glob(grpo*)"]) is None  # Hydra's to expand
+    # a sweep directory that is made for the check is gone again
+    fresh = tmp_path / "new" / "sweep"
+    assert check_sweep([*base, "algorithm.kl_coef=0,0.01", f"hydra.sweep.dir={fresh}"]) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+@pytest.mark.parametrize("key", ["hydra.run.dir", "trainer.output_dir"])
+def test_an_empty_run_directory_is_refused_not_taken_for_the_working_directory(
+        key, tmp_path, monkeypatch, capsys):
+    """``hydra.run.dir=$OUT`` with OUT unset trained into the working directory (and
+    trainer.overwrite=true would have cleared it)."""
+    from flowrl.train import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["model=tiny", "trainer=smoke", f"{key}="])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"flowrl train: error: {key} is empty: the run would write into the working directory "
+        f"({tmp_path}); give it a path")
+    assert list(tmp_path.iterdir()) == []

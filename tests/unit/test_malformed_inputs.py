@@ -140,6 +140,8 @@ GRAPH_CASES = {
     "misspelt_role_of_the_synced_stage": (_edit(GRPO, lambda g: [
         s.update(role="actr") for s in g["stages"] if s.get("role") == "actor"]),
         "stage 'old_logprobs', field 'role': unknown role 'actr' (did you mean 'actor'?)"),
+    "no_role_on_the_synced_stage": (_edit(GRPO, lambda g: _stage(g, "update").pop("role")),
+        "stage 'update', field 'role': op 'update.policy' needs a role, one of ['actor']"),
     "weight_sync_into_frozen_ref": (_edit(GRPO, lambda g: g.update(
         weight_sync=[{"from": "update", "to": "ref_logprobs", "staleness": 0}])),
         "weight_sync[0].to: stage 'ref_logprobs' (role ref) does not serve role actor's weights; "
