@@ -272,12 +272,20 @@ def test_stale_tmp_folders_are_removed_at_start(tmp_path):
 
 
 # ------------------------------------------------------------------ 6. corrupt newest, fsync
-@pytest.mark.parametrize("damage", ["empty_json", "truncated_shard", "truncated_index"])
+@pytest.mark.parametrize("damage", ["empty_json", "truncated_shard", "truncated_index",
+                                    "deleted_index", "deleted_json"])
 def test_resume_falls_back_past_a_corrupt_newest_checkpoint(tmp_path, damage):
+    # deleted_*: a published folder missing a file was passed over in silence as "incomplete",
+    # and the resumed run later overwrote it (fresh-user report); saves publish by renaming a
+    # complete folder, so it is damage, set aside as the others are
     m = saved(tmp_path, 1, 2)
     newest = tmp_path / "step_000002"
     if damage == "empty_json":
         (newest / "trainer_state.json").write_text("")
+    elif damage == "deleted_index":
+        (newest / ".metadata").unlink()
+    elif damage == "deleted_json":
+        (newest / "trainer_state.json").unlink()
     elif damage == "truncated_shard":
         shard = next(newest.glob("*.distcp"))
         shard.write_bytes(shard.read_bytes()[:50])

@@ -231,13 +231,17 @@ class CheckpointManager:
         return None
 
     def complete(self) -> list[Path]:
-        """Complete checkpoints, oldest first (``.tmp`` leftovers and dirs without metadata are ignored)."""
+        """Published checkpoints (``step_N`` folders), oldest first; ``.tmp`` leftovers and
+        ``.corrupt`` ones are ignored. A save is published by renaming its complete ``.tmp``
+        folder, so a ``step_N`` folder missing its index or ``trainer_state.json`` was damaged
+        after the save: it is listed, and :func:`verify_checkpoint` refuses it (resume sets it
+        aside, saying so), rather than passed over in silence and later overwritten."""
         if not self.root.is_dir():
             return []
         found = []
         for p in self.root.iterdir():
             m = _STEP_DIR.match(p.name)
-            if m and (p / _META).is_file() and (p / ".metadata").is_file():
+            if m and p.is_dir():
                 found.append((int(m.group(1)), p))
         return [p for _, p in sorted(found)]
 
