@@ -100,6 +100,14 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
         meta = verify_checkpoint(ckpt)
     except ValueError as e:
         raise ValueError(f"export: {e}") from e
+    from flowrl.runtime.io.checkpoint import read_metadata
+
+    # the roles with weights: their keys are <role>.model.<name> (rng and optimizer are not)
+    held = sorted({k.split(".")[0] for k in read_metadata(ckpt).state_dict_metadata
+                   if k.split(".")[1:2] == ["model"]})
+    if role not in held:
+        raise ValueError(f"export: {ckpt} holds no role {role!r} (--role); its roles: "
+                         f"{', '.join(held) or 'none'}")
     if model_cfg is None:
         if "model" not in meta:
             raise ValueError(f"export: {meta_path} records no model config; pass model overrides "
@@ -165,6 +173,18 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("--overwrite", action="store_true",
                    help="write into OUT_DIR even when it already holds files (else refused)")
     args, overrides = p.parse_known_args(argv)
+    options = [o.split("=", 1)[0] for o in overrides if o.startswith("-")]
+    if options:  # a mistyped option was read as a model override, and reported as one
+        import difflib
+
+        known = [a for act in p._actions for a in act.option_strings if a.startswith("--")]
+        near = difflib.get_close_matches(options[0], known, n=1)
+        p.error(f"unrecognized option {options[0]}" + (f" (did you mean {near[0]}?)" if near else ""))
+    if foreign := [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith("model")]:
+        # only the model section is read; the rest would silently replace the checkpoint's
+        # recorded model with the default one (a size mismatch, far from its cause)
+        p.error(f"only model settings apply to an export (model=..., model.<field>=...), got "
+                f"{' '.join(foreign)}; without any, the checkpoint's recorded model is used")
     _check_exists(args.checkpoint)
     check_out_dir(args.out_dir, args.overwrite)  # before composing or loading anything
     model_cfg: Optional[object] = None

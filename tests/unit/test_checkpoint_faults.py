@@ -363,3 +363,26 @@ def test_publishing_fsyncs_the_state_file_and_both_directories(tmp_path, monkeyp
     assert ("fsync", tmp + "/trainer_state.json") in events[:i]
     assert ("fsync", tmp) in events[:i]
     assert ("fsync", str(tmp_path)) in events[i:]
+
+
+def test_export_says_what_it_was_given_wrong_in_one_line(tmp_path, capsys):
+    """Fresh-user report: a mistyped option was reported as a model override named after the
+    checkpoint path; a non-model override silently replaced the recorded model (a size mismatch
+    at load); --role of a role the checkpoint lacks was a missing-key traceback."""
+    from flowrl.export import export_main
+
+    saved(tmp_path / "ck", 1)
+    ckpt, out = tmp_path / "ck" / "step_000001", tmp_path / "out"
+    for argv, said in [
+        ([str(ckpt), str(out), "--adaptor-only"],
+         "unrecognized option --adaptor-only (did you mean --adapter-only?)"),
+        ([str(ckpt), str(out), "algorithm.kl_coef=0.5", "model=tiny"],
+         "only model settings apply to an export (model=..., model.<field>=...), got "
+         "algorithm.kl_coef=0.5; without any, the checkpoint's recorded model is used")]:
+        with pytest.raises(SystemExit) as e:
+            export_main(argv)
+        assert e.value.code == 2 and capsys.readouterr().err.strip().endswith(said)
+    with pytest.raises(ValueError, match=r"^export: .*step_000001 holds no role 'critic' \(--role\); "
+                                         r"its roles: actor$"):
+        export_main([str(ckpt), str(out), "--role", "critic", "model=tiny"])
+    assert not out.exists()
