@@ -73,6 +73,15 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
     given = None if overrides is None else list(overrides)
     if loose := loose_bool_override(given if given is not None else _hydra_task_overrides()):
         raise ConfigError(loose)
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(source, DictConfig) and \
+            OmegaConf.select(source, "hydra.job.chdir", default=False) is True:
+        # the checks read relative paths (data.path, model.path, graph.path) from the launch
+        # directory, and the job would read them from its run directory: passed, then crashed
+        raise ConfigError("hydra.job.chdir=true: flowrl runs a job in the directory it was started "
+                          "from (relative data.path, model.path and graph.path are read from "
+                          "there; the run's files go to hydra.run.dir); leave it false")
     try:
         task = task_section(source)  # Hydra's run dir pinned: the run is checked before it exists
         cfg = to_train_config(task)  # a bad field stops here, before torch is imported

@@ -458,3 +458,21 @@ def test_an_empty_run_directory_is_refused_not_taken_for_the_working_directory(
         f"flowrl train: error: {key} is empty: the run would write into the working directory "
         f"({tmp_path}); give it a path")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_hydra_job_chdir_is_refused_before_the_checks_pass_a_path_the_job_cannot_read(
+        tmp_path, monkeypatch, capsys):
+    """A relative data.path passed the checks (read from the launch directory), then the job,
+    moved into its run directory by hydra.job.chdir=true, crashed on it (fresh-user report)."""
+    from flowrl.train import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["model=tiny", "trainer=smoke", "hydra.job.chdir=true",
+              f"hydra.run.dir={tmp_path / 'run'}"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "flowrl train: error: hydra.job.chdir=true: flowrl runs a job in the directory it was "
+        "started from (relative data.path, model.path and graph.path are read from there; the "
+        "run's files go to hydra.run.dir); leave it false")
+    assert list(tmp_path.iterdir()) == []
