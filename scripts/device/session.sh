@@ -27,20 +27,22 @@
 # Next lease (issue 24). Last GPU runs (2026-12-07 09:37-09:54, an H100, bcc9a72): e2e 2.07x (0.5B)
 # / 1.32x (SmolLM2), the 1.5B pair OOMed (both processes resident need ~108 GiB: the suite now
 # skips it on a smaller card), GPU tier green (55 passed), first step 32.8 s (warm vLLM, cold GGUF
-# cache). Not run on a GPU yet: engine processes that import vLLM's engine before their build
-# request (c37c84f: 8.4 -> 3.0 s per build on the CPU, engine_ahead_cpu.md); checkpoints' CRC-32
-# at save and verify (the default job's end: its 2.2 GB state summed once, ~0.6 s on the CPU).
+# cache). The day's third session got no machine (12 refused starts). Not run on a GPU yet:
+# engine processes that import vLLM's engine before their build request (c37c84f); checkpoints'
+# CRC-32; launcher.mps=auto deciding without nvidia-smi for the default job; the e2e report's
+# flowrl start-up lines (where a 4-engine build's 75-154 s go) and this phase's console archive.
 # In this order (an H200 if offered: the 1.5B pair needs its memory):
 #   pieces p1-p4 and p6, model a-c, then carry [".vllm/p5", ".flowrl_commit"]:
-#   FIRST_STEP_ROUNDS=1 ... install first_step   (~1.5 min: a cold first step on the fresh machine)
+#   FIRST_STEP_ROUNDS=1 ... install first_step   (~1.5 min: a cold first step on the fresh machine;
+#       estimated ~40 s against b1cbc10's 49.3 s, first_step_h200.md)
+#   TIER_TIMEOUT_S=420 ... tier   (~4 min: the whole tests/gpu folder)
 #   E2E_ARGS="--models qwen05b,smollm2 --rollout vllm" X="rollout.vllm.gpu_memory_utilization=0.2" ... e2e
-#       (~8.5 min: engine build with the engine processes' imports ahead against bcc9a72's 154.2 /
-#       68.4 s cold; the log's "imports ... N of 4 done before their build request")
+#       (~8.5 min: the report's "flowrl start-up (its log)" lines say where the engine build goes)
+#   on an H200: E2E_TAG=_qwen15b E2E_ARGS="--model qwen15b --rollout vllm" X="rollout.vllm.gpu_memory_utilization=0.2" ... e2e
+#   FIRST_STEP_VARIANTS=default,v1runner FIRST_STEP_ROUNDS=1 ... first_step_ab   (the V2 runner's
+#       10.9 s warmup JIT of a cold start against the V1 runner), then decode_ab (their decode speed)
 #   E2E_TAG=_procs2 E2E_ARGS="--model qwen05b --rollout vllm" X="rollout.vllm.engine_procs=2 rollout.vllm.gpu_memory_utilization=0.2" ... e2e
 #       (~4 min: under MPS, do 2 engines generate as fast as 4 with half the host RSS? 1.06x TRL now)
-#   on an H200: E2E_TAG=_qwen15b E2E_ARGS="--model qwen15b --rollout vllm" X="rollout.vllm.gpu_memory_utilization=0.2" ... e2e
-#   TIER_TIMEOUT_S=420 ... tier   (~4 min: the whole tests/gpu folder)
-#   decode_ab, first_step_ab   (V1 vs V2 model runner; cold starts with fresh caches)
 # A start that fails costs 1.5-3 min of the 30: on 2026-12-07 nine of ten did; plan for less.
 # Short of device time and without vLLM: carry [".whl", ".flowrl_commit"]:
 #   TIER_K="not vllm" TIER_TIMEOUT_S=200 bash scripts/device/session.sh wheels tier   (the HF half of the tier)
