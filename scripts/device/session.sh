@@ -27,7 +27,7 @@
 # Next lease (issue 24). Last GPU runs (2026-12-07 09:37-09:54, an H100, bcc9a72): e2e 2.07x (0.5B)
 # / 1.32x (SmolLM2), the 1.5B pair OOMed (both processes resident need ~108 GiB: the suite now
 # skips it on a smaller card), GPU tier green (55 passed), first step 32.8 s (warm vLLM, cold GGUF
-# cache). The day's third session got no machine (12 refused starts). Not run on a GPU yet:
+# cache). The day's third session got no machine (13 refused starts). Not run on a GPU yet:
 # engine processes that import vLLM's engine before their build request (c37c84f); checkpoints'
 # CRC-32; launcher.mps=auto deciding without nvidia-smi for the default job; the e2e report's
 # flowrl start-up lines (where a 4-engine build's 75-154 s go) and this phase's console archive.
