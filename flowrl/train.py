@@ -297,6 +297,13 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
     first, data_seen, dirs = _PREPARED, set[str](), dict[str, int]()
     try:
         bad_dir = _sweep_dir_problem(jobs[0])
+        subdir = next((o.split("=", 1)[1].replace("\\", "") for o in jobs[0]  # the sweeper
+                       if o.split("=", 1)[0].lstrip("+~") == "hydra.sweep.subdir"), None)  # escapes ${
+        if bad_dir is None and subdir is not None and len(jobs) > 1 and "${hydra.job." not in subdir:
+            # one directory for every job: the next job finds the one before's run and is
+            # refused, or with trainer.overwrite / trainer.resume replaces or skips it silently
+            bad_dir = (f"hydra.sweep.subdir={subdir}: every job of the sweep would write into one "
+                       "directory; keep ${hydra.job.num} in it (the default), one per job")
         if bad_dir is not None:
             return f"{bad_dir}; no job was run"
         for i, job in enumerate(jobs, 1):

@@ -216,15 +216,17 @@ def test_a_refused_sweep_leaves_no_multirun_folder(tmp_path):
         "flowrl train: error: sweep job 2 of 2 (placement.staleness=2): placement.staleness=2 "
         "with placement=colocated"), r.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []
-    # refused inside its run (every job's run directory is the same one: job 1's run is there)
-    r = subprocess.run([*base, "trainer.seed=0,1", "hydra.sweep.subdir=same"], cwd=tmp_path,
+    # refused inside its run: a re-used sweep folder whose job-2 directory holds an older run
+    sweep = tmp_path / "sweep"
+    (sweep / "1").mkdir(parents=True)
+    (sweep / "1" / "metrics.jsonl").write_text("")
+    r = subprocess.run([*base, "trainer.seed=0,1", f"hydra.sweep.dir={sweep}"], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "holds a previous run" in r.stderr, r.stderr[-2000:]
     assert r.stderr.strip().endswith("choose another run directory (hydra.sweep.dir=..., with a "
                                      "hydra.sweep.subdir of its own per job)")
-    (sweep,) = (tmp_path / "multirun").glob("*/*")
-    assert (sweep / "multirun.yaml").is_file() and (sweep / "same" / "metrics.jsonl").is_file()
-    assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml", "same"]
+    assert (sweep / "multirun.yaml").is_file() and (sweep / "0" / "metrics.jsonl").is_file()
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "multirun.yaml"]
 
 
 def test_resuming_a_finished_run_from_the_command_line_keeps_its_hydra_record(tmp_path):

@@ -386,3 +386,20 @@ def test_export_says_what_it_was_given_wrong_in_one_line(tmp_path, capsys):
                                          r"its roles: actor$"):
         export_main([str(ckpt), str(out), "--role", "critic", "model=tiny"])
     assert not out.exists()
+
+
+def test_a_second_damaged_checkpoint_of_a_step_is_set_aside_beside_the_first(tmp_path):
+    """The second set-aside of step 2 replaced the first step_000002.corrupt without a word."""
+    m = saved(tmp_path, 1, 2)
+    (tmp_path / "step_000002" / ".metadata").unlink()
+    assert m.resume_point() == tmp_path / "step_000001"
+    (tmp_path / "step_000002.corrupt" / "MARKER").write_text("first")
+    m.save(2, state(2.0), {"history": []})
+    (tmp_path / "step_000002" / "trainer_state.json").write_text("")
+    assert m.resume_point() == tmp_path / "step_000001"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_000001", "step_000002.corrupt", "step_000002.corrupt.1"]
+    assert (tmp_path / "step_000002.corrupt" / "MARKER").read_text() == "first"
+    m.save(2, state(2.0), {"history": []})  # and set_aside (a load that failed) does the same
+    assert m.set_aside(tmp_path / "step_000002", "its tensors did not load") == \
+        tmp_path / "step_000002.corrupt.2"

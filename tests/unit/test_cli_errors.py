@@ -476,3 +476,15 @@ def test_hydra_job_chdir_is_refused_before_the_checks_pass_a_path_the_job_cannot
         "started from (relative data.path, model.path and graph.path are read from there; the "
         "run's files go to hydra.run.dir); leave it false")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sweep_subdir_shared_by_every_job_is_refused_up_front():
+    """``hydra.sweep.subdir=same``: job 2 replaced job 1's results with trainer.overwrite=true,
+    or skipped its own setting with trainer.resume=true, both silently (fresh-user report)."""
+    from flowrl.train import check_sweep
+
+    base = ["model=tiny", "trainer=smoke", "trainer.eval.limit=0", "algorithm.kl_coef=0,0.01"]
+    assert check_sweep([*base, "hydra.sweep.subdir=same", "trainer.overwrite=true"]) == (
+        "hydra.sweep.subdir=same: every job of the sweep would write into one directory; keep "
+        "${hydra.job.num} in it (the default), one per job; no job was run")
+    assert check_sweep([*base, "hydra.sweep.subdir=kl_${hydra.job.num}"]) is None

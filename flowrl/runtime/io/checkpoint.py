@@ -335,16 +335,16 @@ class CheckpointManager:
         return self._newest_loadable(before=Path(path).name)
 
     def set_aside(self, path: str | Path, why: str) -> Path:
-        """Rename ``path`` to ``step_N.corrupt`` (kept for inspection, never loaded or pruned):
-        a checkpoint whose tensors did not load while an older one did. Rank 0 renames; every
+        """Rename ``path`` to ``step_N.corrupt`` (``.corrupt.K`` when that name is taken; kept
+        for inspection, never loaded or pruned): a checkpoint whose tensors did not load while
+        an older one did. Rank 0 renames; every
         rank calls it (a barrier). Returns the new path."""
         path = Path(path)
-        bad = path.with_name(path.name + ".corrupt")
+        bad: Optional[Path] = None
         if fdist.is_rank0():
-            _rename_corrupt(path)
+            bad = _rename_corrupt(path)
             log.warning("resume: %s did not load (%s); moved to %s", path, why, bad.name)
-        fdist.barrier()
-        return bad
+        return Path(fdist.broadcast_object(bad))  # the name rank 0 chose (a barrier too)
 
     def _prune(self) -> None:
         for p in self.complete()[: -self.keep_last]:
@@ -466,9 +466,13 @@ class CorruptCheckpointError(ValueError):
 
 
 def _rename_corrupt(path: Path) -> Path:
-    """Rename ``path`` to ``step_N.corrupt`` (replacing an older one of that name); returns it."""
-    bad = path.with_name(path.name + ".corrupt")
-    shutil.rmtree(bad, ignore_errors=True)
+    """Rename ``path`` to ``step_N.corrupt``, or ``step_N.corrupt.K`` (the first K free) when a
+    checkpoint of that step was set aside before: kept for inspection, never replaced (an older
+    one was deleted without a word; fresh-user report). Returns the new path."""
+    bad, k = path.with_name(path.name + ".corrupt"), 0
+    while bad.exists():
+        k += 1
+        bad = path.with_name(f"{path.name}.corrupt.{k}")
     os.replace(path, bad)
     return bad
 
