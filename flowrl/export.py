@@ -33,9 +33,11 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
     Raises:
         ValueError: naming the path and what is in it.
     """
-    if out.exists() and not out.is_dir():
+    from flowrl.runtime.io.rundir import file_in_the_way
+
+    blocker = file_in_the_way(out.absolute())
+    if blocker == out.absolute():
         raise ValueError(f"export: {out} is a file, not a directory: choose a new directory")
-    blocker = next((p for p in out.absolute().parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise ValueError(f"export: {out} cannot be created: {blocker} is a file")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []

@@ -199,13 +199,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     try:
         spec = prepare(args)
-        for o in args:  # an unset shell variable ($OUT) gives an empty value: Hydra and flowrl
-            # took it for the working directory (and trainer.overwrite=true would clear it)
-            key, _, value = o.partition("=")
-            if key.lstrip("+~") in ("hydra.run.dir", "trainer.output_dir") and \
-                    value.strip().strip("'\"") == "":
-                raise ConfigError(f"{key.lstrip('+~')} is empty: the run would write into the "
-                                  f"working directory ({os.getcwd()}); give it a path")
+        for key in ("hydra.run.dir", "trainer.output_dir"):  # an unset shell variable ($OUT)
+            # gives an empty value: taken for the working directory (overwrite=true clears it)
+            if _empty(_override(args, key)):
+                raise ConfigError(f"{key} is empty: the run would write into the working "
+                                  f"directory ({os.getcwd()}); give it a path")
         rundir.check_run_dir(Path(spec.config.trainer.output_dir), spec.config.trainer,
                              rundir.run_dir_field(args))
         t0 = time.perf_counter()
@@ -278,10 +276,9 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
 
     def refused(i: int, why: str) -> str:
         job = jobs[i - 1]
-        key = lambda o: o.split("=", 1)[0].lstrip("+~")  # noqa: E731
         # a multirun of one job (nothing swept): its own overrides, Hydra's left out
-        which = " ".join(o for o in job if key(o) in swept or
-                         (not swept and not key(o).startswith("hydra.")))
+        which = " ".join(o for o in job if _key(o) in swept or
+                         (not swept and not _key(o).startswith("hydra.")))
         return f"sweep job {i} of {len(jobs)} ({which}): {why}; no job was run"
 
     for i, job in enumerate(jobs, 1):  # the fields of all: a typo says so in a second
@@ -297,8 +294,8 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
     first, data_seen, dirs = _PREPARED, set[str](), dict[str, int]()
     try:
         bad_dir = _sweep_dir_problem(jobs[0])
-        subdir = next((o.split("=", 1)[1].replace("\\", "") for o in jobs[0]  # the sweeper
-                       if o.split("=", 1)[0].lstrip("+~") == "hydra.sweep.subdir"), None)  # escapes ${
+        subdir = _override(jobs[0], "hydra.sweep.subdir")
+        subdir = None if subdir is None else subdir.replace("\\", "")  # the sweeper escapes ${
         if bad_dir is None and subdir is not None and len(jobs) > 1 and "${hydra.job." not in subdir:
             # one directory for every job: the next job finds the one before's run and is
             # refused, or with trainer.overwrite / trainer.resume replaces or skips it silently
@@ -325,9 +322,7 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
                 if key not in data_seen:
                     data_seen.add(key)
                     load_prompts(cfg)
-            except ConfigError as e:
-                return refused(i, str(e))
-            except ValueError as e:  # the teacher check
+            except ValueError as e:  # a ConfigError, or the teacher check's ValueError
                 return refused(i, str(e))
     finally:
         _PREPARED = first  # job 1's start-up line still counts the process's imports
@@ -364,9 +359,9 @@ def _sweep_dir_problem(job: Sequence[str]) -> Optional[str]:
     place where no directory can be created. None when it can be (nothing is left behind)."""
     from omegaconf import OmegaConf
 
-    given = next((o.split("=", 1)[1] for o in job if o.split("=", 1)[0].lstrip("+~") ==
-                  "hydra.sweep.dir"), None)
-    if given is not None and given.strip().strip("'\"") == "":
+    from flowrl.runtime.io import rundir
+
+    if _empty(_override(job, "hydra.sweep.dir")):
         return ("hydra.sweep.dir is empty: the jobs would write into the working directory; "
                 "give it a path")
     try:
@@ -374,20 +369,33 @@ def _sweep_dir_problem(job: Sequence[str]) -> Optional[str]:
     except Exception:  # noqa: BLE001 - an unresolvable value: Hydra's own report says why
         return None
     field = f"hydra.sweep.dir={where}"
-    missing = []
-    for p in (where, *where.parents):
-        if p.exists():
-            if not p.is_dir():
-                return f"{field}: {p} is a file, not a directory; choose another hydra.sweep.dir"
-            break
-        missing.append(p)
-    if missing:  # made and removed again: the sweep makes it when job 1 starts
+    blocker = rundir.file_in_the_way(where)
+    if blocker is not None:
+        return f"{field}: {blocker} is a file, not a directory; choose another hydra.sweep.dir"
+    missing = [p for p in (where, *where.parents) if not p.exists()]
+    if missing:  # its first missing folder made and removed again: the sweep makes it at job 1
         try:
             missing[-1].mkdir()
         except OSError as e:
             return f"{field}: the sweep directory cannot be created ({e.strerror or e})"
         missing[-1].rmdir()
     return None
+
+
+def _key(override: str) -> str:
+    """The key of a command-line override (``+a.b=1`` / ``~a.b`` -> ``a.b``)."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _override(overrides: Sequence[str], key: str) -> Optional[str]:
+    """The value ``overrides`` give ``key`` (the last one), None when none does."""
+    return next((o.split("=", 1)[1] for o in reversed(overrides) if "=" in o and _key(o) == key),
+                None)
+
+
+def _empty(value: Optional[str]) -> bool:
+    """A given value that is empty (an unset shell variable, ``''``)."""
+    return value is not None and value.strip().strip("'\"") == ""
 
 
 def _finished(spec: RunSpec) -> bool:

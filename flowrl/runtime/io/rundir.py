@@ -448,6 +448,13 @@ def check_resume(cfg, roles: list[str], overrides: Optional[list[str]] = None) -
                       f"but this run has {', '.join(has)}; {how}")
 
 
+def file_in_the_way(path: Path) -> Optional[Path]:
+    """``path`` itself, or the nearest of its existing ancestors, when that is a file (no folder
+    can be made there); None when the nearest existing one is a folder."""
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None) \
+        if not path.is_dir() else None
+
+
 def run_dir_field(overrides: "list[str] | tuple[str, ...]") -> str:
     """The setting a run's directory came from, for its messages: ``hydra.run.dir`` when the
     command line set it and not ``trainer.output_dir`` (which defaults to Hydra's run dir), else
@@ -466,12 +473,10 @@ def check_run_dir(out_dir: Path, trainer_cfg, field: str = "trainer.output_dir")
         RunDirError: naming the directory and the option to set; ``trainer.output_dir`` (or a
             folder above it) is a file.
     """
-    for p in (Path(out_dir), *Path(out_dir).parents):  # the run would fail at its first mkdir
-        if p.exists():
-            if not p.is_dir():
-                raise RunDirError(f"{field}={out_dir}: {p} is a file, not a directory; "
-                                  f"choose another {field}")
-            break
+    blocker = file_in_the_way(Path(out_dir))  # the run would fail at its first mkdir
+    if blocker is not None:
+        raise RunDirError(f"{field}={out_dir}: {blocker} is a file, not a directory; "
+                          f"choose another {field}")
     owner = RunDirLock(out_dir).held_elsewhere()
     if owner is not None:
         raise RunDirError(f"{Path(out_dir).resolve()} is in use by another flowrl run ({owner}): "
