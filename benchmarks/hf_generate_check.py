@@ -24,12 +24,26 @@ same sampling (T=0.7, top_p=1, top_k=0), variants interleaved (A B C D, A B C D,
   actor module is, ``model.liger_kernel=auto``); the engine decodes inside
   ``models/kernels.eager_kernels``, so transformers' own modules run;
 - ``flowrl_liger_fused``: the same with liger's kernels in the decode (before 56a43ab; the
-  e2e profile put 2.2 s of host time in them at 256 rows x 256 tokens).
+  e2e profile put 2.2 s of host time in them at 256 rows x 256 tokens);
+- ``flowrl_liger_compile``: ``rollout.hf.compile=true`` (static cache, transformers' compiled
+  decode) on a liger-patched copy as a training loop runs it: one update step (forward, backward,
+  AdamW) on that copy before every call, untimed. The engine decodes inside ``eager_kernels``, so
+  dynamo compiles transformers' own modules;
+- ``flowrl_liger_compile_fused``: the same with liger's kernels inside the compiled decode (the
+  engine before this variant existed). Inside the e2e loop that decode ran at eager speed (8.4k
+  against 24.3k tok/s alone, ``rollout_h200.md``); suspected: a graph break at each liger call.
+
+Each compiled variant gets a copy of its own (transformers caches the compiled call on the model)
+and the table says how many graphs dynamo compiled and how many graph breaks it met in the
+variant's warm-up call and in its timed calls (a recompile inside the timed calls shows there).
 
 ``--variants a,b`` runs a subset (CUDA only for the liger ones). The liger variants need
 liger-kernel:
     python benchmarks/hf_generate_check.py --variants trl,flowrl_liger,flowrl_liger_fused \
         --max-new-tokens 64 --out benchmarks/results/hf_generate_liger_h100.md
+    python benchmarks/hf_generate_check.py \
+        --variants trl,flowrl_liger,flowrl_liger_compile,flowrl_liger_compile_fused \
+        --out benchmarks/results/hf_generate_compile_h200.md     # ~4 min on an H200
 """
 from __future__ import annotations
 
@@ -102,15 +116,58 @@ def main() -> int:
 
     liger: dict[str, hf.HFRolloutEngine] = {}
 
+    def patched_copy():
+        import copy
+
+        from flowrl.models.kernels import apply_liger_kernels
+
+        patched = copy.deepcopy(model)
+        apply_liger_kernels(patched)
+        return patched
+
+    def update_step(m, opt) -> None:
+        """One training step on ``m`` as the loop's update makes between two rollouts: forward
+        with grad through liger's kernels, backward, AdamW in place (untimed)."""
+        m.train()
+        rows = min(32, args.rows)
+        batch = ids[:rows].to(dev)
+        logits = m(input_ids=batch, attention_mask=mask[:rows].long().to(dev)).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                                 batch[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+
+    def flowrl_compiled(fused: bool):
+        m = patched_copy() if dev.type == "cuda" else copy_of(model)
+        eng = hf.HFRolloutEngine(m, tok, hf.HFRolloutConfig(batch_size=args.rows, compile=True),
+                                 shared=True)
+        eng.eos_token_id = never[0]
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-7)
+
+        def prepare():
+            update_step(m, opt)
+
+        def run():
+            orig = hf.eager_kernels
+            if fused:  # liger's kernels inside the compiled decode (the engine before the change)
+                hf.eager_kernels = lambda model: contextlib.nullcontext()  # type: ignore[assignment]
+            try:
+                eng.generate(ids, mask, sampling, generator=torch.Generator().manual_seed(1))
+            finally:
+                hf.eager_kernels = orig  # type: ignore[assignment]
+        run.prepare = prepare  # type: ignore[attr-defined]
+        return run
+
+    def copy_of(m):
+        import copy
+
+        return copy.deepcopy(m)
+
     def liger_engine() -> hf.HFRolloutEngine:
         if "engine" not in liger:  # built only when a liger variant runs
-            import copy
-
-            from flowrl.models.kernels import apply_liger_kernels
-
-            patched = copy.deepcopy(model)
-            apply_liger_kernels(patched)
-            liger["engine"] = hf.HFRolloutEngine(patched, tok, hf.HFRolloutConfig(batch_size=args.rows),
+            liger["engine"] = hf.HFRolloutEngine(patched_copy(), tok, hf.HFRolloutConfig(batch_size=args.rows),
                                                  shared=True)
             liger["engine"].eos_token_id = never[0]
         return liger["engine"]
@@ -165,11 +222,14 @@ def main() -> int:
              "flowrl": lambda: flowrl(True), "flowrl_no_recorder": lambda: flowrl(False),
              "trl_monitored": lambda: monitored(trl(True, dev.type == "cuda")),
              "flowrl_monitored": lambda: monitored(flowrl(True)),
-             "flowrl_liger": lambda: flowrl_liger(False), "flowrl_liger_fused": lambda: flowrl_liger(True)}
+             "flowrl_liger": lambda: flowrl_liger(False), "flowrl_liger_fused": lambda: flowrl_liger(True),
+             "flowrl_liger_compile": lambda: flowrl_compiled(False),
+             "flowrl_liger_compile_fused": lambda: flowrl_compiled(True)}
     names = list(dict.fromkeys(v.strip() for v in args.variants.split(",") if v.strip()))
     if unknown := [v for v in names if v not in every]:
         p.error(f"unknown variants {unknown}; known: {', '.join(every)}")
-    if any(v.startswith("flowrl_liger") for v in names):
+    if any(v.startswith("flowrl_liger") and "compile" not in v for v in names) \
+            or (dev.type == "cuda" and any("compile" in v for v in names)):
         from flowrl.models.kernels import liger_importable
 
         if dev.type != "cuda" or not liger_importable():
@@ -179,20 +239,39 @@ def main() -> int:
         names.insert(0, "trl")  # the ratios' base
     variants = {k: every[k]() for k in names}
     times: dict[str, list[float]] = {k: [] for k in variants}
-    for name, fn in variants.items():  # warm-up: kernels, allocator pool
+    # dynamo's work per variant: graphs compiled and graph breaks, in the warm-up / timed calls
+    dynamo: dict[str, list[int]] = {k: [0, 0, 0, 0] for k in variants}
+
+    def counted(name: str, slot: int, fn):
+        from torch._dynamo.utils import counters
+
+        graphs0 = counters["stats"]["unique_graphs"]
+        breaks0 = sum(counters["graph_break"].values())
+        out = fn()
+        dynamo[name][slot] += counters["stats"]["unique_graphs"] - graphs0
+        dynamo[name][slot + 2] += sum(counters["graph_break"].values()) - breaks0
+        return out
+
+    for name, fn in variants.items():  # warm-up: kernels, allocator pool, the compile
+        if hasattr(fn, "prepare"):
+            fn.prepare()
         if not name.endswith("_monitored"):
-            fn()
+            counted(name, 0, fn)
     for _ in range(args.reps):
         for name, fn in variants.items():
+            if hasattr(fn, "prepare"):
+                fn.prepare()
             sync()
             t0 = time.perf_counter()
-            dt = fn()
+            dt = counted(name, 1, fn)
             sync()
             times[name].append(dt if dt is not None else time.perf_counter() - t0)
     base = statistics.median(times["trl"])
-    head = ["variant", "median s", "min–max s", "ms / step", "vs trl"]
+    head = ["variant", "median s", "min–max s", "ms / step", "vs trl",
+            "graphs compiled (warm-up / timed)", "graph breaks (warm-up / timed)"]
     rows = [[k, f"{statistics.median(v):.3f}", f"{min(v):.3f}–{max(v):.3f}",
-             f"{1e3 * statistics.median(v) / n:.2f}", f"{statistics.median(v) / base:.3f}×"]
+             f"{1e3 * statistics.median(v) / n:.2f}", f"{statistics.median(v) / base:.3f}×",
+             f"{dynamo[k][0]} / {dynamo[k][1]}", f"{dynamo[k][2]} / {dynamo[k][3]}"]
             for k, v in times.items()]
     print(text_table(head, rows))
     if args.out:

@@ -14,6 +14,7 @@ import types
 
 import pytest
 import torch
+import torch._dynamo.testing
 import transformers
 from test_engines import TOKENIZER_DIR, tiny_llama
 from transformers.models.llama import modeling_llama
@@ -147,7 +148,28 @@ def test_hf_generate_decodes_eager_and_training_keeps_liger(fake_liger):
     eng.logprobs(batch, temperature=1.0)
     assert {"norm", "mlp", "rope"} <= set(CALLS)  # the trainer's forward: liger's
     CALLS.clear()
-    # rollout.hf.compile=true keeps liger in the decode (CUDA graphs replay it: no host cost)
+    # rollout.hf.compile=true decodes eager too: dynamo compiles transformers' own modules
+    # instead of tracing liger's autograd Functions (in the loop that decode ran at eager speed)
     HFRolloutEngine(model, tok, HFRolloutConfig(compile=True)).generate(
         ids, torch.ones_like(ids, dtype=torch.bool), SamplingConfig(temperature=0.0, max_new_tokens=2))
-    assert "norm" in CALLS
+    assert CALLS == []
+
+
+def test_the_eager_modules_trace_in_one_graph(fake_liger):
+    """What a compiled decode traces inside ``eager_kernels``: transformers' own modules, one
+    graph, and the same graph on the next call (no recompile from the swap)."""
+    model, _ = _patched()
+    ids = torch.tensor([[5, 6, 7]])
+    with eager_kernels(model):
+        explained = torch._dynamo.explain(model)(input_ids=ids)
+    assert explained.graph_break_count == 0, [r.reason[:120] for r in explained.break_reasons]
+    assert CALLS == []
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    for _ in range(3):  # as the engine enters it: once per generate call
+        with eager_kernels(model), torch.no_grad():
+            compiled(input_ids=ids)
+        _logits(model, ids)  # the trainer's pass between calls: liger's modules back
+    assert counter.frame_count == 1
+    assert CALLS and set(CALLS) <= {"norm", "mlp", "rope"}  # only from the passes between

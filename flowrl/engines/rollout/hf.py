@@ -284,10 +284,12 @@ class HFRolloutEngine:
                                   ids, self.device)
         try:
             # no cuDNN attention: a graph per new shape, and every decode step is one. Eager
-            # decoding: liger's kernels cost more host time than they save at 1 token a row (a
-            # compiled decode replays CUDA graphs, no host cost: it keeps them)
+            # kernels: liger's cost more host time than they save at 1 token a row, and under
+            # rollout.hf.compile dynamo would trace their autograd Functions (suspected graph
+            # breaks: compiled with them inside the loop the decode ran at eager speed;
+            # benchmarks/hf_generate_check.py's flowrl_liger_compile* variants measure it)
             with sdpa_without_cudnn(self.device, self.cfg.cudnn_attention), \
-                    (contextlib.nullcontext() if self.cfg.compile else eager_kernels(self.model)):
+                    eager_kernels(self.model):
                 seqs = lm.generate(input_ids=ids, attention_mask=mask.long(),
                                    generation_config=gen_cfg, logits_processor=processors, **extra)
         finally:
