@@ -7,9 +7,13 @@ from flowrl.compiler.placement import PlacementPlan
 from flowrl.compiler.plan import ExecutionPlan
 
 
-def format_plan(plan: ExecutionPlan) -> str:
+def format_plan(plan: ExecutionPlan, ranks: list[int] | None = None) -> str:
+    """One ExecutionPlan as text: the roles, the timeline of one step (runs, swaps, frees, the
+    weight sync) and the lifecycle of intermediates. ``ranks``: the global ranks that run it
+    (the header's ``ranks=``; None: left out, a plan not placed yet)."""
     g = plan.graph
-    lines = [f"ExecutionPlan  graph={g.name}  placement={plan.placement}  pool=[rank 0]",
+    where = "" if ranks is None else f"  ranks={_ranks(ranks)}"
+    lines = [f"ExecutionPlan  graph={g.name}  placement={plan.placement}{where}",
              f"roles with a model: {', '.join(plan.roles) or '-'}"]
     lines += [f"  {role} served by {how}" for role, how in plan.served_by.items()]
     if plan.pruned:
@@ -107,7 +111,8 @@ def colocated_text(pp: PlacementPlan) -> str:
     cost model's predictions and the notes."""
     extra = _estimate_lines(pp) + ((["", "Notes:"] + [f"  {n}" for n in pp.notes]) if pp.notes else [])
     extra = overlap_lines(pp) + extra
-    return format_plan(pp.pools["all"].plan) + "\n" + "\n".join(extra)
+    pool = pp.pools["all"]
+    return format_plan(pool.plan, pool.ranks) + "\n" + "\n".join(extra)
 
 
 def overlap_lines(pp: PlacementPlan) -> list[str]:

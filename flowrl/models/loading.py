@@ -386,10 +386,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("FLOWRL_CACHE") or Path.home() / ".cache" / "flowrl")
 
 
-def _write_gguf_cache(model: "PreTrainedModel", target: Path) -> None:
+def _write_gguf_cache(model: "PreTrainedModel", target: Path) -> bool:
     """``save_pretrained`` into a temporary sibling, then one rename: a reader never sees a
     half-written entry, and of two processes writing at once (torchrun ranks) one rename wins.
-    A failure (read-only home, full disk) only costs the next run the dequantization."""
+    A failure (read-only home, full disk, ``$FLOWRL_CACHE`` a file) only costs the next run the
+    dequantization: a warning, and False (True: ``target`` holds the entry)."""
     import shutil
     import tempfile
 
@@ -401,9 +402,11 @@ def _write_gguf_cache(model: "PreTrainedModel", target: Path) -> None:
             tmp.rename(target)
         except OSError:  # another process got there first: its entry is the same weights
             shutil.rmtree(tmp, ignore_errors=True)
+        return True
     except OSError as e:
         log.warning("model.gguf_cache: could not write %s (%s); the next run dequantizes again",
                     target, e)
+        return False
 
 
 @contextlib.contextmanager
@@ -534,12 +537,12 @@ def load_model(cfg: ModelConfig, device: "torch.device | str" = "cpu") -> "PreTr
             else:
                 model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
         _clear_quantization_flags(model)
+        # dequantized just now: keep it for the next run (a failed write says so itself)
+        kept = cache is not None and _write_gguf_cache(model, cache)
         if "gguf_file" in kwargs:  # say where the weights came from, as the cache-hit path does
             log.info("model: dequantized %s%s", cfg.gguf_file,
-                     f"; kept for the next run in {cache}" if cache is not None else
-                     " (model.gguf_cache=false: every run dequantizes it)")
-        if cache is not None:  # dequantized just now: keep it for the next run
-            _write_gguf_cache(model, cache)
+                     f"; kept for the next run in {cache}" if kept else
+                     "" if cache is not None else " (model.gguf_cache=false: every run dequantizes it)")
         # transformers wraps ``to`` in functools.wraps(nn.Module.to), which mypy reads as an
         # unbound function (the model is the first argument); it is a bound method
         model = model.to(device)  # type: ignore[arg-type]

@@ -87,6 +87,18 @@ def test_partitioned_saves_are_async_and_timed(partitioned_run):
     assert m[3]["perf/checkpoint_s"] > 0
 
 
+@pytest.mark.slow  # default tier time (CI runs the slow tier too: .ci/run)
+def test_partitioned_run_writes_its_pools_plan(partitioned_run):
+    """plan.txt is what `flowrl plan` prints for the run: its two pools (it held the colocated
+    timeline of the whole graph, one pool on rank 0)."""
+    plan = (partitioned_run[0] / "plan.txt").read_text()
+    assert plan.startswith("PlacementPlan  graph=reinforce_pp  mode=partitioned  world=2")
+    assert "Pool rollout  ranks [1]  roles: rollout" in plan
+    train = next(x for x in plan.splitlines() if x.startswith("Pool train  ranks [0]  roles: "))
+    assert "actor" in train.split("roles: ")[1].split(", ")
+    assert "ExecutionPlan" not in plan and "colocated" not in plan
+
+
 @pytest.mark.slow
 def test_auto_switch_to_partitioned_keeps_the_adapted_kl_coefficient(tmp_path):
     """placement=auto: 2 colocated profile steps on 2 ranks, then the (forced) partitioned

@@ -207,6 +207,27 @@ def test_gguf_cache_keeps_the_dequantized_weights(tmp_path, monkeypatch):
     assert [p.name for p in entry.parent.iterdir()] == [entry.name]
 
 
+def test_gguf_cache_that_cannot_be_written_is_said_once(tmp_path, monkeypatch, caplog):
+    """$FLOWRL_CACHE a file: the load goes on, one warning says the cache was not written, and
+    the load line does not claim it was kept (it said "kept for the next run" before the
+    warning)."""
+    import logging
+
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("FLOWRL_CACHE", str(tmp_path / "afile"))
+    gguf = tmp_path / "m" / "tiny.gguf"
+    gguf.parent.mkdir()
+    _write_tiny_gguf(gguf)
+    with caplog.at_level(logging.INFO, logger="flowrl.models.loading"):
+        model = load_model(ModelConfig(path=str(gguf.parent), gguf_file="tiny.gguf"))
+    assert model.config.vocab_size == 64
+    said = [r.getMessage() for r in caplog.records]
+    assert "model: dequantized tiny.gguf" in said
+    assert not any("kept for the next run" in m for m in said)
+    warned = [m for m in said if m.startswith("model.gguf_cache: could not write")]
+    assert len(warned) == 1 and warned[0].endswith("the next run dequantizes again")
+
+
 @pytest.mark.slow
 def test_smollm2_gguf_loads_generates_and_round_trips(tmp_path):
     model = load_model(ModelConfig())

@@ -147,7 +147,7 @@ def test_plan_partitioned_text(capsys):
 
 def test_plan_colocated_keeps_text_and_adds_memory(capsys):
     out = plan_output(capsys)
-    assert out.startswith("ExecutionPlan  graph=grpo  placement=colocated  pool=[rank 0]\n")
+    assert out.startswith("ExecutionPlan  graph=grpo  placement=colocated  ranks=[0]\n")
     # tiny llama: 6,365,504 fp32 params; actor alone: weights + grads + 2 AdamW moments = 97.1 MiB
     assert "Predicted peak memory per device: pool all 97.1 MiB (set by the actor role)\n" in out
     # the measured peak is larger (642 MiB host RSS on CPU): the plan says what it leaves out

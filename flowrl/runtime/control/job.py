@@ -40,9 +40,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-from flowrl.compiler.modes import mode_of
+from flowrl.compiler.modes import format_placement, mode_of
 from flowrl.compiler.placement import Mode
-from flowrl.compiler.render import format_plan, overlap_lines
 from flowrl.runtime.control import mps
 from flowrl.runtime.control.colocated import Colocated
 from flowrl.runtime.control.events import JobEvents
@@ -323,8 +322,8 @@ class _Job:
         tokenizer, prompts = load_prompts(cfg, place.dist.rank, place.dist.world_size)
         say(f"setup: data {len(prompts)} prompts in {time.perf_counter() - t0:.1f} s")
         if dinfo.rank == 0:
-            (out_dir / "plan.txt").write_text("\n".join([format_plan(self.full),
-                                                         *overlap_lines(self.pp)]) + "\n")
+            # what `flowrl plan` prints for this run: a partitioned run's pools and transfers
+            (out_dir / "plan.txt").write_text(format_placement(self.pp, "text") + "\n")
         t0 = time.perf_counter()
         built = build_engines(cfg, place.plan, tokenizer, world_size=place.engine_ranks,
                               group=place.engine_group, rollout_apart=place.overlaps)
