@@ -1,6 +1,7 @@
 """``flowrl export CHECKPOINT OUT_DIR [model overrides]``: a DCP checkpoint → a plain HF model dir.
 
     flowrl export outputs/run/checkpoints/step_000010 exported/        # model config from the ckpt
+    flowrl export ckpt/step_000010 exported/ model.dtype=bfloat16       # the recorded model, changed
     flowrl export ckpt/step_000010 exported/ model=tiny                 # or from Hydra overrides
     flowrl export ckpt/step_000010 adapter/ --adapter-only              # LoRA run: the PEFT dir
 
@@ -14,6 +15,7 @@ tokenizer). Works for checkpoints of any world size (DCP re-shards on load) in o
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -62,7 +64,7 @@ def written_tensors(out: Path) -> tuple[int, int]:
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=None, *,
                       role: str = "actor", adapter_only: bool = False,
-                      overwrite: bool = False) -> Path:
+                      overwrite: bool = False, model_overrides: Sequence[str] = ()) -> Path:
     """Load ``role``'s weights from a checkpoint and ``save_pretrained`` them with the tokenizer.
 
     Args:
@@ -70,6 +72,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
         out_dir: destination folder (created).
         model_cfg: :class:`flowrl.models.loading.ModelConfig` of the architecture; default: the
             ``model`` entry of the checkpoint's ``trainer_state.json``.
+        model_overrides: ``field=value`` settings (``dtype=bfloat16``, ``lora.alpha=32``) applied
+            on top of the recorded ``model`` entry (with ``model_cfg`` None).
         role: which trainable engine's weights (``actor``; ``critic`` is a value model, not a LM).
         adapter_only: a LoRA checkpoint: write the PEFT adapter directory instead of the merged
             model.
@@ -79,7 +83,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
 
     Raises:
         FileNotFoundError: no such directory, or not a complete checkpoint. ValueError: no model
-            config anywhere, a tampered / corrupt checkpoint
+            config anywhere, a model override that names no ``ModelConfig`` field or does not fit
+            its type, a tampered / corrupt checkpoint
             (``runtime.io.checkpoint.verify_checkpoint``; nothing is loaded, connected or written
             then), a shard whose content does not load, ``adapter_only`` for a checkpoint
             without ``model.lora``, or an ``out_dir`` that is a file or (without ``overwrite``)
@@ -90,6 +95,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
     check_out_dir(Path(out_dir), overwrite)
 
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     from flowrl.models.loading import ModelConfig, load_model, load_tokenizer
     from flowrl.runtime.io.checkpoint import load_tensors, verify_checkpoint
@@ -114,8 +120,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
         if "model" not in meta:
             raise ValueError(f"export: {meta_path} records no model config; pass model overrides "
                              "(flowrl export CKPT OUT model=...)")
-        model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
-                                                        meta["model"]))
+        try:  # the recorded model, then the command line's model.<field>= settings on it
+            model_cfg = OmegaConf.to_object(OmegaConf.merge(
+                OmegaConf.structured(ModelConfig), meta["model"],
+                OmegaConf.from_dotlist(list(model_overrides))))
+        except OmegaConfBaseException as e:
+            raise ValueError(f"export: model override {' '.join(f'model.{o}' for o in model_overrides)}"
+                             f" does not fit the recorded model: {str(e).splitlines()[0]}") from e
     if adapter_only and model_cfg.lora is None:
         raise ValueError(f"export: --adapter-only needs a LoRA checkpoint; {ckpt} has no model.lora")
     model = load_model(model_cfg)  # the architecture; every weight is replaced below
@@ -190,7 +201,15 @@ def export_main(argv: list[str]) -> int:
     _check_exists(args.checkpoint)
     check_out_dir(args.out_dir, args.overwrite)  # before composing or loading anything
     model_cfg: Optional[object] = None
-    if overrides:
+    fields: list[str] = []
+    if overrides and not any(o.split("=", 1)[0].lstrip("+~") == "model" for o in overrides):
+        # only model.<field>= settings: they change the checkpoint's recorded model (composed
+        # alone they would apply to the default model: a size mismatch at load)
+        if dropped := [o for o in overrides if o.startswith("~")]:
+            p.error(f"{dropped[0]}: a recorded model's field cannot be deleted; set it instead "
+                    f"({dropped[0][1:].split('=', 1)[0]}=null)")
+        fields = [o.lstrip("+").split(".", 1)[1] for o in overrides]
+    elif overrides:  # model=<name> [model.<field>=...]: the model config as flowrl train composes it
         from flowrl.config import compose, to_train_config
 
         cfg = compose(overrides)
@@ -203,7 +222,8 @@ def export_main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     with progress_bars_off(not sys.stderr.isatty()):  # a bar garbles a log file: one line instead
         out = export_checkpoint(args.checkpoint, args.out_dir, model_cfg, role=args.role,
-                                adapter_only=args.adapter_only, overwrite=args.overwrite)
+                                adapter_only=args.adapter_only, overwrite=args.overwrite,
+                                model_overrides=fields)
     n, size = written_tensors(out)
     print(f"exported {args.checkpoint} ({args.role}) to {out} ({n} tensors, "
           f"{size / 2**30:.3g} GiB) in {time.perf_counter() - t0:.1f} s")

@@ -310,6 +310,30 @@ def test_an_export_is_readable_like_every_other_file(two_steps, tmp_path):
     assert modes["model.safetensors"] == "0o644" and set(modes.values()) == {"0o644"}, modes
 
 
+def test_export_model_field_overrides_change_the_recorded_model(two_steps, tmp_path, capsys):
+    """`flowrl export CKPT OUT model.dtype=bfloat16`: the checkpoint's recorded model (here the
+    tiny one) in bf16; composed alone the override built the default SmolLM2 model, and the load
+    failed on a size mismatch. A field the model does not have is one line."""
+    from safetensors import safe_open
+
+    from flowrl.export import export_main
+
+    ckpt = two_steps / "checkpoints" / "step_000002"
+    assert export_main([str(ckpt), str(tmp_path / "bf16"), "model.dtype=bfloat16"]) == 0
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), framework="pt") as st:
+        keys = list(st.keys())
+        assert len(keys) == 21 and {str(st.get_tensor(k).dtype) for k in keys} == {"torch.bfloat16"}
+    capsys.readouterr()
+    with pytest.raises(ValueError, match=r"^export: model override model\.dtyp=bfloat16 does not fit "
+                                         r"the recorded model: Key 'dtyp' not in 'ModelConfig'"):
+        export_main([str(ckpt), str(tmp_path / "typo"), "model.dtyp=bfloat16"])
+    with pytest.raises(SystemExit) as e:
+        export_main([str(ckpt), str(tmp_path / "drop"), "~model.lora"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().endswith(
+        "~model.lora: a recorded model's field cannot be deleted; set it instead (model.lora=null)")
+    assert not (tmp_path / "typo").exists() and not (tmp_path / "drop").exists()
+
+
 def test_export_to_a_log_file_is_one_line_without_progress_bars(two_steps, tmp_path, capsys):
     """stderr not a terminal (a log file; here pytest's capture): transformers' "Writing model
     shards" bar used to redraw itself into it; now one summary line on stdout and nothing else."""
