@@ -229,10 +229,13 @@ def test_a_run_directory_that_cannot_be_made_is_one_line(monkeypatch, tmp_path, 
                        "e.g. model.tiny.num_attention_heads=2 model.tiny.num_key_value_heads=1 "
                        "(hidden 64 / 2 heads = 32)"),
 ])
-def test_a_tiny_models_bad_shape_is_refused_before_it_is_built(tmp_path, extra, why):
+def test_a_tiny_models_bad_shape_is_refused_before_it_is_built(tmp_path, monkeypatch, extra, why):
     # both failed inside the job before: a 48-line traceback and a run directory left behind
+    from flowrl.runtime.control import preflight
     from flowrl.runtime.control.preflight import ConfigError
     from flowrl.train import prepare
+
+    monkeypatch.setattr(preflight, "vllm_installed", lambda: True)  # as in .venv-vllm
 
     with pytest.raises(ConfigError) as e:
         prepare([*SMOKE, *extra, f"hydra.run.dir={tmp_path / 'run'}"])
@@ -240,6 +243,27 @@ def test_a_tiny_models_bad_shape_is_refused_before_it_is_built(tmp_path, extra, 
     assert not (tmp_path / "run").exists()
     prepare([*SMOKE, "rollout=vllm", "model.tiny.num_attention_heads=2",  # a size it has
              "model.tiny.num_key_value_heads=1", f"hydra.run.dir={tmp_path / 'ok'}"])
+
+
+def test_without_vllm_a_tiny_models_head_size_waits_for_the_machine_check(tmp_path, monkeypatch,
+                                                                          capsys):
+    """`flowrl train rollout=vllm model=tiny` without vLLM said the head size first; fixed, the
+    user then learnt vLLM was not installed. Now the machine check's line comes first."""
+    import flowrl.machine
+    import flowrl.train
+    from flowrl.runtime.control import preflight
+
+    monkeypatch.setattr(preflight, "vllm_installed", lambda: False)
+    monkeypatch.setattr(flowrl.machine, "vllm_importable", lambda: False)
+    monkeypatch.setattr(flowrl.train, "_hydra_job", lambda spec: pytest.fail("the job ran"))
+    with pytest.raises(SystemExit) as e:
+        flowrl.train.main([*SMOKE, "rollout=vllm", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["flowrl train: error: rollout=vllm but vLLM is not installed here (GPU: pip "
+                   "install vllm; CPU: the .venv-vllm of scripts/install.sh --vllm), or use "
+                   "rollout=hf"], err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("lr, warned", [(0.0, True), (1e-6, False)])

@@ -130,6 +130,11 @@ def load_prompts(cfg: "TrainConfig", rank: int = 0, world_size: int = 1) -> "tup
     return tokenizer, prompts
 
 
+def vllm_installed() -> bool:
+    """Whether ``vllm`` can be imported here (found, not imported: its import takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
 def check_tiny_model(cfg, plan) -> None:
     """``model.tiny``'s shape, from its transformers config, before any model is built (the job
     builds the random model; a bad shape failed there in a 48-line traceback, after the run
@@ -154,7 +159,9 @@ def check_tiny_model(cfg, plan) -> None:
         why = [ln.strip() for ln in str(e).splitlines() if ln.strip()][-1:] or [type(e).__name__]
         raise ValueError(f"model.tiny: transformers refuses this shape: "
                          f"{why[0].split(': ', 1)[-1]}") from None
-    if cfg.rollout.backend == "vllm" and {"rollout", "teacher_rollout"} & set(plan.roles):
+    # (without vLLM installed the machine check says that first: the head size comes after)
+    if cfg.rollout.backend == "vllm" and {"rollout", "teacher_rollout"} & set(plan.roles) \
+            and vllm_installed():
         try:
             check_model_for_vllm(config, on_cpu=cfg.trainer.device == "cpu")
         except ValueError as e:
