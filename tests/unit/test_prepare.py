@@ -266,6 +266,30 @@ def test_without_vllm_a_tiny_models_head_size_waits_for_the_machine_check(tmp_pa
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("extra, said", [
+    (["trainer.critic_lr=0"], ["trainer.critic_lr=0: the critic's weights never change (its "
+                               "values stay those of the initial model); set trainer.critic_lr "
+                               "> 0 to train it"]),
+    (["trainer.engine.lr=0"], ["trainer.engine.lr=0: the policy's weights never change (every "
+                               "update computes its gradients and applies nothing); set "
+                               "trainer.engine.lr > 0 to train",
+                               "trainer.engine.lr=0: the critic's weights never change (its "
+                               "values stay those of the initial model); set trainer.engine.lr "
+                               "> 0 to train it"]),
+    (["trainer.engine.lr=0", "trainer.critic_lr=1e-5"], [
+        "trainer.engine.lr=0: the policy's weights never change (every update computes its "
+        "gradients and applies nothing); set trainer.engine.lr > 0 to train"]),
+    ([], [])])
+def test_a_ppo_critic_with_lr_zero_is_said_never_to_change(tmp_path, caplog, extra, said):
+    import logging
+
+    from flowrl.train import prepare
+
+    with caplog.at_level(logging.WARNING, logger="flowrl"):
+        prepare([*SMOKE, "graph=ppo", *extra, f"hydra.run.dir={tmp_path / 'r'}"])
+    assert [r.getMessage() for r in caplog.records if "never change" in r.getMessage()] == said
+
+
 @pytest.mark.parametrize("lr, warned", [(0.0, True), (1e-6, False)])
 def test_an_actor_with_lr_zero_is_said_never_to_change(tmp_path, caplog, lr, warned):
     """``trainer.engine.lr=0`` is allowed (throughput and evaluation runs use it) but said: a run

@@ -71,6 +71,11 @@ def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = Non
         log.warning("trainer.engine.lr=0: the policy's weights never change (every update "
                     "computes its gradients and applies nothing); set trainer.engine.lr > 0 to "
                     "train")
+    critic_lr = cfg.trainer.engine.lr if cfg.trainer.critic_lr is None else cfg.trainer.critic_lr
+    if "critic" in plan.roles and critic_lr == 0:  # the same for PPO's value model
+        field = "trainer.engine.lr" if cfg.trainer.critic_lr is None else "trainer.critic_lr"
+        log.warning(f"{field}=0: the critic's weights never change (its values stay those of the "
+                    f"initial model); set {field} > 0 to train it")
     if cfg.algorithm.rollout_is != "none" and cfg.rollout.sampling.logprobs in ("sampled", "none"):
         from flowrl.engines.base import LOGPROB_SAMPLE_EVERY as K
 
