@@ -12,14 +12,16 @@ torch loads.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 from flowrl.config import REPO_ROOT, compose, output_dir_is_hydras, task_section, to_train_config
 from flowrl.config_errors import loose_bool_override
@@ -198,7 +200,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from flowrl.config_errors import explain
 
     try:
-        spec = prepare(args)
+        with _kept_warnings() as early:
+            spec = prepare(args)
+        spec = dataclasses.replace(spec, early_warnings=tuple(early))
         for key in ("hydra.run.dir", "trainer.output_dir"):  # an unset shell variable ($OUT)
             # gives an empty value: taken for the working directory (overwrite=true clears it)
             if _empty(_override(args, key)):
@@ -239,6 +243,34 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         # group ends naming the rank and the resume command
         sys.exit(supervise.supervise(supervise.torchrun_args(spec.config.launcher, args), args))
     _hydra_job(spec)
+
+
+@contextlib.contextmanager
+def _kept_warnings() -> Iterator[list[logging.LogRecord]]:
+    """flowrl's warnings inside the block (still said where they are said now), kept to be
+    written into the run's train.log once the job has one (:func:`_write_early_warnings`)."""
+    kept: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            kept.append(record)
+
+    handler = Keep(logging.WARNING)
+    logging.getLogger("flowrl").addHandler(handler)
+    try:
+        yield kept
+    finally:
+        logging.getLogger("flowrl").removeHandler(handler)
+
+
+def _write_early_warnings(spec: RunSpec) -> None:
+    """The warnings ``prepare`` said before Hydra's job set up logging, into the job's log
+    files (train.log): the console had them, the run's record did not."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    for record in spec.early_warnings:
+        for h in files:
+            if record.levelno >= h.level:
+                h.handle(record)
 
 
 def check_sweep(overrides: list[str]) -> Optional[str]:
@@ -476,6 +508,8 @@ def _run(source: "RunSpec | DictConfig") -> None:
     from flowrl.runtime.io import rundir
 
     hydra_dir = HydraConfig.get().runtime.output_dir
+    if isinstance(source, RunSpec):
+        _write_early_warnings(source)
     stop_on_sigterm()  # torchrun stops the survivors of a dead rank with SIGTERM
     out_dir = (source.config if isinstance(source, RunSpec) else source).trainer.output_dir
     try:

@@ -166,6 +166,18 @@ def two_steps(tmp_path_factory):
     return d
 
 
+def test_a_warning_of_the_checks_is_in_train_log_too(tmp_path):
+    """`trainer.engine.lr=0` is said by prepare's checks, before Hydra's job makes train.log:
+    it reached the console only, and the run's own record never said why nothing learnt."""
+    d = tmp_path / "run"
+    rc, lines = run_cli(["train", *FIRST, "trainer.total_steps=1", "trainer.save_every=0",
+                         "trainer.engine.lr=0", f"hydra.run.dir={d}"], tmp_path)
+    assert rc in (0, None), lines
+    said = [ln for ln in (d / "train.log").read_text().splitlines()
+            if "trainer.engine.lr=0: the policy's weights never change" in ln]
+    assert len(said) == 1 and "WARNING" in said[0], said
+
+
 def state(run_dir, step=2):
     return json.loads((run_dir / "checkpoints" / f"step_{step:06d}" / "trainer_state.json").read_text())
 

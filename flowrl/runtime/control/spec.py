@@ -9,6 +9,7 @@ the same overrides; a multi-node job has no parent process common to its ranks).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -49,6 +50,9 @@ class RunSpec:
             process before ``prepare`` began (interpreter, imports, the CLI), then ``prepare``'s
             own parts (``flowrl.train.prepare``); logged once by the job, so a slow start says
             where its seconds went.
+        early_warnings: flowrl's warnings from before the job's logging existed (``prepare``'s
+            checks: ``trainer.engine.lr=0``, ...): said on the console then, and written into
+            the run's ``train.log`` when the job starts.
     """
 
     raw: Any
@@ -58,6 +62,7 @@ class RunSpec:
     resolved: tuple[Resolved, ...] = ()
     overrides: Optional[tuple[str, ...]] = None
     startup: tuple[tuple[str, float], ...] = ()
+    early_warnings: tuple[logging.LogRecord, ...] = ()
 
     def startup_line(self, more: "tuple[tuple[str, float], ...]" = ()) -> str:
         """``startup`` (then ``more``: the job's own parts) as one console line:
