@@ -289,7 +289,7 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
     trained. ``hydra._internal``'s :class:`BasicSweeper` expands the sweep exactly as the run will."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
+    from hydra.errors import HydraException, OverrideParseException
     from omegaconf.errors import OmegaConfBaseException
 
     from flowrl.config_errors import explain
@@ -303,6 +303,8 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
         if "does not support sweep type" in str(e):  # interval(): the basic sweeper's refusal
             return (f"{e}: interval() sweeps need an optimizing sweeper plugin (Optuna, Ax); "
                     "list the values (a=0,0.5,1) or use range()")
+        if isinstance(e, OverrideParseException):  # one line, as without -m (Hydra's took four)
+            return explain(e, overrides)
         return None
     swept = {o.key_or_group for o in parsed if o.is_sweep_override()}
 

@@ -437,6 +437,10 @@ def test_a_sweep_refuses_up_front_what_its_jobs_would_refuse_one_by_one(tmp_path
         ": interval() sweeps need an optimizing sweeper plugin (Optuna, Ax); list the values "
         "(a=0,0.5,1) or use range()")
     assert check_sweep([*base, "graph=glob(grpo*)"]) is None  # Hydra's to expand
+    # an override that does not parse: the one line flowrl train says without -m (Hydra: four)
+    assert check_sweep([*base, "algorithm.n=[1,"]) == (
+        "override 'algorithm.n=[1,' cannot be parsed (no viable alternative at input '[1,'): "
+        "write key=value and quote a value holding brackets, commas, '=' or spaces, e.g. key='a,b'")
     # a sweep directory that is made for the check is gone again
     fresh = tmp_path / "new" / "sweep"
     assert check_sweep([*base, "algorithm.kl_coef=0,0.01", f"hydra.sweep.dir={fresh}"]) is None
