@@ -281,8 +281,9 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
     machine cannot run: ``machine.check_machine``) and its prompts through its
     tokenizer (``data.max_prompt_tokens``, the chat template: ``preflight.load_prompts``, once
     per distinct model and data). No model loads. Returns the first bad job's one-line reason
-    (its number and overrides), None when all pass or when the overrides do not parse (Hydra's
-    own report then says why).
+    (its number and overrides) or, for an override that does not parse, the line
+    ``config_errors.explain`` gives it; None when all pass or when the sweep is Hydra's to expand
+    (``glob()`` over a config group).
 
     Why all of it: a sweep's jobs run one after the other, so a job refused at its start (a
     ``data.max_prompt_tokens`` no prompt fits) was found only after every job before it had
