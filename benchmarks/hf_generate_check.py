@@ -256,8 +256,12 @@ def main() -> int:
         if hasattr(fn, "prepare"):
             fn.prepare()
         if not name.endswith("_monitored"):
+            t0 = time.perf_counter()
             counted(name, 0, fn)
-    for _ in range(args.reps):
+            # as it goes: a run cut short by its time limit still says what it measured
+            print(f"warm-up {name}: {time.perf_counter() - t0:.2f} s, graphs {dynamo[name][0]}, "
+                  f"graph breaks {dynamo[name][2]}", flush=True)
+    for rep in range(args.reps):
         for name, fn in variants.items():
             if hasattr(fn, "prepare"):
                 fn.prepare()
@@ -266,6 +270,7 @@ def main() -> int:
             dt = counted(name, 1, fn)
             sync()
             times[name].append(dt if dt is not None else time.perf_counter() - t0)
+            print(f"rep {rep + 1} {name}: {times[name][-1]:.3f} s", flush=True)
     base = statistics.median(times["trl"])
     head = ["variant", "median s", "min–max s", "ms / step", "vs trl",
             "graphs compiled (warm-up / timed)", "graph breaks (warm-up / timed)"]
