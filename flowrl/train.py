@@ -187,6 +187,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from flowrl.runtime.io import rundir
 
     args = list(sys.argv[1:] if argv is None else argv)
+    # Hydra's --run / -r is its default mode: flowrl's own path (its checks, one-line refusals)
+    args = [a for a in args if a not in ("--run", "-r")]
     if any(a.startswith("-") for a in args):  # Hydra's command line: -m, --cfg job, --help...
         if "-m" in args or "--multirun" in args:
             bad = check_sweep([a for a in args if "=" in a and not a.startswith("-")])

@@ -447,16 +447,18 @@ def test_a_sweep_refuses_up_front_what_its_jobs_would_refuse_one_by_one(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
+@pytest.mark.parametrize("run_flag", [[], ["--run"], ["-r"]])
 @pytest.mark.parametrize("key", ["hydra.run.dir", "trainer.output_dir"])
 def test_an_empty_run_directory_is_refused_not_taken_for_the_working_directory(
-        key, tmp_path, monkeypatch, capsys):
+        key, run_flag, tmp_path, monkeypatch, capsys):
     """``hydra.run.dir=$OUT`` with OUT unset trained into the working directory (and
-    trainer.overwrite=true would have cleared it)."""
+    trainer.overwrite=true would have cleared it). Hydra's ``--run`` (its default mode) took
+    Hydra's own path, past these checks."""
     from flowrl.train import main
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
-        main(["model=tiny", "trainer=smoke", f"{key}="])
+        main([*run_flag, "model=tiny", "trainer=smoke", f"{key}="])
     assert e.value.code == 2
     assert capsys.readouterr().err.strip() == (
         f"flowrl train: error: {key} is empty: the run would write into the working directory "
