@@ -58,6 +58,7 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
     global _PREPARED
     first = "parent, torchrun and imports" if os.environ.get(COMMAND_START_ENV) else \
         "python and imports"
+    began = since_launch_s() if _PREPARED else 0.0  # a sweep's later job: from its own start
     parts = [] if _PREPARED else [(first, since_launch_s())]
     _PREPARED = True
     t = time.perf_counter()
@@ -102,7 +103,8 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
     if mps_line is not None:
         resolved = [*resolved, mps_line]
     return RunSpec(source, cfg, plan, placement, tuple(resolved),
-                   None if given is None else tuple(given), startup=tuple(parts))
+                   None if given is None else tuple(given), startup=tuple(parts),
+                   startup_began_s=began)
 
 
 def _hydra_task_overrides() -> list[str]:

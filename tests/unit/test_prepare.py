@@ -133,6 +133,20 @@ def test_prepare_itemizes_its_start_up_and_the_job_logs_it(monkeypatch, tmp_path
     total = float(re.search(r"checked (\d+\.\d) s", logged[0]).group(1))
     parts = sum(s for _, s in spec.startup) + float(tail.group(1)) + float(tail.group(2))
     assert parts == pytest.approx(total, abs=0.25)  # every second of the total is named
+    # a sweep's later job: its line counts from its own start, not the earlier jobs' runs
+    assert again.startup_began_s > spec.startup[0][1]
+    import time
+
+    time.sleep(1.5)  # "the earlier job's run", between the later job's prepare and its job
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="flowrl"), pytest.raises(Stop):
+        job.run_job(again)
+    logged = [r.getMessage() for r in caplog.records if "start-up: checked" in r.getMessage()]
+    assert len(logged) == 1 and "since the job started" in logged[0], logged
+    total = float(re.search(r"checked (\d+\.\d) s", logged[0]).group(1))
+    between = float(re.search(r"job's imports (\d+\.\d) s", logged[0]).group(1))
+    # (the first job's stopped run_job came between too: well under 3 s)
+    assert 1.5 <= between < 1.5 + 3.0 and total < 1.5 + sum(s for _, s in again.startup) + 3.5
 
 
 def test_since_launch_counts_from_the_process_start_not_a_rounded_boot_time():

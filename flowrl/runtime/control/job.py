@@ -171,10 +171,12 @@ def run_job(spec: "RunSpec") -> dict[str, Any]:
             # what prepare timed, then what came between it and the job (on the H200 the first
             # console line came 7.8 s after prepare's parts ended, unexplained)
             job_parts = (("run directory, Hydra's job and the job's imports",
-                          max(to_job - sum(s for _, s in spec.startup), 0.0)),
+                          max(to_job - spec.startup_began_s - sum(s for _, s in spec.startup),
+                              0.0)),
                          ("process group", group_s))
-            log.info("start-up: checked %.1f s since the command started (%s)", since_launch_s(),
-                     spec.startup_line(job_parts))
+            log.info("start-up: checked %.1f s since the %s started (%s)",
+                     since_launch_s() - spec.startup_began_s,
+                     "job" if spec.startup_began_s else "command", spec.startup_line(job_parts))
     # the job got another world than the configured one (train() outside torchrun): place again
     pp = spec.placement if spec.placement.world_size == dinfo.world_size else \
         placement_for(cfg, plan, dinfo.world_size)

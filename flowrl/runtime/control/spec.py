@@ -50,6 +50,9 @@ class RunSpec:
             process before ``prepare`` began (interpreter, imports, the CLI), then ``prepare``'s
             own parts (``flowrl.train.prepare``); logged once by the job, so a slow start says
             where its seconds went.
+        startup_began_s: seconds from the command's start to this run's start-up: 0 for the
+            first run of a process (``startup`` counts the process's own start), the earlier
+            jobs' time for a later job of a sweep (not booked as this job's start-up).
         early_warnings: flowrl's warnings from before the job's logging existed (``prepare``'s
             checks: ``trainer.engine.lr=0``, ...): said on the console then, and written into
             the run's ``train.log`` when the job starts.
@@ -62,6 +65,7 @@ class RunSpec:
     resolved: tuple[Resolved, ...] = ()
     overrides: Optional[tuple[str, ...]] = None
     startup: tuple[tuple[str, float], ...] = ()
+    startup_began_s: float = 0.0
     early_warnings: tuple[logging.LogRecord, ...] = ()
 
     def startup_line(self, more: "tuple[tuple[str, float], ...]" = ()) -> str:
