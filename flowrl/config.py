@@ -567,7 +567,9 @@ def task_section(cfg: Any, output_dir: Optional[str] = None) -> DictConfig:
     has_hydra = fields.pop("hydra", None) is not None
     task = OmegaConf.create(fields)
     if output_dir is None and has_hydra:
-        output_dir = os.path.abspath(str(OmegaConf.select(node, "hydra.run.dir")))
+        run_dir = str(OmegaConf.select(node, "hydra.run.dir"))
+        # an empty one stays empty (abspath would make it the working directory): refused later
+        output_dir = os.path.abspath(run_dir) if run_dir.strip() else ""
     if output_dir is not None and output_dir_is_hydras(task):
         task.trainer.output_dir = output_dir
     return task

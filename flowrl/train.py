@@ -212,6 +212,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             if _empty(_override(args, key)):
                 raise ConfigError(f"{key} is empty: the run would write into the working "
                                   f"directory ({os.getcwd()}); give it a path")
+        if not str(spec.config.trainer.output_dir).strip():  # an interpolation resolving to ''
+            field = rundir.run_dir_field(args)  # (${oc.env:OUT,""} with OUT unset)
+            raise ConfigError(f"{field}={_override(args, field)} resolves to an empty path: the "
+                              f"run would write into the working directory ({os.getcwd()}); "
+                              "give it a path")
         rundir.check_run_dir(Path(spec.config.trainer.output_dir), spec.config.trainer,
                              rundir.run_dir_field(args))
         t0 = time.perf_counter()

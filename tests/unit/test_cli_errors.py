@@ -466,6 +466,24 @@ def test_an_empty_run_directory_is_refused_not_taken_for_the_working_directory(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("key", ["hydra.run.dir", "trainer.output_dir"])
+def test_a_run_directory_that_resolves_to_empty_is_refused(key, tmp_path, monkeypatch, capsys):
+    """``hydra.run.dir='${oc.env:OUT,""}'`` with OUT unset trained into the working directory
+    (the literal empty value was refused; the interpolation passed)."""
+    from flowrl.train import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FLOWRL_TEST_UNSET", raising=False)
+    value = '${oc.env:FLOWRL_TEST_UNSET,""}'
+    with pytest.raises(SystemExit) as e:
+        main(["model=tiny", "trainer=smoke", f"{key}={value}"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"flowrl train: error: {key}={value} resolves to an empty path: the run would write "
+        f"into the working directory ({tmp_path}); give it a path")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_hydra_job_chdir_is_refused_before_the_checks_pass_a_path_the_job_cannot_read(
         tmp_path, monkeypatch, capsys):
     """A relative data.path passed the checks (read from the launch directory), then the job,
