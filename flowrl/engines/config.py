@@ -63,8 +63,8 @@ class HFRolloutConfig:
             ``flowrl.models.attention.sdpa_without_cudnn``). Off, SDPA takes the
             memory-efficient kernel (or flash, where no mask is needed).
 
-    On a model with liger-kernel's RMSNorm/SwiGLU/RoPE (``model.liger_kernel``), an uncompiled
-    ``generate`` runs transformers' own modules (``models/kernels.eager_kernels``) while the
+    On a model with liger-kernel's RMSNorm/SwiGLU/RoPE (``model.liger_kernel``), ``generate``
+    (compiled or not) runs transformers' own modules (``models/kernels.eager_kernels``) while the
     trainer recomputes with liger's: the two differ by bf16 rounding, which shows in
     ``rollout/logprob_mismatch`` as a small shift, not a weight-sync fault.
     """
