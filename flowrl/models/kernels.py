@@ -86,11 +86,11 @@ def eager_kernels(model: "nn.Module") -> Iterator[None]:
     (benchmarks/results/e2e_vs_trl_h100.md). Eager's few small ATen ops cost less there.
     The HF rollout engine runs its whole ``generate`` inside this (``engines/rollout/hf.py``;
     the prefill too: one call of many, not worth a switch), with ``rollout.hf.compile=true`` as
-    well: dynamo then compiles transformers' own modules into inductor's kernels instead of
-    tracing liger's autograd Functions (suspected of a graph break at each call, their
-    ``torch.cuda.device`` context: compiled with them, the decode inside the training loop ran at
-    eager speed, 8.4k against 24.3k tok/s alone); training and logprob passes, whose shapes are
-    thousands of tokens, keep liger's kernels.
+    well: dynamo then compiles transformers' own modules instead of tracing liger's kernels,
+    which it could not (liger-kernel 0.8.5's RMSNorm kernel failed in its Triton-kernel wrapper:
+    7 graph breaks, 16 graph pieces per decode step, 37.8 ms a step against eager's 28.8 ms on an
+    H100, ``benchmarks/results/hf_generate_compile_h100.md``); training and logprob passes, whose
+    shapes are thousands of tokens, keep liger's kernels.
     RoPE goes back to transformers' own only where flowrl installed liger's
     (``rope_over_one_row``: the types of :data:`AUTO_MODEL_TYPES`); another type forced on with
     ``model.liger_kernel=true`` keeps liger's own RoPE patch here.

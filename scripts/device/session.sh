@@ -43,10 +43,11 @@
 #       10.9 s warmup JIT of a cold start against the V1 runner), then decode_ab (their decode speed)
 #   E2E_TAG=_procs2 E2E_ARGS="--model qwen05b --rollout vllm" X="rollout.vllm.engine_procs=2 rollout.vllm.gpu_memory_utilization=0.2" ... e2e
 #       (~4 min: under MPS, do 2 engines generate as fast as 4 with half the host RSS? 1.06x TRL now)
-#   carry [".whl", ".flowrl_commit"]: HFGEN_ARGS="--variants trl,flowrl_liger,flowrl_liger_compile,flowrl_liger_compile_fused" \
-#       ... wheels hfgen   (~4 min, no vLLM: does the compiled HF decode run at its 24.3k tok/s inside the
-#       loop now that it decodes through eager_kernels? f01c58a; if so, rollout.hf.compile=null -> on
-#       for long CUDA jobs and the e2e HF pair again: 0.77x TRL with it off)
+#   carry [".whl", ".flowrl_commit"]: HFGEN_ARGS="--variants trl,flowrl_liger,flowrl_liger_compile" \
+#       ... wheels hfgen   (~2 min, no vLLM: does the compiled HF decode run at its 24.3k tok/s inside the
+#       loop now that it decodes through eager_kernels (f01c58a)? liger inside it: 7 graph breaks, 1.31x
+#       TRL's eager time, hf_generate_compile_h100.md; if so, rollout.hf.compile=null -> on for long
+#       CUDA jobs and the e2e HF pair again: 0.77x TRL with it off)
 # A start that fails costs 1.5-3 min of the 30: on 2026-12-07 nine of ten did, and the
 # 2026-12-07 evening session's first try cost 180 s; plan for less.
 # Short of device time and without vLLM: carry [".whl", ".flowrl_commit"]:

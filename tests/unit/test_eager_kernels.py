@@ -149,7 +149,7 @@ def test_hf_generate_decodes_eager_and_training_keeps_liger(fake_liger):
     assert {"norm", "mlp", "rope"} <= set(CALLS)  # the trainer's forward: liger's
     CALLS.clear()
     # rollout.hf.compile=true decodes eager too: dynamo compiles transformers' own modules
-    # instead of tracing liger's autograd Functions (in the loop that decode ran at eager speed)
+    # instead of liger's Triton kernels, which broke its graph (hf_generate_compile_h100.md)
     HFRolloutEngine(model, tok, HFRolloutConfig(compile=True)).generate(
         ids, torch.ones_like(ids, dtype=torch.bool), SamplingConfig(temperature=0.0, max_new_tokens=2))
     assert CALLS == []

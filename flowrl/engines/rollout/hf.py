@@ -285,9 +285,8 @@ class HFRolloutEngine:
         try:
             # no cuDNN attention: a graph per new shape, and every decode step is one. Eager
             # kernels: liger's cost more host time than they save at 1 token a row, and under
-            # rollout.hf.compile dynamo would trace their autograd Functions (suspected graph
-            # breaks: compiled with them inside the loop the decode ran at eager speed;
-            # benchmarks/hf_generate_check.py's flowrl_liger_compile* variants measure it)
+            # rollout.hf.compile dynamo cannot trace their Triton kernels (7 graph breaks; the
+            # compiled decode ran slower than eager: benchmarks/results/hf_generate_compile_h100.md)
             with sdpa_without_cudnn(self.device, self.cfg.cudnn_attention), \
                     eager_kernels(self.model):
                 seqs = lm.generate(input_ids=ids, attention_mask=mask.long(),
