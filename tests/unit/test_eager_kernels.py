@@ -173,3 +173,53 @@ def test_the_eager_modules_trace_in_one_graph(fake_liger):
         _logits(model, ids)  # the trainer's pass between calls: liger's modules back
     assert counter.frame_count == 1
     assert CALLS and set(CALLS) <= {"norm", "mlp", "rope"}  # only from the passes between
+
+
+def test_the_compiled_decode_in_the_training_loop_compiles_once(fake_liger, monkeypatch):
+    """``rollout.hf.compile=true`` as the loop runs it: an update on the liger-patched actor
+    (liger's modules), then a generate on the same module, again and again, prompts of new
+    lengths each time. transformers' compiled decode (dynamo's eager backend here: transformers
+    compiles on CPU only when told to) must trace one graph, no break, and reuse it every call:
+    on an H100 the decode with liger's kernels in it broke 7 times and ran slower than eager
+    (benchmarks/results/hf_generate_compile_h100.md)."""
+    from torch._dynamo.utils import counters
+    from transformers.generation.configuration_utils import CompileConfig
+
+    import flowrl.engines.rollout.hf as hf
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, _ = _patched()
+    tok = transformers.AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    eng = hf.HFRolloutEngine(model, tok, HFRolloutConfig(compile=True, batch_size=4), shared=True)
+    own = eng._generation_config
+
+    def compiled_on_cpu(*args, **kwargs):
+        cfg = own(*args, **kwargs)
+        assert cfg.disable_compile is False
+        cfg.compile_config = CompileConfig(backend="eager", mode=None)
+        cfg.compile_config._compile_all_devices = True  # transformers' switch for CPU tests
+        return cfg
+
+    monkeypatch.setattr(eng, "_generation_config", compiled_on_cpu)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    graphs = []
+    for width in (6, 9, 5, 12):
+        model.train()  # the update: liger's modules
+        ids = torch.randint(5, 100, (4, width), generator=g)
+        CALLS.clear()
+        model(input_ids=ids).logits.float().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        assert {"norm", "mlp", "rope"} <= set(CALLS)
+        CALLS.clear()
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        mask[0, :width // 2] = False  # a left-padded row
+        out = eng.generate(ids, mask, SamplingConfig(temperature=1.0, max_new_tokens=6),
+                           generator=torch.Generator().manual_seed(width))
+        assert out.response_ids.shape == (4, 6)
+        assert CALLS == []  # the decode: transformers' own modules
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 1, 1, 1]
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
