@@ -303,6 +303,7 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
     from omegaconf.errors import OmegaConfBaseException
 
     from flowrl.config_errors import explain
+    from flowrl.runtime.io import rundir
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -347,12 +348,18 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
                        "directory; keep ${hydra.job.num} in it (the default), one per job")
         if bad_dir is not None:
             return f"{bad_dir}; no job was run"
+        sweep_dir = _sweep_dir(jobs[0]) if subdir in (None, "${hydra.job.num}") else None
         for i, job in enumerate(jobs, 1):
             try:
                 # plan_only: no MPS daemon now (the job decides its own), the teacher below
                 spec = prepare(list(job), plan_only=True)
                 cfg = spec.config
                 _check_sweep_job(spec)
+                if output_dir_is_hydras(spec.raw) and sweep_dir is not None:
+                    # a re-used sweep folder: job i's directory may hold an older run (found
+                    # only at job i's turn, after the jobs before it had trained)
+                    rundir.check_fresh(sweep_dir / str(i - 1), cfg.trainer.resume,
+                                       cfg.trainer.overwrite, setting=rundir.SWEEP_DIR_SETTING)
                 if not output_dir_is_hydras(spec.raw):  # a trainer.output_dir of its own
                     out = os.path.abspath(cfg.trainer.output_dir)
                     if out in dirs:
@@ -366,8 +373,8 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
                 if key not in data_seen:
                     data_seen.add(key)
                     load_prompts(cfg)
-            except ValueError as e:  # a ConfigError, or the teacher check's ValueError
-                return refused(i, str(e))
+            except (ValueError, rundir.RunDirError) as e:  # a ConfigError, the teacher
+                return refused(i, str(e))  # check's ValueError, an older run in job i's folder
     finally:
         _PREPARED = first  # job 1's start-up line still counts the process's imports
     return None
@@ -397,20 +404,29 @@ def _check_sweep_job(spec: RunSpec) -> None:
         check_teacher_role(cfg, spec.plan)
 
 
+def _sweep_dir(job: Sequence[str]) -> Optional[Path]:
+    """The ``hydra.sweep.dir`` a sweep's jobs write under (its first job's), None where it does
+    not resolve outside Hydra's job."""
+    from omegaconf import OmegaConf
+
+    try:
+        return Path(str(OmegaConf.select(compose(list(job), with_hydra=True), "hydra.sweep.dir")))
+    except Exception:  # noqa: BLE001 - an unresolvable value: Hydra's own report says why
+        return None
+
+
 def _sweep_dir_problem(job: Sequence[str]) -> Optional[str]:
     """``hydra.sweep.dir`` of a sweep (its first job's: every job's is the same) that cannot be
     made: empty (the jobs would write into the working directory), a file or under one, or a
     place where no directory can be created. None when it can be (nothing is left behind)."""
-    from omegaconf import OmegaConf
 
     from flowrl.runtime.io import rundir
 
     if _empty(_override(job, "hydra.sweep.dir")):
         return ("hydra.sweep.dir is empty: the jobs would write into the working directory; "
                 "give it a path")
-    try:
-        where = Path(str(OmegaConf.select(compose(list(job), with_hydra=True), "hydra.sweep.dir")))
-    except Exception:  # noqa: BLE001 - an unresolvable value: Hydra's own report says why
+    where = _sweep_dir(job)
+    if where is None:
         return None
     field = f"hydra.sweep.dir={where}"
     blocker = rundir.file_in_the_way(where)

@@ -216,17 +216,27 @@ def test_a_refused_sweep_leaves_no_multirun_folder(tmp_path):
         "flowrl train: error: sweep job 2 of 2 (placement.staleness=2): placement.staleness=2 "
         "with placement=colocated"), r.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []
-    # refused inside its run: a re-used sweep folder whose job-2 directory holds an older run
+    # a re-used sweep folder whose job-2 directory holds an older run: refused before job 1
+    # (it was refused at job 2's turn, after job 1 had trained)
     sweep = tmp_path / "sweep"
     (sweep / "1").mkdir(parents=True)
     (sweep / "1" / "metrics.jsonl").write_text("")
     r = subprocess.run([*base, "trainer.seed=0,1", f"hydra.sweep.dir={sweep}"], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 2 and "holds a previous run" in r.stderr, r.stderr[-2000:]
-    assert r.stderr.strip().endswith("choose another run directory (hydra.sweep.dir=..., with a "
-                                     "hydra.sweep.subdir of its own per job)")
-    assert (sweep / "multirun.yaml").is_file() and (sweep / "0" / "metrics.jsonl").is_file()
-    assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "multirun.yaml"]
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"flowrl train: error: sweep job 2 of 2 (trainer.seed=1): {sweep / '1'} holds a previous "
+        "run (metrics.jsonl): continue it with trainer.resume=true, replace it with "
+        "trainer.overwrite=true, or choose another run directory (hydra.sweep.dir=..., with a "
+        "hydra.sweep.subdir of its own per job); no job was run"), r.stderr[-2000:]
+    assert sorted(p.name for p in sweep.iterdir()) == ["1"]  # job 1 never ran
+    assert [p.name for p in (sweep / "1").iterdir()] == ["metrics.jsonl"]
+    # with trainer.resume=true the same sweep runs (job 2's folder holds no checkpoint: it starts)
+    r = subprocess.run([*base, "trainer.seed=0,1", "trainer.resume=true",
+                        f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert all((sweep / j / "summary.json").is_file() for j in ("0", "1"))
 
 
 def test_resuming_a_finished_run_from_the_command_line_keeps_its_hydra_record(tmp_path):

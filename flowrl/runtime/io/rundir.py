@@ -55,19 +55,27 @@ def _dir_option(out_dir: Path, hydra_dir: Optional[str] = None) -> str:
             Path(out_dir).resolve() else f"trainer.output_dir={out_dir}")
 
 
+# the setting that chooses a sweep job's directory (a constant hydra.sweep.subdir puts every job
+# in one directory)
+SWEEP_DIR_SETTING = "hydra.sweep.dir=..., with a hydra.sweep.subdir of its own per job"
+
+
 def _dir_setting() -> str:
     """The setting that chooses this run's directory: a sweep job's comes from Hydra's sweep dir
-    and subdir (a constant ``hydra.sweep.subdir`` puts every job in one directory)."""
+    and subdir."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        return "hydra.sweep.dir=..., with a hydra.sweep.subdir of its own per job"
+        return SWEEP_DIR_SETTING
     return "hydra.run.dir=..."
 
 
-def check_fresh(out_dir: Path, resume: bool, overwrite: bool) -> list[str]:
+def check_fresh(out_dir: Path, resume: bool, overwrite: bool,
+                setting: Optional[str] = None) -> list[str]:
     """The outputs ``overwrite`` will delete; raises when a fresh run may not start here.
+    ``setting``: the option that chooses another directory, as the refusal names it (default:
+    this process's, ``hydra.run.dir`` or a sweep's).
 
     Raises:
         RunDirError: ``out_dir`` holds a previous run and neither ``resume`` nor ``overwrite``
@@ -81,7 +89,7 @@ def check_fresh(out_dir: Path, resume: bool, overwrite: bool) -> list[str]:
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise RunDirError(f"{out_dir} holds a previous run ({shown}): continue it "
                           "with trainer.resume=true, replace it with trainer.overwrite=true, or "
-                          f"choose another run directory ({_dir_setting()})")
+                          f"choose another run directory ({setting or _dir_setting()})")
     return found if overwrite else []
 
 
