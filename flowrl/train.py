@@ -289,7 +289,9 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
     (machine defaults, graph, placement, model folder and data files: :func:`prepare`; what this
     machine cannot run: ``machine.check_machine``) and its prompts through its
     tokenizer (``data.max_prompt_tokens``, the chat template: ``preflight.load_prompts``, once
-    per distinct model and data). No model loads. Returns the first bad job's one-line reason
+    per distinct model and data), and its directory in a re-used ``hydra.sweep.dir`` (an older
+    run there without ``trainer.resume`` / ``trainer.overwrite``: ``rundir.check_fresh``). No
+    model loads. Returns the first bad job's one-line reason
     (its number and overrides) or, for an override that does not parse, the line
     ``config_errors.explain`` gives it; None when all pass or when the sweep is Hydra's to expand
     (``glob()`` over a config group).
