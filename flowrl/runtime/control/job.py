@@ -152,9 +152,10 @@ def run_job(spec: "RunSpec") -> dict[str, Any]:
     """
     from flowrl.runtime.io import distributed as fdist
     from flowrl.runtime.io import rundir
-    from flowrl.runtime.step.resources import since_launch_s
+    from flowrl.runtime.step.resources import set_job_began, since_launch_s, since_start
 
     cfg, plan = spec.config, spec.plan
+    set_job_began(spec.startup_began_s)  # a sweep's later job: its lines count from its start
     to_job = since_launch_s()  # prepare's parts, then the run directory and Hydra's job files
     t0 = time.perf_counter()
     dinfo = fdist.init_distributed(cfg.trainer.device, timeout_s=cfg.launcher.collective_timeout_s,
@@ -174,9 +175,8 @@ def run_job(spec: "RunSpec") -> dict[str, Any]:
                           max(to_job - spec.startup_began_s - sum(s for _, s in spec.startup),
                               0.0)),
                          ("process group", group_s))
-            log.info("start-up: checked %.1f s since the %s started (%s)",
-                     since_launch_s() - spec.startup_began_s,
-                     "job" if spec.startup_began_s else "command", spec.startup_line(job_parts))
+            log.info("start-up: checked %.1f s since the %s started (%s)", *since_start(),
+                     spec.startup_line(job_parts))
     # the job got another world than the configured one (train() outside torchrun): place again
     pp = spec.placement if spec.placement.world_size == dinfo.world_size else \
         placement_for(cfg, plan, dinfo.world_size)
@@ -305,7 +305,7 @@ class _Job:
             peak_rss_gib,
             resolve_offload,
             run_device,
-            since_launch_s,
+            since_start,
             use_fsdp,
         )
 
@@ -332,8 +332,8 @@ class _Job:
         for f in dataclasses.fields(built):  # into the engines the caller closes
             setattr(self.engines, f.name, getattr(built, f.name))
         load_s = time.perf_counter() - t0
-        log.info("engines built in %.1f s (%.1f s since the command started); host peak RSS so "
-                 "far %.2f GiB", load_s, since_launch_s(), peak_rss_gib())
+        log.info("engines built in %.1f s (%.1f s since the %s started); host peak RSS so "
+                 "far %.2f GiB", load_s, *since_start(), peak_rss_gib())
         if (line := mps.serving_line()) is not None:  # launcher.mps: did the contexts join?
             log.info(line)
         say(f"setup: model and engines ({', '.join(place.plan.roles)}) in {load_s:.1f} s, host "
@@ -410,8 +410,7 @@ class _Job:
                     place.step(step, self)
                 if step == start and dinfo.rank == 0:  # time to first step: what a user
                     # waits before training shows (once, not once per rank)
-                    log.info("step %d done %.1f s since the command started", step,
-                             since_launch_s())
+                    log.info("step %d done %.1f s since the %s started", step, *since_start())
                 self.ckpts.poll()
                 if evaluate is not None and ev.every and step % ev.every == 0 and \
                         (step < T or not ev.after):  # the last step's is the eval after

@@ -604,6 +604,24 @@ def keep_resident(state_bytes: int, rollout_bytes: int, device: "torch.device",
 COMMAND_START_ENV = "FLOWRL_COMMAND_START"
 
 
+# seconds from the command's start to this process's current job's start-up (a sweep's later
+# jobs run in the same process; 0: the command's first job), set by run_job
+_JOB_BEGAN_S = 0.0
+
+
+def set_job_began(at_s: float) -> None:
+    """The current job's start-up began ``at_s`` seconds after the command (``RunSpec.
+    startup_began_s``): :func:`since_start` counts from there."""
+    global _JOB_BEGAN_S
+    _JOB_BEGAN_S = at_s
+
+
+def since_start() -> tuple[float, str]:
+    """(seconds, what from) for the start-up lines: since the command started, or for a sweep's
+    later job since that job's start-up began (the earlier jobs' runs are not its start-up)."""
+    return since_launch_s() - _JOB_BEGAN_S, "job" if _JOB_BEGAN_S else "command"
+
+
 def since_launch_s() -> float:
     """Seconds since the command started: since ``$FLOWRL_COMMAND_START`` (a rank of a
     multi-process ``flowrl train``), else since this process started (its creation time, so
