@@ -255,26 +255,36 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 @contextlib.contextmanager
-def _kept_warnings() -> Iterator[list[logging.LogRecord]]:
-    """flowrl's warnings inside the block (still said where they are said now), kept to be
-    written into the run's train.log once the job has one (:func:`_write_early_warnings`)."""
+def _kept_warnings(say: bool = True) -> Iterator[list[logging.LogRecord]]:
+    """flowrl's warnings inside the block, kept to be written into the run's train.log once the
+    job has one (:func:`_write_early_warnings`). ``say``: still said on the console as they were
+    (before logging is configured, by Python's last-resort handler, which a handler of ours would
+    otherwise silence); False: kept only (a sweep's check: each job says its own)."""
     kept: list[logging.LogRecord] = []
+    logger = logging.getLogger("flowrl")
+    fallback = say and not logger.hasHandlers()  # nothing else would print them
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             kept.append(record)
+            last = logging.lastResort
+            if fallback and last is not None and record.levelno >= last.level:
+                last.handle(record)
 
     handler = Keep(logging.WARNING)
-    logging.getLogger("flowrl").addHandler(handler)
+    logger.addHandler(handler)
     try:
         yield kept
     finally:
-        logging.getLogger("flowrl").removeHandler(handler)
+        logger.removeHandler(handler)
 
 
 def _write_early_warnings(spec: RunSpec) -> None:
     """The warnings ``prepare`` said before Hydra's job set up logging, into the job's log
-    files (train.log): the console had them, the run's record did not."""
+    files (train.log; by rank 0 only, the ranks share it): the console had them, the run's
+    record did not."""
+    if os.environ.get("RANK", "0") != "0":
+        return
     files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
     for record in spec.early_warnings:
         for h in files:
@@ -353,8 +363,10 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
         sweep_dir = _sweep_dir(jobs[0]) if subdir in (None, "${hydra.job.num}") else None
         for i, job in enumerate(jobs, 1):
             try:
-                # plan_only: no MPS daemon now (the job decides its own), the teacher below
-                spec = prepare(list(job), plan_only=True)
+                # plan_only: no MPS daemon now (the job decides its own), the teacher below;
+                # its warnings are the job's to say when it runs (they came twice)
+                with _kept_warnings(say=False):
+                    spec = prepare(list(job), plan_only=True)
                 cfg = spec.config
                 _check_sweep_job(spec)
                 if output_dir_is_hydras(spec.raw) and sweep_dir is not None:
