@@ -84,6 +84,7 @@ class GraphError(ValueError):
 CYCLE = "which closes the cycle"
 UNBOUND = "is not bound: add 'inputs."
 UNKNOWN_FIELD = "unknown stage field"
+DUPLICATE = "duplicate stage name"
 
 
 def fold_problems(problems: list[tuple[str, str, str]]
@@ -91,13 +92,18 @@ def fold_problems(problems: list[tuple[str, str, str]]
     """``(roots, follow_on)``: every problem once, the roots ordered so that the first line is
     the one to fix first, the follow-on problems (those that fixing a root removes) set apart.
 
-    Order (stable within a rank): a file that does not parse; a cycle; a misspelt name (a
-    "did you mean" or "rename it to"); the rest. Follow-on: a required input "not bound" in a
-    stage whose ``inputs`` is misspelt or malformed (an unknown stage field, a non-mapping) or
-    whose ``batch`` has a problem (an unknown bundle); another problem of the field that closes a cycle; the same problem repeated in later stages (for an input a bundle
-    wires, the same field of the same bundle, whichever op the stage runs).
+    Order (stable within a rank): a file that does not parse; a duplicate stage name; a cycle;
+    a misspelt name (a "did you mean" or "rename it to"); the rest. Follow-on: with a duplicate
+    stage name, every input wiring problem and cycle (references to the name reach the wrong
+    stage: a renamed copy of ``reward`` called ``sample`` showed first as a cycle through
+    ``sample``); a required input "not bound" in a stage whose ``inputs`` is misspelt or
+    malformed (an unknown stage field, a non-mapping) or whose ``batch`` has a problem (an
+    unknown bundle); another problem of the field that closes a cycle; the same problem repeated
+    in later stages (for an input a bundle wires, the same field of the same bundle, whichever
+    op the stage runs).
     """
     unique = list(dict.fromkeys(problems))
+    duplicate = any(DUPLICATE in msg for _, _, msg in unique)
     lost_inputs = {st for st, fld, msg in unique
                    if (UNKNOWN_FIELD in msg and not fld.startswith("inputs")) or
                    (fld == "inputs" and msg.startswith("must be a mapping")) or fld == "batch"}
@@ -111,7 +117,8 @@ def fold_problems(problems: list[tuple[str, str, str]]
         repeat = key in seen and not st.startswith("<")
         seen.add(key)
         if (UNBOUND in msg and st in lost_inputs) or \
-                ((st, fld) in cycle_fields and CYCLE not in msg) or repeat:
+                ((st, fld) in cycle_fields and CYCLE not in msg) or repeat or \
+                (duplicate and (fld.startswith("inputs") or CYCLE in msg)):
             follow_on.append((st, fld, msg))
         else:
             roots.append((st, fld, msg))
@@ -119,9 +126,11 @@ def fold_problems(problems: list[tuple[str, str, str]]
     def rank(p: tuple[str, str, str]) -> int:
         if p[1] in ("<yaml>", "<root>"):
             return 0
-        if CYCLE in p[2]:
+        if DUPLICATE in p[2]:
             return 1
-        return 2 if ("did you mean" in p[2] or "rename it to" in p[2]) else 3
+        if CYCLE in p[2]:
+            return 2
+        return 3 if ("did you mean" in p[2] or "rename it to" in p[2]) else 4
     return sorted(roots, key=rank), follow_on
 
 

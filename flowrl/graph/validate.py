@@ -12,7 +12,7 @@ from typing import Iterable
 
 import networkx as nx
 
-from flowrl.graph.graph import Graph, GraphError, build_dag, damaged_problem, parse_ref
+from flowrl.graph.graph import DUPLICATE, Graph, GraphError, build_dag, damaged_problem, parse_ref
 from flowrl.graph.roles import ROLES
 from flowrl.graph.rules import (
     conditional_input_warnings,
@@ -46,6 +46,23 @@ class ConditionalInputWarning(GraphWarning):
 def _hint(word: str, choices: Iterable[str]) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _stage_hint(src: str, out: str, reader: str, names: list[str], by_name: dict) -> str:
+    """The fix for a reference ``src.out`` to no stage: an existing ``stage.output`` close to it
+    (a stage with that output first: ``nostage.ground_truth`` suggested 'advantage.ground_truth',
+    an output advantage does not have), else the stage names."""
+    def outputs(n: str) -> list[str]:
+        spec = OPS.get(by_name[n].op)
+        return list(spec.outputs) if spec is not None else []
+
+    others = [n for n in names if n != reader]
+    close = difflib.get_close_matches(src, [n for n in others if out in outputs(n)], n=1)
+    if close:
+        return f"did you mean '{close[0]}.{out}'?"
+    refs = [f"{n}.{o}" for n in others for o in outputs(n)]
+    near = difflib.get_close_matches(f"{src}.{out}", refs, n=1)
+    return f"did you mean '{near[0]}'?" if near else f"stages: {names}"
 
 
 def validate_graph(graph: Graph, *, check_params: bool = True, require_update: bool = True) -> list[str]:
@@ -84,7 +101,7 @@ def graph_problems(graph: Graph, *, check_params: bool = True, require_update: b
     seen: set[str] = set()
     for n in names:
         if n in seen:
-            problems.append((n, "name", "duplicate stage name; rename one of them"))
+            problems.append((n, "name", f"{DUPLICATE}; rename one of them"))
         if "." in n:
             problems.append((n, "name", "stage names may not contain '.' (references are "
                                         "'stage.output')"))
@@ -130,8 +147,7 @@ def graph_problems(graph: Graph, *, check_params: bool = True, require_update: b
                 problems.append((s.name, f"inputs.{arg}", str(e)))
                 continue
             if src not in by_name:
-                close = difflib.get_close_matches(src, [n for n in names if n != s.name], n=1)
-                fix = f"did you mean '{close[0]}.{out}'?" if close else f"stages: {names}"
+                fix = _stage_hint(src, out, s.name, names, by_name)
                 problems.append((s.name, f"inputs.{arg}", f"reads '{ref}', but no stage is named "
                                  f"'{src}'; {fix}"))
                 continue

@@ -161,10 +161,21 @@ GRAPH_CASES = {
         "stage 'reward', field 'inputs.response_ids': reads 'advantage.advantages', which closes "
         "the cycle reward -> advantage -> reward; a stage may only read stages that do not depend "
         "on it within a step"),
+    # a renamed copy: the wiring that reads the name reached the wrong stage and showed first
+    # as a cycle, the duplicate second, in 8 lines
+    "duplicate_stage_name": (_edit(GRPO, lambda g: _stage(g, "reward").update(name="sample")),
+        "stage 'sample', field 'name': duplicate stage name; rename one of them (+12 follow-on "
+        "problems)"),
     "dangling_stage_reference": (_edit(GRPO, lambda g: _stage(g, "advantage")["inputs"].update(
         rewards="rewardd.rewards")),
         "stage 'advantage', field 'inputs.rewards': reads 'rewardd.rewards', but no stage is named "
         "'rewardd'; did you mean 'reward.rewards'?"),
+    # a stage name near none: the closest existing stage.output (it named 'advantage', which
+    # has no ground_truth)
+    "dangling_reference_far_from_any_stage": (_edit(GRPO, lambda g: _stage(g, "reward")[
+        "inputs"].update(ground_truth="nostage.ground_truth")),
+        "stage 'reward', field 'inputs.ground_truth': reads 'nostage.ground_truth', but no stage "
+        "is named 'nostage'; did you mean 'sample.ground_truth'?"),
     "dangling_output_reference": (_edit(GRPO, lambda g: _stage(g, "advantage")["inputs"].update(
         rewards="reward.reward")),
         "stage 'advantage', field 'inputs.rewards': reads 'reward.reward', but stage 'reward' (op "
