@@ -126,21 +126,38 @@ def _alarm_usable() -> bool:
     return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
 
 
+class _Row(dict):
+    """A row's fields as the function gets them, remembering a key it asked for and lacked."""
+
+    missing: object = None
+
+    def __missing__(self, key: object) -> Any:
+        self.missing = key
+        raise KeyError(key)
+
+
 def _call(fn: Callable, text: str, fields: dict, meta: dict,
           timeout_s: Optional[float]) -> tuple[str, Any]:
     """Run one call: ``(OK, value)``, ``(ERROR, repr)`` or ``(TIMEOUT, None)``."""
     delay = float(timeout_s) if timeout_s and _alarm_usable() else None  # None: no alarm
     old = signal.signal(signal.SIGALRM, _on_alarm) if delay is not None else None
+    row = _Row(fields)
     try:
         if delay is not None:
             signal.setitimer(signal.ITIMER_REAL, delay)
         try:
-            return OK, fn(text, fields, meta)
+            return OK, fn(text, row, meta)
         finally:
             if delay is not None:
                 signal.setitimer(signal.ITIMER_REAL, 0)
     except _Timeout:
         return TIMEOUT, None
+    except KeyError as e:  # a data column the row does not carry: say how to bring it
+        key = e.args[0] if e.args else None
+        if isinstance(key, str) and row.missing == key:
+            return ERROR, (f"{e!r}: the row's fields are {sorted(fields)}; another column of the "
+                           f"data file comes with data.extra_keys=[{key}]")
+        return ERROR, repr(e)
     except Exception as e:
         return ERROR, repr(e)
     finally:

@@ -135,3 +135,27 @@ def test_eval_line_says_how_many_answers_could_not_be_scored():
     assert eval_line({**base, "eval/unscorable_frac": 0.375}) == (
         "accuracy 0.000 on 8; 3 of 8 answers could not be scored (the reward function raised "
         "or timed out: counted as wrong)")
+    assert eval_line({"eval/accuracy": float("nan"), "eval/n": 8.0, "eval/unscorable_frac": 1.0}) \
+        == ("no accuracy on 8: none of the 8 answers could be scored (the reward function "
+            "raised or timed out on every one; the run's warnings say why)")
+
+
+def test_an_eval_with_no_scorable_answer_has_no_accuracy(tok):
+    """A reward function that raised on every answer: eval/accuracy was 0.000, read as a model
+    that learned nothing; now NaN (the unscorable share says why)."""
+    import math
+
+    from flowrl.runtime.step.evaluate import EvalScorer
+
+    engine = ScriptedRollout(tok, ["#### 1", "#### 2", "#### 3"])
+    src = PromptSource(DataConfig(), tok)
+    raising = EvalScorer("reward.function f", lambda texts, fields, rows: [math.nan] * len(texts))
+    out = evaluate_greedy(engine, src, tok, raising, split="test", limit=3, batch_size=3,
+                          max_new_tokens=4)
+    assert math.isnan(out["eval/accuracy"]) and math.isnan(out["eval/accuracy_strict"])
+    assert out["eval/unscorable_frac"] == 1.0 and math.isnan(out["eval/reward_mean"])
+    half = EvalScorer("reward.function f", lambda texts, fields, rows: [1.0, math.nan, 0.0])
+    engine = ScriptedRollout(tok, ["#### 1", "#### 2", "#### 3"])
+    out = evaluate_greedy(engine, src, tok, half, split="test", limit=3, batch_size=3,
+                          max_new_tokens=4)
+    assert out["eval/accuracy"] == pytest.approx(1 / 3)  # the unscorable one counts as wrong

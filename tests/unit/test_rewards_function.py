@@ -43,6 +43,14 @@ def raises(response_text, fields, metadata):
     return 1.0
 
 
+def reads_a_column(response_text, fields, metadata):
+    return float(fields["keyword"] in response_text)  # a column data.extra_keys must carry
+
+
+def reads_a_dict(response_text, fields, metadata):
+    return float({"a": 1.0}["b"])  # a KeyError of the function's own
+
+
 def returns_inf(response_text, fields, metadata):
     return math.inf if "inf" in response_text else 0.5
 
@@ -106,6 +114,17 @@ def test_in_process_statuses():
     out = score("returns_inf", ["inf", "fine"])
     assert [o.status for o in out] == [NONFINITE, OK] and out[1].components == {"reward": 0.5}
     assert [o.status for o in score("returns_text", ["a"])] == [ERROR]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_missing_data_column_says_extra_keys(workers):
+    """A reward function reading a column the row lacks: the warning said KeyError('keyword')
+    only; it now names the row's fields and data.extra_keys (fresh-user report)."""
+    out = score("reads_a_column", ["a", "b"], workers=workers)
+    assert [o.status for o in out] == [ERROR, ERROR]
+    assert out[0].detail == ("KeyError('keyword'): the row's fields are ['ground_truth']; another "
+                             "column of the data file comes with data.extra_keys=[keyword]")
+    assert score("reads_a_dict", ["a"])[0].detail == "KeyError('b')"  # not a row field: as is
 
 
 def test_in_process_hang_times_out():

@@ -119,7 +119,8 @@ def evaluate_greedy(rollout_engine, prompts, tokenizer, scorer: EvalScorer, *, s
         ``{}`` when ``limit == 0``; else (all floats, fractions over the ``eval/n`` answers):
 
         - ``eval/accuracy``: fraction with reward exactly 1 (the strict accuracy; the key's
-          meaning since the first release, so curves stay comparable);
+          meaning since the first release, so curves stay comparable); an unscorable answer
+          counts as wrong, and with none scorable it is NaN;
         - ``eval/accuracy_strict``: the same number under its explicit name;
         - ``eval/accuracy_math_verify``: fraction ``scorer.lenient`` accepts (when it has one);
         - ``eval/format_frac``: fraction with the answer format (when it has ``answer_format``);
@@ -177,8 +178,10 @@ def evaluate_greedy(rollout_engine, prompts, tokenizer, scorer: EvalScorer, *, s
         Path(samples_path).write_text("".join(json.dumps(r) + "\n" for r in rows))
     n = len(rows)
     frac = lambda pred: sum(1 for r in rows if pred(r)) / n  # noqa: E731
-    strict = frac(lambda r: r["strict"] == 1.0)
     scored = [r["strict"] for r in rows if math.isfinite(r["strict"])]
+    # no answer scorable (a reward function that raised on every one): no accuracy at all, not
+    # a 0.000 that reads as a model that learned nothing
+    strict = frac(lambda r: r["strict"] == 1.0) if scored else math.nan
     out = {"eval/accuracy": strict, "eval/accuracy_strict": strict}
     if scorer.lenient is not None:
         out["eval/accuracy_math_verify"] = frac(lambda r: r["math_verify"] == 1.0)
@@ -226,8 +229,11 @@ def eval_line(m: dict[str, float]) -> str:
     if "eval/format_frac" in m:
         views.append(f"#### format {m['eval/format_frac']:.2f}")
     extra = f" ({', '.join(views)})" if views else ""
-    line = f"accuracy {m['eval/accuracy']:.3f}{extra} on {m['eval/n']:.0f}"
     u, n = m.get("eval/unscorable_frac", 0.0), m["eval/n"]
+    if u >= 1:  # nothing scored: no accuracy (NaN), said as such
+        return (f"no accuracy{extra} on {n:.0f}: none of the {n:.0f} answers could be scored "
+                "(the reward function raised or timed out on every one; the run's warnings say why)")
+    line = f"accuracy {m['eval/accuracy']:.3f}{extra} on {n:.0f}"
     if u > 0:  # a reward function that raised or timed out: its answers count as wrong above,
         # so an accuracy of 0.000 is not read as a model that learned nothing
         line += (f"; {round(u * n):.0f} of {n:.0f} answers could not be scored (the reward "
