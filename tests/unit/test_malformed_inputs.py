@@ -330,6 +330,29 @@ def test_malformed_config_is_one_line_before_any_model_loads(case, command, tmp_
     assert not no_model and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("limit, per_step, ok", [(1, 4, False), (3, 4, False), (4, 4, True)])
+def test_more_prompts_a_step_than_the_data_holds_is_one_line(tmp_path, no_model, limit,
+                                                              per_step, ok):
+    """data.limit=1 with trainer.prompts_per_step=4 trained every step on one prompt four times,
+    silently; a step of 100,000 prompts of 7,100 ran for minutes unexplained (fresh-user
+    report). Refused before any model loads."""
+    if ok:
+        from flowrl.runtime.control.preflight import load_prompts
+        from flowrl.train import prepare
+
+        spec = prepare(job_args(tmp_path, f"data.limit={limit}",
+                                f"trainer.prompts_per_step={per_step}"))
+        assert len(load_prompts(spec.config)[1]) == limit
+        return
+    rc, lines = run_cli(["train", *job_args(tmp_path, f"data.limit={limit}",
+                                            f"trainer.prompts_per_step={per_step}")], tmp_path)
+    assert rc == 2 and lines == [
+        f"flowrl train: error: trainer.prompts_per_step={per_step} draws {per_step} prompts a "
+        f"step, but the training data has {limit} (data.limit={limit}): every step would "
+        "repeat prompts; lower trainer.prompts_per_step or use more data"], lines
+    assert not no_model and not (tmp_path / "run").exists()
+
+
 def test_every_problem_of_a_file_is_reported_one_line_each(tmp_path, no_model):
     """A schema error (an unknown stage field) no longer hides the graph checks: the misspelt
     reference and the cycle in the same file are reported with it, the cycle first."""

@@ -132,6 +132,15 @@ def load_prompts(cfg: "TrainConfig", rank: int = 0, world_size: int = 1) -> "tup
                                image_encoder=image_encoder(cfg.model, tokenizer))
     except ValueError as e:
         raise ConfigError(str(e) if str(e).startswith("data") else f"data: {e}") from e
+    per_step = cfg.trainer.prompts_per_step * world_size
+    if per_step > len(prompts):  # a step would draw a prompt twice (data.limit=1 drew it four
+        # times a step, silently; 100,000 a step of 7,100 prompts ran for minutes unexplained)
+        ranks = f" x {world_size} ranks" if world_size > 1 else ""
+        limit = f" (data.limit={cfg.data.limit})" if cfg.data.limit is not None else ""
+        raise ConfigError(f"trainer.prompts_per_step={cfg.trainer.prompts_per_step}{ranks} draws "
+                          f"{per_step} prompts a step, but the training data has {len(prompts)}"
+                          f"{limit}: every step would repeat prompts; lower "
+                          "trainer.prompts_per_step or use more data")
     return tokenizer, prompts
 
 
