@@ -11,6 +11,11 @@ Every import is inside a function (as in ``flowrl/cli.py``): planning never load
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
 
 def plan_main(argv: list[str]) -> int:
     """``flowrl plan [--format text|mermaid|dot] [overrides]``: the placement plan (per-pool
@@ -37,7 +42,7 @@ def plan_main(argv: list[str]) -> int:
         raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}")
     raw = task_section(compose(rest), "(none: plan only)")  # no Hydra run dir exists when planning
     if raw.get("cluster") is not None:
-        print(cluster_plan(raw, fmt))
+        print(cluster_plan(raw, fmt, rest))
         return 0
     spec = prepare(raw, rest, plan_only=True)  # a teacher may be left unset
     cfg, plan, pp = spec.config, spec.plan, spec.placement
@@ -169,7 +174,7 @@ def measured_prompt_tokens(cfg, notes: list[str]) -> "int | None":
     return p
 
 
-def build_cluster_plan(raw):
+def build_cluster_plan(raw, overrides=()):
     """``flowrl plan cluster=<name>``: the ClusterPlan of the composed config ``raw`` on the
     cluster it names (``flowrl.compiler.cost.plan_cluster``). Nothing of this machine is read: no
     machine defaults, no data rows, no tokenizer; the model is read by shape from its config
@@ -178,7 +183,9 @@ def build_cluster_plan(raw):
     The workload is the run's: B = trainer.prompts_per_step × algorithm.n × the cluster's GPUs
     (prompts_per_step counts per data-parallel rank, as in ``flowrl train``), P =
     data.max_prompt_tokens, R = rollout.sampling.max_new_tokens; the engine settings are
-    ``rollout.vllm``'s and ``trainer.engine``'s.
+    ``rollout.vllm``'s and ``trainer.engine``'s. The placement settings the command line gives
+    (``overrides``: ``placement=colocated|partitioned``, ``placement.pools.*``,
+    ``placement.staleness``) are kept; without them every mode, split and staleness is tried.
 
     Raises:
         ValueError / FileNotFoundError / GraphError: a bad field, graph or model folder.
@@ -207,14 +214,23 @@ def build_cluster_plan(raw):
                          activation_checkpointing=eng.gradient_checkpointing,
                          max_num_seqs=vl.max_num_seqs)
     # k >= 1 trains on older weights' batches: the old-logprob stage must run (preflight's rule)
-    ks = (0, 1) if cfg.algorithm.recompute_old_logprobs else (0,)
-    return plan_cluster(plan, costs, cfg.placement, cfg.placement.auto.min_gain, ks)
+    ks: tuple[int, ...] = (0, 1) if cfg.algorithm.recompute_old_logprobs else (0,)
+    keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[-1] for o in overrides if "=" in o}
+    asked = keys.get("placement.mode", keys.get("placement"))
+    if asked not in ("colocated", "partitioned"):
+        asked = None  # auto, or not given: the search
+    if "placement.staleness" in keys and cfg.placement.staleness is not None:
+        ks = (cfg.placement.staleness,)
+    pools = cfg.placement.pools if any(k.startswith("placement.pools") for k in keys) else None
+    return plan_cluster(plan, costs, cfg.placement, cfg.placement.auto.min_gain, ks,
+                        asked="partitioned" if pools and asked is None else asked,
+                        asked_pools=pools or None)
 
 
-def cluster_plan(raw, fmt: str) -> str:
+def cluster_plan(raw, fmt: str, overrides: "Sequence[str]" = ()) -> str:
     """What ``flowrl plan cluster=<name>`` prints: the chosen placement rendered in ``fmt`` (text:
     its timelines, then the candidate table, every term with its formula, the memory check)."""
     from flowrl.compiler.cost import cluster_placement
     from flowrl.compiler.modes import format_placement
 
-    return format_placement(cluster_placement(build_cluster_plan(raw)), fmt)
+    return format_placement(cluster_placement(build_cluster_plan(raw, overrides)), fmt)

@@ -957,14 +957,21 @@ class ClusterPlan:
 
 
 def plan_cluster(full_plan: Any, costs: ClusterCosts, placement_cfg: Optional[PlacementConfig] = None,
-                 min_gain: float = 1.05, staleness: Sequence[int] = (0, 1)) -> ClusterPlan:
+                 min_gain: float = 1.05, staleness: Sequence[int] = (0, 1),
+                 asked: Optional[str] = None,
+                 asked_pools: Optional[dict[str, list[int]]] = None) -> ClusterPlan:
     """Colocated on every GPU of ``costs.cluster`` vs every valid partitioned split (rollout GPUs a
     multiple of the rollout tp, pool sizes that divide) at each staleness k of ``staleness``; the
     fastest that fits wins, partitioned only when at least ``min_gain`` times faster than
     colocated (it holds a second weight copy and, at k ≥ 1, trains off-policy).
 
+    What the user asked for is kept: ``asked`` = ``colocated`` / ``partitioned`` (the placement
+    set on the command line) chooses that mode whatever the prediction (the table still shows
+    every candidate), ``asked_pools`` is the only split tried, and a staleness the user set is
+    the one ``staleness`` holds (``flowrl plan``'s caller).
+
     Raises:
-        PlacementError: the graph cannot be placed at all.
+        PlacementError: the graph cannot be placed at all, or not in the pools asked.
     """
     world = costs.cluster.world
     rp = {"rollout": costs.rollout_tp}
@@ -972,19 +979,35 @@ def plan_cluster(full_plan: Any, costs: ClusterCosts, placement_cfg: Optional[Pl
     colo = estimate_cluster(colocated(full_plan, world, rp), costs)
     cands = [colo]
     why_not = ""
-    for r in split_candidates(world, costs.rollout_tp) if world >= 2 else []:
+    splits = [asked_pools] if asked_pools else [
+        {TRAIN_POOL: list(range(world - r)), ROLLOUT_POOL: list(range(world - r, world))}
+        for r in (split_candidates(world, costs.rollout_tp) if world >= 2 else [])]
+    for pools in splits:  # (with colocated asked too: the table shows every candidate)
         for k in staleness:
             pc = copy.copy(base)
             pc.staleness = k
-            pc.pools = {TRAIN_POOL: list(range(world - r)), ROLLOUT_POOL: list(range(world - r, world))}
+            pc.pools = pools
             try:
                 pp = partitioned(full_plan, pc, world, rp)
             except PlacementError as e:
+                if asked_pools:  # the split asked for: its own reason, not another split
+                    raise
                 why_not = str(e)
                 break
             cands.append(estimate_cluster(pp, costs))
     parts = [e for e in cands[1:] if e.fits]
     best = min(parts, key=lambda e: e.step_s) if parts else None
+    if asked == "colocated":
+        fit = "" if colo.fits else "; it does not fit: " + "; ".join(
+            x for m in colo.memory.values() for x in m.does_not_fit)
+        return ClusterPlan(costs, cands, colo, colo, best, f"placement=colocated, as asked{fit}")
+    if asked == "partitioned" and len(cands) > 1:
+        pick = best or min(cands[1:], key=lambda e: e.step_s)
+        what = "the split asked for" if asked_pools else "the fastest split"
+        fit = "" if pick.fits else "; NOTHING FITS: " + "; ".join(
+            x for m in pick.memory.values() for x in m.does_not_fit)
+        return ClusterPlan(costs, cands, pick, colo, best,
+                           f"placement=partitioned, as asked: {what}{fit}")
     if not colo.fits and best is not None:
         chosen, reason = best, "colocated does not fit: " + "; ".join(
             x for m in colo.memory.values() for x in m.does_not_fit)

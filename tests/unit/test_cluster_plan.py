@@ -270,6 +270,30 @@ def test_plan_a_cluster_from_a_folder_holding_only_config_json(tmp_path, capsys)
     assert "cluster" in capsys.readouterr().err
 
 
+def test_a_cluster_plan_keeps_the_placement_asked_for(capsys):
+    """placement=colocated, placement.staleness=0 and the pools given were ignored: the plan
+    chose its own split at k=1 (off-policy, another algorithm than asked; fresh-user report)."""
+    def plan(*extra: str) -> str:
+        assert main(["plan", "cluster=h200x8", "model=tiny", *extra]) == 0
+        out = capsys.readouterr().out
+        return next(ln.strip() for ln in out.splitlines() if ln.strip().startswith("Chose ")) \
+            + "\n" + out.splitlines()[0]
+
+    free = plan()  # nothing asked: the search (a split at k=1 wins on this workload)
+    assert free.startswith("Chose partitioned rollout=6 train=2 k=1: ") and "as asked" not in free
+    assert plan("placement=colocated") == (
+        "Chose colocated: placement=colocated, as asked\n"
+        "ExecutionPlan  graph=grpo  placement=colocated  ranks=[0, 1, 2, 3, 4, 5, 6, 7]")
+    on_policy = plan("placement=partitioned", "placement.staleness=0")
+    assert on_policy.startswith("Chose partitioned rollout=") and " k=0: placement=partitioned, " \
+        "as asked: the fastest split\n" in on_policy
+    assert on_policy.endswith("mode=partitioned  world=8  staleness=0")
+    pools = plan("placement=partitioned", "placement.pools.train=[0,1,2,3,4,5]",
+                 "placement.pools.rollout=[6,7]", "placement.staleness=0")
+    assert pools.startswith("Chose partitioned rollout=2 train=6 k=0: placement=partitioned, as "
+                            "asked: the split asked for\n"), pools
+
+
 def test_a_run_refuses_a_cluster_it_would_not_use():
     from flowrl.config import compose
     from flowrl.train import ConfigError, prepare
