@@ -217,8 +217,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             raise ConfigError(f"{field}={_override(args, field)} resolves to an empty path: the "
                               f"run would write into the working directory ({os.getcwd()}); "
                               "give it a path")
-        rundir.check_run_dir(Path(spec.config.trainer.output_dir), spec.config.trainer,
-                             rundir.run_dir_field(args))
+        out = Path(spec.config.trainer.output_dir)
+        rundir.check_run_dir(out, spec.config.trainer, rundir.run_dir_field(args))
+        if spec.config.trainer.overwrite and rundir.previous_run(out):
+            # the replaced run's log goes with its outputs, before Hydra's job appends to it
+            (out / "train.log").unlink(missing_ok=True)
         t0 = time.perf_counter()
         _start_ahead(spec)  # its ~18 s (cold) beside the check's liger import and the model load
         check_machine(spec.config)

@@ -166,6 +166,18 @@ def two_steps(tmp_path_factory):
     return d
 
 
+def test_overwrite_starts_a_fresh_train_log(tmp_path):
+    """trainer.overwrite=true replaced the checkpoints and metrics but train.log kept every
+    earlier run's lines (fresh-user report: four runs in one file)."""
+    d = tmp_path / "run"
+    args = ["train", *FIRST, "trainer.total_steps=1", "trainer.save_every=0", f"hydra.run.dir={d}"]
+    for extra in ([], ["trainer.overwrite=true"], ["trainer.overwrite=true"]):
+        rc, lines = run_cli([*args, *extra], tmp_path)
+        assert rc in (0, None), lines
+    log = (d / "train.log").read_text()
+    assert log.count("step 1 done") == 1, log
+
+
 def test_a_warning_of_the_checks_is_in_train_log_too(tmp_path):
     """`trainer.engine.lr=0` is said by prepare's checks, before Hydra's job makes train.log:
     it reached the console only, and the run's own record never said why nothing learnt."""
