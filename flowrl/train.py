@@ -99,12 +99,27 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
         plan, placement = check_run(cfg, task, given, plan_only=plan_only)
         done("graph, placement and input checks")
     except (ValueError, FileNotFoundError) as e:
-        raise e if isinstance(e, ConfigError) else ConfigError(str(e)) from e
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(_one_line(e)) from e
     if mps_line is not None:
         resolved = [*resolved, mps_line]
     return RunSpec(source, cfg, plan, placement, tuple(resolved),
                    None if given is None else tuple(given), startup=tuple(parts),
                    startup_began_s=began)
+
+
+def _one_line(e: BaseException) -> str:
+    """A check's error as one line; OmegaConf's (an interpolation that does not resolve) named
+    by its key, without its ``full_key``/``object_type`` detail lines."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from flowrl.config import one_line
+
+    if not isinstance(e, OmegaConfBaseException):
+        return str(e)
+    key = getattr(e, "full_key", None)
+    return f"{key}: {one_line(e)}" if key else one_line(e)
 
 
 def _hydra_task_overrides() -> list[str]:
@@ -190,6 +205,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     args = list(sys.argv[1:] if argv is None else argv)
     # Hydra's --run / -r is its default mode: flowrl's own path (its checks, one-line refusals)
+    for i, a in enumerate(args[:-1]):
+        if a in ("--run", "-r") and "=" not in args[i + 1] and not args[i + 1].startswith("-"):
+            sys.exit(_refused(f"{a} takes no value (it is Hydra's default mode); give the run "
+                              f"directory as hydra.run.dir={args[i + 1]}"))
     args = [a for a in args if a not in ("--run", "-r")]
     if any(a.startswith("-") for a in args):  # Hydra's command line: -m, --cfg job, --help...
         if "-m" in args or "--multirun" in args:

@@ -466,6 +466,28 @@ def test_an_empty_run_directory_is_refused_not_taken_for_the_working_directory(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_run_flag_with_a_path_and_an_unset_env_interpolation_are_one_line(tmp_path, monkeypatch,
+                                                                          capsys):
+    """`flowrl train --run /path` read the path as an override without '='; an ${oc.env:X}
+    of an unset variable was OmegaConf's 3-line report (fresh-user report)."""
+    from flowrl.train import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FLOWRL_TEST_UNSET", raising=False)
+    for argv, said in [
+        (["--run", str(tmp_path / "r"), "model=tiny"],
+         f"--run takes no value (it is Hydra's default mode); give the run directory as "
+         f"hydra.run.dir={tmp_path / 'r'}"),
+        (["model=tiny", "trainer=smoke", "hydra.run.dir=${oc.env:FLOWRL_TEST_UNSET}"],
+         "hydra.run.dir: KeyError raised while resolving interpolation: \"Environment variable "
+         "'FLOWRL_TEST_UNSET' not found\"")]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"flowrl train: error: {said}"]
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("key", ["hydra.run.dir", "trainer.output_dir"])
 def test_a_run_directory_that_resolves_to_empty_is_refused(key, tmp_path, monkeypatch, capsys):
     """``hydra.run.dir='${oc.env:OUT,""}'`` with OUT unset trained into the working directory
