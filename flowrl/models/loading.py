@@ -368,16 +368,50 @@ def build_tiny(cfg: ModelConfig, dtype: "torch.dtype", auto_cls=None,
 def gguf_cache_dir(gguf: Path, dtype: "torch.dtype") -> Path:
     """Where :func:`load_model` keeps the dequantized weights of ``gguf`` in ``dtype``:
     ``$FLOWRL_CACHE/gguf/<name>-<key>`` (default ``~/.cache/flowrl``), the key a hash of the
-    file's resolved path, size and mtime, the dtype and the transformers version (a changed file
-    or a transformers upgrade that converts differently gets a new entry)."""
+    file's content (:func:`gguf_content_hash`), the dtype and the transformers version: a changed
+    file or a transformers upgrade that converts differently gets a new entry, and the same file
+    in another clone or environment finds this one (keyed by its path, each clone's package
+    copy added ~0.5 GB)."""
     import hashlib
 
     import transformers
 
-    st = gguf.stat()
-    ident = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{transformers.__version__}"
+    ident = f"{gguf_content_hash(gguf)}|{dtype}|{transformers.__version__}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     return cache_root() / "gguf" / f"{gguf.stem}-{key}"
+
+
+def gguf_content_hash(gguf: Path) -> str:
+    """SHA-256 of the file's bytes, read once per (path, size, mtime): remembered in
+    ``$FLOWRL_CACHE/gguf/.content-hashes.json`` (SmolLM2's 94 MB take ~0.2 s to hash; a memo
+    that cannot be written only costs the next load that time again)."""
+    import hashlib
+    import json
+
+    st = gguf.stat()
+    stamp = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    memo = cache_root() / "gguf" / ".content-hashes.json"
+    try:
+        known = json.loads(memo.read_text())
+        if not isinstance(known, dict):
+            known = {}
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known.get(stamp), str):
+        return known[stamp]
+    h = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    known[stamp] = h.hexdigest()
+    try:  # one rename: a reader never sees half a file
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{memo.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(memo)
+    except OSError:
+        pass
+    return known[stamp]
 
 
 def cache_root() -> Path:

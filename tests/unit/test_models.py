@@ -184,7 +184,8 @@ def test_gguf_cache_keeps_the_dequantized_weights(tmp_path, monkeypatch):
     assert entry.parent == tmp_path / "cache" / "gguf" and entry.name.startswith("tiny-")
     first = load_model(cfg)
     assert (entry / "config.json").is_file() and (entry / "model.safetensors").is_file()
-    assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no temporary left behind
+    # no temporary left behind (the content hashes' memo beside the entries)
+    assert sorted(p.name for p in entry.parent.iterdir()) == [".content-hashes.json", entry.name]
 
     real = transformers.AutoModelForCausalLM.from_pretrained
 
@@ -200,11 +201,21 @@ def test_gguf_cache_keeps_the_dequantized_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", real)
 
     st = gguf.stat()
-    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed
+    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched, the same bytes
+    assert gguf_cache_dir(gguf, torch.float32) == entry
+    other = tmp_path / "clone" / "tiny.gguf"  # the same file in another clone: the same entry
+    other.parent.mkdir()
+    other.write_bytes(gguf.read_bytes())
+    assert gguf_cache_dir(other, torch.float32) == entry
+    with open(gguf, "r+b") as f:  # the file changed (one byte of its tensor data)
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
     assert gguf_cache_dir(gguf, torch.float32) != entry
     assert gguf_cache_dir(gguf, torch.bfloat16) != gguf_cache_dir(gguf, torch.float32)
     load_model(ModelConfig(path=str(gguf.parent), gguf_file="tiny.gguf", gguf_cache=False))
-    assert [p.name for p in entry.parent.iterdir()] == [entry.name]
+    assert sorted(p.name for p in entry.parent.iterdir()) == [".content-hashes.json", entry.name]
 
 
 def test_gguf_cache_that_cannot_be_written_is_said_once(tmp_path, monkeypatch, caplog):
