@@ -127,6 +127,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
         except OmegaConfBaseException as e:
             raise ValueError(f"export: model override {' '.join(f'model.{o}' for o in model_overrides)}"
                              f" does not fit the recorded model: {str(e).splitlines()[0]}") from e
+    recorded_lora = isinstance(meta.get("model"), dict) and meta["model"].get("lora") is not None
+    if recorded_lora and model_cfg.lora is None:  # its tensors are the base's and the adapters'
+        raise ValueError(f"export: {ckpt} was trained with LoRA (its model.lora is recorded): "
+                         "export it merged (the default) or with --adapter-only, without "
+                         "model.lora=null")
     if adapter_only and model_cfg.lora is None:
         raise ValueError(f"export: --adapter-only needs a LoRA checkpoint; {ckpt} has no model.lora")
     model = load_model(model_cfg)  # the architecture; every weight is replaced below
@@ -142,6 +147,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
         load_tensors(ckpt, state)
     except ValueError as e:  # a damaged shard (CorruptCheckpointError): one line, nothing written
         raise ValueError(f"export: {e}") from e
+    except RuntimeError as e:  # tensors the model config does not have (DCP's missing key)
+        raise ValueError(f"export: {ckpt}'s tensors do not fit the model config "
+                         f"({str(e).splitlines()[0][:300]}); export without model overrides to "
+                         "use the recorded model") from e
     model.load_state_dict(state[role]["model"], strict=peft_model is None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -177,10 +186,14 @@ def export_main(argv: list[str]) -> int:
     """CLI: ``flowrl export CHECKPOINT OUT_DIR [--role actor] [hydra overrides for model]``."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="flowrl export", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="flowrl export", description=__doc__.split("\n")[0],
+        usage="flowrl export CHECKPOINT OUT_DIR [--role ROLE] [--adapter-only] [--overwrite] "
+              "[model=NAME] [model.FIELD=VALUE ...]")
     p.add_argument("checkpoint", type=Path)
     p.add_argument("out_dir", type=Path)
-    p.add_argument("--role", default="actor")
+    p.add_argument("--role", default="actor",
+                   help="the trained role whose weights to export (default: actor)")
     p.add_argument("--adapter-only", action="store_true",
                    help="LoRA checkpoint: write the PEFT adapter directory, not the merged model")
     p.add_argument("--overwrite", action="store_true",
@@ -206,8 +219,8 @@ def export_main(argv: list[str]) -> int:
         # only model.<field>= settings: they change the checkpoint's recorded model (composed
         # alone they would apply to the default model: a size mismatch at load)
         if dropped := [o for o in overrides if o.startswith("~")]:
-            p.error(f"{dropped[0]}: a recorded model's field cannot be deleted; set it instead "
-                    f"({dropped[0][1:].split('=', 1)[0]}=null)")
+            p.error(f"{dropped[0]}: a recorded model's field cannot be deleted; set another "
+                    f"value instead ({dropped[0][1:].split('=', 1)[0]}=...)")
         fields = [o.lstrip("+").split(".", 1)[1] for o in overrides]
     elif overrides:  # model=<name> [model.<field>=...]: the model config as flowrl train composes it
         from flowrl.config import compose, to_train_config

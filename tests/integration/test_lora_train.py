@@ -163,6 +163,11 @@ def test_resume_continues_exactly_and_export_round_trips(tmp_path, varied_reward
     ckpt = straight / "checkpoints" / "step_000003"
     merged = export_checkpoint(ckpt, tmp_path / "merged")
     adapter = export_checkpoint(ckpt, tmp_path / "adapter", adapter_only=True)
+    # model.lora=null on a LoRA checkpoint: one line (DCP's missing-key RuntimeError before)
+    with pytest.raises(ValueError, match=r"^export: .*step_000003 was trained with LoRA \(its "
+                                         r"model.lora is recorded\): export it merged"):
+        export_checkpoint(ckpt, tmp_path / "nolora", model_overrides=["lora=null"])
+    assert not (tmp_path / "nolora").exists()
     assert (adapter / "adapter_config.json").is_file()
     m1 = transformers.AutoModelForCausalLM.from_pretrained(merged)
     assert not any("lora" in n for n, _ in m1.named_parameters())  # a plain base-arch model

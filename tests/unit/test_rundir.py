@@ -363,7 +363,8 @@ def test_export_model_field_overrides_change_the_recorded_model(two_steps, tmp_p
     with pytest.raises(SystemExit) as e:
         export_main([str(ckpt), str(tmp_path / "drop"), "~model.lora"])
     assert e.value.code == 2 and capsys.readouterr().err.strip().endswith(
-        "~model.lora: a recorded model's field cannot be deleted; set it instead (model.lora=null)")
+        "~model.lora: a recorded model's field cannot be deleted; set another value instead "
+        "(model.lora=...)")
     assert not (tmp_path / "typo").exists() and not (tmp_path / "drop").exists()
 
 
