@@ -7,13 +7,17 @@ from flowrl.compiler.placement import PlacementPlan
 from flowrl.compiler.plan import ExecutionPlan
 
 
-def format_plan(plan: ExecutionPlan, ranks: list[int] | None = None) -> str:
+def format_plan(plan: ExecutionPlan, ranks: list[int] | None = None,
+                chosen: str | None = None) -> str:
     """One ExecutionPlan as text: the roles, the timeline of one step (runs, swaps, frees, the
     weight sync) and the lifecycle of intermediates. ``ranks``: the global ranks that run it
-    (the header's ``ranks=``; None: left out, a plan not placed yet)."""
+    (the header's ``ranks=``; None: left out, a plan not placed yet); ``chosen``: the mode
+    ``placement=auto`` chose, said beside it."""
     g = plan.graph
     where = "" if ranks is None else f"  ranks={_ranks(ranks)}"
-    lines = [f"ExecutionPlan  graph={g.name}  placement={plan.placement}{where}",
+    mode = f"{plan.placement} ({chosen} chosen)" if chosen and chosen != plan.placement \
+        else plan.placement
+    lines = [f"ExecutionPlan  graph={g.name}  placement={mode}{where}",
              f"roles with a model: {', '.join(plan.roles) or '-'}"]
     lines += [f"  {role} served by {how}" for role, how in plan.served_by.items()]
     if plan.pruned:
@@ -112,7 +116,7 @@ def colocated_text(pp: PlacementPlan) -> str:
     extra = _estimate_lines(pp) + ((["", "Notes:"] + [f"  {n}" for n in pp.notes]) if pp.notes else [])
     extra = overlap_lines(pp) + extra
     pool = pp.pools["all"]
-    return format_plan(pool.plan, pool.ranks) + "\n" + "\n".join(extra)
+    return format_plan(pool.plan, pool.ranks, chosen=str(pp.mode)) + "\n" + "\n".join(extra)
 
 
 def overlap_lines(pp: PlacementPlan) -> list[str]:
