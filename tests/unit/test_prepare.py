@@ -304,6 +304,18 @@ def test_a_ppo_critic_with_lr_zero_is_said_never_to_change(tmp_path, caplog, ext
     assert [r.getMessage() for r in caplog.records if "never change" in r.getMessage()] == said
 
 
+def test_a_critic_lr_for_a_graph_without_critic_is_said_unused(tmp_path, caplog):
+    import logging
+
+    from flowrl.train import prepare
+
+    with caplog.at_level(logging.WARNING, logger="flowrl"):
+        prepare([*SMOKE, "trainer.critic_lr=0", f"hydra.run.dir={tmp_path / 'r'}"])
+    assert [r.getMessage() for r in caplog.records if "critic" in r.getMessage()] == [
+        "trainer.critic_lr=0.0: graph grpo has no critic, so it is not used (graph=ppo trains "
+        "one)"]
+
+
 @pytest.mark.parametrize("lr, warned", [(0.0, True), (1e-6, False)])
 def test_an_actor_with_lr_zero_is_said_never_to_change(tmp_path, caplog, lr, warned):
     """``trainer.engine.lr=0`` is allowed (throughput and evaluation runs use it) but said: a run

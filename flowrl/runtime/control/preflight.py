@@ -71,6 +71,10 @@ def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = Non
         log.warning("trainer.engine.lr=0: the policy's weights never change (every update "
                     "computes its gradients and applies nothing); set trainer.engine.lr > 0 to "
                     "train")
+    if cfg.trainer.critic_lr is not None and "critic" not in plan.roles:  # a PPO setting
+        # given to a graph without a critic: it changes nothing, which the user should know
+        log.warning(f"trainer.critic_lr={cfg.trainer.critic_lr}: graph {plan.graph.name} has no "
+                    "critic, so it is not used (graph=ppo trains one)")
     critic_lr = cfg.trainer.engine.lr if cfg.trainer.critic_lr is None else cfg.trainer.critic_lr
     if "critic" in plan.roles and critic_lr == 0:  # the same for PPO's value model
         field = "trainer.engine.lr" if cfg.trainer.critic_lr is None else "trainer.critic_lr"
