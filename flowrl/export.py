@@ -206,7 +206,9 @@ def export_main(argv: list[str]) -> int:
         known = [a for act in p._actions for a in act.option_strings if a.startswith("--")]
         near = difflib.get_close_matches(options[0], known, n=1)
         p.error(f"unrecognized option {options[0]}" + (f" (did you mean {near[0]}?)" if near else ""))
-    if foreign := [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith("model")]:
+    from flowrl.runtime.io.rundir import override_key
+
+    if foreign := [o for o in overrides if not override_key(o).startswith("model")]:
         # only the model section is read; the rest would silently replace the checkpoint's
         # recorded model with the default one (a size mismatch, far from its cause)
         p.error(f"only model settings apply to an export (model=..., model.<field>=...), got "
@@ -215,7 +217,7 @@ def export_main(argv: list[str]) -> int:
     check_out_dir(args.out_dir, args.overwrite)  # before composing or loading anything
     model_cfg: Optional[object] = None
     fields: list[str] = []
-    if overrides and not any(o.split("=", 1)[0].lstrip("+~") == "model" for o in overrides):
+    if overrides and not any(override_key(o) == "model" for o in overrides):
         # only model.<field>= settings: they change the checkpoint's recorded model (composed
         # alone they would apply to the default model: a size mismatch at load)
         if dropped := [o for o in overrides if o.startswith("~")]:

@@ -215,7 +215,9 @@ def build_cluster_plan(raw, overrides=()):
                          max_num_seqs=vl.max_num_seqs)
     # k >= 1 trains on older weights' batches: the old-logprob stage must run (preflight's rule)
     ks: tuple[int, ...] = (0, 1) if cfg.algorithm.recompute_old_logprobs else (0,)
-    keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[-1] for o in overrides if "=" in o}
+    from flowrl.runtime.io.rundir import override_key
+
+    keys = {override_key(o): o.split("=", 1)[1] for o in overrides if "=" in o}
     asked = keys.get("placement.mode", keys.get("placement"))
     if asked not in ("colocated", "partitioned"):
         asked = None  # auto, or not given: the search

@@ -29,6 +29,7 @@ from flowrl.machine import check_machine, resolve_machine_defaults
 from flowrl.runtime.control import mps
 from flowrl.runtime.control.preflight import ConfigError, check_run, load_prompts
 from flowrl.runtime.control.spec import RunSpec
+from flowrl.runtime.io.rundir import override_key
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -356,8 +357,8 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
     def refused(i: int, why: str) -> str:
         job = jobs[i - 1]
         # a multirun of one job (nothing swept): its own overrides, Hydra's left out
-        which = " ".join(o for o in job if _key(o) in swept or
-                         (not swept and not _key(o).startswith("hydra.")))
+        which = " ".join(o for o in job if override_key(o) in swept or
+                         (not swept and not override_key(o).startswith("hydra.")))
         return f"sweep job {i} of {len(jobs)} ({which}): {why}; no job was run"
 
     for i, job in enumerate(jobs, 1):  # the fields of all: a typo says so in a second
@@ -391,12 +392,13 @@ def check_sweep(overrides: list[str]) -> Optional[str]:
                     spec = prepare(list(job), plan_only=True)
                 cfg = spec.config
                 _check_sweep_job(spec)
-                if output_dir_is_hydras(spec.raw) and sweep_dir is not None:
-                    # a re-used sweep folder: job i's directory may hold an older run (found
-                    # only at job i's turn, after the jobs before it had trained)
-                    rundir.check_fresh(sweep_dir / str(i - 1), cfg.trainer.resume,
-                                       cfg.trainer.overwrite, setting=rundir.SWEEP_DIR_SETTING)
-                if not output_dir_is_hydras(spec.raw):  # a trainer.output_dir of its own
+                if output_dir_is_hydras(spec.raw):
+                    if sweep_dir is not None:
+                        # a re-used sweep folder: job i's directory may hold an older run
+                        # (found only at job i's turn, after the jobs before it had trained)
+                        rundir.check_fresh(sweep_dir / str(i - 1), cfg.trainer.resume,
+                                           cfg.trainer.overwrite, setting=rundir.SWEEP_DIR_SETTING)
+                else:  # a trainer.output_dir of its own
                     out = os.path.abspath(cfg.trainer.output_dir)
                     if out in dirs:
                         raise ConfigError(
@@ -478,14 +480,9 @@ def _sweep_dir_problem(job: Sequence[str]) -> Optional[str]:
     return None
 
 
-def _key(override: str) -> str:
-    """The key of a command-line override (``+a.b=1`` / ``~a.b`` -> ``a.b``)."""
-    return override.split("=", 1)[0].lstrip("+~")
-
-
 def _override(overrides: Sequence[str], key: str) -> Optional[str]:
     """The value ``overrides`` give ``key`` (the last one), None when none does."""
-    return next((o.split("=", 1)[1] for o in reversed(overrides) if "=" in o and _key(o) == key),
+    return next((o.split("=", 1)[1] for o in reversed(overrides) if "=" in o and override_key(o) == key),
                 None)
 
 

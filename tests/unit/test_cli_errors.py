@@ -12,6 +12,16 @@ REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
+def refusal(argv: list[str], capsys) -> str:
+    """``flowrl train ARGV`` (in this process) refused: exit status 2; its stderr, stripped."""
+    from flowrl.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err.strip()
+
+
 @pytest.mark.parametrize("args,expected", [
     # each field named with its value (both were one message naming neither value)
     (["train", "trainer.save_every=-1"], "flowrl train: error: invalid config: trainer.save_every "
@@ -326,14 +336,10 @@ def test_an_output_dir_that_is_a_file_is_one_line(tmp_path, sub, field, capsys):
     """`trainer.output_dir` naming a file (or a folder under one) was a FileExistsError traceback
     after the checks; it is refused with the checks, nothing written, naming the setting the user
     gave (``hydra.run.dir`` was reported as trainer.output_dir, which they never set)."""
-    from flowrl.train import main
 
     f = tmp_path / "afile"
     f.write_text("mine")
-    with pytest.raises(SystemExit) as e:
-        main(["model=tiny", "trainer=smoke", f"{field}={f}{sub}"])
-    assert e.value.code == 2
-    assert capsys.readouterr().err.strip() == (
+    assert refusal(["model=tiny", "trainer=smoke", f"{field}={f}{sub}"], capsys) == (
         f"flowrl train: error: {field}={f}{sub}: {f} is a file, not a directory; "
         f"choose another {field}")
     assert f.read_text() == "mine" and list(tmp_path.iterdir()) == [f]
@@ -454,13 +460,9 @@ def test_an_empty_run_directory_is_refused_not_taken_for_the_working_directory(
     """``hydra.run.dir=$OUT`` with OUT unset trained into the working directory (and
     trainer.overwrite=true would have cleared it). Hydra's ``--run`` (its default mode) took
     Hydra's own path, past these checks."""
-    from flowrl.train import main
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as e:
-        main([*run_flag, "model=tiny", "trainer=smoke", f"{key}="])
-    assert e.value.code == 2
-    assert capsys.readouterr().err.strip() == (
+    assert refusal([*run_flag, "model=tiny", "trainer=smoke", f"{key}="], capsys) == (
         f"flowrl train: error: {key} is empty: the run would write into the working directory "
         f"({tmp_path}); give it a path")
     assert list(tmp_path.iterdir()) == []
@@ -470,7 +472,6 @@ def test_run_flag_with_a_path_and_an_unset_env_interpolation_are_one_line(tmp_pa
                                                                           capsys):
     """`flowrl train --run /path` read the path as an override without '='; an ${oc.env:X}
     of an unset variable was OmegaConf's 3-line report (fresh-user report)."""
-    from flowrl.train import main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("FLOWRL_TEST_UNSET", raising=False)
@@ -481,10 +482,7 @@ def test_run_flag_with_a_path_and_an_unset_env_interpolation_are_one_line(tmp_pa
         (["model=tiny", "trainer=smoke", "hydra.run.dir=${oc.env:FLOWRL_TEST_UNSET}"],
          "hydra.run.dir: KeyError raised while resolving interpolation: \"Environment variable "
          "'FLOWRL_TEST_UNSET' not found\"")]:
-        with pytest.raises(SystemExit) as e:
-            main(argv)
-        assert e.value.code == 2
-        assert capsys.readouterr().err.strip().splitlines() == [f"flowrl train: error: {said}"]
+        assert refusal(argv, capsys).splitlines() == [f"flowrl train: error: {said}"]
     assert list(tmp_path.iterdir()) == []
 
 
@@ -492,15 +490,11 @@ def test_run_flag_with_a_path_and_an_unset_env_interpolation_are_one_line(tmp_pa
 def test_a_run_directory_that_resolves_to_empty_is_refused(key, tmp_path, monkeypatch, capsys):
     """``hydra.run.dir='${oc.env:OUT,""}'`` with OUT unset trained into the working directory
     (the literal empty value was refused; the interpolation passed)."""
-    from flowrl.train import main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("FLOWRL_TEST_UNSET", raising=False)
     value = '${oc.env:FLOWRL_TEST_UNSET,""}'
-    with pytest.raises(SystemExit) as e:
-        main(["model=tiny", "trainer=smoke", f"{key}={value}"])
-    assert e.value.code == 2
-    assert capsys.readouterr().err.strip() == (
+    assert refusal(["model=tiny", "trainer=smoke", f"{key}={value}"], capsys) == (
         f"flowrl train: error: {key}={value} resolves to an empty path: the run would write "
         f"into the working directory ({tmp_path}); give it a path")
     assert list(tmp_path.iterdir()) == []
@@ -510,14 +504,10 @@ def test_hydra_job_chdir_is_refused_before_the_checks_pass_a_path_the_job_cannot
         tmp_path, monkeypatch, capsys):
     """A relative data.path passed the checks (read from the launch directory), then the job,
     moved into its run directory by hydra.job.chdir=true, crashed on it (fresh-user report)."""
-    from flowrl.train import main
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as e:
-        main(["model=tiny", "trainer=smoke", "hydra.job.chdir=true",
-              f"hydra.run.dir={tmp_path / 'run'}"])
-    assert e.value.code == 2
-    assert capsys.readouterr().err.strip() == (
+    assert refusal(["model=tiny", "trainer=smoke", "hydra.job.chdir=true",
+                    f"hydra.run.dir={tmp_path / 'run'}"], capsys) == (
         "flowrl train: error: hydra.job.chdir=true: flowrl runs a job in the directory it was "
         "started from (relative data.path, model.path and graph.path are read from there; the "
         "run's files go to hydra.run.dir); leave it false")

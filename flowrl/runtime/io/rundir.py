@@ -263,7 +263,7 @@ def _model_option(overrides: list[str]) -> str:
     return next(d["model"] for d in defaults if isinstance(d, dict) and "model" in d)
 
 
-def _key(override: str) -> str:
+def override_key(override: str) -> str:
     """The config key of a Hydra override (``+a.b=1``, ``~a.b``, ``group=option``)."""
     return override.split("=", 1)[0].lstrip("+~")
 
@@ -277,10 +277,10 @@ def repeat_overrides(original: list[str], current: Optional[list[str]] = None) -
     what to do with it (:data:`_RUN_DIR_KEYS`), with ``current``'s overrides of the fields a
     resume may change (:data:`_RESUME_MAY_CHANGE`: a raised ``trainer.total_steps``) in place of
     or after the original ones."""
-    keep = {_key(o): o for o in original if not _under(_key(o), _RUN_DIR_KEYS)}
+    keep = {override_key(o): o for o in original if not _under(override_key(o), _RUN_DIR_KEYS)}
     for o in current or []:
-        if _under(_key(o), _RESUME_MAY_CHANGE):
-            keep[_key(o)] = o
+        if _under(override_key(o), _RESUME_MAY_CHANGE):
+            keep[override_key(o)] = o
     return list(keep.values())
 
 
@@ -334,7 +334,7 @@ def run_record(cfg, roles: list[str], overrides: Optional[list[str]]) -> dict[st
         # a graph file given relative to where the run started: absolute, so the printed
         # resume command works from any directory
         record["overrides"] = [f"graph.path={Path(o.split('=', 1)[1]).resolve()}"
-                               if _key(o) == "graph.path" and _cwd_relative(o.split("=", 1)[1])
+                               if override_key(o) == "graph.path" and _cwd_relative(o.split("=", 1)[1])
                                else o for o in overrides]
     return record
 
@@ -467,7 +467,7 @@ def run_dir_field(overrides: "list[str] | tuple[str, ...]") -> str:
     """The setting a run's directory came from, for its messages: ``hydra.run.dir`` when the
     command line set it and not ``trainer.output_dir`` (which defaults to Hydra's run dir), else
     ``trainer.output_dir``."""
-    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    keys = {override_key(o) for o in overrides if "=" in o}
     return "hydra.run.dir" if "hydra.run.dir" in keys and "trainer.output_dir" not in keys \
         else "trainer.output_dir"
 
