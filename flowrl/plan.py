@@ -23,7 +23,7 @@ def plan_main(argv: list[str]) -> int:
     from flowrl.compiler.modes import format_placement
     from flowrl.compiler.render import FORMATS
     from flowrl.config import compose, task_section
-    from flowrl.runtime.control.preflight import role_parallelism, world_size
+    from flowrl.runtime.control.preflight import attach_estimate
     from flowrl.train import prepare
 
     if argv and argv[0] in ("-h", "--help"):
@@ -47,17 +47,7 @@ def plan_main(argv: list[str]) -> int:
     spec = prepare(raw, rest, plan_only=True)  # a teacher may be left unset
     cfg, plan, pp = spec.config, spec.plan, spec.placement
     if pp.estimate is None:  # auto attached its own; a missing model file only loses predictions
-        from flowrl.compiler.cost import StageCosts
-        from flowrl.compiler.modes import estimate
-
-        w = world_size(cfg)
-        try:
-            p_tokens = measured_prompt_tokens(cfg, pp.notes)
-            pp.estimate = estimate(pp, StageCosts.from_config(plan, cfg, w,
-                                                              parallelism=role_parallelism(cfg),
-                                                              prompt_tokens=p_tokens))
-        except (FileNotFoundError, OSError, ValueError) as e:
-            pp.notes.append(f"no predictions: {e}")
+        attach_estimate(cfg, plan, pp, measured_prompt_tokens(cfg, pp.notes))
     print(format_placement(pp, fmt))
     if fmt == "text":  # mermaid / dot stay valid diagrams
         print("machine defaults (auto settings resolved on this machine):")

@@ -97,6 +97,22 @@ def test_partitioned_run_writes_its_pools_plan(partitioned_run):
     train = next(x for x in plan.splitlines() if x.startswith("Pool train  ranks [0]  roles: "))
     assert "actor" in train.split("roles: ")[1].split(", ")
     assert "ExecutionPlan" not in plan and "colocated" not in plan
+    # the transfers carry the sizes `flowrl plan` computes for the same job (it printed "?" for
+    # each): both read P from the same 64 prompts
+    shown = subprocess.run([sys.executable, "-m", "flowrl.cli", "plan", *ARGS, "launcher.nproc=2",
+                            "placement=partitioned"], cwd=REPO, env=ENV, capture_output=True,
+                           text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+
+    def transfers(text: str) -> list[str]:
+        lines = text.splitlines()
+        i = next(i for i, x in enumerate(lines) if x.startswith("Transfers rollout -> train"))
+        return lines[i:lines.index("", i)]
+
+    assert len(transfers(plan)) > 2 and not any(x.endswith("?") for x in transfers(plan))
+    assert transfers(plan) == transfers(shown.stdout)
+    sync = next(x for x in plan.splitlines() if x.startswith("Weight sync: "))
+    assert sync.endswith(" per update") and "Predicted (cost model, device profile cpu): step " in plan
 
 
 @pytest.mark.slow

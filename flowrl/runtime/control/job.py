@@ -46,7 +46,7 @@ from flowrl.runtime.control import mps
 from flowrl.runtime.control.colocated import Colocated
 from flowrl.runtime.control.events import JobEvents
 from flowrl.runtime.control.health import RunHealth
-from flowrl.runtime.control.preflight import ConfigError, load_prompts
+from flowrl.runtime.control.preflight import ConfigError, attach_estimate, load_prompts
 
 if TYPE_CHECKING:
     from flowrl.compiler.placement import PlacementPlan
@@ -324,7 +324,13 @@ class _Job:
         tokenizer, prompts = load_prompts(cfg, place.dist.rank, place.dist.world_size)
         say(f"setup: data {len(prompts)} prompts in {time.perf_counter() - t0:.1f} s")
         if dinfo.rank == 0:
-            # what `flowrl plan` prints for this run: a partitioned run's pools and transfers
+            # what `flowrl plan` prints for this run: a partitioned run's pools and transfers,
+            # with the cost model's predictions for the prompts just rendered
+            p_tokens, rows = prompts.longest_probed()
+            if self.pp.estimate is None and p_tokens is not None:
+                self.pp.notes.append(f"workload: P = {p_tokens} prompt tokens, the longest of the "
+                                     f"first {rows} training prompts as the tokenizer renders them")
+            attach_estimate(cfg, self.full, self.pp, p_tokens)
             (out_dir / "plan.txt").write_text(format_placement(self.pp, "text") + "\n")
         t0 = time.perf_counter()
         built = build_engines(cfg, place.plan, tokenizer, world_size=place.engine_ranks,

@@ -250,6 +250,28 @@ def role_parallelism(cfg: "TrainConfig") -> dict[str, int]:
     return {"rollout": int(getattr(backend_cfg, "tensor_parallel_size", 1) or 1)}
 
 
+def attach_estimate(cfg: "TrainConfig", plan: "ExecutionPlan", pp: "PlacementPlan",
+                    prompt_tokens: Optional[int]) -> None:
+    """Give ``pp`` the cost model's predictions (``flowrl.compiler.modes.estimate``: step time,
+    memory per pool, transfer and weight-sync bytes) unless it has them (``placement=auto``
+    attaches its own). ``prompt_tokens``: P measured from the data, or None for the
+    ``data.max_prompt_tokens`` bound. A model whose size cannot be read (no file here) costs only
+    the predictions: a ``no predictions: ...`` line joins ``pp.notes``. What ``flowrl plan`` prints
+    and a run's ``plan.txt`` both come through here, so they agree (the run's showed ``?`` for
+    every transfer size ``flowrl plan`` computed)."""
+    if pp.estimate is not None:
+        return
+    from flowrl.compiler.cost import StageCosts
+    from flowrl.compiler.modes import estimate
+
+    try:
+        pp.estimate = estimate(pp, StageCosts.from_config(plan, cfg, pp.world_size,
+                                                          parallelism=role_parallelism(cfg),
+                                                          prompt_tokens=prompt_tokens))
+    except (FileNotFoundError, OSError, ValueError) as e:
+        pp.notes.append(f"no predictions: {e}")
+
+
 def prepare_placement(cfg: "TrainConfig", plan: "ExecutionPlan", world_size: int) -> "PlacementPlan":
     """The PlacementPlan of ``placement.mode`` on ``world_size`` ranks; loads no model
     (``auto``: the cost model reads model sizes from configs/GGUF metadata and picks one).
