@@ -86,3 +86,13 @@ def test_flowrl_plan_says_what_runs_beside_what(capsys):
     assert step == pytest.approx(max(rollout, train), rel=0.01)
     resident = re.search(r"every model resident \(no swaps\) ([\d.]+ MiB)", out).group(1)
     assert f"Predicted peak memory per device: pool all {resident}\n" in out
+
+
+def test_a_partitioned_staleness_needs_recomputed_old_logprobs():
+    """The same refusal for a partitioned run's queue, in the singular for one version (it said
+    "1 weight versions old")."""
+    with pytest.raises(ConfigError) as e:
+        prepare(compose(BASE + ["placement=partitioned", "launcher.nproc=2", "placement.staleness=1",
+                                "algorithm.recompute_old_logprobs=false"]))
+    assert str(e.value).startswith("placement.staleness=1 trains on batches up to 1 weight version "
+                                   "old: the trainer must recompute old logprobs (set ")

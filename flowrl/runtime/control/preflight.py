@@ -343,7 +343,8 @@ def check_partitioned_run(placement: "PlacementPlan", cfg: "TrainConfig") -> Non
     if placement.staleness >= 1 and not cfg.algorithm.recompute_old_logprobs:
         raise PlacementError(
             f"placement.staleness={placement.staleness} trains on batches up to "
-            f"{placement.staleness} weight versions old: the trainer must recompute old logprobs "
+            f"{placement.staleness} weight version{'s' * (placement.staleness != 1)} old: the "
+            "trainer must recompute old logprobs "
             "(set algorithm.recompute_old_logprobs=true, or placement.staleness=0)")
 
 
