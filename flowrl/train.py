@@ -216,6 +216,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             bad = check_sweep([a for a in args if "=" in a and not a.startswith("-")])
             if bad is not None:  # before job 1 trains: a later job's typo would cost its hours
                 sys.exit(_refused(bad))
+        elif any(a in ("--cfg", "-c", "--resolve") or a.startswith("--cfg=") for a in args):
+            # `--cfg job` is what a refused key's line tells a user to run: a typo in its own
+            # overrides gets the same one line, not Hydra's 6-15 (its search path, a variable)
+            bad = check_overrides([a for a in args if "=" in a and not a.startswith("-")])
+            if bad is not None:
+                sys.exit(_refused(bad))
         sys.argv = [sys.argv[0], *args]
         return _hydra_app()
     from hydra.errors import HydraException
@@ -313,6 +319,22 @@ def _write_early_warnings(spec: RunSpec) -> None:
         for h in files:
             if record.levelno >= h.level:
                 h.handle(record)
+
+
+def check_overrides(overrides: list[str]) -> Optional[str]:
+    """The one-line reason ``overrides`` do not compose with Hydra's section (an unknown config
+    group option, a key no config has, a value of the wrong type: ``config_errors.explain``), or
+    None when they do. Nothing is prepared: ``--cfg`` only prints the config."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from flowrl.config_errors import explain
+
+    try:
+        compose(overrides, with_hydra=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        return explain(e, overrides)
+    return None
 
 
 def check_sweep(overrides: list[str]) -> Optional[str]:

@@ -524,3 +524,26 @@ def test_a_sweep_subdir_shared_by_every_job_is_refused_up_front():
         "hydra.sweep.subdir=same: every job of the sweep would write into one directory; keep "
         "${hydra.job.num} in it (the default), one per job; no job was run")
     assert check_sweep([*base, "hydra.sweep.subdir=kl_${hydra.job.num}"]) is None
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--cfg", "job", "trainer=smok"], "flowrl train: error: trainer=smok: no such option (did you "
+     "mean trainer=smoke?); choose one of arith_gpu, default, gsm8k, gsm8k_gpu, long, smoke"),
+    (["--cfg=job", "trainer.total_stepz=3"], "flowrl train: error: unknown key trainer.total_stepz "
+     "(did you mean trainer.total_steps?): nothing reads it; `flowrl train --cfg job` prints every key"),
+    (["-c", "job", "--resolve", "trainer.total_steps=abc"], "flowrl train: error: "
+     "trainer.total_steps=abc: trainer.total_steps takes an integer, got 'abc' (e.g. "
+     "trainer.total_steps=10)"),
+])
+def test_cfg_job_refuses_a_typo_in_one_line(argv, expected, capsys):
+    """`flowrl train --cfg job` (what an unknown key's refusal points to) with a typo of its own:
+    the line `flowrl train` gives, not Hydra's report of its search path (6-15 lines)."""
+    assert refusal(argv, capsys) == expected
+
+
+def test_cfg_job_still_prints_the_config(capsys, monkeypatch):
+    from flowrl.train import main
+
+    monkeypatch.setattr(sys, "argv", ["flowrl"])  # Hydra's app reads the command line from it
+    main(["--cfg", "job", "trainer.total_steps=7"])
+    assert "  total_steps: 7\n" in capsys.readouterr().out
