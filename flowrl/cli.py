@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout = open(os.devnull, "w")  # the interpreter's final flush must not raise again
         return 0
     except (ValueError, FileNotFoundError, KeyError) as e:
-        print(f"flowrl {cmd}: error: {e}", file=sys.stderr)
+        why = str(e)  # an error of the command's own names it already ("export: ...")
+        print(f"flowrl {cmd}: error: {why.removeprefix(f'{cmd}: ')}", file=sys.stderr)
         return 2
     except Exception as e:  # Hydra/OmegaConf composition (misspelled key, bad override type)
         from hydra.errors import HydraException

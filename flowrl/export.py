@@ -102,6 +102,12 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
 
     meta_path = ckpt / "trainer_state.json"
     if not (meta_path.is_file() and (ckpt / ".metadata").is_file()):
+        # a run directory (or its checkpoints/ folder) given for one of its checkpoints
+        inner = sorted(d for d in (*ckpt.glob("checkpoints/step_*"), *ckpt.glob("step_*"))
+                       if (d / "trainer_state.json").is_file() and (d / ".metadata").is_file())
+        if inner:
+            raise FileNotFoundError(f"export: {ckpt} holds checkpoints but is not one: give one "
+                                    f"of them, e.g. {inner[-1]} (the newest of {len(inner)})")
         raise FileNotFoundError(f"export: {ckpt} is not a complete flowrl checkpoint "
                                 "(needs trainer_state.json and .metadata)")
     try:  # before anything loads or is written: a tampered index is refused here

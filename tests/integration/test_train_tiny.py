@@ -280,7 +280,7 @@ def test_resume_past_a_newest_checkpoint_whose_shard_is_damaged_in_place(tmp_pat
                           str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert exp.returncode == 2 and "Traceback" not in exp.stderr
     assert exp.stderr.strip().splitlines()[-1].startswith(
-        f"flowrl export: error: export: {shards[0]}: its bytes changed since the save (CRC-32 ")
+        f"flowrl export: error: {shards[0]}: its bytes changed since the save (CRC-32 ")
     assert not (tmp_path / "hf").exists()
     # a checkpoint without recorded checksums (written before flowrl recorded them): the damage
     # shows only when its tensors load; the job then resumes from the one before it

@@ -34,9 +34,29 @@ def test_export_of_a_missing_checkpoint_says_not_found_before_importing_torch(tm
                        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
                        capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["2", "False"]
-    assert r.stderr.strip() == (f"flowrl export: error: export: no checkpoint at "
+    assert r.stderr.strip() == (f"flowrl export: error: no checkpoint at "
                                 f"{tmp_path}/checkpoints/step_000003 (not found; "
                                 f"{tmp_path}/checkpoints has step_000002)")
+
+
+@pytest.mark.parametrize("given", ["run", "checkpoints"])
+def test_export_of_a_run_directory_names_its_newest_checkpoint(tmp_path, given):
+    """A run directory (or its checkpoints/ folder) given for a checkpoint: the newest complete
+    one is named (it said only that the run directory is not a complete checkpoint)."""
+    from flowrl.export import export_checkpoint
+
+    for step in (2, 10):
+        ckpt = tmp_path / "checkpoints" / f"step_{step:06d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text("{}")
+        (ckpt / ".metadata").write_bytes(b"")
+    (tmp_path / "checkpoints" / "step_000012").mkdir()  # an unfinished save: not offered
+    where = tmp_path if given == "run" else tmp_path / "checkpoints"
+    with pytest.raises(FileNotFoundError) as e:
+        export_checkpoint(where, tmp_path / "out")
+    assert str(e.value) == (f"export: {where} holds checkpoints but is not one: give one of them, "
+                            f"e.g. {tmp_path}/checkpoints/step_000010 (the newest of 2)")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("case", ["file", "full", "overwrite", "parent_file"])
@@ -69,7 +89,7 @@ def test_export_refuses_an_out_dir_it_would_clobber_before_importing_torch(tmp_p
         # --overwrite passes the check: the next one (an empty checkpoint folder) answers
         "overwrite": f"export: {ckpt} is not a complete flowrl checkpoint (needs "
                      "trainer_state.json and .metadata)"}[case]
-    assert r.stderr.strip() == f"flowrl export: error: {expected}"
+    assert r.stderr.strip() == f"flowrl export: error: {expected.removeprefix('export: ')}"
     if case == "file":
         assert out.read_text() == "notes"
     elif case == "parent_file":
