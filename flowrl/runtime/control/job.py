@@ -372,8 +372,13 @@ class _Job:
                 resume_from, (start, earlier, changed) = self.resume_previous(resume_from, e, prompts,
                                                                               say)
             say(f"setup: resumed from {resume_from} in {time.perf_counter() - t0:.1f} s")
-            if changed:  # allowed (a lower lr to go on with), but never silently
-                say(f"setup: settings changed since {resume_from.name}: {'; '.join(changed)}")
+            if changed:  # allowed (a lower lr to go on with), but never silently: on the
+                # console and, once (each pool's first rank logged it, a line per setting), in
+                # train.log
+                line = f"settings changed since {resume_from.name}: {'; '.join(changed)}"
+                say(f"setup: {line}")
+                if dinfo.rank == 0:
+                    log.info("resume: %s", line)
         elif cfg.trainer.resume:
             # on the console, not only in the log: auto-resume of a requeued job wants this, and a
             # mistyped trainer.output_dir would otherwise go unnoticed until the run ends
@@ -471,10 +476,7 @@ class _Job:
         if self.dinfo.rank == 0:  # once, not once per rank
             log.info("resumed from %s: continuing at step %d of %d", path, start,
                      self.cfg.trainer.total_steps)
-        changed = changed_settings(meta.get("settings"), self.cfg)
-        for c in changed:
-            log.info("resume: setting changed since %s: %s", path.name, c)
-        return start, earlier, changed
+        return start, earlier, changed_settings(meta.get("settings"), self.cfg)
 
     def resume_previous(self, path: Path, error: Exception, prompts: Any,
                         say: "_Say") -> tuple[Path, tuple[int, dict[str, Any], list[str]]]:

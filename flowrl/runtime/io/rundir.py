@@ -364,7 +364,23 @@ def changed_settings(saved: Any, cfg) -> list[str]:
         name, old = a[1:].split("=", 1)  # "" prefix: each name starts with "."
         if not _under(name, _RESUME_MAY_CHANGE + _RUN_DIR_KEYS):
             out.append(f"{name}: {old} -> {b.split('=', 1)[1]}")
-    return out
+    return _fold_placement_preset(out)
+
+
+def _fold_placement_preset(changed: list[str]) -> list[str]:
+    """A changed ``placement.mode`` brings its preset's ``placement.pools.*`` / ``placement.roles.*``
+    (unset, ``null``, under the other mode): one line for the mode says so, where a resume from
+    colocated to partitioned listed eight ``null -> ...`` lines of defaults nobody set. A pool or
+    role changed from one set value to another keeps its own line."""
+    if not any(c.startswith("placement.mode: ") for c in changed):
+        return changed
+    preset = [c for c in changed if c.startswith(("placement.pools.", "placement.roles."))
+              and (": null -> " in c or c.endswith(" -> null"))]
+    if not preset:
+        return changed
+    with_it = f" (with its preset's {', '.join(dict.fromkeys(c.split('.')[1] for c in preset))})"
+    return [c + with_it if c.startswith("placement.mode: ") else c
+            for c in changed if c not in preset]
 
 
 def _value(x: Any) -> str:
