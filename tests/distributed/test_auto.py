@@ -45,6 +45,13 @@ def test_switch_to_partitioned_keeps_global_batch_and_weights_in_sync(tmp_path):
                            "predicted step ")
     assert summary["placement_auto"]["measured_step_s"] == pytest.approx(steps[-1]["perf/step_s"])
     assert line in proc.stdout
+    # each phase says what it is; the profile's end does not read like the run's (its closing
+    # "checkpoint: ..." line came after step 2)
+    assert ("placement=auto: profiling steps 1-2 of 4 colocated; then the cost model chooses the "
+            "placement of steps 3-4 from what they measured\n") in proc.stdout
+    assert "placement=auto: steps 3-4 partitioned {'train': [0], 'rollout': [1]}\n" in proc.stdout
+    assert proc.stdout.count("checkpoint: ") == 1
+    assert f"checkpoint: {tmp_path}/checkpoints/step_000004" in proc.stdout
 
 
 def _cfg(prompts=3, backend="hf"):

@@ -22,7 +22,7 @@ import gc
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from flowrl.compiler.modes import mode_of
 from flowrl.compiler.placement import Mode
@@ -36,8 +36,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("flowrl")
 DECISION_FILE = "placement_auto.json"
 # runtime/control/job.run_placement: (cfg, plan, placement, dinfo, out_dir) -> summary
-RunPlacement = Callable[["TrainConfig", "ExecutionPlan", "PlacementPlan", "DistInfo", Path],
-                        dict[str, Any]]
+class RunPlacement(Protocol):
+    """``runtime/control/job.run_placement``: one phase of the job under one placement.
+    ``intro``: a console line before the phase's header; ``closing``: False leaves out the run's
+    closing ``checkpoint: ...`` line (the profile is not the run's end)."""
+
+    def __call__(self, cfg: "TrainConfig", plan: "ExecutionPlan", pp: "PlacementPlan",
+                 dinfo: "DistInfo", out_dir: Path, *, intro: Optional[str] = None,
+                 closing: bool = True) -> dict[str, Any]: ...
 
 
 def phase_config(cfg: "TrainConfig", *, mode: str, pools: dict[str, list[int]] | None = None,
@@ -123,7 +129,12 @@ def run_auto(cfg: "TrainConfig", plan: "ExecutionPlan", dinfo: "DistInfo", out_d
                 vllm["engine_procs"] = 1  # (null on CUDA: >= 1 already)
         profile = phase_config(cfg, mode=Mode.COLOCATED, trainer={"total_steps": min(P, T)},
                                eval_={"after": False}, vllm=vllm)
-        run(profile, plan, prepare_placement(profile, plan, dinfo.world_size), dinfo, out_dir)
+        # its own header and no closing line: it read like the run's end (fresh-user report)
+        then = "" if T <= P else (f"; then the cost model chooses the placement of steps "
+                                  f"{P + 1}-{T} from what they measured")
+        run(profile, plan, prepare_placement(profile, plan, dinfo.world_size), dinfo, out_dir,
+            intro=f"placement=auto: profiling steps 1-{min(P, T)} of {T} colocated{then}",
+            closing=T <= P)
         _free_memory()
         if T <= P:  # the whole job fit in the profile
             return json.loads((out_dir / "summary.json").read_text()) if dinfo.rank == 0 else {}
@@ -140,7 +151,9 @@ def run_auto(cfg: "TrainConfig", plan: "ExecutionPlan", dinfo: "DistInfo", out_d
         trainer={"resume": True, **({"prompts_per_step": decision["prompts_per_step"]}
                                     if partitioned else {})},
         eval_={"before": False})
-    summary = run(chosen, plan, prepare_placement(chosen, plan, dinfo.world_size), dinfo, out_dir)
+    where = f"partitioned {decision['pools']}" if partitioned else decision["mode"]
+    summary = run(chosen, plan, prepare_placement(chosen, plan, dinfo.world_size), dinfo, out_dir,
+                  intro=f"placement=auto: steps {decision['profile_steps'] + 1}-{T} {where}")
     _free_memory()
     if dinfo.rank == 0:
         after = read_step_metrics(out_dir, decision["profile_steps"] + 1, T)

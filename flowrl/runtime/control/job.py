@@ -254,8 +254,11 @@ def start_checkpoints(ckpts: "CheckpointManager", resume: bool):
 
 
 def run_placement(cfg: "TrainConfig", plan: "ExecutionPlan", pp: "PlacementPlan",
-                  dinfo: "DistInfo", out_dir: Path) -> dict[str, Any]:
+                  dinfo: "DistInfo", out_dir: Path, *, intro: Optional[str] = None,
+                  closing: bool = True) -> dict[str, Any]:
     """The job on this rank for one placement (see the module docstring); returns the summary.
+    ``placement=auto`` runs it per phase: ``intro``, a console line before the phase's header;
+    ``closing=False``, no closing ``checkpoint: ...`` line (the profile phase is not the end).
 
     Every engine is closed on the way out, error or not: vLLM engine processes must not outlive
     the run (torchrun would wait for them)."""
@@ -270,7 +273,9 @@ def run_placement(cfg: "TrainConfig", plan: "ExecutionPlan", pp: "PlacementPlan"
         return done
     engines = Engines()
     try:
-        return _Job(cfg, plan, pp, dinfo, out_dir, ckpts, engines).run(resume_from)
+        job = _Job(cfg, plan, pp, dinfo, out_dir, ckpts, engines)
+        job.intro, job.closing = intro, closing
+        return job.run(resume_from)
     finally:
         engines.close()  # vLLM's shutdown destroys process groups: before the job's teardown
 
@@ -286,6 +291,8 @@ class _Job:
         self.health: Optional[RunHealth] = None  # made at the first step (after a resume)
         self.save_steps: set[int] = set()
         self.logger: Any = None
+        self.intro: Optional[str] = None  # placement=auto's phase line before the header
+        self.closing = True  # the closing "checkpoint: ..." line (not after auto's profile)
 
     def run(self, resume_from: Optional[Path]) -> dict[str, Any]:
         import torch
@@ -316,6 +323,8 @@ class _Job:
         # ---- setup: this rank's engines, resources, executor; a console line for each phase
         # as it ends, from the first second (a file gets them as a terminal does)
         say = _Say(place.logs and cfg.logger.console)
+        if self.intro:
+            say(self.intro)
         say(place.header(cfg, out_dir))
         t0 = time.perf_counter()
         # what only the tokenizer can tell (every prompt over data.max_prompt_tokens, a chat
@@ -441,7 +450,7 @@ class _Job:
                     if after:
                         logger.log(T, after)
                         logger.print(f"eval after: {eval_line(after)}")
-            if self.ckpts.latest() is not None and not finished:
+            if self.ckpts.latest() is not None and not finished and self.closing:
                 logger.print(f"checkpoint: {self.ckpts.latest()}")
         summary["history"] = self.history
         summary.update(place.final_fields(summary))
