@@ -182,7 +182,8 @@ class StageCosts:
                ranks: int) -> "StageCosts":
         """Fit the model to measured steps (the executor's metrics, reduced over ranks) of a run on
         ``ranks`` colocated ranks; mean over the given steps (leave warm-up steps out).
-        ``response/length_max`` replaces R; ``time/<stage>`` sets the stage's scale (measured /
+        ``response/length_max`` replaces R, ``data/prompt_length_max`` (the padded prompt width)
+        P; ``time/<stage>`` sets the stage's scale (measured /
         modelled) or, for a stage modelled as free, its measured device-seconds;
         ``perf/swap_s`` replaces the modelled colocated swap time. Returns self."""
         steps = [step_metrics] if isinstance(step_metrics, Mapping) else list(step_metrics)
@@ -195,6 +196,8 @@ class StageCosts:
 
         if (r := mean("response/length_max")) is not None:
             self.workload = replace(self.workload, response_tokens=max(1, round(r)))
+        if (p := mean("data/prompt_length_max")) is not None:  # not the max_prompt_tokens bound
+            self.workload = replace(self.workload, prompt_tokens=max(1, round(p)))
         for stage in self.stages:
             t = mean(f"time/{stage}")
             if t is None:

@@ -77,6 +77,7 @@ def sample_images(ctx: StageContext, cfg: NoConfig) -> ImagePrompts:
     metrics: dict[str, float | Tensor] = {
         "data/prompts": num_prompts, "data/epoch": source.sampler.epoch,
         "data/skipped_prompts": source.num_skipped,
+        "data/prompt_length_max": batch.prompt_ids.shape[1],
         "data/image_patches_mean": batch.image_grid_thw.prod(-1).sum(-1).float().mean()}
     ctx.log(**metrics)
     return {"prompt_ids": batch.prompt_ids, "prompt_mask": batch.prompt_mask,

@@ -38,6 +38,9 @@ def test_switch_to_partitioned_keeps_global_batch_and_weights_in_sync(tmp_path):
     assert decision["mode"] == "partitioned" and decision["prompts_per_step"] == 4
     assert decision["notes"][0] == ("auto: refined from 1 measured colocated step(s) (steps 2-2 "
                                     "of the profile; step 1 is warm-up)")
+    # the refit's P is step 2's padded prompt width (it kept the data.max_prompt_tokens bound)
+    p = int(steps[1]["data/prompt_length_max"])
+    assert 0 < p < 256 and f"P={p}, R=" in " ".join(decision["notes"])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [h["step"] for h in summary["history"]] == [1, 2, 3, 4]
     line = summary["placement_auto"]["line"]

@@ -109,6 +109,9 @@ def test_refine_from_measured_metrics():
         pytest.approx(2 * 88 + 0.5 + 16 + 48 + 0.5)
     c.refine({"response/length_max": 7.0}, ranks=2)
     assert c.workload.response_tokens == 7
+    p_bound = c.workload.prompt_tokens
+    c.refine([{"data/prompt_length_max": 40.0}, {"data/prompt_length_max": 45.0}], ranks=2)
+    assert (p_bound, c.workload.prompt_tokens) == (2, 42)  # the measured width replaces P
 
 
 def test_ternary_search_matches_exhaustive():
