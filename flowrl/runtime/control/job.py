@@ -339,7 +339,10 @@ class _Job:
             if self.pp.estimate is None and p_tokens is not None:
                 self.pp.notes.append(f"workload: P = {p_tokens} prompt tokens, the longest of the "
                                      f"first {rows} training prompts as the tokenizer renders them")
-            attach_estimate(cfg, self.full, self.pp, p_tokens)
+            try:
+                attach_estimate(cfg, self.full, self.pp, p_tokens)
+            except Exception as e:  # noqa: BLE001 - the predictions inform, they never stop a run
+                self.pp.notes.append(f"no predictions: {type(e).__name__}: {e}")
             (out_dir / "plan.txt").write_text(format_placement(self.pp, "text") + "\n")
         t0 = time.perf_counter()
         built = build_engines(cfg, place.plan, tokenizer, world_size=place.engine_ranks,
