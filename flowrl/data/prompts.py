@@ -648,6 +648,20 @@ class PromptSource:
                 / prompt rendering (which prompts are skipped would differ), an older state
                 that had filtered out over-long prompts, or the sampler state does not match.
         """
+        self.check_state(state)
+        self.sampler.load_state_dict(state["sampler"])
+        self.step, self._group_offset = int(state["step"]), int(state["group_offset"])
+        self.num_skipped = int(state.get("num_skipped", 0))
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """What :meth:`load_state_dict` refuses, checked without loading it: the job asks before
+        any model loads, so a resume with other data settings is one line, not a traceback after
+        the model load (fresh-user report). The sampler's world size is not compared (a resume on
+        another world size restarts the sampler at the next epoch).
+
+        Raises:
+            ValueError: as :meth:`load_state_dict`.
+        """
         if "fingerprint" not in state:
             if state.get("num_skipped", 0):
                 raise ValueError(f"prompt source state from a run that filtered out "
@@ -659,9 +673,10 @@ class PromptSource:
                                  f"{state['max_prompt_tokens']}, this run "
                                  f"{self.cfg.max_prompt_tokens}: the skipped prompts would differ")
             if state["fingerprint"] != self._fingerprint():
-                raise ValueError("prompt source state was saved with other prompt token ids: "
-                                 "the tokenizer, chat template or data.instruction/system_prompt/"
-                                 "response_prefix changed")
-        self.sampler.load_state_dict(state["sampler"])
-        self.step, self._group_offset = int(state["step"]), int(state["group_offset"])
-        self.num_skipped = int(state.get("num_skipped", 0))
+                raise ValueError("its first prompts render to other token ids here: other "
+                                 "data, tokenizer, chat template or data.instruction/"
+                                 "system_prompt/response_prefix")
+        for key in ("seed", "shuffle", "num_items"):
+            if key in state["sampler"] and state["sampler"][key] != getattr(self.sampler, key):
+                raise ValueError(f"sampler state {key}={state['sampler'][key]!r} does not match "
+                                 f"this sampler's {key}={getattr(self.sampler, key)!r}")

@@ -322,3 +322,29 @@ def test_a_refused_resume_keeps_the_runs_hydra_record(tmp_path):
     assert again.returncode == 2, again.stderr[-2000:]
     assert again.stderr.strip().splitlines()[-1].startswith("flowrl train: error: ")
     assert {p.name: p.read_text() for p in (out / ".hydra").iterdir()} == hydra
+
+
+@pytest.mark.parametrize("change, named", [
+    ("data.arith.digits=3", "data.arith.digits: 2 -> 3"),
+    ("data.limit=32", "data.limit: 64 -> 32"),
+])
+def test_resume_with_other_data_is_refused_before_the_model_loads(tmp_path, change, named,
+                                                                   monkeypatch):
+    """A resume whose prompts differ from the checkpoint's (its place in the data cannot be
+    continued) is one line naming the data setting, before any model loads; it was a traceback
+    after the model load (fresh-user report)."""
+    from flowrl.runtime.control.preflight import ConfigError
+
+    off = ("trainer.eval.before=false", "trainer.eval.after=false")
+    run(tmp_path, "trainer.total_steps=1", *off)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    monkeypatch.setattr("flowrl.runtime.step.resources.build_engines",
+                        lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(ConfigError) as e:
+        run(tmp_path, "trainer.total_steps=2", "trainer.resume=true", change, *off)
+    assert str(e.value).startswith(f"trainer.resume: step_000001 drew its prompts from other data "
+                                   f"than this run's ({named}): its place in the data cannot be "
+                                   "continued (")
+    assert str(e.value).endswith("resume with the checkpoint's data settings, or start a new run "
+                                 "(another trainer.output_dir)")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before

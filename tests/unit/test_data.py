@@ -258,7 +258,7 @@ def test_prompt_source_resume_with_skips_and_checks(tok):
     assert resumed.num_skipped == ref.num_skipped
     with pytest.raises(ValueError, match="data.max_prompt_tokens=120, this run 121"):
         PromptSource(DataConfig(limit=20, seed=2, max_prompt_tokens=121), tok).load_state_dict(state)
-    with pytest.raises(ValueError, match="other prompt token ids"):
+    with pytest.raises(ValueError, match="first prompts render to other token ids here"):
         PromptSource(DataConfig(limit=20, seed=2, max_prompt_tokens=120, system_prompt="Hi."),
                      tok).load_state_dict(state)
     old = {k: state[k] for k in ("sampler", "step", "group_offset")}  # a pre-lazy state

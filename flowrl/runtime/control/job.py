@@ -332,6 +332,8 @@ class _Job:
         # loaded, and the run directory left as it was found (plan.txt comes after)
         tokenizer, prompts = load_prompts(cfg, place.dist.rank, place.dist.world_size)
         say(f"setup: data {len(prompts)} prompts in {time.perf_counter() - t0:.1f} s")
+        if cfg.trainer.resume and resume_from is not None and place.samples:
+            check_resumed_prompts(resume_from, prompts, cfg)  # before any model loads
         if dinfo.rank == 0:
             # what `flowrl plan` prints for this run: a partitioned run's pools and transfers,
             # with the cost model's predictions for the prompts just rendered
@@ -605,6 +607,31 @@ def saved_op_state(meta: dict[str, Any]) -> dict[str, Any]:
     return states
 
 
+def check_resumed_prompts(checkpoint: Path, prompts: Any, cfg: "TrainConfig") -> None:
+    """The checkpoint's place in the data (its prompt source state) must fit this run's prompts:
+    checked after the tokenizer rendered them and before any model loads.
+
+    Raises:
+        ConfigError: naming the ``data.*`` settings changed since the checkpoint (its settings
+            record) and why the place cannot be continued; nothing loaded or written. (It was a
+            traceback after the model load, and the resume command it printed failed the same.)
+    """
+    from flowrl.runtime.io.rundir import changed_settings
+
+    meta = json.loads((checkpoint / "trainer_state.json").read_text())
+    if "prompts" not in meta:
+        return
+    try:
+        prompts.check_state(meta["prompts"])
+    except ValueError as e:
+        data = [c for c in changed_settings(meta.get("settings"), cfg) if c.startswith("data.")]
+        what = f" ({'; '.join(data)})" if data else ""
+        raise ConfigError(
+            f"trainer.resume: {checkpoint.name} drew its prompts from other data than this "
+            f"run's{what}: its place in the data cannot be continued ({e}); resume with the "
+            "checkpoint's data settings, or start a new run (another trainer.output_dir)") from e
+
+
 def rescale_prompt_state(state: dict[str, Any], world_size: int) -> dict[str, Any]:
     """A prompt-source state saved at another world size: the shards differ, so the sampler
     restarts at the next epoch (every prompt seen again, in a new order); step and group-id
@@ -620,6 +647,6 @@ def rescale_prompt_state(state: dict[str, Any], world_size: int) -> dict[str, An
 
 
 __all__ = ["Colocated", "JobEvents", "OP_STATE_KEY", "RankPlacement",
-           "finished_run", "merge_op_states", "rank_placement",
+           "check_resumed_prompts", "finished_run", "merge_op_states", "rank_placement",
            "rescale_prompt_state", "run_job", "run_placement", "saved_op_state",
            "start_checkpoints"]
