@@ -57,6 +57,24 @@ def test_switch_to_partitioned_keeps_global_batch_and_weights_in_sync(tmp_path):
     assert f"checkpoint: {tmp_path}/checkpoints/step_000004" in proc.stdout
 
 
+@pytest.mark.slow  # default tier time (CI runs the slow tier too: .ci/run)
+def test_a_job_no_longer_than_the_profile_keeps_its_final_eval(tmp_path):
+    """total_steps <= profile_steps: the profile is the job, so its final eval runs and the
+    console says there was nothing to choose (the eval was skipped without a word)."""
+    args = [a for a in ARGS if not a.startswith("trainer.eval.after=")]
+    proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2",
+                           str(REPO / "tests" / "distributed" / "auto_worker.py"), *args,
+                           "trainer.total_steps=2", "trainer.eval.limit=4",
+                           f"trainer.output_dir={tmp_path}"], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert ("placement=auto: the job's 2 steps fit in the profile (placement.auto.profile_steps=2): "
+            "colocated throughout, nothing to choose\n") in proc.stdout
+    assert len((tmp_path / "eval_after.jsonl").read_text().splitlines()) == 4
+    assert "eval_after" in json.loads((tmp_path / "summary.json").read_text())
+    assert not (tmp_path / auto.DECISION_FILE).exists()
+
+
 def _cfg(prompts=3, backend="hf"):
     return SimpleNamespace(trainer=SimpleNamespace(prompts_per_step=prompts),
                            rollout=SimpleNamespace(backend=backend))

@@ -127,14 +127,16 @@ def run_auto(cfg: "TrainConfig", plan: "ExecutionPlan", dinfo: "DistInfo", out_d
             procs = cfg.rollout.vllm.engine_procs
             if procs == 0 or (procs is None and run_device(cfg).type != "cuda"):
                 vllm["engine_procs"] = 1  # (null on CUDA: >= 1 already)
+        # a job no longer than the profile is the profile: its final eval is the job's
         profile = phase_config(cfg, mode=Mode.COLOCATED, trainer={"total_steps": min(P, T)},
-                               eval_={"after": False}, vllm=vllm)
+                               eval_={"after": cfg.trainer.eval.after and T <= P}, vllm=vllm)
         # its own header and no closing line: it read like the run's end (fresh-user report)
-        then = "" if T <= P else (f"; then the cost model chooses the placement of steps "
-                                  f"{P + 1}-{T} from what they measured")
+        intro = (f"placement=auto: profiling steps 1-{P} of {T} colocated; then the cost model "
+                 f"chooses the placement of steps {P + 1}-{T} from what they measured") if T > P \
+            else (f"placement=auto: the job's {T} steps fit in the profile "
+                  f"(placement.auto.profile_steps={P}): colocated throughout, nothing to choose")
         run(profile, plan, prepare_placement(profile, plan, dinfo.world_size), dinfo, out_dir,
-            intro=f"placement=auto: profiling steps 1-{min(P, T)} of {T} colocated{then}",
-            closing=T <= P)
+            intro=intro, closing=T <= P)
         _free_memory()
         if T <= P:  # the whole job fit in the profile
             return json.loads((out_dir / "summary.json").read_text()) if dinfo.rank == 0 else {}
