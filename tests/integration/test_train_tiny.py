@@ -348,3 +348,15 @@ def test_resume_with_other_data_is_refused_before_the_model_loads(tmp_path, chan
     assert str(e.value).endswith("resume with the checkpoint's data settings, or start a new run "
                                  "(another trainer.output_dir)")
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_a_resumed_interrupted_run_keeps_its_eval_before_in_the_summary(tmp_path):
+    """An interrupted run wrote no summary.json; its resume's summary takes eval_before from the
+    step-0 row of metrics.jsonl (it had none; fresh-user report)."""
+    run(tmp_path, "trainer.total_steps=1", "trainer.eval.limit=2", "trainer.eval.after=false")
+    first = json.loads((tmp_path / "summary.json").read_text())["eval_before"]
+    (tmp_path / "summary.json").unlink()  # what an interrupted run leaves
+    run(tmp_path, "trainer.total_steps=2", "trainer.resume=true", "trainer.eval.after=false")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["eval_before"] == first and first["eval/n"] == 2.0
+    assert [h["step"] for h in summary["history"]] == [1, 2]

@@ -487,6 +487,12 @@ class _Job:
         earlier: dict[str, Any] = {}
         if (self.out_dir / "summary.json").is_file():  # keep the record of the earlier part
             earlier = json.loads((self.out_dir / "summary.json").read_text())
+        if "eval_before" not in earlier:  # an interrupted part wrote no summary: its step-0 row
+            from flowrl.runtime.io.metrics import read_metrics
+
+            row = read_metrics(self.out_dir).get(0)
+            if row:
+                earlier["eval_before"] = {k: v for k, v in row.items() if k.startswith("eval/")}
         if self.dinfo.rank == 0:  # once, not once per rank
             log.info("resumed from %s: continuing at step %d of %d", path, start,
                      self.cfg.trainer.total_steps)
