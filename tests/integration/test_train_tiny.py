@@ -360,3 +360,26 @@ def test_a_resumed_interrupted_run_keeps_its_eval_before_in_the_summary(tmp_path
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["eval_before"] == first and first["eval/n"] == 2.0
     assert [h["step"] for h in summary["history"]] == [1, 2]
+
+
+def test_resume_lines_are_said_once_and_kept_in_train_log(tmp_path):
+    """The start-up console lines also go to train.log (a log.info twin doubled them on the
+    console; fresh-user report): run as a user does, `flowrl train`."""
+    common = [*BASE, f"hydra.run.dir={tmp_path}", "trainer.eval.before=false",
+              "trainer.eval.after=false"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    flowrl = [sys.executable, "-m", "flowrl.cli", "train", *common]
+    subprocess.run([*flowrl, "trainer.total_steps=1"], env=env, check=True, capture_output=True,
+                   timeout=300)
+    r = subprocess.run([*flowrl, "trainer.total_steps=2", "trainer.resume=true",
+                        "trainer.engine.lr=5e-05"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = (r.stdout + r.stderr).splitlines()
+    line = (f"setup: resumed from {tmp_path}/checkpoints/step_000001 in ")
+    assert len([x for x in said if line in x]) == 1
+    assert len([x for x in said if "settings changed since step_000001" in x]) == 1
+    log = (tmp_path / "train.log").read_text()
+    assert log.count(line) == 1 and ": continuing at step 2 of 2\n" in log
+    assert log.count("setup: settings changed since step_000001: trainer.engine.lr: 0.0001 -> "
+                     "5e-05\n") == 1

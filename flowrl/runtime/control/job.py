@@ -322,7 +322,7 @@ class _Job:
 
         # ---- setup: this rank's engines, resources, executor; a console line for each phase
         # as it ends, from the first second (a file gets them as a terminal does)
-        say = _Say(place.logs and cfg.logger.console)
+        say = _Say(place.logs and cfg.logger.console, log_files=place.logs)
         if self.intro:
             say(self.intro)
         say(place.header(cfg, out_dir))
@@ -385,20 +385,15 @@ class _Job:
             except CorruptCheckpointError as e:  # its files' content: try the one before it
                 resume_from, (start, earlier, changed) = self.resume_previous(resume_from, e, prompts,
                                                                               say)
-            say(f"setup: resumed from {resume_from} in {time.perf_counter() - t0:.1f} s")
-            if changed:  # allowed (a lower lr to go on with), but never silently: on the
-                # console and, once (each pool's first rank logged it, a line per setting), in
-                # train.log
-                line = f"settings changed since {resume_from.name}: {'; '.join(changed)}"
-                say(f"setup: {line}")
-                if dinfo.rank == 0:
-                    log.info("resume: %s", line)
+            say(f"setup: resumed from {resume_from} in {time.perf_counter() - t0:.1f} s: "
+                f"continuing at step {start} of {T}")
+            if changed:  # allowed (a lower lr to go on with), but never silently
+                say(f"setup: settings changed since {resume_from.name}: {'; '.join(changed)}")
         elif cfg.trainer.resume:
             # on the console, not only in the log: auto-resume of a requeued job wants this, and a
             # mistyped trainer.output_dir would otherwise go unnoticed until the run ends
-            msg = f"trainer.resume=true but no checkpoint in {self.ckpts.root}: starting at step 1"
-            log.info(msg)
-            say(f"setup: {msg}")
+            say(f"setup: trainer.resume=true but no checkpoint in {self.ckpts.root}: starting "
+                "at step 1")
         self.save_steps = {s for s in range(start, T + 1)
                            if s == T or (cfg.trainer.save_every and s % cfg.trainer.save_every == 0)}
         summary: dict[str, Any] = place.summary_fields(earlier, start)
@@ -493,9 +488,6 @@ class _Job:
             row = read_metrics(self.out_dir).get(0)
             if row:
                 earlier["eval_before"] = {k: v for k, v in row.items() if k.startswith("eval/")}
-        if self.dinfo.rank == 0:  # once, not once per rank
-            log.info("resumed from %s: continuing at step %d of %d", path, start,
-                     self.cfg.trainer.total_steps)
         return start, earlier, changed_settings(meta.get("settings"), self.cfg)
 
     def resume_previous(self, path: Path, error: Exception, prompts: Any,
@@ -579,17 +571,28 @@ class _Job:
 
 
 class _Say:
-    """Console lines before the metrics logger exists (the start-up phases), flushed at once."""
+    """Console lines before the metrics logger exists (the start-up phases), flushed at once;
+    each also goes to the run's log files (``train.log``: Hydra's file handler) as plain text,
+    so a line needs no ``log.info`` twin (the twin doubled it on the console)."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, log_files: bool = True):
         from rich.console import Console
 
         self.console = Console(soft_wrap=True) if enabled else None
+        self.log_files = log_files
 
     def __call__(self, msg: str) -> None:
         if self.console is not None:
             self.console.print(msg)
             self.console.file.flush()
+        if self.log_files:
+            from rich.text import Text
+
+            record = log.makeRecord(log.name, logging.INFO, __file__, 0,
+                                    Text.from_markup(msg).plain, (), None)
+            for h in logging.getLogger().handlers:  # the file ones only: the console has it
+                if isinstance(h, logging.FileHandler) and record.levelno >= h.level:
+                    h.handle(record)
 
 
 def merge_op_states(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
