@@ -330,3 +330,22 @@ def test_an_actor_with_lr_zero_is_said_never_to_change(tmp_path, caplog, lr, war
     assert said == ([
         "trainer.engine.lr=0: the policy's weights never change (every update computes its "
         "gradients and applies nothing); set trainer.engine.lr > 0 to train"] if warned else [])
+
+
+@pytest.mark.parametrize("extra, said", [
+    (["rollout.sampling.temperature=0"], [
+        "rollout.sampling.temperature=0 decodes greedily: the 4 responses of a prompt are the "
+        "same, so stage 'advantage' (grpo) gives every sample advantage 0 and the policy does not "
+        "learn; sample with a temperature > 0 (e.g. 1.0)"]),
+    (["rollout.sampling.temperature=0.01"], []),
+    (["rollout.sampling.temperature=0", "graph=ppo"], []),  # GAE needs no group
+])
+def test_greedy_sampling_under_a_group_baseline_is_said_to_learn_nothing(tmp_path, caplog, extra,
+                                                                          said):
+    import logging
+
+    from flowrl.train import prepare
+
+    with caplog.at_level(logging.WARNING, logger="flowrl"):
+        prepare([*SMOKE, *extra, f"hydra.run.dir={tmp_path / 'r'}"])
+    assert [r.getMessage() for r in caplog.records if "greedily" in r.getMessage()] == said

@@ -375,14 +375,21 @@ def check_teacher_role(cfg: "TrainConfig", plan: "ExecutionPlan", plan_only: boo
 
 def _check_estimators(plan: "ExecutionPlan", cfg: "TrainConfig") -> None:
     """Group-baseline estimators with n = 1 would train on all-zero advantages (case C01)."""
-    from flowrl.algorithms.variants import validate_estimator
+    from flowrl.algorithms.variants import ESTIMATORS, validate_estimator
 
     for c in plan.stages:
         if c.stage.op.startswith("advantage."):
+            name = c.stage.op.split(".", 1)[1]
             try:
-                validate_estimator(c.stage.op.split(".", 1)[1], cfg.algorithm.n)
+                validate_estimator(name, cfg.algorithm.n)
             except ValueError as e:
                 raise ValueError(f"stage '{c.stage.name}': {e}") from e
+            if ESTIMATORS[name].needs_groups and cfg.rollout.sampling.temperature == 0:
+                # allowed (a deterministic smoke run), but it cannot learn: said, not refused
+                log.warning(f"rollout.sampling.temperature=0 decodes greedily: the "
+                            f"{cfg.algorithm.n} responses of a prompt are the same, so stage "
+                            f"'{c.stage.name}' ({name}) gives every sample advantage 0 and the "
+                            "policy does not learn; sample with a temperature > 0 (e.g. 1.0)")
 
 
 def check_run_inputs(cfg, plan) -> None:
