@@ -69,6 +69,13 @@ class LoraConfig:
     init_seed: int = 0
 
     def __post_init__(self) -> None:
+        for name, kind in (("rank", int), ("alpha", float), ("dropout", float), ("init_seed", int)):
+            value = getattr(self, name)  # a YAML/CLI value of the wrong type: named, not a '<' error
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    (kind is int and not float(value).is_integer()):
+                raise ValueError(f"model.lora.{name} takes {'an integer' if kind is int else 'a number'}"
+                                 f", got {value!r}")
+            setattr(self, name, kind(value))
         if self.rank < 1:
             raise ValueError(f"model.lora.rank must be >= 1, got {self.rank}")
         if self.alpha <= 0:
@@ -105,10 +112,17 @@ def as_lora_config(value: Any) -> Optional[LoraConfig]:
     if isinstance(value, DictConfig):
         value = OmegaConf.to_container(value, resolve=True)
     if isinstance(value, dict):
-        try:
-            return LoraConfig(**value)
-        except TypeError as e:
-            raise ValueError(f"model.lora: {e}") from e
+        import dataclasses
+        import difflib
+
+        fields = [f.name for f in dataclasses.fields(LoraConfig)]
+        for key in value:
+            if key not in fields:  # a typo: the field it meant (was TypeError's own words)
+                close = difflib.get_close_matches(str(key), fields, n=1)
+                raise ValueError(f"model.lora.{key}: LoRA has no such field"
+                                 + (f" (did you mean model.lora.{close[0]}?)" if close else "")
+                                 + f"; its fields: {', '.join(fields)}")
+        return LoraConfig(**value)
     raise ValueError(f"model.lora must be null or a section (rank, alpha, dropout, "
                      f"target_modules, modules_to_save), got {value!r}")
 

@@ -547,3 +547,17 @@ def test_cfg_job_still_prints_the_config(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["flowrl"])  # Hydra's app reads the command line from it
     main(["--cfg", "job", "trainer.total_steps=7"])
     assert "  total_steps: 7\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("+model.lora.rnk=4", "model.lora.rnk: LoRA has no such field (did you mean model.lora.rank?); "
+     "its fields: rank, alpha, dropout, target_modules, modules_to_save, init_seed"),
+    ("+model.lora.rank=x", "model.lora.rank takes an integer, got 'x'"),
+    ("+model.lora.rank=2.5", "model.lora.rank takes an integer, got 2.5"),
+    ("+model.lora.alpha=true", "model.lora.alpha takes a number, got True"),
+])
+def test_a_lora_typo_or_wrong_type_is_named(override, expected, capsys):
+    """Was Python's own words: 'LoraConfig.__init__() got an unexpected keyword argument', or
+    "'<' not supported between instances of 'str' and 'int'" (fresh-user report)."""
+    assert refusal(["model=tiny", "trainer=smoke", override], capsys) == (
+        f"flowrl train: error: invalid config: {expected}")
