@@ -34,7 +34,7 @@ def _prepare(*overrides: str):
     ("model.lora={rank: 0}", "model.lora.rank must be >= 1, got 0"),
     ("model.lora={target_modules: [q_prj]}", "model.lora.target_modules: the model has no module 'q_prj'"),
     ("model.lora={modules_to_save: [head]}", "model.lora.modules_to_save: the model has no module 'head'"),
-    ("model.lora={rnk: 4}", "model.lora: .*unexpected keyword argument 'rnk'"),
+    ("model.lora={rnk: 4}", r"model.lora.rnk: LoRA has no such field \(did you mean model.lora.rank\?\)"),
 ])
 def test_bad_lora_config_is_rejected_naming_the_field(override, match, monkeypatch):
     import flowrl.models.loading as loading
