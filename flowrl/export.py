@@ -133,6 +133,18 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, model_cfg=Non
         except OmegaConfBaseException as e:
             raise ValueError(f"export: model override {' '.join(f'model.{o}' for o in model_overrides)}"
                              f" does not fit the recorded model: {str(e).splitlines()[0]}") from e
+    elif isinstance(meta.get("model"), dict):  # model=<name> given: it must be the trained one
+        import dataclasses
+
+        given = dataclasses.asdict(model_cfg)
+        diffs = [f"model.{f}" for f in ("path", "gguf_file", "tiny")
+                 if f in meta["model"] and meta["model"][f] != given[f]]
+        if diffs:  # its tensors would not fit (a size mismatch deep in the load said so)
+            trained = [o for o in meta.get("overrides") or [] if str(o).startswith("model=")]
+            who = trained[0] if trained else "another model"
+            raise ValueError(f"export: {ckpt} was trained with {who}, not the model given here "
+                             f"({', '.join(diffs)} differ{'s' * (len(diffs) == 1)}): export "
+                             "without model= (the recorded model is used)")
     recorded_lora = isinstance(meta.get("model"), dict) and meta["model"].get("lora") is not None
     if recorded_lora and model_cfg.lora is None:  # its tensors are the base's and the adapters'
         raise ValueError(f"export: {ckpt} was trained with LoRA (its model.lora is recorded): "

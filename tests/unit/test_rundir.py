@@ -368,6 +368,20 @@ def test_export_model_field_overrides_change_the_recorded_model(two_steps, tmp_p
     assert not (tmp_path / "typo").exists() and not (tmp_path / "drop").exists()
 
 
+def test_export_with_another_model_names_the_trained_one(two_steps, tmp_path):
+    """`flowrl export CKPT OUT model=<another>`: refused naming the model the checkpoint was
+    trained with, before any model loads (a size mismatch deep in the tensor load said it)."""
+    from flowrl.export import export_main
+
+    ckpt = two_steps / "checkpoints" / "step_000002"
+    with pytest.raises(ValueError) as e:
+        export_main([str(ckpt), str(tmp_path / "other"), "model=tiny", "model.tiny.hidden_size=32"])
+    assert str(e.value) == (f"export: {ckpt} was trained with model=tiny, not the model given here "
+                            "(model.tiny differs): export without model= (the recorded model is "
+                            "used)")
+    assert not (tmp_path / "other").exists()
+
+
 def test_export_to_a_log_file_is_one_line_without_progress_bars(two_steps, tmp_path, capsys):
     """stderr not a terminal (a log file; here pytest's capture): transformers' "Writing model
     shards" bar used to redraw itself into it; now one summary line on stdout and nothing else."""
