@@ -176,6 +176,11 @@ def test_overwrite_starts_a_fresh_train_log(tmp_path):
         assert rc in (0, None), lines
     log = (d / "train.log").read_text()
     assert log.count("step 1 done") == 1, log
+    # and says what it deleted (silent before; fresh-user report)
+    said = [ln for ln in log.splitlines() if "trainer.overwrite=true: deleted" in ln]
+    assert len(said) == 1 and said[0].endswith(
+        f"trainer.overwrite=true: deleted the previous run in {d} (checkpoints, metrics.jsonl, "
+        "summary.json, plan.txt; its newest checkpoint was step_000001)"), said
 
 
 def test_a_warning_of_the_checks_is_in_train_log_too(tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
+import logging
 import os
 import shutil
 import socket
@@ -173,7 +174,13 @@ def claim_run_dir(out_dir: Path, trainer_cfg, *, rank0: bool = True):
     if rank0:
         try:
             lock = RunDirLock(out_dir).acquire()
-            for name in check_fresh(out_dir, trainer_cfg.resume, trainer_cfg.overwrite):
+            replaced = check_fresh(out_dir, trainer_cfg.resume, trainer_cfg.overwrite)
+            if replaced:  # said: hours of training may go with it (it was silent)
+                ckpts = sorted(c.name for c in (Path(out_dir) / "checkpoints").glob("step_*"))
+                logging.getLogger("flowrl").warning(
+                    "trainer.overwrite=true: deleted the previous run in %s (%s%s)", out_dir,
+                    ", ".join(replaced), f"; its newest checkpoint was {ckpts[-1]}" if ckpts else "")
+            for name in replaced:
                 p = Path(out_dir) / name
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
         except RunDirError as e:
