@@ -151,7 +151,8 @@ def resolve(graph: Graph, run_cfg: Mapping | DictConfig | None) -> Graph:
                 resolved[fld] = _resolved_value(node)
             except Exception as e:  # omegaconf raises several types; all mean "cannot resolve"
                 msg = f"cannot resolve {val!r}: {e}".split("\n")[0].replace("__root__.", "")
-                problems.append((s.name, fld, msg))
+                near = _near_key(root, str(e))
+                problems.append((s.name, fld, msg + (f" (did you mean ${{{near}}}?)" if near else "")))
                 resolved[fld] = val
         out.stages.append(Stage(name=s.name, op=s.op, role=s.role, inputs=dict(s.inputs),
                                 params=resolved["params"] or {}, when=resolved["when"],
@@ -159,6 +160,23 @@ def resolve(graph: Graph, run_cfg: Mapping | DictConfig | None) -> Graph:
     if problems:
         raise GraphError(problems)
     return out
+
+
+def _near_key(root: DictConfig, error: str) -> Optional[str]:
+    """For "Interpolation key 'a.b_typo' not found": the run config's key closest to it under
+    the same parent (``a.b``), or None."""
+    import difflib
+    import re
+
+    m = re.search(r"Interpolation key '([^']+)' not found", error)
+    if m is None:
+        return None
+    parent, _, leaf = m.group(1).replace("__root__.", "").rpartition(".")
+    node = OmegaConf.select(root, parent) if parent else root
+    if not isinstance(node, DictConfig):
+        return None
+    close = difflib.get_close_matches(leaf, [str(k) for k in node.keys()], n=1)
+    return f"{parent}.{close[0]}".lstrip(".") if close else None
 
 
 def _resolved_value(node: DictConfig) -> Any:

@@ -127,3 +127,16 @@ def test_plan_text_columns_fit_a_long_stage_name():
     last = rows[0].index("last consumer")
     assert rows[3].index(long) == last
     assert {r.index(" update ") + 1 for r in rows if r.split()[2:3] == ["update"]} == {last}
+
+
+@pytest.mark.parametrize("when, near", [("${algorithm.kl_cof}", " (did you mean ${algorithm.kl_coef}?)"),
+                                        ("${algorithm.zzz}", ""), ("${nosuch.kl_coef}", "")])
+def test_an_unresolvable_when_suggests_the_nearest_key(when, near):
+    """A typo in a stage's ${...} names the run config's key it likely meant (fresh-user report)."""
+    g = Graph.load(GRPO)
+    g["ref_logprobs"].when = when
+    with pytest.raises(GraphError) as e:
+        compile_plan(g, {"algorithm": {"kl_coef": 0.1, "recompute_old_logprobs": True}})
+    key = when[2:-1]
+    assert str(e.value).endswith(f"stage 'ref_logprobs', field 'when': cannot resolve {when!r}: "
+                                 f"Interpolation key '{key}' not found{near}")
