@@ -23,7 +23,7 @@ def plan_main(argv: list[str]) -> int:
     from flowrl.compiler.modes import format_placement
     from flowrl.compiler.render import FORMATS
     from flowrl.config import compose, task_section
-    from flowrl.runtime.control.preflight import attach_estimate
+    from flowrl.runtime.control.preflight import attach_estimate, measured_prompt_tokens
     from flowrl.train import prepare
 
     if argv and argv[0] in ("-h", "--help"):
@@ -133,35 +133,6 @@ def vllm_start_up(cfg, pp) -> list[str]:
     _, _, why = v.sized_for(job, size.n_params * size.dtype_bytes, device_memory,
                             own_process=concurrent or pp.overlapped, kv=kv)
     return [f"rollout.vllm, sized at start-up for {where}:", *(f"  {line}" for line in why)]
-
-
-def measured_prompt_tokens(cfg, notes: list[str]) -> "int | None":
-    """P for the cost model: the longest of the first 256 training prompts rendered by the
-    policy's tokenizer (``flowrl.data.prompts.longest_prompt_tokens``; a step pads to its longest
-    prompt), or None (the ``data.max_prompt_tokens`` bound) when it cannot be read. The bound
-    alone made ``flowrl plan`` of the default job predict 177 s a step (P = 256) where arith
-    prompts are 56 tokens. Appends a line saying which P the prediction uses to ``notes``."""
-    from flowrl.data.prompts import longest_prompt_tokens
-    from flowrl.models.loading import load_tokenizer
-
-    bound = cfg.data.max_prompt_tokens
-    r = cfg.rollout.sampling.max_new_tokens
-    tail = (f"; R = {r} response tokens (rollout.sampling.max_new_tokens: an upper bound, "
-            "responses may stop earlier)")
-    try:
-        p, rows = longest_prompt_tokens(cfg.data, load_tokenizer(cfg.model))
-    except (OSError, ValueError) as e:  # no tokenizer or data here: the bound, said so
-        notes.append(f"workload: P = {bound} prompt tokens (data.max_prompt_tokens; the prompts "
-                     f"could not be read: {e})" + tail)
-        return None
-    if p is None:
-        notes.append(f"workload: P = {bound} prompt tokens (data.max_prompt_tokens: image or "
-                     "over-long prompts)" + tail)
-        return None
-    notes.append(f"workload: P = {p} prompt tokens, the longest of the first {rows} training "
-                 f"prompts as the tokenizer renders them (data.max_prompt_tokens = {bound} only "
-                 "skips longer ones)" + tail)
-    return p
 
 
 def build_cluster_plan(raw, overrides=()):

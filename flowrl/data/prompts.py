@@ -480,17 +480,6 @@ class PromptSource:
             if len(ids) > self.cfg.max_prompt_tokens:
                 self._overlong.add(i)
 
-    def longest_probed(self) -> tuple[Optional[int], int]:
-        """(P, rows): the longest prompt, in tokens, of the first records rendered at construction
-        (up to ``_PROBE``) among those within ``max_prompt_tokens``, and how many were read; P is
-        None for image prompts or when every probed one is over-long. What
-        :func:`longest_prompt_tokens` measures for ``flowrl plan``, from what is already rendered."""
-        probed = range(min(len(self.records), _PROBE))
-        if not probed or "images" in self.records[0]:
-            return None, len(probed)
-        fits = [len(self._rendered[i][1]) for i in probed if i not in self._overlong]
-        return (max(fits) if fits else None), len(probed)
-
     def render(self, index: int) -> tuple[str, list[int]]:
         """Record ``index`` of the split as the policy sees it: (rendered text, prompt token
         ids), with the chat template, tools and ``response_prefix`` applied

@@ -111,6 +111,8 @@ def test_partitioned_run_writes_its_pools_plan(partitioned_run):
 
     assert len(transfers(plan)) > 2 and not any(x.endswith("?") for x in transfers(plan))
     assert transfers(plan) == transfers(shown.stdout)
+    workload = [x for x in shown.stdout.splitlines() if x.startswith("  workload: P = ")]
+    assert len(workload) == 1 and workload[0] in plan.splitlines()  # the same P, measured alike
     sync = next(x for x in plan.splitlines() if x.startswith("Weight sync: "))
     assert sync.endswith(" per update") and "Predicted (cost model, device profile cpu): step " in plan
 

@@ -46,7 +46,12 @@ from flowrl.runtime.control import mps
 from flowrl.runtime.control.colocated import Colocated
 from flowrl.runtime.control.events import JobEvents
 from flowrl.runtime.control.health import RunHealth
-from flowrl.runtime.control.preflight import ConfigError, attach_estimate, load_prompts
+from flowrl.runtime.control.preflight import (
+    ConfigError,
+    attach_estimate,
+    load_prompts,
+    measured_prompt_tokens,
+)
 
 if TYPE_CHECKING:
     from flowrl.compiler.placement import PlacementPlan
@@ -337,12 +342,10 @@ class _Job:
         if dinfo.rank == 0:
             # what `flowrl plan` prints for this run: a partitioned run's pools and transfers,
             # with the cost model's predictions for the prompts just rendered
-            p_tokens, rows = prompts.longest_probed()
-            if self.pp.estimate is None and p_tokens is not None:
-                self.pp.notes.append(f"workload: P = {p_tokens} prompt tokens, the longest of the "
-                                     f"first {rows} training prompts as the tokenizer renders them")
             try:
-                attach_estimate(cfg, self.full, self.pp, p_tokens)
+                if self.pp.estimate is None:  # P as flowrl plan measures it (auto has its own)
+                    attach_estimate(cfg, self.full, self.pp,
+                                    measured_prompt_tokens(cfg, self.pp.notes, tokenizer))
             except Exception as e:  # noqa: BLE001 - the predictions inform, they never stop a run
                 self.pp.notes.append(f"no predictions: {type(e).__name__}: {e}")
             (out_dir / "plan.txt").write_text(format_placement(self.pp, "text") + "\n")

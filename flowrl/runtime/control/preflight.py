@@ -250,6 +250,36 @@ def role_parallelism(cfg: "TrainConfig") -> dict[str, int]:
     return {"rollout": int(getattr(backend_cfg, "tensor_parallel_size", 1) or 1)}
 
 
+def measured_prompt_tokens(cfg: "TrainConfig", notes: list[str], tokenizer: Any = None) -> Optional[int]:
+    """P for the cost model: the longest of the first 256 training prompts rendered by the
+    policy's tokenizer (``flowrl.data.prompts.longest_prompt_tokens``; a step pads to its longest
+    prompt), or None (the ``data.max_prompt_tokens`` bound) when it cannot be read. The bound
+    alone made ``flowrl plan`` of the default job predict 177 s a step (P = 256) where arith
+    prompts are 56 tokens. Appends a line saying which P the prediction uses to ``notes``.
+    ``tokenizer``: the run's, already loaded (a run's ``plan.txt``), else the model's is loaded."""
+    from flowrl.data.prompts import longest_prompt_tokens
+    from flowrl.models.loading import load_tokenizer
+
+    bound = cfg.data.max_prompt_tokens
+    r = cfg.rollout.sampling.max_new_tokens
+    tail = (f"; R = {r} response tokens (rollout.sampling.max_new_tokens: an upper bound, "
+            "responses may stop earlier)")
+    try:
+        p, rows = longest_prompt_tokens(cfg.data, tokenizer or load_tokenizer(cfg.model))
+    except (OSError, ValueError) as e:  # no tokenizer or data here: the bound, said so
+        notes.append(f"workload: P = {bound} prompt tokens (data.max_prompt_tokens; the prompts "
+                     f"could not be read: {e})" + tail)
+        return None
+    if p is None:
+        notes.append(f"workload: P = {bound} prompt tokens (data.max_prompt_tokens: image or "
+                     "over-long prompts)" + tail)
+        return None
+    notes.append(f"workload: P = {p} prompt tokens, the longest of the first {rows} training "
+                 f"prompts as the tokenizer renders them (data.max_prompt_tokens = {bound} only "
+                 "skips longer ones)" + tail)
+    return p
+
+
 def attach_estimate(cfg: "TrainConfig", plan: "ExecutionPlan", pp: "PlacementPlan",
                     prompt_tokens: Optional[int]) -> None:
     """Give ``pp`` the cost model's predictions (``flowrl.compiler.modes.estimate``: step time,
