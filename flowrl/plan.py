@@ -46,8 +46,17 @@ def plan_main(argv: list[str]) -> int:
         return 0
     spec = prepare(raw, rest, plan_only=True)  # a teacher may be left unset
     cfg, plan, pp = spec.config, spec.plan, spec.placement
-    if pp.estimate is None:  # auto attached its own; a missing model file only loses predictions
+    if pp.estimate is None:  # a missing model file only loses predictions
         attach_estimate(cfg, plan, pp, measured_prompt_tokens(cfg, pp.notes))
+    elif cfg.placement.mode == "auto":  # its pick again, for the P the data has (not the bound)
+        from flowrl.compiler.modes import choose
+        from flowrl.runtime.control.preflight import role_parallelism
+
+        notes: list[str] = []
+        p_tokens = measured_prompt_tokens(cfg, notes)
+        if p_tokens is not None:
+            pp = choose(plan, cfg, pp.world_size, role_parallelism(cfg), p_tokens)
+            pp.notes += notes
     print(format_placement(pp, fmt))
     if fmt == "text":  # mermaid / dot stay valid diagrams
         print("machine defaults (auto settings resolved on this machine):")

@@ -51,9 +51,11 @@ class PlacementMode:
         raise NotImplementedError
 
     def choose(self, plan: ExecutionPlan, run_cfg: Any, world_size: int,
-               role_parallelism: Optional[dict[str, int]] = None) -> PlacementPlan:
+               role_parallelism: Optional[dict[str, int]] = None,
+               prompt_tokens: Optional[int] = None) -> PlacementPlan:
         """The run's placement from the whole run config (``run_cfg.placement`` and, for
-        ``auto``, what the cost model reads). Default: :meth:`place` of ``run_cfg.placement``."""
+        ``auto``, what the cost model reads; ``prompt_tokens``: P measured from the data, else the
+        ``data.max_prompt_tokens`` bound). Default: :meth:`place` of ``run_cfg.placement``."""
         return self.place(plan, run_cfg.placement, world_size, role_parallelism)
 
     def estimate(self, pp: PlacementPlan, costs: cost.StageCosts) -> cost.PlacementEstimate:
@@ -143,8 +145,10 @@ class Auto(PlacementMode):
         raise PlacementError("placement.mode=auto is resolved by flowrl.compiler.cost.choose_placement")
 
     def choose(self, plan: ExecutionPlan, run_cfg: Any, world_size: int,
-               role_parallelism: Optional[dict[str, int]] = None) -> PlacementPlan:
-        costs = cost.StageCosts.from_config(plan, run_cfg, world_size, parallelism=role_parallelism)
+               role_parallelism: Optional[dict[str, int]] = None,
+               prompt_tokens: Optional[int] = None) -> PlacementPlan:
+        costs = cost.StageCosts.from_config(plan, run_cfg, world_size, parallelism=role_parallelism,
+                                            prompt_tokens=prompt_tokens)
         return cost.choose_placement(plan, run_cfg, world_size, costs, role_parallelism)
 
 
@@ -167,10 +171,12 @@ def place(plan: ExecutionPlan, cfg: PlacementConfig, world_size: int,
 
 
 def choose(plan: ExecutionPlan, run_cfg: Any, world_size: int,
-           role_parallelism: Optional[dict[str, int]] = None) -> PlacementPlan:
+           role_parallelism: Optional[dict[str, int]] = None,
+           prompt_tokens: Optional[int] = None) -> PlacementPlan:
     """The run's PlacementPlan of ``run_cfg.placement.mode`` (``auto``: the cost model's pick,
-    its ``estimate`` attached); loads no model."""
-    return mode_of(run_cfg.placement.mode).choose(plan, run_cfg, world_size, role_parallelism)
+    its ``estimate`` attached, for ``prompt_tokens`` P when measured); loads no model."""
+    return mode_of(run_cfg.placement.mode).choose(plan, run_cfg, world_size, role_parallelism,
+                                                  prompt_tokens)
 
 
 def estimate(pp: PlacementPlan, costs: cost.StageCosts) -> cost.PlacementEstimate:

@@ -194,7 +194,7 @@ def test_plan_auto_explains_choice(capsys):
     # the header says the mode auto chose (it said placement=auto only, in plan.txt too)
     assert out.startswith("ExecutionPlan  graph=grpo  placement=auto (colocated chosen)  "
                           "ranks=[0, 1]\n")
-    assert "auto: device profile cpu; workload B=16 rows, P=256, R=16 tokens" in out
+    assert "auto: device profile cpu; workload B=16 rows, P=56, R=16 tokens" in out
     assert "colocated W=2" in out and "partitioned rollout=1 train=1 k=0" in out
     assert "\n  chose " in out
 

@@ -1,7 +1,9 @@
 """Placement modes as objects (``flowrl/compiler/modes.py``): one registered class per
 ``placement.mode`` owns place / estimate / render; what ``flowrl plan`` prints is byte for byte
 what it printed when the modes were strings (snapshots taken from the string-mode code, commit
-8e5ecbb, before the change), and an unknown mode is one line with did-you-mean."""
+8e5ecbb, before the change; the two auto ones retaken when `flowrl plan placement=auto` began to
+choose for the measured prompt length, P=56, not the data.max_prompt_tokens bound, 256), and an
+unknown mode is one line with did-you-mean."""
 from pathlib import Path
 
 import pytest
