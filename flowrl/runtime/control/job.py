@@ -475,7 +475,8 @@ class _Job:
         if place.holds_state:
             self.engines.load_train_state(tensors)
         if place.samples:  # another sampler layout (placement=auto's colocated profile) restarts
-            prompts.load_state_dict(rescale_prompt_state(meta["prompts"], place.dist.world_size))
+            prompts.load_state_dict(rescale_prompt_state(meta["prompts"], place.dist.world_size,
+                                                         self.cfg.trainer.prompts_per_step))
         missing = executor.load_op_state_dict(saved_op_state(meta))
         if missing:
             log.warning("resume: %s holds no state for %s; starting from the initial value",
@@ -644,15 +645,20 @@ def check_resumed_prompts(checkpoint: Path, prompts: Any, cfg: "TrainConfig") ->
             "checkpoint's data settings, or start a new run (another trainer.output_dir)") from e
 
 
-def rescale_prompt_state(state: dict[str, Any], world_size: int) -> dict[str, Any]:
+def rescale_prompt_state(state: dict[str, Any], world_size: int,
+                         prompts_per_step: Optional[int] = None) -> dict[str, Any]:
     """A prompt-source state saved at another world size: the shards differ, so the sampler
     restarts at the next epoch (every prompt seen again, in a new order); step and group-id
-    offset carry over, so group ids stay unique. Same world size: returned unchanged."""
+    offset carry over, so group ids stay unique. Same world size: returned unchanged. The
+    warning says how the global batch moves (``prompts_per_step``: per sampling rank)."""
     saved = state["sampler"].get("world_size", world_size)
     if saved == world_size:
         return state
-    log.warning("resuming a world-size-%d run on %d ranks: the prompt sampler restarts at epoch %d",
-                saved, world_size, state["sampler"]["epoch"] + 1)
+    batch = "" if prompts_per_step is None else (
+        f"; a step now draws {prompts_per_step * world_size} prompts, not "
+        f"{prompts_per_step * saved} (trainer.prompts_per_step={prompts_per_step} per rank)")
+    log.warning("resuming a world-size-%d run on %d ranks: the prompt sampler restarts at epoch %d%s",
+                saved, world_size, state["sampler"]["epoch"] + 1, batch)
     sampler = {**state["sampler"], "world_size": world_size,
                "epoch": state["sampler"]["epoch"] + 1, "position": 0}
     return {**state, "sampler": sampler}
