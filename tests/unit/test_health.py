@@ -68,6 +68,22 @@ def test_steps_with_no_scorable_sample_stop_the_run_at_the_budget():
         off.update(s, {**_step(0.0), "train/unscorable_frac": 1.0})
 
 
+def test_an_unreadable_judge_is_named_as_the_cause_of_unscorable_steps():
+    """graph=genrm_grpo with a judge whose answers hold no score: nothing raised, yet the stop
+    message said the reward function raised or timed out (fresh-user report)."""
+    h = _health(max_unscorable_steps=2)
+    judge = {"train/unscorable_frac": 1.0, "reward/genrm/unparseable_frac": 1.0}
+    h.update(1, {**_step(0.0), **judge})
+    with pytest.raises(RunStopped) as e:
+        h.update(2, {**_step(0.0), **judge})
+    assert str(e.value) == (
+        "step 2: no sample could be scored on the last 2 steps (train/unscorable_frac = 1: the "
+        "judge's answer could not be read as a score for any of them, "
+        "reward/genrm/unparseable_frac = 1), so the run trains on no reward "
+        "(trainer.max_unscorable_steps=2). Fix the judge (its model, prompt or answer length), or "
+        "raise trainer.max_unscorable_steps")
+
+
 def test_the_skipped_fraction_is_judged_from_the_fourth_step():
     h = _health()
     for s in (1, 2, 3):  # 3 of 3 skipped: not judged yet

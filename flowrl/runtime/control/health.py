@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from flowrl.errors import RunStopped
 from flowrl.graph.roles import TRAINED_ROLES
@@ -62,6 +62,9 @@ class RunHealth:
         self.optimizer_steps = int(last.get("train/optimizer_steps", 0))
         self.constant = int(last.get(CONSTANT_KEY, 0))
         self.unscorable = int(last.get(UNSCORABLE_KEY, 0))
+        # a judge metric (reward/genrm/unparseable_frac) at 1 on the last step: the cause, when
+        # nothing raised (the stop message blamed a raise or timeout the log did not hold)
+        self.unparseable: Optional[str] = None
         self.max_unscorable_steps = max_unscorable_steps
         self.steps = len(history)
         self.speak = speak
@@ -96,17 +99,24 @@ class RunHealth:
         if frac_u is not None:
             self.unscorable = self.unscorable + 1 if frac_u >= 1.0 else 0
             m[UNSCORABLE_KEY] = float(self.unscorable)
+            self.unparseable = next((k for k, v in m.items() if k.endswith("/unparseable_frac")
+                                     and v is not None and v >= 1.0), None)
         self._check(step)
 
     def _check(self, step: int) -> None:
         n_u = self.max_unscorable_steps
         if n_u and self.unscorable >= n_u:
+            why, fix = ("the reward function or verifier raised or timed out on every one; the "
+                        "first error of each step is in the log", "Fix the reward function")
+            if self.unparseable is not None:  # a generative judge answered, unreadably
+                why, fix = (f"the judge's answer could not be read as a score for any of them, "
+                            f"{self.unparseable} = 1", "Fix the judge (its model, prompt or "
+                            "answer length)")
             raise RunStopped(
                 f"step {step}: no sample could be scored on the last {self.unscorable} steps "
-                "(train/unscorable_frac = 1: the reward function or verifier raised or timed out "
-                "on every one; the first error of each step is in the log), so the run trains on "
-                f"no reward (trainer.max_unscorable_steps={n_u}). Fix the reward function, or "
-                "raise trainer.max_unscorable_steps")
+                f"(train/unscorable_frac = 1: {why}), so the run trains on no reward "
+                f"(trainer.max_unscorable_steps={n_u}). {fix}, or raise "
+                "trainer.max_unscorable_steps")
         if self.skipped > self.max_skipped_steps:
             raise RunStopped(
                 f"step {step}: {self.skipped} optimizer steps skipped (non-finite loss or grad "
