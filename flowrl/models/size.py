@@ -178,11 +178,28 @@ def model_size(cfg: Any) -> ModelSize:
         from transformers import AutoConfig
 
         tiny = copy.deepcopy(dict(cfg.tiny))  # transformers fills nested sections in place
-        if "vocab_size" not in tiny:  # load_model takes it from the bundled tokenizer
+        text = tiny.get("text_config")  # a vision-language tiny model (tiny_vl)
+        if "vocab_size" not in (text if isinstance(text, dict) else tiny):
+            # load_model takes it from the bundled tokenizer (a VLM's with its vision tokens
+            # added, models/vision.build_tiny_vl): Qwen2-VL's own 152,064 made the plan's
+            # tiny_vl about 3x the model the run builds (fresh-user report)
             from tokenizers import Tokenizer
 
             tok = Tokenizer.from_file(str(bundled_tokenizer_dir() / "tokenizer.json"))
-            tiny["vocab_size"] = tok.get_vocab_size(with_added_tokens=True)
+            vocab = tok.get_vocab_size(with_added_tokens=True)
+            if isinstance(text, dict):
+                from flowrl.models.vision import VISION_TOKENS
+
+                text = tiny["text_config"] = dict(text)
+                text["vocab_size"] = vocab + sum(tok.token_to_id(t) is None for t in VISION_TOKENS)
+                for name in ("bos_token_id", "eos_token_id"):  # Qwen2-VL's own ids lie past it
+                    text.setdefault(name, None)
+                vision = tiny["vision_config"] = dict(tiny.get("vision_config") or {})
+                vision.setdefault("hidden_size" if tiny["model_type"] == "qwen2_vl"
+                                  else "out_hidden_size", text.get("hidden_size", 64))
+                tiny["vocab_size"] = text["vocab_size"]
+            else:
+                tiny["vocab_size"] = vocab
         for name in ("bos_token_id", "eos_token_id"):  # special ids do not change the size
             tiny.setdefault(name, None)
         return _size_from_hf_config(AutoConfig.for_model(tiny.pop("model_type"), **tiny), nbytes)

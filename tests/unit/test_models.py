@@ -333,3 +333,18 @@ def test_a_broken_model_folder_is_one_line_naming_the_file(tmp_path):
     (folder / "tokenizer.json").write_text("{bad")  # was "data: Expecting property name ..."
     with pytest.raises(ValueError, match=rf"model.path: {folder / 'tokenizer.json'} is not valid JSON"):
         ModelConfig(path=str(folder))
+
+
+@pytest.mark.parametrize("tiny", ["tiny", "tiny_vl"])
+def test_model_size_counts_the_model_the_run_builds(tiny):
+    """What `flowrl plan` sizes is what `flowrl train` loads: tiny_vl was sized with Qwen2-VL's own
+    vocabulary (152,064 rows, about 3x the model built with the bundled tokenizer's)."""
+    from flowrl.config import compose, to_train_config
+    from flowrl.models.size import model_size
+
+    extra = ["data=visual", "graph=grpo_vl"] if tiny == "tiny_vl" else []
+    cfg = to_train_config(compose(["trainer.output_dir=/tmp/unused", f"model={tiny}", *extra])).model
+    built = load_model(cfg)
+    size = model_size(cfg)
+    vocab = built.get_input_embeddings().weight.shape[0]
+    assert (size.n_params, size.vocab_size) == (sum(p.numel() for p in built.parameters()), vocab)
