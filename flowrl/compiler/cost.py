@@ -254,6 +254,8 @@ class PlacementEstimate:
         sync_bytes: weight bytes broadcast per step.
         candidates: auto only: candidate label → predicted step seconds.
         device: device profile name.
+        with_activations: the memory peaks count a micro-batch's activations and logits (a
+            cluster plan's ``footprint``), not only the models, optimizer state and KV cache.
     """
 
     step_s: float
@@ -266,6 +268,7 @@ class PlacementEstimate:
     device: str
     candidates: dict[str, float] = field(default_factory=dict)
     role_memory: dict[str, dict[str, int]] = field(default_factory=dict)
+    with_activations: bool = False
 
 
 def _pool_sides(pp: PlacementPlan, costs: StageCosts, measured_swaps: bool
@@ -1102,5 +1105,5 @@ def cluster_placement(cp: ClusterPlan) -> PlacementPlan:
     est = PlacementEstimate(e.step_s, e.sides, e.sync_s, e.transfer_s, mem,
                             transfer_bytes(e.pp, w), 0 if e is cp.colocated
                             else 2 * cp.costs.shape.n_params, cp.costs.cluster.name,
-                            {x.label: x.step_s for x in cp.candidates})
+                            {x.label: x.step_s for x in cp.candidates}, with_activations=True)
     return replace(e.pp, notes=list(e.pp.notes) + cluster_report(cp), estimate=est)

@@ -196,10 +196,16 @@ def _estimate_lines(pp: PlacementPlan, sides: bool = False) -> list[str]:
     # exceeds it by these terms (the tiny model on CPU: 97.1 MiB predicted, 642 MiB host RSS,
     # 361 MiB of it the imported runtime; issue 27: SmolLM2 graph=grpo_tools on a GPU, 2.0 GiB
     # predicted, 7.9 GiB peak)
-    out.append(f"  {MEMORY_LEAVES_OUT}")
+    # a cluster plan's peaks hold a micro-batch's activations too (its breakdown below): the
+    # note said they were left out of the number they made (fresh-user report)
+    out.append(f"  {MEMORY_WITH_ACTIVATIONS if est.with_activations else MEMORY_LEAVES_OUT}")
     return out
 
 
+MEMORY_WITH_ACTIVATIONS = (
+    "(counts weights, gradients, AdamW moments, the KV cache and the activations and logits of "
+    "one micro-batch (the breakdown below); leaves out the runtime (CUDA context) and allocator "
+    "fragmentation)")
 MEMORY_LEAVES_OUT = (
     "(counts weights, gradients, AdamW moments and the KV cache; leaves out the activations and "
     "logits of a micro-batch (they grow with trainer.engine.max_tokens_per_micro_batch x the "

@@ -316,6 +316,11 @@ def test_plan_text_names_the_role_setting_each_pool_peak_and_aligns_columns(roun
     assert ("Predicted peak memory per device: pool train 21.1 GiB (set by the actor role); "
             "pool rollout 83.8 GiB (set by the rollout role)\n") in out
     assert "(-)" not in out
+    # the note under the peaks says they count the activations they hold (it said they left
+    # them out: the train pool's 21.1 GiB is mostly activations; fresh-user report)
+    from flowrl.compiler.render import MEMORY_LEAVES_OUT, MEMORY_WITH_ACTIVATIONS
+
+    assert f"\n  {MEMORY_WITH_ACTIVATIONS}\n" in out and MEMORY_LEAVES_OUT not in out
     # the terms' seconds end in one column though "update: FSDP collectives (overlapped: max with
     # compute)" is longer than the old fixed 52-character name column
     terms = out[out.index("Terms of "):out.index("  step = max(")].splitlines()[1:-1]
