@@ -6,6 +6,7 @@ objects (``to_train_config``), before any model loads, and errors name the field
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,10 @@ class LauncherConfig:
         return self.nproc > 1 or self.nnodes > 1
 
 
+# graph files of the working directory already said to shadow a built-in one
+_SHADOW_SAID: set[str] = set()
+
+
 @dataclass
 class GraphConfig:
     """path: graph YAML; relative paths are looked up in the CWD, then in the flowrl checkout."""
@@ -110,7 +115,17 @@ class GraphConfig:
         p = Path(self.path).expanduser()
         for cand in (p, REPO_ROOT / p):
             if cand.is_file():
-                return cand.resolve()
+                found = cand.resolve()
+                builtin = (REPO_ROOT / p).resolve()
+                if cand is p and not p.is_absolute() and builtin.is_file() and found != builtin \
+                        and str(found) not in _SHADOW_SAID:
+                    # a working directory's graphs/<name>.yaml replaces flowrl's own: said once,
+                    # since a copy keeping the built-in's name changed the run unseen
+                    _SHADOW_SAID.add(str(found))
+                    logging.getLogger("flowrl").warning(
+                        "graph.path=%s: using %s from the working directory, not flowrl's own "
+                        "%s", self.path, found, builtin)
+                return found
         if p.is_absolute():
             raise FileNotFoundError(f"graph.path: no graph file at {self.path!r}")
         where = dict.fromkeys(str(d) for d in (Path.cwd(), REPO_ROOT))  # once each, in order
