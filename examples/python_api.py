@@ -14,7 +14,8 @@ from flowrl.graph import Graph
 
 def overlong_grpo_graph() -> Graph:
     g = Graph("grpo_overlong", description=(
-        "GRPO on GSM8K with a length-shaped reward: sample -> rollout -> rule reward + soft\n"
+        "GRPO with a length-shaped reward (on the run's data: default arith, data=gsm8k for\n"
+        "GSM8K): sample -> rollout -> rule reward + soft\n"
         "overlong penalty -> mix -> ref/old logprobs -> advantage.grpo -> update.\n"
         "Built by examples/python_api.py. Run: flowrl train graph.path=my_graph.yaml"))
     sample = g.stage("sample", "data.sample")
