@@ -138,3 +138,13 @@ def test_progress_in_a_file_is_plain_lines_as_they_happen(tmp_path, monkeypatch)
         log.log(1, {"perf/step_s": 40.0, "reward/mean": 0.25})  # 200: eta 40 s x 3
     assert out.getvalue().splitlines()[2:] == [
         "step    1 reward=0.250 step_s=40.0", "train 1/4  reward 0.250  step 40.0s  eta 0:02:00"]
+
+
+def test_an_sft_update_shows_its_loss_on_the_console(tmp_path, monkeypatch):
+    """graph=sft_teacher's step line showed gnorm but no loss (fresh-user report)."""
+    out = io.StringIO()
+    monkeypatch.setattr(M, "Console", lambda **kw: Console(file=out, **kw))
+    cfg = LoggerConfig(progress=False, jsonl=False, tensorboard=False)
+    with MetricsLogger(tmp_path, cfg, 2) as log:
+        log.log(1, {"actor/sft_loss": 1.25, "actor/grad_norm": 0.5})
+    assert out.getvalue().strip() == "step    1 sft=1.2500 gnorm=0.500"

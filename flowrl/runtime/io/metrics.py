@@ -30,6 +30,7 @@ _CONSOLE_KEYS = [
     ("reward/mean", "reward", "{:.3f}"), ("reward/accuracy", "acc", "{:.3f}"),
     ("response/length_mean", "len", "{:.0f}"), ("response/truncated_frac", "trunc", "{:.2f}"),
     ("actor/pg_loss", "pg", "{:+.4f}"), ("actor/kl_loss", "kl", "{:.4f}"),
+    ("actor/sft_loss", "sft", "{:.4f}"),  # graph=sft_teacher's update (its line had no loss)
     ("actor/entropy", "ent", "{:.3f}"), ("actor/clipfrac", "clip", "{:.3f}"),
     ("actor/grad_norm", "gnorm", "{:.3f}"), ("rollout/logprob_mismatch", "Δlogp", "{:.1e}"),
     ("perf/step_s", "step_s", "{:.1f}"), ("perf/tokens_per_s", "tok/s", "{:.0f}"),
