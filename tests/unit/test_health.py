@@ -240,3 +240,24 @@ def test_a_run_that_skips_every_step_stops_with_one_line_and_exit_1(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("train/skipped_steps") for r in rows if "train/skipped_steps" in r] == \
         [1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_run_that_never_scored_a_sample_says_so_at_its_end(caplog):
+    """Shorter than the stop budget, it finished with reward=nan and exit status 0, unsaid."""
+    import logging
+
+    judge = {"train/unscorable_frac": 1.0, "reward/genrm/unparseable_frac": 1.0}
+    h = _health(max_unscorable_steps=3, total_steps=2)
+    with caplog.at_level(logging.WARNING):
+        h.update(1, {**_step(0.0), **judge})
+        assert not caplog.records
+        h.update(2, {**_step(0.0), **judge})
+    assert [r.getMessage() for r in caplog.records] == [
+        "no sample of the run's 2 steps could be scored (reward/genrm/unparseable_frac = 1: the "
+        "judge's answers held no readable score): it trained on no reward"]
+    caplog.clear()
+    partly = _health(max_unscorable_steps=3, total_steps=2)
+    with caplog.at_level(logging.WARNING):
+        partly.update(1, {**_step(0.0), "train/unscorable_frac": 0.5})
+        partly.update(2, {**_step(0.0), "train/unscorable_frac": 1.0})
+    assert not caplog.records

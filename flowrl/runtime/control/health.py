@@ -123,6 +123,14 @@ class RunHealth:
                 f"norm), more than trainer.max_skipped_steps={self.max_skipped_steps}; the run "
                 "is not training. Look at the loss, grad norm and rewards of the skipped steps "
                 "in metrics.jsonl, or raise trainer.max_skipped_steps")
+        if step >= self.total_steps and self.unscorable >= self.steps and self.speak:
+            # a run shorter than the stop budget that never scored a sample ends with
+            # reward=nan and exit status 0: said (fresh-user report, graph=genrm_grpo)
+            cause = (f"{self.unparseable} = 1: the judge's answers held no readable score"
+                     if self.unparseable else "the reward function or verifier raised or timed "
+                     "out on every one; the first error of each step is in the log")
+            log.warning("no sample of the run's %d steps could be scored (%s): it trained on no "
+                        "reward", self.steps, cause)
         judged = self.steps >= FRAC_FROM_STEP or step >= self.total_steps
         frac = self.skipped / self.optimizer_steps if self.optimizer_steps else 0.0
         if judged and frac > self.max_skipped_frac:
