@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         if cmd == "graph":
             from flowrl.graph.validate import graph_main
 
-            return graph_main(rest)
+            return graph_main(rest, check_interpolations=_interpolations_resolve)
         if cmd == "export":
             from flowrl.export import export_main
 
@@ -81,6 +81,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"flowrl: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2
 
+
+
+def _interpolations_resolve(graph) -> None:
+    """``${...}`` in the stages' ``when`` / ``params`` resolved against the default run config
+    (every key a run can set is in it: its schema refuses any other), as ``flowrl train`` resolves
+    them against the run's.
+
+    Raises:
+        GraphError: naming the stage, the field and the nearest key (``compiler.plan.resolve``).
+    """
+    from omegaconf import OmegaConf
+
+    from flowrl.compiler.plan import check_interpolations
+    from flowrl.config import compose, task_section
+
+    run_cfg = OmegaConf.to_container(task_section(compose([], with_hydra=True),
+                                                  "(none: graph validate)"), resolve=True)
+    assert isinstance(run_cfg, dict)  # a composed config's container is a mapping
+    check_interpolations(graph, run_cfg)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -175,7 +175,7 @@ def _near_key(root: DictConfig, error: str) -> Optional[str]:
     node = OmegaConf.select(root, parent) if parent else root
     if not isinstance(node, DictConfig):
         return None
-    close = difflib.get_close_matches(leaf, [str(k) for k in node.keys()], n=1)
+    close = difflib.get_close_matches(leaf, [str(k) for k in node.keys() if k != leaf], n=1)
     return f"{parent}.{close[0]}".lstrip(".") if close else None
 
 
@@ -186,6 +186,17 @@ def _resolved_value(node: DictConfig) -> Any:
     if not isinstance(out, dict):  # to_container of a DictConfig is a dict
         raise TypeError(f"expected a dict from a DictConfig, got {type(out).__name__}")
     return out["v"]
+
+
+def check_interpolations(graph: Graph, run_cfg: Mapping | DictConfig) -> None:
+    """Every ``${...}`` of ``graph``'s ``when`` / ``params`` resolves against ``run_cfg``, as
+    :func:`compile_plan` resolves them (``flowrl graph validate`` asks it of the default run
+    config, whose schema holds every key a run can set).
+
+    Raises:
+        GraphError: one per field that does not resolve, with the nearest key.
+    """
+    resolve(_rewrite_interpolations(graph), run_cfg)
 
 
 def _rewrite_interpolations(graph: Graph) -> Graph:

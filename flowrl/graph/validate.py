@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 import warnings
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 import networkx as nx
 
@@ -327,10 +327,14 @@ def load_graph(path: str | Path) -> Graph:
 
 
 
-def graph_main(argv: list[str]) -> int:
+def graph_main(argv: list[str],
+               check_interpolations: Optional[Callable[[Graph], None]] = None) -> int:
     """``flowrl graph validate FILE...``: every problem of every file, one line each (``FILE:
     stage 'x', field 'y': what to change``), exit 1 when any file is invalid; warnings (outputs
-    nobody reads, inputs a ``when`` can disable) do not fail it. Needs no run config."""
+    nobody reads, inputs a ``when`` can disable) do not fail it. Needs no run config of the
+    user's: ``check_interpolations`` (the entry's: ``${...}`` of ``when`` / ``params`` against
+    the run config's keys) raises GraphError for one that names no key (a typo said ok here,
+    then failed ``flowrl train``)."""
     import argparse
     import sys
 
@@ -344,7 +348,10 @@ def graph_main(argv: list[str]) -> int:
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", GraphWarning)
-                validate_graph(load_graph(f))
+                g = load_graph(f)
+                validate_graph(g)
+                if check_interpolations is not None:
+                    check_interpolations(g)
         except GraphError as e:
             print(str(e.with_source(f)), file=sys.stderr)
             status = 1

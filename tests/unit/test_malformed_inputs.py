@@ -106,6 +106,11 @@ def _rename_input(g):
 
 GRAPH_CASES = {
     # (graph, fragment of the one line). Rejected by all three commands.
+    # a typo in a ${...}: graph validate said ok, then plan and train refused it (fresh-user report)
+    "when_interpolation_typo": (_edit(GRPO, lambda g: _stage(g, "ref_logprobs").update(
+        when="${algorithm.kl_cof}")),
+        "stage 'ref_logprobs', field 'when': cannot resolve '${algorithm.kl_cof}': Interpolation "
+        "key 'algorithm.kl_cof' not found (did you mean ${algorithm.kl_coef}?)"),
     "list_into_tensor": (_edit(GRPO, lambda g: _stage(g, "advantage")["inputs"].update(
         rewards="sample.ground_truth")),
         "stage 'advantage', field 'inputs.rewards': 'sample.ground_truth' is a list (one Python "
