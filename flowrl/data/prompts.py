@@ -665,7 +665,4 @@ class PromptSource:
                 raise ValueError("its first prompts render to other token ids here: other "
                                  "data, tokenizer, chat template or data.instruction/"
                                  "system_prompt/response_prefix")
-        for key in ("seed", "shuffle", "num_items"):
-            if key in state["sampler"] and state["sampler"][key] != getattr(self.sampler, key):
-                raise ValueError(f"sampler state {key}={state['sampler'][key]!r} does not match "
-                                 f"this sampler's {key}={getattr(self.sampler, key)!r}")
+        self.sampler.check_state(state["sampler"], world_size=False)  # another world restarts

@@ -81,6 +81,17 @@ class PromptSampler:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "shuffle": self.shuffle, "num_items": self.num_items, "world_size": self.world_size}
 
+    def check_state(self, state: dict[str, Any], world_size: bool = True) -> None:
+        """A saved state's seed, shuffle, num_items (and ``world_size``) must be this sampler's.
+
+        Raises:
+            ValueError: naming the first that differs.
+        """
+        for key in ("seed", "shuffle", "num_items", *(("world_size",) if world_size else ())):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(f"sampler state {key}={state[key]!r} does not match this "
+                                 f"sampler's {key}={getattr(self, key)!r}")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where the saved sampler stopped.
 
@@ -88,10 +99,7 @@ class PromptSampler:
             ValueError: the saved seed/shuffle/num_items/world_size differ from this sampler's
                 (the continuation would not be the uninterrupted sequence), or a bad position.
         """
-        for key in ("seed", "shuffle", "num_items", "world_size"):
-            if key in state and state[key] != getattr(self, key):
-                raise ValueError(f"sampler state {key}={state[key]!r} does not match this "
-                                 f"sampler's {key}={getattr(self, key)!r}")
+        self.check_state(state)
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < self.shard_size:
             raise ValueError(f"sampler state epoch={epoch}, position={position} out of range "
