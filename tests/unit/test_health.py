@@ -253,8 +253,8 @@ def test_a_run_that_never_scored_a_sample_says_so_at_its_end(caplog):
         assert not caplog.records
         h.update(2, {**_step(0.0), **judge})
     assert [r.getMessage() for r in caplog.records] == [
-        "no sample of the run's 2 steps could be scored (reward/genrm/unparseable_frac = 1: the "
-        "judge's answers held no readable score): it trained on no reward"]
+        "no sample of the run's 2 steps could be scored (the judge's answer could not be read as "
+        "a score for any of them, reward/genrm/unparseable_frac = 1): it trained on no reward"]
     caplog.clear()
     partly = _health(max_unscorable_steps=3, total_steps=2)
     with caplog.at_level(logging.WARNING):

@@ -103,15 +103,19 @@ class RunHealth:
                                      and v is not None and v >= 1.0), None)
         self._check(step)
 
+    def _unscorable_cause(self) -> tuple[str, str]:
+        """(why no sample was scored, what to fix): an unreadable judge when its metric says so
+        (nothing raised), else the reward function or verifier raising or timing out."""
+        if self.unparseable is not None:  # a generative judge answered, unreadably
+            return (f"the judge's answer could not be read as a score for any of them, "
+                    f"{self.unparseable} = 1", "Fix the judge (its model, prompt or answer length)")
+        return ("the reward function or verifier raised or timed out on every one; the first "
+                "error of each step is in the log", "Fix the reward function")
+
     def _check(self, step: int) -> None:
         n_u = self.max_unscorable_steps
         if n_u and self.unscorable >= n_u:
-            why, fix = ("the reward function or verifier raised or timed out on every one; the "
-                        "first error of each step is in the log", "Fix the reward function")
-            if self.unparseable is not None:  # a generative judge answered, unreadably
-                why, fix = (f"the judge's answer could not be read as a score for any of them, "
-                            f"{self.unparseable} = 1", "Fix the judge (its model, prompt or "
-                            "answer length)")
+            why, fix = self._unscorable_cause()
             raise RunStopped(
                 f"step {step}: no sample could be scored on the last {self.unscorable} steps "
                 f"(train/unscorable_frac = 1: {why}), so the run trains on no reward "
@@ -126,11 +130,8 @@ class RunHealth:
         if step >= self.total_steps and self.unscorable >= self.steps and self.speak:
             # a run shorter than the stop budget that never scored a sample ends with
             # reward=nan and exit status 0: said (fresh-user report, graph=genrm_grpo)
-            cause = (f"{self.unparseable} = 1: the judge's answers held no readable score"
-                     if self.unparseable else "the reward function or verifier raised or timed "
-                     "out on every one; the first error of each step is in the log")
             log.warning("no sample of the run's %d steps could be scored (%s): it trained on no "
-                        "reward", self.steps, cause)
+                        "reward", self.steps, self._unscorable_cause()[0])
         judged = self.steps >= FRAC_FROM_STEP or step >= self.total_steps
         frac = self.skipped / self.optimizer_steps if self.optimizer_steps else 0.0
         if judged and frac > self.max_skipped_frac:
