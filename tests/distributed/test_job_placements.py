@@ -56,15 +56,15 @@ def partitioned_run(tmp_path_factory):
     last; then resumed for a third step."""
     out = tmp_path_factory.mktemp("partitioned")
     common = ["placement=partitioned", "trainer.save_every=1", "trainer.async_save=true"]
-    torchrun(out, *common, "trainer.total_steps=2")
+    console = torchrun(out, *common, "trainer.total_steps=2").stdout
     first = read_metrics(out)
     torchrun(out, *common, "trainer.total_steps=3", "trainer.resume=true")
-    return out, first, read_metrics(out)
+    return out, first, read_metrics(out), console
 
 
 @pytest.mark.slow  # default tier time (CI runs the slow tier too: .ci/run)
 def test_partitioned_resume_keeps_the_adapted_kl_coefficient(partitioned_run):
-    out, first, m = partitioned_run
+    out, first, m, _ = partitioned_run
     samples = 2 * 4  # one rollout rank: trainer.prompts_per_step × algorithm.n
     assert m[1]["kl/coef"] == pytest.approx(0.01)
     assert m[2]["kl/coef"] == pytest.approx(next_beta(m[1], samples), rel=1e-6)
@@ -78,13 +78,26 @@ def test_partitioned_resume_keeps_the_adapted_kl_coefficient(partitioned_run):
 
 @pytest.mark.slow  # default tier time (CI runs the slow tier too: .ci/run)
 def test_partitioned_saves_are_async_and_timed(partitioned_run):
-    out, first, m = partitioned_run
+    out, first, m, _ = partitioned_run
     for rank in (0, 1):  # every rank joins each save; only the final one is synchronous
         assert saves(out, rank) == [{"step": 1, "async": True}, {"step": 2, "async": False},
                                     {"step": 3, "async": False}]
     for rows in (first, m):
         assert rows[1]["perf/checkpoint_s"] > 0 and rows[2]["perf/checkpoint_s"] > 0
     assert m[3]["perf/checkpoint_s"] > 0
+
+
+@pytest.mark.slow  # default tier time (CI runs the slow tier too: .ci/run)
+def test_partitioned_rollout_pool_says_its_setup_tagged(partitioned_run):
+    """The rollout pool builds engines the train pool never has: its first rank says its setup
+    lines, each tagged with its pool (they went nowhere, and its log lines read as the train
+    pool's: "engines built in ..." twice)."""
+    console = partitioned_run[3].splitlines()
+    rollout = [x for x in console if x.startswith("rollout pool: setup: ")]
+    assert [x.split(" in ")[0] for x in rollout] == [
+        "rollout pool: setup: data 64 prompts", "rollout pool: setup: model and engines (rollout)"]
+    train = [x for x in console if x.startswith("setup: model and engines (")]
+    assert len(train) == 1 and "rollout" not in train[0].split(" in ")[0]  # the train pool's own
 
 
 @pytest.mark.slow  # default tier time (CI runs the slow tier too: .ci/run)

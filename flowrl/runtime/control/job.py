@@ -188,6 +188,8 @@ def run_job(spec: "RunSpec") -> dict[str, Any]:
     # start-up lines once per pool, not once per rank: the first rank of each pool speaks (a
     # partitioned run's rollout pool builds engines rank 0 never has)
     fdist.quiet_other_ranks(dinfo.rank, speakers={min(p.ranks) for p in pp.pools.values() if p.ranks})
+    if (pool := other_pool_speaker(pp, dinfo.rank)) is not None:  # whose line is whose
+        fdist.tag_rank_lines(f"{pool} pool")
     # ranks' Hydra run dirs can differ by a timestamp second: all use rank 0's (DCP needs one dir)
     out_dir = Path(fdist.broadcast_object(cfg.trainer.output_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -328,6 +330,10 @@ class _Job:
         # ---- setup: this rank's engines, resources, executor; a console line for each phase
         # as it ends, from the first second (a file gets them as a terminal does)
         say = _Say(place.logs and cfg.logger.console, log_files=place.logs)
+        # the setup lines of a pool the logging rank is not in (a partitioned run's rollout pool
+        # builds engines the train pool never has), said by that pool's first rank, tagged
+        pool = other_pool_speaker(self.pp, dinfo.rank)
+        setup_say = say if pool is None else _Say(cfg.logger.console, prefix=f"{pool} pool: ")
         if self.intro:
             say(self.intro)
         say(place.header(cfg, out_dir))
@@ -336,7 +342,7 @@ class _Job:
         # template that fails on a row) is refused in one line like any input check, no model
         # loaded, and the run directory left as it was found (plan.txt comes after)
         tokenizer, prompts = load_prompts(cfg, place.dist.rank, place.dist.world_size)
-        say(f"setup: data {len(prompts)} prompts in {time.perf_counter() - t0:.1f} s")
+        setup_say(f"setup: data {len(prompts)} prompts in {time.perf_counter() - t0:.1f} s")
         if cfg.trainer.resume and resume_from is not None and place.samples:
             check_resumed_prompts(resume_from, prompts, cfg)  # before any model loads
         if dinfo.rank == 0:
@@ -359,8 +365,8 @@ class _Job:
                  "far %.2f GiB", load_s, *since_start(), peak_rss_gib())
         if (line := mps.serving_line()) is not None:  # launcher.mps: did the contexts join?
             log.info(line)
-        say(f"setup: model and engines ({', '.join(place.plan.roles)}) in {load_s:.1f} s, host "
-            f"peak RSS {peak_rss_gib():.2f} GiB")
+        setup_say(f"setup: model and engines ({', '.join(place.plan.roles)}) in {load_s:.1f} s, "
+                  f"host peak RSS {peak_rss_gib():.2f} GiB")
         resources = RunResources(
             tokenizer=tokenizer, prompts=prompts, algorithm=cfg.algorithm,
             sampling=cfg.rollout.sampling, trainer=cfg.trainer,
@@ -574,26 +580,42 @@ class _Job:
                                "perf/host_peak_rss_gib_after_checkpoint": peak_rss_gib()})
 
 
+def other_pool_speaker(pp: "PlacementPlan", rank: int) -> Optional[str]:
+    """The pool ``rank`` speaks for when it is the first rank of a pool the logging rank is not
+    in (a partitioned run's rollout pool: the train pool's first rank logs the run), else None."""
+    from flowrl.compiler.placement import TRAIN_POOL
+
+    if len(pp.pools) < 2:  # colocated: one pool, its rank 0 logs
+        return None
+    return next((name for name, p in pp.pools.items()
+                 if p.ranks and min(p.ranks) == rank and name != TRAIN_POOL), None)
+
+
 class _Say:
     """Console lines before the metrics logger exists (the start-up phases), flushed at once;
     each also goes to the run's log files (``train.log``: Hydra's file handler) as plain text,
-    so a line needs no ``log.info`` twin (the twin doubled it on the console)."""
+    so a line needs no ``log.info`` twin (the twin doubled it on the console). ``prefix``: the
+    pool a rank speaks for (``rollout pool: ``)."""
 
-    def __init__(self, enabled: bool, log_files: bool = True):
+    def __init__(self, enabled: bool, log_files: bool = True, prefix: str = ""):
         from rich.console import Console
 
         self.console = Console(soft_wrap=True) if enabled else None
-        self.log_files = log_files
+        self.log_files, self.prefix = log_files, prefix
 
     def __call__(self, msg: str) -> None:
+        msg = self.prefix + msg
         if self.console is not None:
             self.console.print(msg)
             self.console.file.flush()
         if self.log_files:
             from rich.text import Text
 
+            from flowrl.runtime.io.distributed import POOL_TAGGED
+
             record = log.makeRecord(log.name, logging.INFO, __file__, 0,
-                                    Text.from_markup(msg).plain, (), None)
+                                    Text.from_markup(msg).plain, (), None,
+                                    extra={POOL_TAGGED: True})  # its prefix is in, not twice
             for h in logging.getLogger().handlers:  # the file ones only: the console has it
                 if isinstance(h, logging.FileHandler) and record.levelno >= h.level:
                     h.handle(record)

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 # a record logged with extra={EVERY_RANK: True} is shown by every rank (what differs per rank);
 # the other INFO records of flowrl's loggers are shown by rank 0 only (quiet_other_ranks)
 EVERY_RANK = "every_rank"
+# set on a record once :class:`PoolTag` prefixed it (or its logger wrote the prefix itself)
+POOL_TAGGED = "pool_tagged"
 
 
 class RankZeroInfo(logging.Filter):
@@ -45,6 +47,30 @@ class RankZeroInfo(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return (record.levelno >= logging.WARNING or not record.name.startswith("flowrl")
                 or bool(getattr(record, EVERY_RANK, False)))
+
+
+class PoolTag(logging.Filter):
+    """Prefixes flowrl's records with the pool a rank speaks for (``rollout pool: ...``): a
+    partitioned run's rollout-pool rank said its start-up lines on the same console and
+    ``train.log`` as the train pool's, indistinguishable ("engines built in ..." twice)."""
+
+    def __init__(self, tag: str):
+        super().__init__()
+        self.tag = tag
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith("flowrl") and not getattr(record, POOL_TAGGED, False):
+            record.msg = f"{self.tag}: {record.msg}"  # once: each handler sees the same record
+            setattr(record, POOL_TAGGED, True)
+        return True
+
+
+def tag_rank_lines(tag: str) -> None:
+    """Prefix every flowrl record this rank logs with ``tag`` (:class:`PoolTag` on the root
+    logger's handlers, once: a second job in the same process adds none)."""
+    for h in logging.getLogger().handlers:
+        if not any(isinstance(f, PoolTag) for f in h.filters):
+            h.addFilter(PoolTag(tag))
 
 
 def quiet_other_ranks(rank: int, speakers: "set[int] | frozenset[int]" = frozenset({0})) -> None:
