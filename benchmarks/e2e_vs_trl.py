@@ -1233,8 +1233,10 @@ ROUNDS_TEXT = """\
 Each framework of a pair runs in ONE process for the whole pair (engines built once; the process
 is reused, not restarted per round: a fresh process per round would spend the engine build,
 20-90 s on the H200, every round, 3-4x the time of the round's steps, and the 20-minute budget
-of the suite with it). The two processes are started one after the other (each start-up alone on
-the machine: "engine build s"), run their warm-up step(s), then take turns: flowrl round 1, TRL
+of the suite with it). A vLLM pair's two processes are started one after the other (each start-up
+alone on the machine: "engine build s"; an HF pair's side by side, as their start-up builds no
+engine and the suite's 20 minutes are short: its "engine build s" may include the other's
+start-up), run their warm-up step(s), then take turns: flowrl round 1, TRL
 round 1, flowrl round 2, ... (round r of both back to back), one waiting at a file gate while the
 other runs (it first frees its unused cached device memory: `torch.cuda.empty_cache`). A round's
 value is the tokens/s of its steps (Σ tokens / Σ step s), its other columns means over its
@@ -1306,20 +1308,20 @@ def _split(v: str, allowed: tuple[str, ...], name: str) -> list[str]:
 
 
 # seconds per step on one H200 of the GPU suite's shape (32 prompts x 8 x 256 new tokens), by
-# (model, rollout, framework), the mean over warm-up and timed steps: qwen05b and qwen15b (vLLM)
-# measured at 876beea (2026-12-06, benchmarks/results/e2e_vs_trl_h200.md; flowrl's HF from its
-# eager 2026-12-04 pair), smollm2 vLLM at 1c601bb, the rest scaled from them (smollm2: 30 thin
-# layers, so HF generate costs about as much as qwen05b's; qwen15b: 28 wide layers, ~3.4x the
-# update FLOPs); engine build s by (rollout, framework), measured at 876beea (flowrl's vLLM: 4
-# engine processes with the suite's torch_compile=true, 70-78 s).
+# (model, rollout, framework), the mean over warm-up and timed steps: the vLLM pairs measured at
+# ce93b88 (2026-12-06 20:50, benchmarks/results/e2e_vs_trl_h200.md: 2.51 / 5.74 s at 0.5B, 1.35 /
+# 2.21 s SmolLM2, 2.80 / 5.01 s at 1.5B); the HF pairs from the eager 2026-12-04 pair at 0.5B,
+# the rest scaled from it (smollm2: 30 thin layers, so HF generate costs about as much as
+# qwen05b's; qwen15b: 28 wide layers, ~3.4x the update FLOPs); engine build s by (rollout,
+# framework), the largest of ce93b88's (flowrl's vLLM: 50-76 s; TRL's 37-53 s).
 # Only for the plan printed before a run: the report has the measured numbers.
 STEP_S_GUESS = {("qwen05b", "hf", "flowrl"): 7.5, ("qwen05b", "hf", "trl"): 7.0,
-                ("qwen05b", "vllm", "flowrl"): 3.0, ("qwen05b", "vllm", "trl"): 4.5,
+                ("qwen05b", "vllm", "flowrl"): 2.5, ("qwen05b", "vllm", "trl"): 5.7,
                 ("smollm2", "hf", "flowrl"): 6.5, ("smollm2", "hf", "trl"): 6.0,
-                ("smollm2", "vllm", "flowrl"): 2.0, ("smollm2", "vllm", "trl"): 3.0,
+                ("smollm2", "vllm", "flowrl"): 1.4, ("smollm2", "vllm", "trl"): 2.2,
                 ("qwen15b", "hf", "flowrl"): 12.0, ("qwen15b", "hf", "trl"): 11.0,
-                ("qwen15b", "vllm", "flowrl"): 4.5, ("qwen15b", "vllm", "trl"): 6.7}
-BUILD_S_GUESS = {("hf", "flowrl"): 5.0, ("hf", "trl"): 1.0, ("vllm", "flowrl"): 80.0, ("vllm", "trl"): 50.0}
+                ("qwen15b", "vllm", "flowrl"): 2.8, ("qwen15b", "vllm", "trl"): 5.0}
+BUILD_S_GUESS = {("hf", "flowrl"): 5.0, ("hf", "trl"): 1.0, ("vllm", "flowrl"): 76.0, ("vllm", "trl"): 53.0}
 PROCESS_S_GUESS = 35.0  # imports, data, model load, checkpoint and exit of one framework process
 PREPARE_S_GUESS = {"qwen05b": 15.0, "smollm2": 10.0, "qwen15b": 40.0, "tiny": 2.0}  # build + save
 
@@ -1328,8 +1330,20 @@ def pair_estimate_s(model: str, rollout: str, fws: list[str], bc: BenchConfig) -
     """Estimated H200 seconds of one pair: each framework's process start, engine build and steps
     (both processes live through the whole pair, so this is also how long each one lives)."""
     scale = bc.batch * bc.max_new_tokens / (256 * 256)
-    return sum(PROCESS_S_GUESS + BUILD_S_GUESS[(rollout, fw)]
-               + bc.total_steps * STEP_S_GUESS.get((model, rollout, fw), 10.0) * scale for fw in fws)
+    starts = [PROCESS_S_GUESS + BUILD_S_GUESS[(rollout, fw)] for fw in fws]
+    steps = sum(bc.total_steps * STEP_S_GUESS.get((model, rollout, fw), 10.0) * scale for fw in fws)
+    # an HF pair's processes start side by side (run_pair): its start-up costs the longer one
+    return (max(starts) if starts_side_by_side(rollout) else sum(starts)) + steps
+
+
+def starts_side_by_side(rollout: str) -> bool:
+    """Whether a pair's processes start at once (:func:`run_pair`): an HF pair's, which build no
+    engine worth timing (its "engine build s" is a model load of a few seconds), so the suite
+    saves one process start per HF pair (~35 s, 3 of the 20 minutes); a vLLM pair's start one
+    after the other: each engine build is timed alone on the machine ("engine build ≤ TRL's"),
+    and vLLM sizes its KV cache from the device memory it sees free while it profiles, which a
+    neighbour's start-up would move."""
+    return rollout == "hf"
 
 
 PROFILED_STEP_S_GUESS = 40.0  # trainer.profile: the profiler's pause after a step (11-14 s) and its overhead
@@ -1375,12 +1389,15 @@ def _wait_for(paths: list[Path], thread: threading.Thread, poll_s: float = 0.05)
     return any(p.exists() for p in paths)
 
 
-def run_pair(fws: list[str], bc: BenchConfig, pair_dir: Path, launch) -> dict:
+def run_pair(fws: list[str], bc: BenchConfig, pair_dir: Path, launch,
+             side_by_side: bool = False) -> dict:
     """Run the frameworks of one pair in interleaved rounds; returns {fw: ChildResult}.
 
     Each framework gets ONE process (``launch(fw, gate_dir)`` returns it running in a thread that
     holds its ChildResult in ``.result``), started after the previous one reached its first gate,
-    so start-ups do not overlap. Then round r of every framework in turn (the gate files of
+    so start-ups do not overlap; ``side_by_side`` (:func:`starts_side_by_side`): all start at once
+    and the rounds begin when every one reached its first gate (a start-up and a warm-up step may
+    overlap then; no timed step does). Then round r of every framework in turn (the gate files of
     ``Gate``); after its last round a framework's process exits (checkpoint, engines closed)
     before the next framework's last round starts. A process that dies ends its part only."""
     threads: dict[str, threading.Thread] = {}
@@ -1388,7 +1405,10 @@ def run_pair(fws: list[str], bc: BenchConfig, pair_dir: Path, launch) -> dict:
         gate_dir = pair_dir / fw / "gate"
         gate_dir.mkdir(parents=True)
         threads[fw] = launch(fw, gate_dir)
-        _wait_for([gate_dir / "ready_1", gate_dir / "done"], threads[fw])
+        if not side_by_side:
+            _wait_for([gate_dir / "ready_1", gate_dir / "done"], threads[fw])
+    for fw in fws if side_by_side else ():
+        _wait_for([pair_dir / fw / "gate" / "ready_1", pair_dir / fw / "gate" / "done"], threads[fw])
     for r in range(1, bc.rounds + 1):
         for fw in fws:
             th, gate_dir = threads[fw], pair_dir / fw / "gate"
@@ -1604,7 +1624,7 @@ def main(argv: list[str] | None = None) -> int:
                     th.start()
                     return th
 
-                results = run_pair(fws, base, pair_dir, launch)
+                results = run_pair(fws, base, pair_dir, launch, side_by_side=starts_side_by_side(rollout))
                 for fw in fws:
                     child, result = results[fw], pair_dir / fw / "result.json"
                     run = {"model": model, "rollout": rollout, "framework": fw, "model_info": mp["info"],

@@ -151,20 +151,52 @@ def test_run_pair_interleaves_rounds(tmp_path):
                    ("flowrl", 6), ("flowrl", 7), ("trl", 6), ("trl", 7)]
 
 
+def test_run_pair_side_by_side_starts_every_process_before_the_rounds(tmp_path):
+    """An HF pair's processes start at once (no engine build to time alone): both are launched
+    before either reached its first gate; the timed rounds still take turns."""
+    base = bench.BenchConfig(steps=1, rounds=2, warmup=1, prompts_per_step=2, n=2, micro_batch_size=2)
+    log: list[tuple[str, int]] = []
+    started = threading.Barrier(2, timeout=10)  # breaks (and fails the test) if one waits alone
+
+    def launch(fw, gate_dir):
+        from dataclasses import replace
+        gate = bench.Gate(replace(base, gate_dir=str(gate_dir)), poll_s=0.001)
+
+        def child():
+            started.wait()  # the other process was launched before this one reached a gate
+            for step in range(1, base.total_steps + 1):
+                gate.before(step)
+                if step > base.warmup:
+                    log.append((fw, step))
+                gate.after(step)
+            th.result = fw
+
+        th = threading.Thread(target=child)
+        th.start()
+        return th
+
+    assert bench.run_pair(["flowrl", "trl"], base, tmp_path, launch, side_by_side=True) == {
+        "flowrl": "flowrl", "trl": "trl"}
+    assert log == [("flowrl", 2), ("trl", 2), ("flowrl", 3), ("trl", 3)]
+    assert bench.starts_side_by_side("hf") and not bench.starts_side_by_side("vllm")
+
+
 def test_plan_rows_estimate():
     bc = bench.BenchConfig(device="cuda", steps=2, rounds=3, warmup=1, prompts_per_step=32, n=8,
                            max_new_tokens=256, micro_batch_size=32)
     rows = bench.plan_rows(["qwen05b"], ["hf"], ["flowrl", "trl"], bc)
-    # 2 processes x 35 s + builds 5 + 1 + 7 steps x (7.5 + 7.0) s, plus 15 s of model preparation
-    assert rows[0] == ["qwen05b", "hf", "1 + 3 x 2", f"{70 + 6 + 7 * 14.5:.0f}"]
-    assert rows[-1][-1] == f"{15 + 70 + 6 + 7 * 14.5:.0f} s = {(15 + 70 + 6 + 7 * 14.5) / 60:.1f} min"
+    # an HF pair's 2 processes start side by side: the longer start, 35 s + flowrl's build 5 s,
+    # then 7 steps x (7.5 + 7.0) s, plus 15 s of model preparation
+    assert rows[0] == ["qwen05b", "hf", "1 + 3 x 2", f"{40 + 7 * 14.5:.0f}"]
+    assert rows[-1][-1] == f"{15 + 40 + 7 * 14.5:.0f} s = {(15 + 40 + 7 * 14.5) / 60:.1f} min"
 
 
 def test_default_child_timeout_outlives_the_pair():
     bc = bench.BenchConfig(device="cuda", steps=2, rounds=3, warmup=1, prompts_per_step=32, n=8,
                            max_new_tokens=256, micro_batch_size=32)
-    # flowrl 35 + 80 (compiled engine build) + 7 x 3.0; TRL 35 + 50 + 7 x 4.5
-    est = 35 + 80 + 21 + 35 + 50 + 31.5
+    # a vLLM pair's processes start one after the other: flowrl 35 + 76 (compiled engine build)
+    # + 7 x 2.5; TRL 35 + 53 + 7 x 5.7
+    est = 35 + 76 + 7 * 2.5 + 35 + 53 + 7 * 5.7
     assert bench.pair_estimate_s("qwen05b", "vllm", ["flowrl", "trl"], bc) == pytest.approx(est)
     assert bench.default_child_timeout_s("qwen05b", "vllm", ["flowrl", "trl"], bc) == \
         pytest.approx(1.5 * est + 60)
