@@ -32,7 +32,13 @@ _MISSING = object()
 
 class DataError(ValueError):
     """A data file, column or row flowrl cannot use; the message names the file, the line or row
-    and the field, in one line."""
+    and the field, in one line. ``row``: the index of the row it is about, in the file's (split's)
+    row order, when it is about one (a caller checking something else of each row reports what
+    comes first in the file)."""
+
+    def __init__(self, message: str, row: Optional[int] = None):
+        super().__init__(message)
+        self.row = row
 
 
 def is_single_file(path: str) -> bool:
@@ -277,28 +283,39 @@ def to_records(rows: list[dict], where: Callable[[int], str], label: str, *, pro
         if key not in rows[0]:
             raise DataError(f"{label}: no column {key!r} ({field}); columns: "
                             f"{', '.join(map(str, rows[0])) or 'none'}")
-    records = []
+    records: list[dict] = []
     for i, row in enumerate(rows):
-        at = f"{label} {where(i)}"
-        values = {}
-        for key, _ in wanted:
-            v = row.get(key, _MISSING)
-            if v is _MISSING:
-                raise DataError(f"{at}: no field {key!r}")
-            values[key] = v
-        prompt, question = _prompt(values[prompt_key], at, prompt_key)
-        truth = "" if ground_truth_key is None else \
-            _ground_truth(values[ground_truth_key], at, ground_truth_key)
-        records.append({"prompt": prompt, "question": question, "ground_truth": truth,
-                        "fields": {k: values[k] for k in extra_keys}})
-        if image_key is not None:
-            from flowrl.data.images import ImageError, check_images
-
-            try:
-                records[-1]["images"] = check_images(values[image_key], at, image_key, image_base)
-            except ImageError as e:
-                raise DataError(str(e)) from None
+        try:
+            records.append(_record(row, f"{label} {where(i)}", wanted, prompt_key,
+                                   ground_truth_key, extra_keys, image_key, image_base))
+        except DataError as e:
+            raise DataError(str(e), row=i) from None
     return records
+
+
+def _record(row: dict, at: str, wanted: list[tuple[str, str]], prompt_key: str,
+            ground_truth_key: Optional[str], extra_keys: tuple[str, ...],
+            image_key: Optional[str], image_base: Optional[Path]) -> dict:
+    """One row's record (:func:`to_records`); ``at`` names the row in messages."""
+    values = {}
+    for key, _ in wanted:
+        v = row.get(key, _MISSING)
+        if v is _MISSING:
+            raise DataError(f"{at}: no field {key!r}")
+        values[key] = v
+    prompt, question = _prompt(values[prompt_key], at, prompt_key)
+    truth = "" if ground_truth_key is None else \
+        _ground_truth(values[ground_truth_key], at, ground_truth_key)
+    record = {"prompt": prompt, "question": question, "ground_truth": truth,
+              "fields": {k: values[k] for k in extra_keys}}
+    if image_key is not None:
+        from flowrl.data.images import ImageError, check_images
+
+        try:
+            record["images"] = check_images(values[image_key], at, image_key, image_base)
+        except ImageError as e:
+            raise DataError(str(e)) from None
+    return record
 
 
 @functools.lru_cache(maxsize=8)

@@ -113,6 +113,22 @@ def test_bad_rows_are_rejected_before_the_run_directory_is_touched(tmp_path):
                                           r"graph's reward.rule gsm8k \(stage 'reward'\)\)$"):
         run(tmp_path / "run", f"data.path={data}", "data.ground_truth_key=answer",
             "trainer.eval.limit=0")
+    # both kinds in one file: said in the file's order, together (line 3's missing field was
+    # said alone, and line 2's unreadable answer only on the next try)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "answer": "1"},
+                                               {"prompt": "y", "answer": "seven"}, {"prompt": "z"}])
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/d.jsonl line 2: field 'answer': gsm8k "
+                                          r"ground_truth must hold a number, got 'seven' \(the "
+                                          r"graph's reward.rule gsm8k \(stage 'reward'\)\); and "
+                                          rf"{tmp_path}/d.jsonl line 3: no field 'answer'$"):
+        run(tmp_path / "run", f"data.path={data}", "data.ground_truth_key=answer",
+            "trainer.eval.limit=0")
+    # ... an unreadable answer after the structural problem is not read (the first one wins)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "answer": "1"}, {"prompt": "z"},
+                                               {"prompt": "y", "answer": "seven"}])
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/d.jsonl line 2: no field 'answer'$"):
+        run(tmp_path / "run", f"data.path={data}", "data.ground_truth_key=answer",
+            "trainer.eval.limit=0")
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "answer": "1"}])
     with pytest.raises(ConfigError, match="is a single file, so it has no held-out split"):
         run(tmp_path / "run", f"data.path={data}", "data.ground_truth_key=answer")

@@ -434,7 +434,7 @@ def check_run_inputs(cfg, plan) -> None:
             model folder and what it lacks, or the evaluation that has nothing to score with.
     """
     from flowrl.data import DataError, load_records
-    from flowrl.data.files import load_file_records
+    from flowrl.data.files import load_file_records, read_rows
     from flowrl.models.bundled import SMOLLM2, SMOLLM2_GGUF, smollm2_dir
     from flowrl.models.loading import check_model_dir
     from flowrl.models.size import gguf_missing
@@ -472,18 +472,37 @@ def check_run_inputs(cfg, plan) -> None:
     sources = [(False, data.split, data.limit)] + ([(True, ev.split, ev.limit)] if evaluates else [])
     check = scorer.check_ground_truth if scorer is not None and data.ground_truth_key else None
     scorer_name = scorer.name if scorer is not None else ""
+
+    def unreadable(truth: str) -> Optional[str]:  # why the graph's verifier cannot read it
+        try:
+            check(truth)  # type: ignore[misc]  # called only where check is set
+        except ValueError as e:
+            return f"field {data.ground_truth_key!r}: {e} (the graph's {scorer_name})"
+        return None
+
     for for_eval, split, limit in sources:
-        records = load_records(data, split, limit, for_eval=for_eval)
+        path = (data.eval_path or data.path) if for_eval else data.path
+        split_field = "trainer.eval.split" if for_eval else "data.split"
+        try:
+            records = load_records(data, split, limit, for_eval=for_eval)
+        except DataError as e:
+            # a row the file's own check refused (a missing field, a wrong type): a ground truth
+            # the verifier cannot read on an earlier line is said first, with it (a user fixing
+            # the one reported found the other on the next try, out of the file's order)
+            if check is None or path is None or e.row is None:
+                raise
+            rows, where, label = read_rows(path, split, split_field)
+            for i in range(min(e.row, len(rows) if limit is None else limit)):
+                v = rows[i].get(data.ground_truth_key)
+                if isinstance(v, (str, int, float)) and not isinstance(v, bool) and \
+                        (why := unreadable(str(v))) is not None:
+                    raise DataError(f"{label} {where(i)}: {why}; and {e}") from None
+            raise
         if check is None:
             continue
         for i, r in enumerate(records):
-            try:
-                check(r["ground_truth"])
-            except ValueError as e:
-                path = (data.eval_path or data.path) if for_eval else data.path
-                where = f"{data.name}/{split} row {i}" if path is None else load_file_records(
+            if (why := unreadable(r["ground_truth"])) is not None:
+                at = f"{data.name}/{split} row {i}" if path is None else load_file_records(
                     path, split, prompt_key=data.prompt_key, ground_truth_key=data.ground_truth_key,
-                    extra_keys=tuple(data.extra_keys),
-                    split_field="trainer.eval.split" if for_eval else "data.split")[1][i]
-                raise DataError(f"{where}: field {data.ground_truth_key!r}: {e} (the graph's "
-                                f"{scorer_name})") from None
+                    extra_keys=tuple(data.extra_keys), split_field=split_field)[1][i]
+                raise DataError(f"{at}: {why}")
