@@ -22,7 +22,7 @@ import functools
 import logging
 import random
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 OPS = "+-*"
 
@@ -80,7 +80,7 @@ class ArithConfig:
         return values ** self.num_operands * len(set(self.ops)) ** (self.num_operands - 1)
 
 
-def evaluate(operands: list[int], operators: list[str]) -> int:
+def evaluate(operands: Sequence[int], operators: Sequence[str]) -> int:
     """``a op b op c ...`` with ``*`` binding tighter than ``+``/``-`` (left to right otherwise).
 
     >>> evaluate([2, 3, 4], ["+", "*"])
@@ -99,14 +99,18 @@ def evaluate(operands: list[int], operators: list[str]) -> int:
     return total
 
 
-def _draw(rng: random.Random, cfg: ArithConfig) -> tuple[str, int]:
+def _draw(rng: random.Random, cfg: ArithConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """One expression's operands and operators (its text and value are built only for a draw
+    that is kept: near the end of the space most draws repeat one, 72k of 80k by default)."""
     lo, hi = 10 ** (cfg.digits - 1), 10 ** cfg.digits - 1
     if cfg.digits == 1:
         lo = 1  # 1-digit operands: 1..9 (a 0 operand makes a trivial item)
-    operands = [rng.randint(lo, hi) for _ in range(cfg.num_operands)]
-    operators = [rng.choice(cfg.ops) for _ in range(cfg.num_operands - 1)]
-    text = str(operands[0]) + "".join(f" {op} {x}" for op, x in zip(operators, operands[1:]))
-    return text, evaluate(operands, operators)
+    operands = tuple(rng.randint(lo, hi) for _ in range(cfg.num_operands))
+    return operands, tuple(rng.choice(cfg.ops) for _ in range(cfg.num_operands - 1))
+
+
+def _text(operands: tuple[int, ...], operators: tuple[str, ...]) -> str:
+    return str(operands[0]) + "".join(f" {op} {x}" for op, x in zip(operators, operands[1:]))
 
 
 def _record(expr: str, value: int) -> dict[str, str]:
@@ -121,7 +125,7 @@ def _splits(cfg: ArithConfig) -> dict[str, tuple[dict[str, str], ...]]:
 @functools.lru_cache(maxsize=8)
 def _generate(key: tuple) -> dict[str, tuple[dict[str, str], ...]]:
     cfg = ArithConfig(*key)
-    seen: set[str] = set()
+    seen: set[tuple] = set()  # (operands, operators): one per expression text
     out: dict[str, tuple[dict[str, str], ...]] = {}
     # test first: its items do not depend on train_size, so a bigger train split keeps the
     # same held-out questions
@@ -132,11 +136,11 @@ def _generate(key: tuple) -> dict[str, tuple[dict[str, str], ...]]:
         budget = 50 * size + 1000  # draws before settling for fewer (a nearly drawn-out space)
         while len(records) < size and budget > 0:
             budget -= 1
-            expr, value = _draw(rng, cfg)
-            if expr in seen:
+            drawn = _draw(rng, cfg)
+            if drawn in seen:
                 continue
-            seen.add(expr)
-            records.append(_record(expr, value))
+            seen.add(drawn)
+            records.append(_record(_text(*drawn), evaluate(*drawn)))
         out[split] = tuple(records)
         asked = cfg.train_size if split == "train" else cfg.test_size
         # info, not a warning: the default settings are capped too (train_size is an upper bound)
