@@ -57,10 +57,13 @@ class Workload:
     ppo_epochs: int = 1
 
     @classmethod
-    def from_config(cls, cfg: Any, world_size: int) -> "Workload":
+    def from_config(cls, cfg: Any, sampling_ranks: int) -> "Workload":
         """Upper bounds from the run config: P = ``data.max_prompt_tokens``, R =
-        ``rollout.sampling.max_new_tokens`` (refine() replaces R by the measured max length)."""
-        return cls(cfg.trainer.prompts_per_step * cfg.algorithm.n * world_size,
+        ``rollout.sampling.max_new_tokens`` (refine() replaces R by the measured max length);
+        B = ``trainer.prompts_per_step`` × ``algorithm.n`` × ``sampling_ranks``, the ranks that
+        each sample ``prompts_per_step`` prompts a step (colocated: every rank; an explicit
+        partitioned run: its rollout pool's)."""
+        return cls(cfg.trainer.prompts_per_step * cfg.algorithm.n * sampling_ranks,
                    cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_new_tokens,
                    cfg.algorithm.ppo_epochs)
 
@@ -135,16 +138,18 @@ class StageCosts:
         return cls(device, workload, stages, sizes, dict(parallelism or {}))
 
     @classmethod
-    def from_config(cls, plan: Any, cfg: Any, world_size: int, device: Optional[str] = None,
+    def from_config(cls, plan: Any, cfg: Any, sampling_ranks: int, device: Optional[str] = None,
                     parallelism: Optional[dict[str, int]] = None,
                     prompt_tokens: Optional[int] = None) -> "StageCosts":
         """Model sizes read without loading weights (each role's ``ModelConfig.size()``); device kind from
         ``placement.auto.device`` unless given; ``prompt_tokens``: P measured from the data
-        (default: the ``data.max_prompt_tokens`` bound)."""
+        (default: the ``data.max_prompt_tokens`` bound); ``sampling_ranks``: see
+        :meth:`Workload.from_config` (``placement=auto`` compares layouts at the world's batch:
+        a partitioned choice rescales the rollout ranks' prompts to keep it)."""
         kind = device or resolve_device(cfg.placement.auto.device, cfg.trainer.device)
         models = role_model_configs(cfg)
         sizes = {r: models[r].size() for r in plan.roles}
-        w = Workload.from_config(cfg, world_size)
+        w = Workload.from_config(cfg, sampling_ranks)
         if prompt_tokens is not None:
             w = replace(w, prompt_tokens=prompt_tokens)
         return cls.from_plan(plan, sizes, w, DEVICES[kind], parallelism)

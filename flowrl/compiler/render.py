@@ -148,8 +148,7 @@ def partitioned_text(pp: PlacementPlan) -> str:
             lines.append(f"  {i:>2}. {kind:<9} {text}")
     if pp.transfers:
         r, t = len(pp.pools["rollout"].ranks), len(pp.pools["train"].ranks)
-        route = (f"rollout rank i -> train rank i mod {t}" if r >= t
-                 else f"rollout rank i -> train ranks j with j mod {r} = i")
+        route = transfer_route(r, t)
         lines += ["", f"Transfers rollout -> train per step ({route}):"]
         total, wk = 0, max([len(k) for k in pp.transfers] + [28])
         for k in pp.transfers:
@@ -167,6 +166,22 @@ def partitioned_text(pp: PlacementPlan) -> str:
     if pp.notes:
         lines += ["", "Notes:"] + [f"  {n}" for n in pp.notes]
     return "\n".join(lines)
+
+
+def transfer_route(r: int, t: int) -> str:
+    """Which rollout pool rank's batch goes to which train pool rank (pool ranks, not global
+    ones; ``runtime/control/partitioned.pool_peers``), for ``r`` rollout and ``t`` train ranks:
+    more rollout ranks, a train rank joins its peers' batches; more train ranks, a rollout rank
+    splits its rows between its peers (the text said "train ranks j with j mod 1 = i")."""
+    if r == t:
+        return "rollout rank 0 -> train rank 0" if r == 1 else "rollout rank i -> train rank i"
+    if t == 1:
+        return f"every rollout rank -> train rank 0, the {r} batches joined"
+    if r > t:
+        return f"rollout rank i -> train rank i mod {t}, its peers' batches joined"
+    if r == 1:
+        return f"rollout rank 0 -> train ranks 0-{t - 1}, its rows split between them"
+    return f"rollout rank i -> train ranks j with j mod {r} = i, its rows split between them"
 
 
 def _estimate_lines(pp: PlacementPlan, sides: bool = False) -> list[str]:

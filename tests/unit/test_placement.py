@@ -135,12 +135,13 @@ def test_plan_partitioned_text(capsys):
     assert out.startswith("PlacementPlan  graph=grpo  mode=partitioned  world=2  staleness=0\n")
     assert "Pool rollout  ranks [1]  roles: rollout\n" in out
     assert "Pool train  ranks [0]  roles: actor\n" in out
-    # tiny smoke config: B = 2 prompts x 4 samples x 2 ranks = 16 rows, R = 16 new tokens
-    assert "   8. send      rollout.response_ids to pool train (2.0 KiB), then free\n" in out
-    assert "   3. recv      rollout.response_ids from pool rollout (2.0 KiB)\n" in out
+    # tiny smoke config: B = 2 prompts x 4 samples x 1 rollout rank = 8 rows (prompts_per_step
+    # counts per rollout rank; the plan said 16), R = 16 new tokens: 8 x 16 int64 = 1.0 KiB
+    assert "   8. send      rollout.response_ids to pool train (1.0 KiB), then free\n" in out
+    assert "   3. recv      rollout.response_ids from pool rollout (1.0 KiB)\n" in out
     assert "broadcast weights actor -> rollout to pool rollout" in out
     assert "wait      weights actor -> rollout from pool train: at most 0 version(s) behind" in out
-    assert "Transfers rollout -> train per step (rollout rank i -> train rank i mod 1):" in out
+    assert "Transfers rollout -> train per step (rollout rank 0 -> train rank 0):" in out
     assert "Weight sync: actor -> rollout broadcast train -> rollout after each update, 24.3 MiB" in out
     assert "Predicted peak memory per device: pool rollout " in out
 
@@ -180,7 +181,7 @@ def test_plan_mermaid_and_dot(capsys):
     assert out.startswith("flowchart TB\n")
     assert '  subgraph rollout["pool rollout ranks [1]"]\n' in out
     assert '  subgraph train["pool train ranks [0]"]\n' in out
-    assert '  rollout_7 -->|"rollout.response_ids 2.0 KiB"| train_2\n' in out
+    assert '  rollout_7 -->|"rollout.response_ids 1.0 KiB"| train_2\n' in out
     assert '  train_9 -.->|"weights (staleness 0)"| rollout_1\n' in out
     out = plan_output(capsys, "placement=partitioned", "launcher.nproc=2", "--format=dot")
     assert out.startswith('digraph "grpo" {\n')
@@ -206,3 +207,24 @@ def test_vllm_tensor_parallel_size_above_one_is_refused_at_compose(tmp_path):
                    "rollout.vllm.tensor_parallel_size=2", f"trainer.output_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"rollout.vllm.tensor_parallel_size must be 1"):
         prepare(cfg)
+
+
+def test_transfer_route_names_pool_ranks_in_words():
+    from flowrl.compiler.render import transfer_route
+
+    assert transfer_route(1, 1) == "rollout rank 0 -> train rank 0"
+    assert transfer_route(2, 2) == "rollout rank i -> train rank i"
+    assert transfer_route(3, 1) == "every rollout rank -> train rank 0, the 3 batches joined"
+    assert transfer_route(4, 2) == "rollout rank i -> train rank i mod 2, its peers' batches joined"
+    assert transfer_route(1, 2) == "rollout rank 0 -> train ranks 0-1, its rows split between them"
+    assert transfer_route(2, 4) == ("rollout rank i -> train ranks j with j mod 2 = i, its rows "
+                                    "split between them")
+
+
+def test_partitioned_plan_batch_counts_the_rollout_ranks(capsys):
+    """trainer.prompts_per_step counts per rollout rank: 3 ranks (default split: 2 train, 1
+    rollout) send 2 x 4 rows a step, as 2 ranks do (the plan multiplied by the world: 3x)."""
+    two = plan_output(capsys, "placement=partitioned", "launcher.nproc=2")
+    three = plan_output(capsys, "placement=partitioned", "launcher.nproc=3")
+    line = "rollout.truncated to pool train (8 B)"  # 8 rows x 1 byte
+    assert line in two and line in three

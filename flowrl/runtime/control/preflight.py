@@ -293,9 +293,13 @@ def attach_estimate(cfg: "TrainConfig", plan: "ExecutionPlan", pp: "PlacementPla
         return
     from flowrl.compiler.cost import StageCosts
     from flowrl.compiler.modes import estimate
+    from flowrl.compiler.placement import ROLLOUT_POOL
 
+    # trainer.prompts_per_step counts per sampling rank: a partitioned run's rollout ranks (the
+    # plan of a 2-rank partitioned run predicted for twice the batch it generates)
+    samplers = len(pp.pools[ROLLOUT_POOL].ranks) if ROLLOUT_POOL in pp.pools else pp.world_size
     try:
-        pp.estimate = estimate(pp, StageCosts.from_config(plan, cfg, pp.world_size,
+        pp.estimate = estimate(pp, StageCosts.from_config(plan, cfg, samplers,
                                                           parallelism=role_parallelism(cfg),
                                                           prompt_tokens=prompt_tokens))
     except (FileNotFoundError, OSError, ValueError) as e:
