@@ -21,7 +21,7 @@ import functools
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 # the roles of a chat message in a prompt (``tool``: a tool call's result, as the multi-turn
@@ -32,13 +32,32 @@ _MISSING = object()
 
 class DataError(ValueError):
     """A data file, column or row flowrl cannot use; the message names the file, the line or row
-    and the field, in one line. ``row``: the index of the row it is about, in the file's (split's)
-    row order, when it is about one (a caller checking something else of each row reports what
-    comes first in the file)."""
+    and the field, in one line. ``problems``: ``(row index, message)`` of every row found wrong,
+    in the file's (split's) row order, when it is about rows (a caller checking something else
+    of each row merges its own: :func:`problems_line`)."""
 
-    def __init__(self, message: str, row: Optional[int] = None):
+    def __init__(self, message: str, problems: Sequence[tuple[int, str]] = ()):
         super().__init__(message)
-        self.row = row
+        self.problems = list(problems)
+
+
+SHOWN_PROBLEMS = 3  # rows a one-line data error names; the rest are counted
+
+
+def problems_line(problems: Sequence[tuple[int, str]], label: str) -> str:
+    """One line for the rows of one file found wrong (``(row index, message)``, each message
+    starting with ``label``): the first :data:`SHOWN_PROBLEMS` in file order, the later ones
+    without the repeated file name, then how many more (a user fixed one row a run: a file of
+    bad rows took a run per row).
+
+    >>> problems_line([(3, "d.jsonl line 4: no field 'a'"), (1, "d.jsonl line 2: no field 'p'")], "d.jsonl")
+    "d.jsonl line 2: no field 'p'; line 4: no field 'a'"
+    """
+    ordered = [m for _, m in sorted(problems, key=lambda p: p[0])]
+    short = [ordered[0]] + [m[len(label) + 1:] if m.startswith(label + " ") else m
+                            for m in ordered[1:SHOWN_PROBLEMS]]
+    more = len(ordered) - len(short)
+    return "; ".join(short) + (f" (and {more} more row{'s' * (more > 1)} with problems)" if more else "")
 
 
 def is_single_file(path: str) -> bool:
@@ -284,12 +303,15 @@ def to_records(rows: list[dict], where: Callable[[int], str], label: str, *, pro
             raise DataError(f"{label}: no column {key!r} ({field}); columns: "
                             f"{', '.join(map(str, rows[0])) or 'none'}")
     records: list[dict] = []
+    problems: list[tuple[int, str]] = []  # every row's first problem: all said in one go
     for i, row in enumerate(rows):
         try:
             records.append(_record(row, f"{label} {where(i)}", wanted, prompt_key,
                                    ground_truth_key, extra_keys, image_key, image_base))
         except DataError as e:
-            raise DataError(str(e), row=i) from None
+            problems.append((i, str(e)))
+    if problems:
+        raise DataError(problems_line(problems, label), problems)
     return records
 
 

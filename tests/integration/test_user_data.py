@@ -113,20 +113,33 @@ def test_bad_rows_are_rejected_before_the_run_directory_is_touched(tmp_path):
                                           r"graph's reward.rule gsm8k \(stage 'reward'\)\)$"):
         run(tmp_path / "run", f"data.path={data}", "data.ground_truth_key=answer",
             "trainer.eval.limit=0")
-    # both kinds in one file: said in the file's order, together (line 3's missing field was
-    # said alone, and line 2's unreadable answer only on the next try)
+    # every bad row of both kinds in one line, in the file's order (a missing field on line 3
+    # was said alone, line 2's unreadable answer only on the next try, the rest one run each)
+    gsm8k = (r"field 'answer': gsm8k ground_truth must hold a number, got '{}' \(the graph's "
+             r"reward.rule gsm8k \(stage 'reward'\)\)")
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "answer": "1"},
                                                {"prompt": "y", "answer": "seven"}, {"prompt": "z"}])
-    with pytest.raises(ConfigError, match=rf"^{tmp_path}/d.jsonl line 2: field 'answer': gsm8k "
-                                          r"ground_truth must hold a number, got 'seven' \(the "
-                                          r"graph's reward.rule gsm8k \(stage 'reward'\)\); and "
-                                          rf"{tmp_path}/d.jsonl line 3: no field 'answer'$"):
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/d.jsonl line 2: {gsm8k.format('seven')}; "
+                                          r"line 3: no field 'answer'$"):
         run(tmp_path / "run", f"data.path={data}", "data.ground_truth_key=answer",
             "trainer.eval.limit=0")
-    # ... an unreadable answer after the structural problem is not read (the first one wins)
-    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "answer": "1"}, {"prompt": "z"},
-                                               {"prompt": "y", "answer": "seven"}])
-    with pytest.raises(ConfigError, match=rf"^{tmp_path}/d.jsonl line 2: no field 'answer'$"):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "z", "answer": None},
+                                               {"prompt": "y", "answer": "seven"},
+                                               {"prompt": "w", "answer": ""}, {"answer": "3"},
+                                               {"prompt": "v"}])
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/d.jsonl line 1: field 'answer' \(the "
+                                          r"ground truth\) must be a string or a number, got null; line "
+                                          rf"2: {gsm8k.format('seven')}; line 3: "
+                                          rf"{gsm8k.format('')} \(and 2 more rows with problems\)$"):
+        run(tmp_path / "run", f"data.path={data}", "data.ground_truth_key=answer",
+            "trainer.eval.limit=0")
+    # unreadable answers alone: every one, counted past the first three
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "answer": w}
+                                               for w in ("one", "2", "three", "four", "five")])
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/d.jsonl line 1: {gsm8k.format('one')}; "
+                                          rf"line 3: {gsm8k.format('three')}; line 4: "
+                                          rf"{gsm8k.format('four')} \(and 1 more row with "
+                                          r"problems\)$"):
         run(tmp_path / "run", f"data.path={data}", "data.ground_truth_key=answer",
             "trainer.eval.limit=0")
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "answer": "1"}])

@@ -265,6 +265,17 @@ CONFIG_CASES = {
                                 "'=': write trainer.total_steps=VALUE"),
     "override_syntax_error": (["algorithm.n=[1,"], "override 'algorithm.n=[1,' cannot be parsed "
                               "(no viable alternative at input '[1,'): write key=value and quote"),
+    # the tiny model's 2,048 positions: HF generate ran past them without a word (fresh-user report)
+    "prompt_and_response_past_the_positions": (
+        ["data.max_prompt_tokens=4000"], "data.max_prompt_tokens=4000 + rollout.sampling."
+        "max_new_tokens=16 = 4016 tokens exceed the positions of model=tiny (2048): a prompt and "
+        "response that long run past what the model takes; set data.max_prompt_tokens<=2032"),
+    "response_past_the_positions": (
+        ["rollout.sampling.max_new_tokens=2048"], "rollout.sampling.max_new_tokens=2048 leaves no "
+        "room for a prompt in the positions of model=tiny (2048 tokens): lower it"),
+    "prompt_past_vllms_max_model_len": (
+        ["rollout.vllm.max_model_len=200"], "data.max_prompt_tokens=256 + rollout.sampling."
+        "max_new_tokens=16 = 272 tokens exceed rollout.vllm.max_model_len (200)"),
 }
 
 

@@ -426,6 +426,35 @@ def _check_estimators(plan: "ExecutionPlan", cfg: "TrainConfig") -> None:
                             "policy does not learn; sample with a temperature > 0 (e.g. 1.0)")
 
 
+def check_context_length(cfg: "TrainConfig") -> None:
+    """The longest prompt the data admits plus a whole response must fit the positions of the
+    policy model (``max_position_embeddings``, a GGUF's ``context_length``; or
+    ``rollout.vllm.max_model_len`` where it is set: a model served past its trained length is
+    the user's own call). HF generate ran past the positions without a word (a RoPE model
+    extrapolates, quietly worse) and vLLM refused such a prompt mid-run.
+
+    Raises:
+        ValueError: naming ``data.max_prompt_tokens``, ``rollout.sampling.max_new_tokens``,
+            the model's positions and the largest ``data.max_prompt_tokens`` that fits.
+    """
+    limit = cfg.rollout.vllm.max_model_len or cfg.model.size().max_positions
+    if not limit:  # a model that does not say
+        return
+    p, r = cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_new_tokens
+    model = "model=tiny" if cfg.model.tiny is not None else f"model.path={cfg.model.path}"
+    where = ("rollout.vllm.max_model_len" if cfg.rollout.vllm.max_model_len else
+             f"the positions of {model}")
+    if r >= limit:
+        raise ValueError(f"rollout.sampling.max_new_tokens={r} leaves no room for a prompt in "
+                         f"{where} ({limit} tokens): lower it")
+    if p + r > limit:
+        raise ValueError(f"data.max_prompt_tokens={p} + rollout.sampling.max_new_tokens={r} = "
+                         f"{p + r} tokens exceed {where} ({limit}): a prompt and response that "
+                         f"long run past what the model takes; set data.max_prompt_tokens<="
+                         f"{limit - r} (longer prompts are skipped and counted) or lower "
+                         "rollout.sampling.max_new_tokens")
+
+
 def check_run_inputs(cfg, plan) -> None:
     """Check the run's model folder and prompts (see the module docstring).
 
@@ -438,7 +467,7 @@ def check_run_inputs(cfg, plan) -> None:
             model folder and what it lacks, or the evaluation that has nothing to score with.
     """
     from flowrl.data import DataError, load_records
-    from flowrl.data.files import load_file_records, read_rows
+    from flowrl.data.files import load_file_records, problems_line, read_rows
     from flowrl.models.bundled import SMOLLM2, SMOLLM2_GGUF, smollm2_dir
     from flowrl.models.loading import check_model_dir
     from flowrl.models.size import gguf_missing
@@ -460,6 +489,7 @@ def check_run_inputs(cfg, plan) -> None:
                    f"the package has {', '.join(have) or 'no .gguf file'}; leave "
                    "model.gguf_file unset for its default")
             raise ValueError(f"{gguf_missing(gguf, folder)} ({fix})")
+    check_context_length(cfg)
     data, ev = cfg.data, cfg.trainer.eval
     if data.ground_truth_key is None:  # a rule verifier with no answers would score every sample 0
         for c in plan.stages:
@@ -490,23 +520,33 @@ def check_run_inputs(cfg, plan) -> None:
         try:
             records = load_records(data, split, limit, for_eval=for_eval)
         except DataError as e:
-            # a row the file's own check refused (a missing field, a wrong type): a ground truth
-            # the verifier cannot read on an earlier line is said first, with it (a user fixing
-            # the one reported found the other on the next try, out of the file's order)
-            if check is None or path is None or e.row is None:
+            # rows the file's own check refused (a missing field, a wrong type): the ground
+            # truths the verifier cannot read join them, in the file's order (a user fixing the
+            # rows reported found the others on the next try)
+            if check is None or path is None or not e.problems:
                 raise
             rows, where, label = read_rows(path, split, split_field)
-            for i in range(min(e.row, len(rows) if limit is None else limit)):
+            bad = {i for i, _ in e.problems}
+            found = list(e.problems)
+            for i in range(len(rows) if limit is None else min(limit, len(rows))):
                 v = rows[i].get(data.ground_truth_key)
-                if isinstance(v, (str, int, float)) and not isinstance(v, bool) and \
-                        (why := unreadable(str(v))) is not None:
-                    raise DataError(f"{label} {where(i)}: {why}; and {e}") from None
-            raise
+                if i not in bad and isinstance(v, (str, int, float)) and not isinstance(v, bool) \
+                        and (why := unreadable(str(v))) is not None:
+                    found.append((i, f"{label} {where(i)}: {why}"))
+            raise DataError(problems_line(found, label), found) from None
         if check is None:
             continue
-        for i, r in enumerate(records):
-            if (why := unreadable(r["ground_truth"])) is not None:
-                at = f"{data.name}/{split} row {i}" if path is None else load_file_records(
-                    path, split, prompt_key=data.prompt_key, ground_truth_key=data.ground_truth_key,
-                    extra_keys=tuple(data.extra_keys), split_field=split_field)[1][i]
-                raise DataError(f"{at}: {why}")
+        found = [(i, why) for i, r in enumerate(records)
+                 if (why := unreadable(r["ground_truth"])) is not None]
+        if found:
+            if path is None:
+                label, at = f"{data.name}/{split}", [f"{data.name}/{split} row {i}"
+                                                     for i in range(len(records))]
+            else:
+                label = read_rows(path, split, split_field)[2]
+                at = list(load_file_records(
+                    path, split, prompt_key=data.prompt_key,
+                    ground_truth_key=data.ground_truth_key, extra_keys=tuple(data.extra_keys),
+                    split_field=split_field)[1])
+            found = [(i, f"{at[i]}: {why}") for i, why in found]
+            raise DataError(problems_line(found, label), found)
