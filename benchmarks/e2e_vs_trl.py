@@ -1438,9 +1438,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=DEVICES)
     p.add_argument("--dtype", choices=DTYPES, help="model.dtype of both (default float32 on CPU, "
                    "bfloat16 on CUDA; auto = flowrl's default, not passed)")
-    p.add_argument("--steps", type=int, help="timed steps per round")
-    p.add_argument("--rounds", type=int, help="interleaved rounds (flowrl, TRL, flowrl, TRL, ...)")
-    p.add_argument("--warmup", type=int, help="untimed steps per process before round 1")
+    p.add_argument("--steps", type=int, help=f"timed steps per round (default {CPU_DEFAULTS['steps']};"
+                   f" --suite gpu/cpu: {GPU_SUITE['steps']}/{CPU_SUITE['steps']})")
+    p.add_argument("--rounds", type=int, help="interleaved rounds (flowrl, TRL, flowrl, TRL, ...; "
+                   f"default {CPU_DEFAULTS['rounds']}; --suite gpu/cpu: {GPU_SUITE['rounds']}/"
+                   f"{CPU_SUITE['rounds']})")
+    p.add_argument("--warmup", type=int, help="untimed steps per process before round 1 (default "
+                   f"{CPU_DEFAULTS['warmup']}; --suite gpu/cpu: {GPU_SUITE['warmup']}/{CPU_SUITE['warmup']})")
     p.add_argument("--prompts-per-step", type=int)
     p.add_argument("--n", type=int)
     p.add_argument("--max-new-tokens", type=int)
@@ -1486,6 +1490,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     suite = {"gpu": GPU_SUITE, "cpu": CPU_SUITE}.get(args.suite or "", {})
+    if args.suite and args.device and args.device != suite["device"]:
+        p.error(f"--suite {args.suite} runs on {suite['device']}: drop --device {args.device}, or "
+                f"use --suite {'cpu' if args.suite == 'gpu' else 'gpu'}")
     defaults = {**CPU_DEFAULTS, **suite}
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -1520,12 +1527,20 @@ def main(argv: list[str] | None = None) -> int:
             # weight sync fails ("'Parameter' object has no attribute 'weight_loader'")
             raise ValueError("--rollout vllm on CPU runs flowrl only (--only flowrl): TRL's colocate "
                              "weight sync fails on vLLM-CPU; use --device cuda for the pair")
+        from flowrl.train import check_overrides
+
+        # a bad override fails here, not after the models were built and saved (a pair's child
+        # failed on it with an empty report)
+        if args.overrides and (why := check_overrides(list(args.overrides))) is not None:
+            raise ValueError(f"flowrl override: {why}")
     except ValueError as e:
         p.error(str(e))
     fws = [args.only] if args.only else list(FRAMEWORKS)
     plan = plan_rows(models, rollouts, fws, base)
-    print("Plan (estimated seconds on one H200; per framework process: start-up + warm-up + rounds "
-          "x timed steps):\n" + text_table(["model", "rollout", "steps (warm-up + rounds x steps)",
+    where = "" if args.device == "cuda" else ("; H200 figures for the suite's shape: a CPU run's "
+                                              "own time is not estimated")
+    print(f"Plan (estimated seconds of each pair on one H200: both frameworks' processes, each "
+          f"start-up + warm-up + rounds x timed steps{where}):\n" + text_table(["model", "rollout", "steps (warm-up + rounds x steps)",
                                              "estimated s"], plan), flush=True)
     if float(plan[-1][-1].split()[0]) > 540 and args.device == "cuda":
         print("over one device call (10 min): run subsets (--models X --rollout Y, each with its own "

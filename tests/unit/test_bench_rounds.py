@@ -282,3 +282,18 @@ def test_device_total_gib_without_a_driver_is_unknown(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=no_driver))
     assert bench.device_total_gib(0) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--suite", "gpu", "--plan", "rollout.vllm.gpu_memory_utilization=abc"],
+     "flowrl override: rollout.vllm.gpu_memory_utilization=abc: rollout.vllm.gpu_memory_utilization "
+     "takes a number, got 'abc'"),
+    (["--suite", "gpu", "--device", "cpu", "--plan"], "--suite gpu runs on cuda: drop --device cpu, "
+                                                       "or use --suite cpu"),
+])
+def test_a_bad_option_is_refused_before_any_model_is_built(argv, message, capsys):
+    """A bad override failed each pair's child after the models were built and saved, and left
+    an empty report; a suite given another device failed on vLLM."""
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
