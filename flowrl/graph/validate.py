@@ -349,9 +349,16 @@ def graph_main(argv: list[str],
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", GraphWarning)
                 g = load_graph(f)
-                validate_graph(g)
-                if check_interpolations is not None:
-                    check_interpolations(g)
+                problems: list[tuple[str, str, str]] = []
+                # both checks, whatever the first finds: an unknown op hid a ${...} typo
+                for check in (validate_graph, check_interpolations):
+                    try:
+                        if check is not None:
+                            check(g)
+                    except GraphError as e:
+                        problems += e.problems + e.follow_on
+                if problems:
+                    raise GraphError(problems)
         except GraphError as e:
             print(str(e.with_source(f)), file=sys.stderr)
             status = 1

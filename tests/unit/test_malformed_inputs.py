@@ -397,6 +397,22 @@ def test_graph_validate_checks_every_file(tmp_path):
     assert rc == 1 and len(lines) == 1 and lines[0].startswith(f"{bad}: field 'stages'")
 
 
+def test_graph_validate_says_a_bad_interpolation_beside_a_graph_problem(tmp_path):
+    """One pass over the file: an unknown op hid a ${...} typo in another stage (fresh-user
+    report), which the next try then found."""
+    def both(g):
+        _stage(g, "advantage")["op"] = "advantage.grpoo"
+        _stage(g, "ref_logprobs")["when"] = "${algorithm.kl_cof}"
+
+    bad = write_graph(tmp_path, _edit(GRPO, both))
+    rc, lines = run_cli(["graph", "validate", str(bad)], tmp_path)
+    assert rc == 1 and lines == [
+        f"{bad}: stage 'advantage', field 'op': unknown op 'advantage.grpoo' (did you mean "
+        "'advantage.grpo'?)",
+        f"{bad}: stage 'ref_logprobs', field 'when': cannot resolve '${{algorithm.kl_cof}}': "
+        "Interpolation key 'algorithm.kl_cof' not found (did you mean ${algorithm.kl_coef}?)"]
+
+
 def test_the_shipped_graphs_pass_every_rule():
     from flowrl.graph import Graph, validate_graph
 
