@@ -383,3 +383,7 @@ def test_resume_lines_are_said_once_and_kept_in_train_log(tmp_path):
     assert log.count(line) == 1 and ": continuing at step 2 of 2\n" in log
     assert log.count("setup: settings changed since step_000001: trainer.engine.lr: 0.0001 -> "
                      "5e-05\n") == 1
+    # the console's step and checkpoint lines too (train.log stopped at "step 1 done")
+    step2 = next(x for x in said if x.startswith("step    2 reward="))
+    assert log.count(f"] - {step2}\n") == 1
+    assert log.count(f"] - checkpoint: {tmp_path}/checkpoints/step_000002\n") == 1

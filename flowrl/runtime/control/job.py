@@ -609,16 +609,10 @@ class _Say:
             self.console.print(msg)
             self.console.file.flush()
         if self.log_files:
-            from rich.text import Text
-
             from flowrl.runtime.io.distributed import POOL_TAGGED
+            from flowrl.runtime.io.metrics import to_log_files
 
-            record = log.makeRecord(log.name, logging.INFO, __file__, 0,
-                                    Text.from_markup(msg).plain, (), None,
-                                    extra={POOL_TAGGED: True})  # its prefix is in, not twice
-            for h in logging.getLogger().handlers:  # the file ones only: the console has it
-                if isinstance(h, logging.FileHandler) and record.levelno >= h.level:
-                    h.handle(record)
+            to_log_files(msg, log.name, **{POOL_TAGGED: True})  # its prefix is in, not twice
 
 
 def merge_op_states(per_rank: list[dict[str, Any]]) -> dict[str, Any]:

@@ -89,6 +89,23 @@ def _after_the_newest_event_file(tb: Path) -> None:
         time.sleep(0.05)
 
 
+def to_log_files(msg: str, name: str = "flowrl", **extra: Any) -> None:
+    """``msg`` (rich markup) as a plain INFO line into the root logger's file handlers only
+    (``train.log``: Hydra's file handler; the console printed it already), so the run's log
+    holds what its console said: the step lines, checkpoints and evals (it stopped at
+    "step 1 done"). ``extra``: the record's extra attributes."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    if not files:
+        return
+    from rich.text import Text
+
+    record = logging.getLogger(name).makeRecord(name, logging.INFO, __file__, 0,
+                                                Text.from_markup(msg).plain, (), None, extra=extra)
+    for h in files:
+        if record.levelno >= h.level:
+            h.handle(record)
+
+
 class MetricsLogger:
     """Per-step metrics: console lines, a progress display, ``metrics.jsonl``, TensorBoard, W&B
     and MLflow.
@@ -223,7 +240,9 @@ class MetricsLogger:
             parts = [f"{short}={_fmt(k, clean[k], spec, clean)}" for k, short, spec in _CONSOLE_KEYS
                      if k in clean and not (k in _QUIET_ZERO and clean[k] == 0)]
             if parts:
-                self.console.print(f"[dim]step {step:>4}[/dim] " + " ".join(parts))
+                line = f"[dim]step {step:>4}[/dim] " + " ".join(parts)
+                self.console.print(line)
+                to_log_files(line)
         if "perf/step_s" in clean and self._train_t0 is not None:
             done = step - self._train_first
             eta = _eta(self._train_t0, done, self.total_steps - self._train_first)
@@ -249,8 +268,10 @@ class MetricsLogger:
         self._last = (step, row, offset)
 
     def print(self, msg: str) -> None:
+        """A console line of the run (a checkpoint, an eval's result), in ``train.log`` too."""
         if self.enabled:
             self.console.print(msg)
+            to_log_files(msg)
 
     def close(self) -> None:
         if self._progress is not None:
