@@ -437,7 +437,9 @@ def check_context_length(cfg: "TrainConfig") -> None:
         ValueError: naming ``data.max_prompt_tokens``, ``rollout.sampling.max_new_tokens``,
             the model's positions and the largest ``data.max_prompt_tokens`` that fits.
     """
-    limit = cfg.rollout.vllm.max_model_len or cfg.model.size().max_positions
+    from flowrl.models.size import max_positions
+
+    limit = cfg.rollout.vllm.max_model_len or max_positions(cfg.model)
     if not limit:  # a model that does not say
         return
     p, r = cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_new_tokens
