@@ -433,13 +433,17 @@ class _Job:
                         logger.print(f"eval before: {eval_line(before)}")
             logger.set_progress(start - 1)
             profiler = StepProfiler(cfg.trainer.profile, out_dir, dinfo.rank, run_device(cfg), start)
+            first_done = last_done = None
             for step in range(start, T + 1):
                 fdist.mark_step(step)  # the peer monitor names a rank that stops making progress
                 with profiler.step(step):  # trainer.profile.steps; a no-op on the others
                     place.step(step, self)
-                if step == start and dinfo.rank == 0:  # time to first step: what a user
-                    # waits before training shows (once, not once per rank)
-                    log.info("step %d done %.1f s since the %s started", step, *since_start())
+                last_done = since_start()[0]
+                if step == start:
+                    first_done = last_done
+                    if dinfo.rank == 0:  # time to first step: what a user waits before
+                        # training shows (once, not once per rank)
+                        log.info("step %d done %.1f s since the %s started", step, *since_start())
                 self.ckpts.poll()
                 if evaluate is not None and ev.every and step % ev.every == 0 and \
                         (step < T or not ev.after):  # the last step's is the eval after
@@ -461,6 +465,11 @@ class _Job:
                         logger.print(f"eval after: {eval_line(after)}")
             if self.ckpts.latest() is not None and not finished and self.closing:
                 logger.print(f"checkpoint: {self.ckpts.latest()}")
+            if first_done is not None and last_done is not None and self.closing:
+                # the run's wall time, said at its end: where start-up, steps and the rest went
+                total, what = since_start()
+                logger.print(f"done: {total:.1f} s since the {what} started (step {start} done "
+                             f"at {first_done:.1f} s, step {T} at {last_done:.1f} s)")
         summary["history"] = self.history
         summary.update(place.final_fields(summary))
         summary["checkpoint"] = str(self.ckpts.latest())
