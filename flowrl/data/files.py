@@ -122,6 +122,21 @@ def _check_dataset_dir(p: Path, path: str, field: str) -> None:
 
 
 # ----------------------------------------------------------------------------- reading rows
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """``json.loads``'s object hook: a key given twice in one object is refused (JSON keeps the
+    last one silently: ``{"answer": 4, "answer": 5}`` trained on 5; a graph file refuses it)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
 def _read_jsonl(path: Path) -> tuple[list[dict], Callable[[int], str]]:
     rows, lines = [], []
     with path.open("r", encoding="utf-8") as f:
@@ -130,10 +145,13 @@ def _read_jsonl(path: Path) -> tuple[list[dict], Callable[[int], str]]:
                 continue
             try:  # without its newline: an unclosed object is reported at the line's end, not
                 # at "line 2, column 1" of the one-line string (the column the message gives)
-                row = json.loads(line.rstrip("\r\n"))
+                row = json.loads(line.rstrip("\r\n"), object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path} line {lineno}: not valid JSON ({e.msg} at column "
                                 f"{e.colno})") from None
+            except _DuplicateKey as e:
+                raise DataError(f"{path} line {lineno}: field {e.args[0]!r} given twice (JSON "
+                                "would keep only the last)") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path} line {lineno}: expected a JSON object, got "
                                 f"{type(row).__name__}")
@@ -144,10 +162,13 @@ def _read_jsonl(path: Path) -> tuple[list[dict], Callable[[int], str]]:
 
 def _read_json(path: Path) -> tuple[list[dict], Callable[[int], str]]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg} at column "
                         f"{e.colno})") from None
+    except _DuplicateKey as e:
+        raise DataError(f"{path}: field {e.args[0]!r} given twice in one object (JSON would keep "
+                        "only the last)") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON array of objects (one per prompt), got "
                         f"{type(data).__name__} (a file of one object per line must end in .jsonl)")

@@ -441,8 +441,8 @@ class PromptSource:
         if probe and all(i in self._overlong for i in probe):  # all of them? (rare: pay in full)
             self._render(range(len(self.records)))
             if len(self._overlong) == len(self.records):
-                raise ValueError(f"all {len(self.records)} prompts exceed data.max_prompt_tokens="
-                                 f"{cfg.max_prompt_tokens}")
+                raise ValueError(f"all {len(self.records)} prompts of {cfg.source_name} exceed "
+                                 f"data.max_prompt_tokens={cfg.max_prompt_tokens}")
         self.sampler = PromptSampler(len(self.records), seed=cfg.seed, shuffle=cfg.shuffle,
                                      rank=rank, world_size=world_size)
         self.step = 0  # sample() calls so far
@@ -511,10 +511,10 @@ class PromptSource:
                     f"shard) longer than data.max_prompt_tokens={self.cfg.max_prompt_tokens}; "
                     f"raise it or filter {self.cfg.source_name}")
         if new:
-            log.warning("skipped %d more %s prompts longer than data.max_prompt_tokens=%d "
-                        "(%d over-long draws skipped so far, records %s)", len(new),
-                        self.cfg.source_name, self.cfg.max_prompt_tokens, self.num_skipped,
-                        new[:8])
+            log.warning("skipped %d more %s prompt%s longer than data.max_prompt_tokens=%d "
+                        "(%d over-long draws skipped so far; rows %s, counting from 1)", len(new),
+                        self.cfg.source_name, "s" * (len(new) > 1), self.cfg.max_prompt_tokens,
+                        self.num_skipped, [i + 1 for i in new[:8]])
         return picks
 
     def __len__(self) -> int:

@@ -137,7 +137,8 @@ class OpSpec:
             close = difflib.get_close_matches(unknown[0], known, n=1) if len(unknown) == 1 else []
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise ParamError(stage, "params", f"unknown param(s) {unknown} for op '{self.name}'; "
-                             f"{hint}known: {sorted(known)}")
+                             + (f"{hint}known: {sorted(known)}" if known else
+                                "it takes no params: drop them"))
         hints = field_types(self.config_cls)
         for name, value in params.items():
             bad = type_mismatch(value, hints.get(name, Any), f"params.{name}")

@@ -146,7 +146,7 @@ def test_a_data_refusal_only_the_tokenizer_can_make_is_one_line_and_leaves_nothi
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == (
-        "flowrl train: error: data: all 7100 prompts exceed data.max_prompt_tokens=1")
+        "flowrl train: error: data: all 7100 prompts of arith/train exceed data.max_prompt_tokens=1")
     assert "Traceback" not in r.stderr + r.stdout and "model loaded" not in r.stdout + r.stderr
     assert not (tmp_path / "run").exists()
 
@@ -346,7 +346,7 @@ def test_resume_with_other_data_is_refused_before_the_model_loads(tmp_path, chan
                                    f"than this run's ({named}): its place in the data cannot be "
                                    "continued (")
     assert str(e.value).endswith("resume with the checkpoint's data settings, or start a new run "
-                                 "(another trainer.output_dir)")
+                                 "(another hydra.run.dir)")
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 

@@ -392,7 +392,7 @@ def test_a_sweep_job_its_tokenizer_or_placement_refuses_is_found_before_job_1(tm
 
     base = ["model=tiny", "trainer=smoke", "trainer.total_steps=1", "trainer.eval.limit=0"]
     assert check_sweep([*base, "data.max_prompt_tokens=512,1"]) == (
-        "sweep job 2 of 2 (data.max_prompt_tokens=1): data: all 7100 prompts exceed "
+        "sweep job 2 of 2 (data.max_prompt_tokens=1): data: all 7100 prompts of arith/train exceed "
         "data.max_prompt_tokens=1; no job was run")
     assert check_sweep([*base, "data.max_prompt_tokens=512,256"]) is None
     assert check_sweep([*base, "placement.staleness=0,2"]) == (
@@ -406,7 +406,7 @@ def test_a_sweep_job_its_tokenizer_or_placement_refuses_is_found_before_job_1(tm
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "flowrl train: error: sweep job 2 of 2 (data.max_prompt_tokens=1): data: all 7100 prompts "
-        "exceed data.max_prompt_tokens=1; no job was run"]
+        "of arith/train exceed data.max_prompt_tokens=1; no job was run"]
     assert not (tmp_path / "sweep").exists()  # job 1 did not run either
 
 

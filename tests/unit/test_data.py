@@ -113,7 +113,7 @@ def test_overlong_prompts_are_skipped_when_drawn_and_counted(tok, caplog):
     assert f"skipped {20 - len(kept)} more gsm8k/train prompts" in caplog.text
     again = src.sample(len(kept), 1)  # the next epoch skips them again, counted again
     assert again.prompt_index.tolist() == kept and src.num_skipped == 2 * (20 - len(kept))
-    with pytest.raises(ValueError, match="all 3 prompts exceed data.max_prompt_tokens=5"):
+    with pytest.raises(ValueError, match="all 3 prompts of gsm8k/train exceed data.max_prompt_tokens=5"):
         PromptSource(DataConfig(limit=3, max_prompt_tokens=5), tok)
 
 

@@ -108,6 +108,11 @@ def _bad(tmp_path, name, text):
     ("a.json", '{"prompt": "x"}', {}, "a.json: expected a JSON array of objects (one per prompt), got dict"),
     ("a.json", '[\n{"prompt": "x", "answer": "1"},\n{"prompt": "y" "answer": "2"}\n]', {},
      "a.json line 3: not valid JSON (Expecting ',' delimiter at column 16)"),
+    # a key twice: JSON kept the last one silently (a graph file refuses it; fresh-user report)
+    ("a.jsonl", '{"prompt": "x", "answer": "1"}\n{"prompt": "y", "answer": 4, "answer": 5}\n', {},
+     "a.jsonl line 2: field 'answer' given twice (JSON would keep only the last)"),
+    ("a.json", '[{"prompt": "x", "prompt": "y", "answer": "1"}]', {},
+     "a.json: field 'prompt' given twice in one object (JSON would keep only the last)"),
     ("a.csv", "prompt,answer\nx,1\ny,2,3\n", {}, "a.csv line 3: 3 cells for 2 header columns"),
     ("a.parquet", "not parquet", {}, "a.parquet: not a readable parquet file"),
 ])

@@ -124,3 +124,13 @@ def test_an_annotation_that_does_not_resolve_accepts_anything():
     assert spec.make_config({"b": "whatever"}, stage="s").b == "whatever"
     with pytest.raises(ValueError, match=r"params.a: expected an int, got 'x' \(str\)"):
         spec.make_config({"a": "x"}, stage="s")
+
+
+def test_params_given_to_an_op_that_takes_none_say_so():
+    """It said ``known: []``."""
+    from flowrl.ops.registry import OPS
+
+    with pytest.raises(ParamError) as e:
+        OPS["advantage.grpo"].make_config({"eps": 1e-6}, stage="advantage")
+    assert str(e.value) == ("stage 'advantage': params: unknown param(s) ['eps'] for op "
+                            "'advantage.grpo'; it takes no params: drop them")

@@ -667,7 +667,7 @@ def check_resumed_prompts(checkpoint: Path, prompts: Any, cfg: "TrainConfig") ->
         raise ConfigError(
             f"trainer.resume: {checkpoint.name} drew its prompts from other data than this "
             f"run's{what}: its place in the data cannot be continued ({e}); resume with the "
-            "checkpoint's data settings, or start a new run (another trainer.output_dir)") from e
+            "checkpoint's data settings, or start a new run (another hydra.run.dir)") from e
 
 
 def rescale_prompt_state(state: dict[str, Any], world_size: int,
