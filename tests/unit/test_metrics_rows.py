@@ -148,3 +148,14 @@ def test_an_sft_update_shows_its_loss_on_the_console(tmp_path, monkeypatch):
     with MetricsLogger(tmp_path, cfg, 2) as log:
         log.log(1, {"actor/sft_loss": 1.25, "actor/grad_norm": 0.5})
     assert out.getvalue().strip() == "step    1 sft=1.2500 gnorm=0.500"
+
+
+def test_a_partitioned_step_shows_what_the_train_pool_waited(tmp_path, monkeypatch):
+    """The train pool's wait for the rollout pool's batch was only in metrics.jsonl
+    (fresh-user report); it is where a partitioned step's time goes."""
+    out = io.StringIO()
+    monkeypatch.setattr(M, "Console", lambda **kw: Console(file=out, **kw))
+    cfg = LoggerConfig(progress=False, jsonl=False, tensorboard=False)
+    with MetricsLogger(tmp_path, cfg, 2) as log:
+        log.log(2, {"perf/step_s": 0.589, "perf/recv_wait_s/train": 0.256})
+    assert out.getvalue().strip() == "step    2 step_s=0.6 wait=0.26"

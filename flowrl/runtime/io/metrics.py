@@ -33,7 +33,9 @@ _CONSOLE_KEYS = [
     ("actor/sft_loss", "sft", "{:.4f}"),  # graph=sft_teacher's update (its line had no loss)
     ("actor/entropy", "ent", "{:.3f}"), ("actor/clipfrac", "clip", "{:.3f}"),
     ("actor/grad_norm", "gnorm", "{:.3f}"), ("rollout/logprob_mismatch", "Δlogp", "{:.1e}"),
-    ("perf/step_s", "step_s", "{:.1f}"), ("perf/tokens_per_s", "tok/s", "{:.0f}"),
+    ("perf/step_s", "step_s", "{:.1f}"),
+    # a partitioned run: of the step, what the train pool waited for the rollout pool's batch
+    ("perf/recv_wait_s/train", "wait", "{:.2f}"), ("perf/tokens_per_s", "tok/s", "{:.0f}"),
     # intermediates held at most by the lifecycle manager vs keeping them all (device bytes on
     # a GPU run, where they live; all bytes on CPU)
     ("store/peak_bytes", "store", "{}"), ("eval/accuracy", "eval_acc", "{:.3f}"),
