@@ -97,8 +97,8 @@ def prepare(source: "Sequence[str] | DictConfig | dict", overrides: Optional[Seq
             done("CUDA MPS daemon" if mps_line.value == "true" else "CUDA MPS decision")
         resolved = resolve_machine_defaults(cfg)
         done("machine defaults")
-        plan, placement = check_run(cfg, task, given, plan_only=plan_only)
-        done("graph, placement and input checks")
+        plan, placement = check_run(cfg, task, given, plan_only=plan_only, part=done)
+        done("placement, model and data checks")
     except (ValueError, FileNotFoundError) as e:
         if isinstance(e, ConfigError):
             raise

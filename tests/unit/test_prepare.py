@@ -104,8 +104,10 @@ def test_prepare_itemizes_its_start_up_and_the_job_logs_it(monkeypatch, tmp_path
 
     monkeypatch.setattr(flowrl.train, "_PREPARED", False)  # as the process's first prepare
     spec = prepare([*SMOKE, f"hydra.run.dir={tmp_path / 'run'}"])
+    # torch's import is its own part (the model checks' first need: it was blamed on them)
     assert [p for p, _ in spec.startup] == ["python and imports", "compose", "config",
-                                            "machine defaults", "graph, placement and input checks"]
+                                            "machine defaults", "graph checks", "torch import",
+                                            "placement, model and data checks"]
     assert all(s >= 0 for _, s in spec.startup)
     assert spec.startup[0][1] > 0  # this process started before prepare did
     # a later prepare of the same process (a sweep's next job) does not count the earlier jobs
@@ -202,7 +204,8 @@ def test_flowrl_train_times_its_machine_check_as_a_start_up_part(monkeypatch, tm
     flowrl.train.main([*SMOKE, f"trainer.output_dir={tmp_path / 'run'}"])
     (spec,) = seen
     assert [p for p, _ in spec.startup] == ["python and imports", "compose", "config",
-                                            "machine defaults", "graph, placement and input checks",
+                                            "machine defaults", "graph checks", "torch import",
+                                            "placement, model and data checks",
                                             "machine check (packages, kernels)"]
     assert spec.startup[-1][1] >= 0
 

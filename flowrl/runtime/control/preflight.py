@@ -17,7 +17,7 @@ import importlib.util
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
     from omegaconf import DictKeyType
@@ -34,13 +34,17 @@ class ConfigError(ValueError):
 
 
 def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = None, *,
-              plan_only: bool = False) -> "tuple[ExecutionPlan, PlacementPlan]":
+              plan_only: bool = False,
+              part: Optional[Callable[[str], None]] = None) -> "tuple[ExecutionPlan, PlacementPlan]":
     """The plan of a validated, machine-resolved ``cfg`` (``raw``: the composed config the
     graph's ``when:`` / ``${...}`` params resolve against) and its placement on the job's world
     (:func:`world_size`), with every check a run needs before its models load. ``overrides``:
     the invocation's command-line overrides (default: Hydra's, when a Hydra job runs), which a
     refused resume repeats in the command it prints.
     ``plan_only`` (``flowrl plan``): a graph's teacher may be left unset (the plan says so).
+    ``part(name)``: called as each part of the checks ends (the start-up line's parts): the
+    graph's, torch's import (the model checks need it: seconds, which the line blamed on the
+    checks), the model's and data's.
 
     Raises:
         ValueError / GraphError / FileNotFoundError / PlacementError: naming the field, stage,
@@ -100,6 +104,12 @@ def check_run(cfg: "TrainConfig", raw: Any, overrides: Optional[list[str]] = Non
     # each op's own pre-run check (OpSpec.check): a multi-turn stage's tools go into every
     # prompt (data.tools)
     run_op_checks(plan, cfg)
+    if part is not None:
+        part("graph checks")
+    import torch  # noqa: F401  (the model checks' first need, timed apart)
+
+    if part is not None:
+        part("torch import")
     from flowrl.compiler.modes import mode_of
     from flowrl.models.lora import check_lora
 
