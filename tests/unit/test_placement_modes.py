@@ -4,8 +4,8 @@ what it printed when the modes were strings (snapshots taken from the string-mod
 8e5ecbb, before the change; the two auto ones retaken when `flowrl plan placement=auto` began to
 choose for the measured prompt length, P=56, not the data.max_prompt_tokens bound, 256; the
 partitioned ones retaken when the batch became prompts_per_step x n x the rollout ranks, not the
-world: a 2-rank plan's transfers were twice what the run sends), and an unknown mode is one
-line with did-you-mean."""
+world: a 2-rank plan's transfers were twice what the run sends; the notes now say B), and an
+unknown mode is one line with did-you-mean."""
 from pathlib import Path
 
 import pytest

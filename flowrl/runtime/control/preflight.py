@@ -309,11 +309,16 @@ def attach_estimate(cfg: "TrainConfig", plan: "ExecutionPlan", pp: "PlacementPla
     # plan of a 2-rank partitioned run predicted for twice the batch it generates)
     samplers = len(pp.pools[ROLLOUT_POOL].ranks) if ROLLOUT_POOL in pp.pools else pp.world_size
     try:
-        pp.estimate = estimate(pp, StageCosts.from_config(plan, cfg, samplers,
-                                                          parallelism=role_parallelism(cfg),
-                                                          prompt_tokens=prompt_tokens))
+        costs = StageCosts.from_config(plan, cfg, samplers, parallelism=role_parallelism(cfg),
+                                       prompt_tokens=prompt_tokens)
+        pp.estimate = estimate(pp, costs)
     except (FileNotFoundError, OSError, ValueError) as e:
         pp.notes.append(f"no predictions: {e}")
+        return
+    who = "rollout rank" if ROLLOUT_POOL in pp.pools else "rank"
+    pp.notes.append(f"workload: B = {costs.workload.batch} sequences a step "
+                    f"(trainer.prompts_per_step={cfg.trainer.prompts_per_step} x algorithm.n="
+                    f"{cfg.algorithm.n} x {samplers} {who}{'s' * (samplers > 1)})")
 
 
 def prepare_placement(cfg: "TrainConfig", plan: "ExecutionPlan", world_size: int) -> "PlacementPlan":
