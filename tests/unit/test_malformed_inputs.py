@@ -274,7 +274,7 @@ CONFIG_CASES = {
         ["rollout.sampling.max_new_tokens=2048"], "rollout.sampling.max_new_tokens=2048 leaves no "
         "room for a prompt in the positions of model=tiny (2048 tokens): lower it"),
     "prompt_past_vllms_max_model_len": (
-        ["rollout.vllm.max_model_len=200"], "data.max_prompt_tokens=256 + rollout.sampling."
+        ["rollout=vllm", "rollout.vllm.max_model_len=200"], "data.max_prompt_tokens=256 + rollout.sampling."
         "max_new_tokens=16 = 272 tokens exceed rollout.vllm.max_model_len (200)"),
 }
 

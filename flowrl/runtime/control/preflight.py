@@ -454,13 +454,13 @@ def check_context_length(cfg: "TrainConfig") -> None:
     """
     from flowrl.models.size import max_positions
 
-    limit = cfg.rollout.vllm.max_model_len or max_positions(cfg.model)
+    vllm_len = cfg.rollout.vllm.max_model_len if cfg.rollout.backend == "vllm" else None
+    limit = vllm_len or max_positions(cfg.model)
     if not limit:  # a model that does not say
         return
     p, r = cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_new_tokens
     model = "model=tiny" if cfg.model.tiny is not None else f"model.path={cfg.model.path}"
-    where = ("rollout.vllm.max_model_len" if cfg.rollout.vllm.max_model_len else
-             f"the positions of {model}")
+    where = "rollout.vllm.max_model_len" if vllm_len else f"the positions of {model}"
     if r >= limit:
         raise ValueError(f"rollout.sampling.max_new_tokens={r} leaves no room for a prompt in "
                          f"{where} ({limit} tokens): lower it")
