@@ -449,7 +449,33 @@ def to_train_config(cfg: DictConfig | dict[str, Any]) -> TrainConfig:
         raise ValueError(f"invalid config: {msg}") from e
     if not isinstance(out, TrainConfig):  # to_object of a structured TrainConfig node builds one
         raise TypeError(f"expected a TrainConfig, got {type(out).__name__}")
+    # the sections' `x >= 0` checks let nan through (lr=nan failed in AdamW after the model
+    # load, lr=inf after the first step; fresh-user report): no setting takes a non-finite number
+    if (bad := _nonfinite(out)) is not None:
+        raise ValueError(f"invalid config: {bad[0]}={bad[1]}: a setting must be a finite number")
     return out
+
+
+def _nonfinite(node: Any, path: str = "") -> Optional[tuple[str, float]]:
+    """(dotted key, value) of the first nan or ±inf float in a config tree (dataclasses, dicts,
+    lists), or None."""
+    import dataclasses
+    import math
+
+    if isinstance(node, float):
+        return None if math.isfinite(node) else (path, node)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        items: Any = ((f.name, getattr(node, f.name)) for f in dataclasses.fields(node))
+    elif isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, (list, tuple)):
+        items = enumerate(node)
+    else:
+        return None
+    for k, v in items:
+        if (bad := _nonfinite(v, f"{path}.{k}" if path else str(k))) is not None:
+            return bad
+    return None
 
 
 def _with_section(merged: DictConfig, msg: str) -> str:

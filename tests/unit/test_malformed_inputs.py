@@ -263,6 +263,11 @@ CONFIG_CASES = {
                                        "and this run is placement=colocated"),
     "override_without_equals": (["trainer.total_steps"], "override 'trainer.total_steps' has no "
                                 "'=': write trainer.total_steps=VALUE"),
+    # `x >= 0` checks let nan through: it failed in AdamW after the model load (fresh-user report)
+    "nan_learning_rate": (["trainer.engine.lr=nan"], "invalid config: trainer.engine.lr=nan: a "
+                          "setting must be a finite number"),
+    "inf_kl_coef": (["algorithm.kl_coef=inf"], "invalid config: algorithm.kl_coef=inf: a setting "
+                    "must be a finite number"),
     "override_syntax_error": (["algorithm.n=[1,"], "override 'algorithm.n=[1,' cannot be parsed "
                               "(no viable alternative at input '[1,'): write key=value and quote"),
     # the tiny model's 2,048 positions: HF generate ran past them without a word (fresh-user report)
