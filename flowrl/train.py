@@ -622,12 +622,24 @@ def _run(source: "RunSpec | DictConfig") -> None:
     except BaseException as e:  # SIGTERM, a dead peer, a full disk, a diverged step...
         if isinstance(e, SystemExit):
             raise
-        sys.exit(report_crash(e, out_dir))
+        code = report_crash(e, out_dir)
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN and code == 1:
+            # one job's crash (a diverged lr of a sweep over lr) does not cancel the jobs after
+            # it, which never ran and were never said to (fresh-user report); SIGTERM still
+            # stops the sweep, and its end says which jobs stopped
+            _SWEEP_STOPPED.append(f"job {hc.job.num + 1} ({' '.join(hc.overrides.task)}): "
+                                  f"{type(e).__name__}")
+            return
+        sys.exit(code)
     finally:
         if "torch.distributed" in sys.modules:  # a config rejected before torch loaded: nothing
             from flowrl.runtime.io.distributed import teardown
 
             teardown()
+
+
+_SWEEP_STOPPED: list[str] = []  # the jobs of this process's sweep that stopped (_run)
 
 
 def _hydra_app() -> None:
@@ -636,9 +648,15 @@ def _hydra_app() -> None:
     from flowrl.config import register_configs
 
     register_configs()
+    _SWEEP_STOPPED.clear()
     # absolute: Hydra resolves a relative path against the package when this module is imported
     hydra.main(version_base="1.3", config_path=str(REPO_ROOT / "conf"),
                config_name="train")(_run)()
+    if _SWEEP_STOPPED:  # the others ran: the sweep's end says which did not finish
+        n = len(_SWEEP_STOPPED)
+        print(f"flowrl train: {n} sweep job{'s' * (n > 1)} stopped (the others ran): "
+              f"{'; '.join(_SWEEP_STOPPED)}", file=sys.stderr)
+        sys.exit(1)
 
 
 __all__ = ["ConfigError", "RunSpec", "main", "prepare", "train"]

@@ -30,6 +30,13 @@ def bonus_reward(response_text, fields, metadata):
     return float(fields["bonus"])
 
 
+def text_reward(response_text, fields, metadata):
+    """A reward that varies with the response (its CRC), so a group's advantages are not 0."""
+    import zlib
+
+    return (zlib.crc32(response_text.encode()) % 1000) / 1000
+
+
 def run(out: Path, *overrides: str) -> dict:
     return train(compose(BASE + [f"trainer.output_dir={out}", *overrides]))
 
@@ -43,11 +50,11 @@ def write_jsonl(path: Path, rows_: list[dict]) -> Path:
     return path
 
 
-def function_graph(tmp: Path) -> Path:
-    """graphs/grpo.yaml with the rule reward replaced by the user function above."""
+def function_graph(tmp: Path, fn: str = "bonus_reward") -> Path:
+    """graphs/grpo.yaml with the rule reward replaced by the user function ``fn`` above."""
     text = (REPO / "graphs/grpo.yaml").read_text()
     text = text.replace("  op: reward.rule\n", "  op: reward.function\n  params:\n"
-                        "    path: test_user_data:bonus_reward\n    num_workers: 0\n")
+                        f"    path: test_user_data:{fn}\n    num_workers: 0\n")
     text = text.replace("    ground_truth: sample.ground_truth\n",
                         "    ground_truth: sample.ground_truth\n    group_id: sample.group_id\n", 1)
     g = tmp / "function_grpo.yaml"
@@ -231,3 +238,22 @@ def test_the_readmes_worked_example_runs_as_written(tmp_path):
     assert [a["ground_truth"] for a in answers] == ["7", "36"]
     config = (out / ".hydra/config.yaml").read_text()
     assert "instruction: Write the final answer on its own line as '#### <number>'." in config
+
+
+def test_a_sweep_job_that_crashes_does_not_cancel_the_next(tmp_path):
+    """`flowrl train -m trainer.engine.lr=1e6,1e-5`: the first job diverges; the second still
+    runs, and the sweep's end says which job stopped (it ended the sweep, unsaid; fresh-user
+    report)."""
+    graph = function_graph(tmp_path, "text_reward")
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO)])}
+    r = subprocess.run([sys.executable, "-m", "flowrl.cli", "train", "-m", *BASE,
+                        f"graph.path={graph}", "trainer.eval.before=false",
+                        "trainer.eval.after=false", "trainer.engine.lr=1e6,1e-5",
+                        f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "stopped by ParameterDivergenceError" in r.stderr
+    last = r.stderr.strip().splitlines()[-1]  # (Hydra writes the job's overrides its own way)
+    assert last.startswith("flowrl train: 1 sweep job stopped (the others ran): job 1 (model=tiny")
+    assert last.endswith(" trainer.engine.lr=1000000.0): ParameterDivergenceError"), last
+    assert [x["step"] for x in rows(tmp_path / "sweep" / "1")] == [1, 2]  # job 2 ran to its end
