@@ -642,12 +642,22 @@ class ClusterCosts:
             4 * self.bf16_weights <= 0.25 * self.budget else 1
 
     def train_state_bytes(self, gpus: int) -> float:
-        """fp32 master weights + fp32 grads + 2 fp32 AdamW moments, FSDP-sharded: 16·N / p."""
-        return 16 * self.shape.n_params / gpus
+        """fp32 master weights + fp32 grads + 2 fp32 AdamW moments, FSDP-sharded: 16·N / p; a LoRA
+        model (A adapter parameters): the frozen fp32 weights and the adapters' four, (4·N +
+        16·A) / p."""
+        a = self.shape.trainable_params
+        return (4 * self.shape.n_params + 16 * a if a else 16 * self.shape.n_params) / gpus
+
+    def train_state_label(self) -> str:
+        """The memory line of :meth:`train_state_bytes`."""
+        return ("fp32 params + LoRA adapters' grads+AdamW /p" if self.shape.trainable_params
+                else "fp32 params+grads+AdamW /p")
 
     def resident_train_bytes(self, gpus: int) -> float:
-        """What stays of the trainer while the rollout runs: weights + moments (grads freed), 12·N/p."""
-        return 12 * self.shape.n_params / gpus
+        """What stays of the trainer while the rollout runs: weights + moments (grads freed), 12·N/p
+        (LoRA: (4·N + 12·A) / p)."""
+        a = self.shape.trainable_params
+        return (4 * self.shape.n_params + 12 * a if a else 12 * self.shape.n_params) / gpus
 
     def activation_bytes(self) -> float:
         """One micro-batch of T tokens: 34·T·h bytes per layer (Korthikanti et al. 2022, eq. 2,
@@ -896,7 +906,7 @@ def estimate_cluster(pp: PlacementPlan, costs: ClusterCosts) -> ClusterEstimate:
         if not offload:
             roll["resident trainer (fp32 params + AdamW)/p"] = state
         memory["all"] = PoolMemory(
-            {"training": {"fp32 params+grads+AdamW /p": costs.train_state_bytes(p),
+            {"training": {costs.train_state_label(): costs.train_state_bytes(p),
                           "activations + logits of one micro-batch": act},
              "rollout": roll},
             ["trainer state during the rollout"] if offload else [], dnf)
@@ -938,7 +948,7 @@ def estimate_cluster(pp: PlacementPlan, costs: ClusterCosts) -> ClusterEstimate:
     dnf_r = [] if wshard <= costs.budget else [f"rollout pool: bf16 weights/tp {fmt_bytes(wshard)} > "
                                                 f"budget {fmt_bytes(costs.budget)}"]
     memory[TRAIN_POOL] = PoolMemory(
-        {"training": {"fp32 params+grads+AdamW /p": costs.train_state_bytes(t),
+        {"training": {costs.train_state_label(): costs.train_state_bytes(t),
                       "activations + logits of one micro-batch": act}}, [], dnf_t)
     memory[ROLLOUT_POOL] = PoolMemory(
         {"rollout": {"bf16 weights/tp": wshard, "KV cache (vLLM takes the rest)": max(kv, 0.0)}},

@@ -32,6 +32,7 @@ class ModelSize(Protocol):
     n_kv_heads: int
     head_dim: int
     dtype_bytes: int
+    trainable_params: int  # 0: every parameter trains; else a LoRA model's adapters
 
     @property
     def weight_bytes(self) -> int: ...
@@ -67,15 +68,22 @@ def role_memory(role: str, size: ModelSize, pool_size: int, kv_tokens: int = 0) 
     * train roles (actor, critic): weights + grads + 2 AdamW moments in the training dtype (4 ×
       params × bytes), FSDP-sharded over the pool, plus one gathered copy of the weights while a
       layer group computes when the pool has more than one device (upper bound: the whole model).
-    * frozen roles (ref, teacher, reward_model): the weights, unsharded.
+      A LoRA model (``size.trainable_params`` set): the frozen weights + the adapters with their
+      grads and 2 moments (params + 4 × adapters, × bytes).
+    * frozen roles (ref, teacher, reward_model): the weights, unsharded; a LoRA model's ref: 0
+      (the actor's weights with the adapters off serve it: no copy).
     * generate roles (rollout, genrm, teacher_rollout): the weights + the KV cache of ``kv_tokens`` positions held by
       one device (rows per device × (P + R)).
     Activations and logits are not counted (micro-batching bounds them; see trainer.engine).
     """
     kind = ROLES[role].kind
+    lora = size.trainable_params
     if kind == "train":
         gathered = size.weight_bytes if pool_size > 1 else 0
-        return 4 * size.weight_bytes // pool_size + gathered
+        state = (size.n_params + 4 * lora) * size.dtype_bytes if lora else 4 * size.weight_bytes
+        return state // pool_size + gathered
+    if role == "ref" and lora:
+        return 0
     if kind == "generate":
         return size.weight_bytes + size.kv_bytes(kv_tokens)
     return size.weight_bytes

@@ -168,6 +168,40 @@ def module_names(model_cfg: Any) -> set[str]:
     return {n for n, _ in meta_model(config).named_modules() if n}
 
 
+def adapter_params(model_cfg: Any, lora: "LoraConfig", n_layers: int,
+                   shape: Optional[dict[str, int]] = None) -> int:
+    """Parameters ``lora`` trains on ``model_cfg``'s model: ``rank · (in + out)`` per targeted
+    linear module (every linear layer but the LM head for ``all-linear``, peft's rule) and every
+    parameter of ``modules_to_save``, counted on a one-layer ``meta`` instance (no weights read)
+    and multiplied by ``n_layers`` for a module inside the decoder layers. ``shape``: config sizes
+    to build it with (a GGUF's, whose architecture's defaults are another model's).
+    Hu et al. 2021 (LoRA), section 4."""
+    from flowrl.models.size import meta_model, text_config
+
+    config = hf_config(model_cfg)
+    for k, v in (shape or {}).items():
+        setattr(text_config(config), k, v)
+    text_config(config).num_hidden_layers = 1
+    model = meta_model(config)
+    out_layer = model.get_output_embeddings()
+    total = 0
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        per_layer = ".layers.0." in f".{name}." or ".h.0." in f".{name}."
+        times = n_layers if per_layer else 1
+        if leaf in lora.modules_to_save or name in lora.modules_to_save:
+            total += times * sum(p.numel() for p in module.parameters())
+            continue
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or \
+                isinstance(module, nn.Embedding) or module is out_layer:
+            continue  # not a linear layer (peft's all-linear leaves the LM head out too)
+        if lora.target_modules == [ALL_LINEAR] or leaf in lora.target_modules or \
+                name in lora.target_modules:
+            total += times * lora.rank * (weight.shape[0] + weight.shape[1])
+    return total
+
+
 def check_lora(cfg: Any, roles: set[str], single_pool: bool = True) -> None:
     """Reject a ``model.lora`` run that could not train as asked, before any model loads.
 

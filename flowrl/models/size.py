@@ -33,6 +33,9 @@ class ModelSize:
             source does not say).
         max_positions: the longest sequence the model takes (``max_position_embeddings``, a
             GGUF's ``context_length``): vLLM's ``max_model_len`` when none is set; 0 = unknown.
+        trainable_params: the parameters an update trains when that is not all of them: a
+            ``model.lora`` model's adapters and ``modules_to_save``
+            (``flowrl.models.lora.adapter_params``); 0 = every parameter.
     """
 
     n_params: int
@@ -46,6 +49,7 @@ class ModelSize:
     intermediate_size: int = 0
     tied_embeddings: bool = False
     max_positions: int = 0
+    trainable_params: int = 0
 
     @property
     def weight_bytes(self) -> int:
@@ -185,11 +189,26 @@ def model_size(cfg: Any) -> ModelSize:
             stamp = (Path(cfg.path) / "config.json").stat().st_mtime_ns
         except OSError:
             stamp = None  # AutoConfig says what is missing
-    key = (str(cfg.path), cfg.gguf_file, tiny, cfg.dtype, stamp)
+    import dataclasses
+
+    lora = getattr(cfg, "lora", None)
+    key = (str(cfg.path), cfg.gguf_file, tiny, cfg.dtype, stamp,
+           None if lora is None else json.dumps(dataclasses.asdict(lora), sort_keys=True))
     if key not in _SIZES:
         if len(_SIZES) >= 16:  # a sweep over many models: the oldest goes
             _SIZES.pop(next(iter(_SIZES)))
-        _SIZES[key] = _read_model_size(cfg)
+        size = _read_model_size(cfg)
+        if lora is not None:  # an update trains the adapters alone (their grads and moments)
+            from flowrl.models.lora import adapter_params
+
+            shape = {"vocab_size": size.vocab_size} if size.vocab_size else {}
+            if cfg.gguf_file is not None:  # its architecture's defaults are another model's
+                shape.update(hidden_size=size.hidden_size, num_attention_heads=size.n_heads,
+                             num_key_value_heads=size.n_kv_heads,
+                             intermediate_size=size.intermediate_size)
+            size = dataclasses.replace(size, trainable_params=adapter_params(
+                cfg, lora, size.n_layers, shape))
+        _SIZES[key] = size
     return _SIZES[key]
 
 

@@ -149,6 +149,20 @@ def test_memory_sizes(round_cal):
                                                  + 16384 * 200 / 300 * 1e5)
 
 
+def test_memory_of_a_lora_model_counts_the_adapters_state(round_cal):
+    """LoRA: the frozen fp32 weights and the adapters' master, grad and 2 moments, (4·N + 16·A)
+    / p (the plan counted 16·N: a 70B LoRA job "fit nothing"; fresh-user report)."""
+    import dataclasses
+
+    cl = ClusterConfig(**TOY)
+    c = ClusterCosts(cl, dataclasses.replace(MODEL, trainable_params=10**7), Workload(64, 100, 200),
+                     4, dict(GRPO_STAGES))
+    assert c.train_state_bytes(8) == (4e9 + 16e7) / 8
+    assert c.resident_train_bytes(8) == (4e9 + 12e7) / 8
+    assert c.train_state_label() == "fp32 params + LoRA adapters' grads+AdamW /p"
+    assert toy_costs().train_state_label() == "fp32 params+grads+AdamW /p"
+
+
 def _grpo_plan():
     from flowrl.compiler.plan import compile_plan
     from flowrl.graph.validate import load_graph

@@ -58,6 +58,39 @@ def test_plan_shows_the_reference_served_by_the_actor():
     assert "ref" in plain.roles and "served by" not in format_plan(plain)
 
 
+@pytest.mark.parametrize("lora", [{"rank": 8}, {"rank": 4, "target_modules": ["q_proj", "v_proj"]},
+                                  {"rank": 8, "modules_to_save": ["lm_head"]}])
+def test_the_plan_counts_the_parameters_peft_trains(lora):
+    """What `flowrl plan` sizes a LoRA actor's grads and moments by is what peft makes trainable
+    on the model the run builds (the plan counted every parameter: a 70B LoRA job "fit
+    nothing"; fresh-user report)."""
+    from flowrl.models import load_model
+    from flowrl.models.lora import as_lora_config, inject_lora
+    from flowrl.models.size import model_size
+
+    cfg = _prepare(f"+model.lora={lora}".replace("'", "")).config.model
+    size = model_size(cfg)
+    model = inject_lora(load_model(cfg), as_lora_config(lora))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert size.trainable_params == trained > 0
+    assert size.n_params == model_size(_prepare().config.model).n_params  # the base, unchanged
+
+
+def test_plan_memory_of_a_lora_actor_and_its_reference():
+    """The actor holds the frozen weights and the adapters' state; the reference costs nothing
+    (the actor with its adapters off), which the plan said in words and priced as a copy."""
+    from flowrl.compiler.footprint import role_memory
+    from flowrl.models.size import model_size
+
+    cfg = _prepare("+model.lora.rank=8", "algorithm.kl_coef=0.1").config.model
+    size = model_size(cfg)
+    a, n, b = size.trainable_params, size.n_params, size.dtype_bytes
+    assert role_memory("actor", size, 1) == (n + 4 * a) * b < 4 * n * b
+    assert role_memory("ref", size, 1) == 0
+    full = model_size(_prepare("algorithm.kl_coef=0.1").config.model)
+    assert role_memory("actor", full, 1) == 4 * n * b and role_memory("ref", full, 1) == n * b
+
+
 def test_gpt2_module_names_are_checked_against_its_own_modules():
     _prepare("model.tiny.model_type=gpt2", "~model.tiny.hidden_size", "~model.tiny.num_hidden_layers",
              "~model.tiny.num_attention_heads", "~model.tiny.num_key_value_heads",
