@@ -49,4 +49,6 @@ def overlong_grpo_graph() -> Graph:
 
 
 if __name__ == "__main__":
-    print(overlong_grpo_graph().to_yaml(), end="")
+    graph = overlong_grpo_graph()
+    graph.validate()  # every rule of `flowrl graph validate`: a typo stops here, one line each
+    print(graph.to_yaml(), end="")
