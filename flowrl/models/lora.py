@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
@@ -530,5 +531,13 @@ def build_lora_actor(engine_cls: type, model: nn.Module, lora: LoraConfig, engin
     place before any sharding, with the same init on every rank); ``sync``: see
     :class:`LoraEngineMixin`."""
     peft_model = inject_lora(model, lora)
+    # said on the console: that LoRA is on, and what an update trains (only plan.txt said it)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    logging.getLogger("flowrl").info(
+        "start-up: LoRA rank %d (alpha %g) on %s%s: %s of %s parameters train (%.2f%%)",
+        lora.rank, lora.alpha, ", ".join(lora.target_modules),
+        f" + {', '.join(lora.modules_to_save)} in full" if lora.modules_to_save else "",
+        f"{trained:,}", f"{total:,}", 100 * trained / max(total, 1))
     return lora_variant(engine_cls)(model, engine_cfg, trainable=True, peft_model=peft_model,
                                     sync=sync, **kw)

@@ -414,3 +414,13 @@ def test_an_asleep_engine_maps_its_weights_before_the_adapter_goes_in(tmp_path, 
     eng.load_weights(iter(adapters))  # awake: no wake, the old adapter goes first
     assert calls == [("remove_lora", 1), ("add_lora", 2)]
     assert eng.lora_request.lora_int_id == 2 and eng._weights_valid
+
+
+def test_the_console_says_lora_is_on_and_what_trains(caplog):
+    """Only plan.txt said LoRA was on (fresh-user report): the build says it with the count."""
+    with caplog.at_level("INFO", logger="flowrl"):
+        eng = _lora_actor(LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]))
+    trained = sum(p.numel() for p in eng.model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in eng.model.parameters())
+    assert f"start-up: LoRA rank 4 (alpha 16) on q_proj, v_proj: {trained:,} of {total:,} " \
+           "parameters train (" in caplog.text
