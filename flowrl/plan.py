@@ -173,8 +173,17 @@ def build_cluster_plan(raw, overrides=()):
     plan = compile_plan(load_graph(cfg.graph.resolve()), tree, placement="colocated")
     cl = cfg.cluster
     world = cl.world
-    w = Workload(cfg.trainer.prompts_per_step * cfg.algorithm.n * world, cfg.data.max_prompt_tokens,
-                 cfg.rollout.sampling.max_new_tokens, cfg.algorithm.ppo_epochs)
+    from flowrl.runtime.io.rundir import override_key
+
+    keys = {override_key(o): o.split("=", 1)[1] for o in overrides if "=" in o}
+    pools = cfg.placement.pools if any(k.startswith("placement.pools") for k in keys) else None
+    # the batch the candidates are compared at: every GPU's prompts (placement=auto rescales a
+    # partitioned choice's to keep it); a split given by hand draws prompts_per_step on each of
+    # its rollout GPUs, as the run would (the plan showed the world's)
+    samplers = len(pools["rollout"]) if pools and pools.get("rollout") else world
+    w = Workload(cfg.trainer.prompts_per_step * cfg.algorithm.n * samplers,
+                 cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_new_tokens,
+                 cfg.algorithm.ppo_epochs)
     eng, vl = cfg.trainer.engine, cfg.rollout.vllm
     costs = ClusterCosts(cl, model_size(cfg.model), w, cfg.algorithm.n,
                          {c.stage.name: (c.stage.role, stage_kind(c.stage.op, c.stage.role))
@@ -185,15 +194,16 @@ def build_cluster_plan(raw, overrides=()):
                          max_num_seqs=vl.max_num_seqs)
     # k >= 1 trains on older weights' batches: the old-logprob stage must run (preflight's rule)
     ks: tuple[int, ...] = (0, 1) if cfg.algorithm.recompute_old_logprobs else (0,)
-    from flowrl.runtime.io.rundir import override_key
-
-    keys = {override_key(o): o.split("=", 1)[1] for o in overrides if "=" in o}
     asked = keys.get("placement.mode", keys.get("placement"))
     if asked not in ("colocated", "partitioned"):
         asked = None  # auto, or not given: the search
     if "placement.staleness" in keys and cfg.placement.staleness is not None:
         ks = (cfg.placement.staleness,)
-    pools = cfg.placement.pools if any(k.startswith("placement.pools") for k in keys) else None
+    elif asked == "partitioned" or pools:  # the run's staleness (placement.staleness, else the
+        # graph's weight_sync), not a search over it: "k=1" was chosen where a run keeps k=0
+        from flowrl.compiler.placement import staleness_of
+
+        ks = (staleness_of(plan, cfg.placement),)
     return plan_cluster(plan, costs, cfg.placement, cfg.placement.auto.min_gain, ks,
                         asked="partitioned" if pools and asked is None else asked,
                         asked_pools=pools or None)

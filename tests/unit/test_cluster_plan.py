@@ -306,6 +306,20 @@ def test_a_cluster_plan_keeps_the_placement_asked_for(capsys):
                  "placement.pools.rollout=[6,7]", "placement.staleness=0")
     assert pools.startswith("Chose partitioned rollout=2 train=6 k=0: placement=partitioned, as "
                             "asked: the split asked for\n"), pools
+    # placement=partitioned alone: the run's staleness (0), not k=1 (a second fresh-user report)
+    asked = plan("placement=partitioned")
+    assert " k=0: placement=partitioned, as asked: the fastest split\n" in asked, asked
+
+
+def test_a_cluster_plan_of_given_pools_draws_the_rollout_gpus_prompts(capsys):
+    """prompts_per_step counts per rollout rank of a partitioned run: 2 rollout GPUs of 8 draw
+    2 x 8 prompts (the plan showed the world's 64)."""
+    assert main(["plan", "cluster=h200x8", "model=tiny", "placement=partitioned",
+                 "placement.pools.train=[0,1,2,3,4,5]", "placement.pools.rollout=[6,7]",
+                 "trainer.prompts_per_step=8"]) == 0
+    batch = next(ln.strip() for ln in capsys.readouterr().out.splitlines()
+                 if ln.strip().startswith("Batch: "))
+    assert batch.startswith("Batch: 128 rows = 16 prompts x n=8, "), batch
 
 
 def test_a_run_refuses_a_cluster_it_would_not_use():
