@@ -260,4 +260,10 @@ def export_main(argv: list[str]) -> int:
     n, size = written_tensors(out)
     print(f"exported {args.checkpoint} ({args.role}) to {out} ({n} tensors, "
           f"{size / 2**30:.3g} GiB) in {time.perf_counter() - t0:.1f} s")
+    if args.adapter_only:  # the base it needs: a path of this machine (a GGUF's: its cache)
+        import json
+
+        base = json.loads((out / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        print(f"adapter base: {base} (this machine's copy of the model it was trained on; "
+              "export without --adapter-only for weights that stand alone)")
     return 0

@@ -142,7 +142,7 @@ def test_a_broken_lora_sync_stops_the_run_at_step_one(tmp_path, varied_reward, o
     assert read_metrics(tmp_path) == {}  # stopped inside step 1, before its metrics
 
 
-def test_resume_continues_exactly_and_export_round_trips(tmp_path, varied_reward):
+def test_resume_continues_exactly_and_export_round_trips(tmp_path, varied_reward, capsys):
     import peft
     import transformers
 
@@ -169,6 +169,12 @@ def test_resume_continues_exactly_and_export_round_trips(tmp_path, varied_reward
         export_checkpoint(ckpt, tmp_path / "nolora", model_overrides=["lora=null"])
     assert not (tmp_path / "nolora").exists()
     assert (adapter / "adapter_config.json").is_file()
+    # the command says which base the adapter needs (a path of this machine: fresh-user report)
+    from flowrl.export import export_main
+
+    assert export_main([str(ckpt), str(tmp_path / "adapter2"), "--adapter-only"]) == 0
+    base_path = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert f"adapter base: {base_path} (this machine's copy" in capsys.readouterr().out
     m1 = transformers.AutoModelForCausalLM.from_pretrained(merged)
     assert not any("lora" in n for n, _ in m1.named_parameters())  # a plain base-arch model
     from flowrl.models.loading import ModelConfig, load_model
