@@ -139,6 +139,13 @@ def run_refill(ex: StageRunner, spec: RefillSpec, step: int) -> dict[str, float]
         if have >= target:
             break
     else:
+        if have == 0:  # no knob of the filter helps a policy whose every sample scores alike
+            raise RunStopped(
+                f"stage '{name}': dynamic sampling kept 0 of the {target} groups it needs after "
+                f"{spec.max_attempts} attempts: not one of the {sampled} groups sampled had two "
+                "different rewards, so the reward is constant for this policy (an untrained or "
+                "random model that never scores does this); start from a model that solves some "
+                "prompts, or use a graph without dynamic sampling")
         raise RunStopped(
             f"stage '{name}': dynamic sampling kept {have} of the {target} groups it needs after "
             f"{spec.max_attempts} attempts ({sampled} groups sampled, the rest had no reward "
