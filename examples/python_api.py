@@ -9,7 +9,7 @@ Run:  python examples/python_api.py > my_graph.yaml
       flowrl graph validate my_graph.yaml
       flowrl train graph.path=my_graph.yaml      (or copy it to ./graphs/<name>.yaml: graph=<name>)
 """
-from flowrl.graph import Graph
+from flowrl.graph import Graph, validate_graph
 
 
 def overlong_grpo_graph() -> Graph:
@@ -50,5 +50,5 @@ def overlong_grpo_graph() -> Graph:
 
 if __name__ == "__main__":
     graph = overlong_grpo_graph()
-    graph.validate()  # every rule of `flowrl graph validate`: a typo stops here, one line each
+    validate_graph(graph)  # flowrl graph validate's rules: a typo stops here, one line each
     print(graph.to_yaml(), end="")

@@ -291,18 +291,6 @@ class Graph:
         self.weight_sync.append(w)
         return w
 
-    def validate(self) -> list[str]:
-        """Every rule ``flowrl graph validate`` checks of a file, on this graph (a graph built in
-        Python took any stage until ``flowrl train`` read it: a duplicate name, an unknown op or
-        role); returns the warnings (:func:`flowrl.graph.validate.validate_graph`).
-
-        Raises:
-            GraphError: every problem, one line each, naming the stage and the field.
-        """
-        from flowrl.graph.validate import validate_graph
-
-        return validate_graph(self)
-
     def __getitem__(self, name: str) -> Stage:
         for s in self.stages:
             if s.name == name:

@@ -38,9 +38,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from flowrl.models.gguf_header import read_gguf_header
-
-ALL_LINEAR = "all-linear"  # peft's name: every linear layer except the LM head
+from flowrl.models.size import ALL_LINEAR, adapter_params, hf_config  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -129,36 +127,6 @@ def as_lora_config(value: Any) -> Optional[LoraConfig]:
 
 
 # ------------------------------------------------------------------ validation (no weights)
-def _gguf_architecture(path: str) -> str:
-    """``general.architecture`` from a GGUF header (``models/gguf_header.py``: no tensor read).
-
-    Raises:
-        ValueError: not a GGUF file, or one without the key."""
-    arch = read_gguf_header(path).fields.get("general.architecture")
-    if not isinstance(arch, str):
-        raise ValueError(f"{path}: GGUF metadata has no general.architecture")
-    return arch
-
-
-def hf_config(model_cfg: Any):
-    """The transformers config of ``model_cfg`` (tiny dict, HF dir, or a GGUF's architecture with
-    default sizes: module *names* do not depend on sizes), without loading weights."""
-    from pathlib import Path
-
-    from transformers import AutoConfig
-
-    from flowrl.models.bundled import SMOLLM2, smollm2_dir
-
-    if model_cfg.tiny is not None:
-        tiny = copy.deepcopy(dict(model_cfg.tiny))  # transformers fills nested sections in place
-        return AutoConfig.for_model(tiny.pop("model_type"), **tiny)
-    folder = smollm2_dir() if model_cfg.path == SMOLLM2 else Path(model_cfg.path)
-    if model_cfg.gguf_file is not None:
-        arch = _gguf_architecture(str(folder / model_cfg.gguf_file))
-        return AutoConfig.for_model(arch, num_hidden_layers=1)
-    return AutoConfig.from_pretrained(str(folder))
-
-
 def module_names(model_cfg: Any) -> set[str]:
     """Dotted names of every module of the model (one layer is enough), from a ``meta``-device
     instance: no weights are read or allocated."""
@@ -167,40 +135,6 @@ def module_names(model_cfg: Any) -> set[str]:
     config = hf_config(model_cfg)
     text_config(config).num_hidden_layers = 1
     return {n for n, _ in meta_model(config).named_modules() if n}
-
-
-def adapter_params(model_cfg: Any, lora: "LoraConfig", n_layers: int,
-                   shape: Optional[dict[str, int]] = None) -> int:
-    """Parameters ``lora`` trains on ``model_cfg``'s model: ``rank · (in + out)`` per targeted
-    linear module (every linear layer but the LM head for ``all-linear``, peft's rule) and every
-    parameter of ``modules_to_save``, counted on a one-layer ``meta`` instance (no weights read)
-    and multiplied by ``n_layers`` for a module inside the decoder layers. ``shape``: config sizes
-    to build it with (a GGUF's, whose architecture's defaults are another model's).
-    Hu et al. 2021 (LoRA), section 4."""
-    from flowrl.models.size import meta_model, text_config
-
-    config = hf_config(model_cfg)
-    for k, v in (shape or {}).items():
-        setattr(text_config(config), k, v)
-    text_config(config).num_hidden_layers = 1
-    model = meta_model(config)
-    out_layer = model.get_output_embeddings()
-    total = 0
-    for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        per_layer = ".layers.0." in f".{name}." or ".h.0." in f".{name}."
-        times = n_layers if per_layer else 1
-        if leaf in lora.modules_to_save or name in lora.modules_to_save:
-            total += times * sum(p.numel() for p in module.parameters())
-            continue
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or \
-                isinstance(module, nn.Embedding) or module is out_layer:
-            continue  # not a linear layer (peft's all-linear leaves the LM head out too)
-        if lora.target_modules == [ALL_LINEAR] or leaf in lora.target_modules or \
-                name in lora.target_modules:
-            total += times * lora.rank * (weight.shape[0] + weight.shape[1])
-    return total
 
 
 def check_lora(cfg: Any, roles: set[str], single_pool: bool = True) -> None:
@@ -468,7 +402,6 @@ def adapter_spec(lora: LoraConfig, hf_config: Any):
     """The :class:`LoraAdapterSpec` of ``lora`` on a model of
     ``hf_config``: the adapters peft injects into a ``meta``-device instance (no weights
     allocated), their resolved target modules, tensor names and ``adapter_config.json``."""
-    import copy
 
     import peft
     from peft.tuners.lora import LoraLayer

@@ -12,7 +12,7 @@ import copy
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Optional, cast
 
 from flowrl.models.bundled import SMOLLM2, bundled_tokenizer_dir, smollm2_dir
 from flowrl.models.gguf_header import GGUFArray, GGUFHeader, read_gguf_header
@@ -35,7 +35,7 @@ class ModelSize:
             GGUF's ``context_length``): vLLM's ``max_model_len`` when none is set; 0 = unknown.
         trainable_params: the parameters an update trains when that is not all of them: a
             ``model.lora`` model's adapters and ``modules_to_save``
-            (``flowrl.models.lora.adapter_params``); 0 = every parameter.
+            (:func:`adapter_params`); 0 = every parameter.
     """
 
     n_params: int
@@ -199,8 +199,6 @@ def model_size(cfg: Any) -> ModelSize:
             _SIZES.pop(next(iter(_SIZES)))
         size = _read_model_size(cfg)
         if lora is not None:  # an update trains the adapters alone (their grads and moments)
-            from flowrl.models.lora import adapter_params
-
             shape = {"vocab_size": size.vocab_size} if size.vocab_size else {}
             if cfg.gguf_file is not None:  # its architecture's defaults are another model's
                 shape.update(hidden_size=size.hidden_size, num_attention_heads=size.n_heads,
@@ -289,3 +287,68 @@ def _read_model_size(cfg: Any) -> ModelSize:
     from transformers import AutoConfig
 
     return _size_from_hf_config(AutoConfig.from_pretrained(str(folder)), nbytes)
+
+
+# ------------------------------------------------------------------ LoRA shapes (no weights)
+ALL_LINEAR = "all-linear"  # peft's name: every linear layer except the LM head
+
+
+def _gguf_architecture(path: str) -> str:
+    """``general.architecture`` from a GGUF header (``models/gguf_header.py``: no tensor read).
+
+    Raises:
+        ValueError: not a GGUF file, or one without the key."""
+    arch = read_gguf_header(path).fields.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ValueError(f"{path}: GGUF metadata has no general.architecture")
+    return arch
+
+
+def hf_config(model_cfg: Any):
+    """The transformers config of ``model_cfg`` (tiny dict, HF dir, or a GGUF's architecture with
+    default sizes: module *names* do not depend on sizes), without loading weights."""
+    from transformers import AutoConfig
+
+    if model_cfg.tiny is not None:
+        tiny = copy.deepcopy(dict(model_cfg.tiny))  # transformers fills nested sections in place
+        return AutoConfig.for_model(tiny.pop("model_type"), **tiny)
+    folder = smollm2_dir() if model_cfg.path == SMOLLM2 else Path(model_cfg.path)
+    if model_cfg.gguf_file is not None:
+        arch = _gguf_architecture(str(folder / model_cfg.gguf_file))
+        return AutoConfig.for_model(arch, num_hidden_layers=1)
+    return AutoConfig.from_pretrained(str(folder))
+
+
+def adapter_params(model_cfg: Any, lora: Any, n_layers: int,
+                   shape: Optional[dict[str, int]] = None) -> int:
+    """Parameters ``lora`` trains on ``model_cfg``'s model: ``rank · (in + out)`` per targeted
+    linear module (every linear layer but the LM head for ``all-linear``, peft's rule) and every
+    parameter of ``modules_to_save``, counted on a one-layer ``meta`` instance (no weights read)
+    and multiplied by ``n_layers`` for a module inside the decoder layers. ``shape``: config sizes
+    to build it with (a GGUF's, whose architecture's defaults are another model's).
+    Hu et al. 2021 (LoRA), section 4."""
+    import torch
+    from torch import nn
+
+    config = hf_config(model_cfg)
+    for k, v in (shape or {}).items():
+        setattr(text_config(config), k, v)
+    text_config(config).num_hidden_layers = 1
+    model = meta_model(config)
+    out_layer = model.get_output_embeddings()
+    total = 0
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        per_layer = ".layers.0." in f".{name}." or ".h.0." in f".{name}."
+        times = n_layers if per_layer else 1
+        if leaf in lora.modules_to_save or name in lora.modules_to_save:
+            total += times * sum(p.numel() for p in module.parameters())
+            continue
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or \
+                isinstance(module, nn.Embedding) or module is out_layer:
+            continue  # not a linear layer (peft's all-linear leaves the LM head out too)
+        if lora.target_modules == [ALL_LINEAR] or leaf in lora.target_modules or \
+                name in lora.target_modules:
+            total += times * lora.rank * (weight.shape[0] + weight.shape[1])
+    return total

@@ -1,8 +1,10 @@
-"""A graph built in Python checks itself with the rules of `flowrl graph validate` (it took a
-duplicate name, an unknown op and an unknown role without a word; fresh-user report)."""
+"""A graph built in Python is checked with the rules of `flowrl graph validate` by
+`validate_graph` (the example and the README call it: the builder takes a duplicate name, an
+unknown op and an unknown role without a word until `flowrl train` reads the file; fresh-user
+report)."""
 import pytest
 
-from flowrl.graph import Graph, GraphError
+from flowrl.graph import Graph, GraphError, validate_graph
 
 
 def test_a_built_graph_validates_like_a_file():
@@ -10,7 +12,7 @@ def test_a_built_graph_validates_like_a_file():
     g.stage("s", "data.sample")
     g.stage("s", "rollout.generat", role="rollot")
     with pytest.raises(GraphError) as e:
-        g.validate()
+        validate_graph(g)
     assert str(e.value).splitlines() == [
         "stage 's', field 'name': duplicate stage name; rename one of them",
         "stage 's', field 'op': unknown op 'rollout.generat' (did you mean 'rollout.generate'?)",
@@ -27,4 +29,4 @@ def test_the_python_api_example_validates():
     spec = importlib.util.spec_from_file_location("python_api", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.overlong_grpo_graph().validate() == []
+    assert validate_graph(module.overlong_grpo_graph()) == []
