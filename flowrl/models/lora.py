@@ -38,7 +38,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from flowrl.models.size import ALL_LINEAR, adapter_params, hf_config  # noqa: F401 (re-exported)
+from flowrl.models.size import ALL_LINEAR, hf_config
 
 
 @dataclass

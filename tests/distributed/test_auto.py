@@ -55,7 +55,7 @@ def test_switch_to_partitioned_keeps_global_batch_and_weights_in_sync(tmp_path):
     assert "placement=auto: steps 3-4 partitioned {'train': [0], 'rollout': [1]}\n" in proc.stdout
     assert proc.stdout.count("checkpoint: ") == 1
     assert f"checkpoint: {tmp_path}/checkpoints/step_000004" in proc.stdout
-    assert proc.stdout.count("done: ") == 1 and "(step 3 done at " in proc.stdout  # the run's end
+    assert proc.stdout.count("done: ") == 1 and "(step 3 finished at " in proc.stdout  # the run's end
 
 
 @pytest.mark.slow  # default tier time (CI runs the slow tier too: .ci/run)

@@ -203,8 +203,8 @@ def test_cli_one_row_per_step_clean_console_and_a_refused_second_run(tmp_path):
     assert f"checkpoint step 1: {d / 'checkpoints' / 'step_000001'}" in out_lines
     assert out_lines[-2] == f"checkpoint: {d / 'checkpoints' / 'step_000002'}"
     # and the run's wall time: where start-up, the steps and the end went (fresh-user report)
-    done = re.fullmatch(r"done: ([\d.]+) s since the command started \(step 1 done at ([\d.]+) "
-                        r"s, step 2 at ([\d.]+) s\)", out_lines[-1])
+    done = re.fullmatch(r"done: ([\d.]+) s since the command started \(step 1 finished at "
+                        r"([\d.]+) s, step 2 at ([\d.]+) s\)", out_lines[-1])
     assert done is not None, out_lines[-1]
     assert 0 < float(done[2]) <= float(done[3]) <= float(done[1])
     record = (d / ".hydra/overrides.yaml").read_text()

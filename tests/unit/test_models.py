@@ -262,8 +262,7 @@ def test_sizing_and_building_a_tiny_vl_leave_model_tiny_as_written():
     import copy
 
     from flowrl.models.loading import build_tiny
-    from flowrl.models.lora import hf_config
-    from flowrl.models.size import model_size
+    from flowrl.models.size import hf_config, model_size
     from flowrl.models.vision import tiny_vl_config
 
     written = tiny_vl_config()

@@ -468,8 +468,10 @@ class _Job:
             if first_done is not None and last_done is not None and self.closing:
                 # the run's wall time, said at its end: where start-up, steps and the rest went
                 total, what = since_start()
-                logger.print(f"done: {total:.1f} s since the {what} started (step {start} done "
-                             f"at {first_done:.1f} s, step {T} at {last_done:.1f} s)")
+                steps = (f"step {T} finished at {last_done:.1f} s" if start == T else
+                         f"step {start} finished at {first_done:.1f} s, step {T} at "
+                         f"{last_done:.1f} s")
+                logger.print(f"done: {total:.1f} s since the {what} started ({steps})")
         summary["history"] = self.history
         summary.update(place.final_fields(summary))
         summary["checkpoint"] = str(self.ckpts.latest())

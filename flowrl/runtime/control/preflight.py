@@ -178,7 +178,7 @@ def check_tiny_model(cfg, plan) -> None:
     from huggingface_hub.errors import StrictDataclassError
 
     from flowrl.engines.rollout.vllm_config import check_model_for_vllm
-    from flowrl.models.lora import hf_config
+    from flowrl.models.size import hf_config
 
     try:
         config = hf_config(cfg.model)
