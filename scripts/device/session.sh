@@ -32,7 +32,7 @@
 # CRC-32; launcher.mps=auto deciding without nvidia-smi for the default job; the e2e report's
 # flowrl start-up lines (where a 4-engine build's 75-154 s go) and this phase's console archive.
 # 2026-12-07 19:05-22:05: no machine (eight refused starts, 1,096 s, then loans paused); nothing
-# above was run. 2026-12-07 22:32-01:32: no machine either (eight refused starts, 901 s; the tool's
+# above was run. 2026-12-07 22:32-01:32: no machine either (nine refused starts, 1,081 s; the tool's
 # none_now said neighbouring sessions got none too). Short of device time (< ~900 s), the tier needs no model pieces (its tests use
 # tiny models and the bundled tokenizer): p1 p2 p3 p4 p6, then carry [".vllm/p5", ".flowrl_commit"]:
 #   BYTE_COMPILE=0 TIER_TIMEOUT_S=300 HFGEN_ARGS="--variants trl,flowrl_liger,flowrl_liger_compile" \
