@@ -9,6 +9,8 @@ compiler's cost model (``ModelConfig.size()``; the compiler imports no model cod
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -180,8 +182,6 @@ def model_size(cfg: Any) -> ModelSize:
         FileNotFoundError: the SmolLM2 package or GGUF file is missing.
         ValueError: a GGUF file that does not tell its vocabulary size (:func:`gguf_vocab_size`).
     """
-    import json
-
     tiny = None if cfg.tiny is None else json.dumps(cfg.tiny, sort_keys=True, default=str)
     stamp = None
     if cfg.tiny is None and cfg.gguf_file is None and cfg.path != SMOLLM2:
@@ -189,8 +189,6 @@ def model_size(cfg: Any) -> ModelSize:
             stamp = (Path(cfg.path) / "config.json").stat().st_mtime_ns
         except OSError:
             stamp = None  # AutoConfig says what is missing
-    import dataclasses
-
     lora = getattr(cfg, "lora", None)
     key = (str(cfg.path), cfg.gguf_file, tiny, cfg.dtype, stamp,
            None if lora is None else json.dumps(dataclasses.asdict(lora), sort_keys=True))
@@ -210,7 +208,7 @@ def model_size(cfg: Any) -> ModelSize:
     return _SIZES[key]
 
 
-_SIZES: dict[tuple, ModelSize] = {}  # model_size's, by (path, gguf_file, tiny, dtype, stamp)
+_SIZES: dict[tuple, ModelSize] = {}  # model_size's, by (path, gguf_file, tiny, dtype, stamp, lora)
 
 
 def max_positions(cfg: Any) -> int:
@@ -221,8 +219,6 @@ def max_positions(cfg: Any) -> int:
     Raises:
         FileNotFoundError: the SmolLM2 package or GGUF file is missing.
     """
-    import json
-
     if cfg.tiny is not None:
         tiny = dict(cfg.tiny)
         text = tiny.get("text_config")
